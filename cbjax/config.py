@@ -1,0 +1,242 @@
+"""Typed run configuration: one dataclass per Hydra group, each checking its own rules.
+
+The library never imports Hydra; `cbjax.cli` registers these schemas in Hydra's ConfigStore
+so a misspelled key or a wrong type fails at startup with the key's name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+POLICIES = ("static", "fcfs")
+ALLOCATIONS = ("paged", "reserve_max")
+PREEMPTION_MODES = ("recompute",)
+EXECUTORS = ("sim",)
+COST_MODELS = ("unit", "roofline")
+ARRIVALS = ("all_at_once", "poisson", "gamma")
+LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
+WORKLOADS = ("synthetic", "trace")
+DTYPES = ("float32", "bfloat16")
+MLP_KINDS = ("gated", "plain")
+
+
+def _require(cond: bool, key: str, msg: str, value: Any) -> None:
+    if not cond:
+        raise ValueError(f"{key} {msg}, got {value!r}")
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}: unknown value {value!r}; choose one of {', '.join(allowed)}")
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "fcfs"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    preemption: str = "recompute"
+
+    def __post_init__(self) -> None:
+        _one_of("scheduler.name", self.name, POLICIES)
+        _one_of("scheduler.preemption", self.preemption, PREEMPTION_MODES)
+        _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", self.max_num_seqs)
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "scheduler.max_num_batched_tokens",
+            "must be >= 1",
+            self.max_num_batched_tokens,
+        )
+
+
+@dataclass
+class CacheConfig:
+    page_size: int = 16
+    num_pages: int = 4096
+    allocation: str = "paged"
+
+    def __post_init__(self) -> None:
+        _one_of("cache.allocation", self.allocation, ALLOCATIONS)
+        _require(self.page_size >= 1, "cache.page_size", "must be >= 1", self.page_size)
+        _require(self.num_pages >= 2, "cache.num_pages", "must be >= 2 (page 0 is the null page)", self.num_pages)
+
+
+@dataclass
+class ExecutorConfig:
+    name: str = "sim"
+    cost_model: str = "roofline"
+
+    def __post_init__(self) -> None:
+        _one_of("executor.name", self.name, EXECUTORS)
+        _one_of("executor.cost_model", self.cost_model, COST_MODELS)
+
+
+@dataclass
+class LengthConfig:
+    """A length distribution. Draws are rounded, then clipped to [min, max]."""
+
+    dist: str = "fixed"
+    value: int = 128  # fixed
+    low: int = 1  # uniform, inclusive
+    high: int = 256  # uniform, inclusive
+    mean: float = 128.0  # exponential and lognormal
+    sigma: float = 1.0  # lognormal: std of the underlying normal
+    min: int = 1
+    max: int = 4096
+
+    def check(self, key: str) -> None:
+        _one_of(f"{key}.dist", self.dist, LENGTH_DISTS)
+        _require(self.min >= 1, f"{key}.min", "must be >= 1", self.min)
+        _require(self.max >= self.min, f"{key}.max", f"must be >= {key}.min ({self.min})", self.max)
+        if self.dist == "fixed":
+            _require(self.value >= 1, f"{key}.value", "must be >= 1", self.value)
+        if self.dist == "uniform":
+            _require(1 <= self.low <= self.high, f"{key}.low", f"must be in [1, {key}.high]", self.low)
+        if self.dist in ("exponential", "lognormal"):
+            _require(self.mean > 0, f"{key}.mean", "must be > 0", self.mean)
+        if self.dist == "lognormal":
+            _require(self.sigma >= 0, f"{key}.sigma", "must be >= 0", self.sigma)
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = "synthetic"
+    num_requests: int = 256
+    arrival: str = "all_at_once"
+    rate: float = 4.0  # requests per second, poisson and gamma
+    cv: float = 1.0  # gamma: coefficient of variation of inter-arrival times
+    prompt_len: LengthConfig = field(default_factory=lambda: LengthConfig(dist="uniform", low=16, high=512))
+    output_len: LengthConfig = field(
+        default_factory=lambda: LengthConfig(dist="exponential", mean=128.0, max=1024)
+    )
+    # The client's sampling cap. None: each request's own output length.
+    max_tokens: Optional[int] = None
+    vocab_size: int = 32000  # range of synthetic prompt token ids
+    # trace replay
+    path: Optional[str] = None
+    format: str = "auto"  # auto | azure | csv | jsonl
+    limit: Optional[int] = None  # replay only the first N requests
+    time_scale: float = 1.0  # arrival times are divided by this (2.0 replays twice as fast)
+
+    def __post_init__(self) -> None:
+        _one_of("workload.name", self.name, WORKLOADS)
+        _one_of("workload.arrival", self.arrival, ARRIVALS)
+        _one_of("workload.format", self.format, ("auto", "azure", "csv", "jsonl"))
+        _require(self.num_requests >= 1, "workload.num_requests", "must be >= 1", self.num_requests)
+        _require(self.rate > 0 and math.isfinite(self.rate), "workload.rate", "must be > 0", self.rate)
+        _require(self.cv > 0 and math.isfinite(self.cv), "workload.cv", "must be > 0", self.cv)
+        _require(self.time_scale > 0, "workload.time_scale", "must be > 0", self.time_scale)
+        _require(self.vocab_size >= 2, "workload.vocab_size", "must be >= 2", self.vocab_size)
+        if self.max_tokens is not None:
+            _require(self.max_tokens >= 1, "workload.max_tokens", "must be >= 1", self.max_tokens)
+        if self.limit is not None:
+            _require(self.limit >= 1, "workload.limit", "must be >= 1", self.limit)
+        if self.name == "trace":
+            _require(bool(self.path), "workload.path", "is required for workload=trace", self.path)
+        self.prompt_len.check("workload.prompt_len")
+        self.output_len.check("workload.output_len")
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family decoder. Used by the JAX engine and by the roofline cost model."""
+
+    name: str = "tiny"
+    vocab_size: int = 512
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    ffn_dim: int = 128
+    rope_theta: float = 10000.0
+    max_model_len: int = 1024
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    mlp: str = "gated"  # gated: SwiGLU (Llama); plain: two matrices (OPT)
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    norm_eps: float = 1e-5
+    eos_token_id: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _one_of("model.dtype", self.dtype, DTYPES)
+        _one_of("model.mlp", self.mlp, MLP_KINDS)
+        for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
+            value = getattr(self, key)
+            _require(value >= 1, f"model.{key}", "must be >= 1", value)
+        _require(self.max_model_len >= 2, "model.max_model_len", "must be >= 2", self.max_model_len)
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_heads",
+            f"must be a multiple of model.num_kv_heads ({self.num_kv_heads})",
+            self.num_heads,
+        )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, embeddings and LM head included."""
+        d, hd = self.d_model, self.head_dim
+        attn = d * self.num_heads * hd * 2 + d * self.num_kv_heads * hd * 2
+        mlp = d * self.ffn_dim * (3 if self.mlp == "gated" else 2)
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * d) + embed + d
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass
+class HardwareConfig:
+    """An accelerator for the roofline cost model. Figures come from public datasheets."""
+
+    name: str = "a100_80gb"
+    peak_flops: float = 312e12  # dense bf16 tensor-core FLOP/s
+    mem_bw: float = 2.039e12  # HBM bytes/s
+    mem_bytes: float = 80e9
+    flops_efficiency: float = 0.6  # achievable fraction of peak_flops
+    bw_efficiency: float = 0.8  # achievable fraction of mem_bw
+    overhead_s: float = 0.002  # fixed per-iteration cost: launch, scheduling, sampling
+
+    def __post_init__(self) -> None:
+        for key in ("peak_flops", "mem_bw", "mem_bytes"):
+            value = getattr(self, key)
+            _require(value > 0, f"hardware.{key}", "must be > 0", value)
+        for key in ("flops_efficiency", "bw_efficiency"):
+            value = getattr(self, key)
+            _require(0 < value <= 1, f"hardware.{key}", "must be in (0, 1]", value)
+        _require(self.overhead_s >= 0, "hardware.overhead_s", "must be >= 0", self.overhead_s)
+
+
+@dataclass
+class ExperimentConfig:
+    """Arms are named sets of dotted overrides run one after another and compared."""
+
+    name: str = "single"
+    arms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Each table: {title: str, arms: [name, ...], metrics: [key, ...]}; ratios are vs the first arm.
+    tables: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    seed: int = 0
+    progress: bool = True
+    # "requests completed in N iterations", the seeds' throughput measure
+    window_iterations: int = 1000
+
+    def __post_init__(self) -> None:
+        _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)

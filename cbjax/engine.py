@@ -1,0 +1,129 @@
+"""The serving loop: arrivals in, `schedule` → `execute` → `postprocess` each iteration, until done."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from cbjax.executor import Executor
+from cbjax.request import Request
+from cbjax.scheduler.core import Scheduler
+
+
+@dataclass
+class IterationStats:
+    """Running sums over iterations; per-iteration lists would cost memory on long traces."""
+
+    iterations: int = 0
+    busy_s: float = 0.0
+    occupied_slot_iterations: int = 0
+    batched_tokens: int = 0
+    pages_used_sum: int = 0
+    pages_used_peak: int = 0
+    kv_util_sum: float = 0.0
+    batch_peak: int = 0
+    # iteration index at which each finished request ended (1-based), for "done in N iterations"
+    finish_iteration: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    requests: list[Request]
+    stats: IterationStats
+    num_slots: int
+    makespan_s: float
+    preemptions: int
+    wall_s: float
+    warmup_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def serve(
+    requests: list[Request],
+    scheduler: Scheduler,
+    executor: Executor,
+    *,
+    progress: bool = False,
+    max_iterations: Optional[int] = None,
+) -> RunResult:
+    """Serve `requests` (any order) to completion; every request ends with a finish reason."""
+    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+    stats = IterationStats()
+    bar = _progress_bar(len(requests)) if progress else None
+    alloc = scheduler.allocator
+    finish_iteration = stats.finish_iteration
+    virtual = executor.virtual_clock
+    wall0 = time.perf_counter()
+    t0 = wall0
+    now = 0.0
+    last_end = 0.0
+    num_done_reported = 0
+    while True:
+        if not virtual:
+            now = time.perf_counter() - t0
+        while pending and pending[0].arrival_s <= now:
+            scheduler.add(pending.popleft(), now)
+        if not scheduler.has_work():
+            if not pending:
+                break
+            # Idle: jump (or wait) to the next arrival.
+            if virtual:
+                now = pending[0].arrival_s
+            else:
+                time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - t0)))
+            continue
+        if max_iterations is not None and stats.iterations >= max_iterations:
+            break
+        plan = scheduler.schedule(now)
+        n = plan.num_scheduled
+        if n == 0:
+            raise RuntimeError(
+                f"scheduler made no progress at t={now:.3f}s with {len(scheduler.policy)} waiting and "
+                f"{len(scheduler.running)} running; this is a bug"
+            )
+        out = executor.execute(plan)
+        if virtual:
+            now += out.duration_s
+        else:
+            now = time.perf_counter() - t0
+        last_end = now
+        stats.iterations += 1
+        stats.busy_s += out.duration_s
+        stats.occupied_slot_iterations += n
+        stats.batched_tokens += plan.num_batched_tokens
+        used = alloc.num_used_pages
+        stats.pages_used_sum += used
+        if used > stats.pages_used_peak:
+            stats.pages_used_peak = used
+        stats.kv_util_sum += alloc.token_utilization()
+        if n > stats.batch_peak:
+            stats.batch_peak = n
+        done = scheduler.postprocess(plan, out.token_ids, now)
+        for req in done:
+            finish_iteration[req.request_id] = stats.iterations
+        if bar is not None and len(scheduler.finished) != num_done_reported:
+            bar.update(len(scheduler.finished) - num_done_reported)
+            num_done_reported = len(scheduler.finished)
+    if pending or scheduler.has_work():
+        for req in pending:
+            scheduler.add(req, now)
+        scheduler.abort_all(now)
+    if bar is not None:
+        bar.update(len(scheduler.finished) - num_done_reported)
+        bar.close()
+    return RunResult(
+        requests=list(requests),
+        stats=stats,
+        num_slots=scheduler.max_num_seqs,
+        makespan_s=last_end,
+        preemptions=scheduler.num_preemptions,
+        wall_s=time.perf_counter() - wall0,
+    )
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="serving", mininterval=0.5, leave=False)

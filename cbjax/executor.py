@@ -1,0 +1,32 @@
+"""The executor interface shared by the simulator and the JAX engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+from cbjax.request import Request
+from cbjax.scheduler.core import Schedule
+
+
+@dataclass
+class StepOutput:
+    """One iteration's result: a token per scheduled request (`Schedule.requests` order), or
+    None when tokens are simulated, and the iteration's duration on the executor's clock."""
+
+    token_ids: Optional[Sequence[int]]
+    duration_s: float
+
+
+class Executor(Protocol):
+    # True: time advances by `duration_s` (simulation). False: the loop reads the wall clock.
+    virtual_clock: bool
+
+    def validate(self, req: Request) -> Optional[str]:
+        """Executor-specific reason to reject a request (e.g. a token id out of vocabulary)."""
+
+    def warmup(self) -> None:
+        """Compile every shape before the clock starts."""
+
+    def execute(self, plan: Schedule) -> StepOutput:
+        """Run one iteration of the plan."""

@@ -1,0 +1,100 @@
+"""Per-request latencies and per-run summary metrics, computed from a finished run."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from cbjax.engine import RunResult
+from cbjax.request import FinishReason, Request
+
+PERCENTILES = (50, 90, 99)
+SERVED = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)
+
+
+def request_latencies(req: Request) -> dict[str, Any]:
+    """TTFT, TPOT, end-to-end latency and queueing delay in seconds (None where undefined)."""
+    served = req.finish_reason in SERVED
+    ttft = req.first_token_s - req.arrival_s if served and req.first_token_s is not None else None
+    e2e = req.finish_s - req.arrival_s if served else None
+    tpot = None
+    if served and req.num_generated > 1:
+        tpot = (req.finish_s - req.first_token_s) / (req.num_generated - 1)
+    queue = req.scheduled_s - req.arrival_s if req.scheduled_s is not None else None
+    return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e, "queue_s": queue}
+
+
+def request_row(req: Request) -> dict[str, Any]:
+    """One line of requests.jsonl."""
+    row = {
+        "request_id": req.request_id,
+        "arrival_s": req.arrival_s,
+        "prompt_len": req.prompt_len,
+        "output_len": req.num_generated,
+        "first_token_s": req.first_token_s,
+        "finish_s": req.finish_s,
+        "finish_reason": req.finish_reason.value if req.finish_reason else None,
+        "reject_reason": req.reject_reason,
+        "preemptions": req.num_preemptions,
+        "target_output_len": req.target_output_len,
+        "max_tokens": req.sampling.max_tokens,
+        "priority": req.priority,
+        "client_id": req.client_id,
+        "scheduled_s": req.scheduled_s,
+    }
+    row.update(request_latencies(req))
+    for key, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            row[key] = None  # JSON has no NaN
+    return row
+
+
+def _percentiles(prefix: str, values: list[float], out: dict[str, Any]) -> None:
+    arr = np.asarray(values, dtype=np.float64)
+    for p in PERCENTILES:
+        out[f"{prefix}_p{p}"] = float(np.percentile(arr, p)) if arr.size else None
+    out[f"{prefix}_mean"] = float(arr.mean()) if arr.size else None
+
+
+def summarize(result: RunResult, window_iterations: int = 1000) -> dict[str, Any]:
+    """Flat run-level metrics for summary.json."""
+    reqs = result.requests
+    stats = result.stats
+    served = [r for r in reqs if r.finish_reason in SERVED]
+    out_tokens = sum(r.num_generated for r in served)
+    makespan = result.makespan_s
+    iters = stats.iterations
+    summary: dict[str, Any] = {
+        "num_requests": len(reqs),
+        "num_finished": len(served),
+        "num_rejected": sum(r.finish_reason is FinishReason.REJECTED for r in reqs),
+        "num_aborted": sum(r.finish_reason is FinishReason.ABORTED for r in reqs),
+        "iterations": iters,
+        "makespan_s": makespan,
+        "output_tokens": out_tokens,
+        "throughput_tok_s": out_tokens / makespan if makespan > 0 else 0.0,
+        "throughput_req_s": len(served) / makespan if makespan > 0 else 0.0,
+    }
+    lat = [request_latencies(r) for r in served]
+    for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
+        _percentiles(key, [x[key] for x in lat if x[key] is not None], summary)
+    summary.update(
+        {
+            "num_slots": result.num_slots,
+            "slot_utilization": stats.occupied_slot_iterations / (iters * result.num_slots) if iters else 0.0,
+            "mean_batch_size": stats.occupied_slot_iterations / iters if iters else 0.0,
+            "peak_batch_size": stats.batch_peak,
+            "mean_batched_tokens": stats.batched_tokens / iters if iters else 0.0,
+            "kv_pages_used_mean": stats.pages_used_sum / iters if iters else 0.0,
+            "kv_pages_used_peak": stats.pages_used_peak,
+            "kv_token_utilization": stats.kv_util_sum / iters if iters else 0.0,
+            "preemptions": result.preemptions,
+            "window_iterations": window_iterations,
+            "finished_in_window": sum(1 for it in stats.finish_iteration.values() if it <= window_iterations),
+            "wall_s": result.wall_s,
+        }
+    )
+    summary.update(result.extra)
+    return summary

@@ -1,0 +1,87 @@
+"""Run outputs: summary.json, requests.jsonl, config.yaml, and readable tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+
+from cbjax.metrics import request_row
+from cbjax.request import Request
+
+SUMMARY_ROWS = (
+    ("requests (finished / rejected)", lambda s: f"{s['num_requests']} ({s['num_finished']} / {s['num_rejected']})"),
+    ("iterations", lambda s: f"{s['iterations']}"),
+    ("makespan", lambda s: f"{s['makespan_s']:.3f} s"),
+    ("throughput", lambda s: f"{s['throughput_tok_s']:.1f} tok/s, {s['throughput_req_s']:.3f} req/s"),
+    ("TTFT p50 / p90 / p99", lambda s: _triple(s, "ttft_s")),
+    ("TPOT p50 / p90 / p99", lambda s: _triple(s, "tpot_s")),
+    ("e2e p50 / p90 / p99", lambda s: _triple(s, "e2e_s")),
+    ("slot utilization", lambda s: f"{s['slot_utilization']:.1%}"),
+    ("batch size mean / peak", lambda s: f"{s['mean_batch_size']:.1f} / {s['peak_batch_size']}"),
+    ("KV pages mean / peak", lambda s: f"{s['kv_pages_used_mean']:.1f} / {s['kv_pages_used_peak']}"),
+    ("KV token utilization", lambda s: f"{s['kv_token_utilization']:.1%}"),
+    ("preemptions", lambda s: f"{s['preemptions']}"),
+    ("wall time", lambda s: f"{s['wall_s']:.2f} s"),
+)
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _triple(s: dict[str, Any], key: str) -> str:
+    return " / ".join(_fmt(s.get(f"{key}_p{p}")) for p in (50, 90, 99)) + " s"
+
+
+def format_summary(summary: dict[str, Any], title: str = "run") -> str:
+    rows = [(name, fn(summary)) for name, fn in SUMMARY_ROWS]
+    return markdown_table(["metric", title], rows)
+
+
+def markdown_table(header: list[str], rows: Iterable[Iterable[Any]]) -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line([str(h) for h in header]), sep, *(line(r) for r in rows)])
+
+
+def comparison_table(title: str, arms: list[str], metrics: list[str], summaries: dict[str, dict[str, Any]]) -> str:
+    """Metrics side by side, with each arm's ratio to the first arm."""
+    base = arms[0]
+    header = ["metric", *arms, *(f"{a} / {base}" for a in arms[1:])]
+    rows = []
+    for m in metrics:
+        vals = [summaries[a].get(m) for a in arms]
+        cells = [m, *(_num(v) for v in vals)]
+        for v in vals[1:]:
+            b = vals[0]
+            cells.append(f"{v / b:.2f}x" if isinstance(v, (int, float)) and isinstance(b, (int, float)) and b else "-")
+        rows.append(cells)
+    return f"### {title}\n\n" + markdown_table(header, rows)
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_run(out_dir: Path, config: Any, summary: dict[str, Any], requests: list[Request], extra_rows=None) -> None:
+    """Write the three files of a run: summary.json, requests.jsonl and the resolved config.yaml."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+    with open(out_dir / "requests.jsonl", "w") as f:
+        for req in requests:
+            row = request_row(req)
+            if extra_rows is not None:
+                row.update(extra_rows(req))
+            f.write(json.dumps(row) + "\n")
+    cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

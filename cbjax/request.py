@@ -1,0 +1,117 @@
+"""Requests, their sampling parameters, lifecycle and fate."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    EOS = "eos"
+    LENGTH = "length"
+    STOP = "stop"
+    REJECTED = "rejected"
+    ABORTED = "aborted"
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def problem(self) -> Optional[str]:
+        """Why these parameters are unusable, or None."""
+        if self.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {self.max_tokens}"
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            return f"temperature must be >= 0, got {self.temperature}"
+        if self.top_k < 0:
+            return f"top_k must be >= 0, got {self.top_k}"
+        if not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        return None
+
+
+@dataclass(eq=False)
+class Request:
+    """One request. The scheduler owns the mutable fields below the divider.
+
+    A request with `target_output_len` set (simulated work, length-only traces) generates
+    exactly min(target_output_len, sampling.max_tokens) tokens: reaching the target stands in
+    for the model's EOS.
+    """
+
+    request_id: str
+    arrival_s: float
+    prompt_len: int
+    prompt_token_ids: Optional[list[int]] = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    target_output_len: Optional[int] = None
+    priority: int = 0
+    client_id: str = "default"
+    # A problem found while reading the request (bad trace line, bad field): reject on arrival.
+    input_error: Optional[str] = None
+    # Length-only requests: (seed, vocab_size) of synthetic prompt ids, drawn on first use so
+    # that a simulated trace never pays for millions of ids it does not read.
+    synthetic_prompt: Optional[tuple[int, int]] = None
+
+    # ---- scheduler-owned state ----
+    status: Status = Status.WAITING
+    num_generated: int = 0
+    num_computed: int = 0  # tokens whose K/V sit in the cache
+    output_token_ids: list[int] = field(default_factory=list)
+    slot: int = -1
+    num_new_tokens: int = 0  # tokens this request processes in the current iteration
+    max_output_len: int = 0  # the stopping length, set at admission checks
+    finish_reason: Optional[FinishReason] = None
+    reject_reason: Optional[str] = None
+    scheduled_s: Optional[float] = None  # start of its first iteration
+    first_token_s: Optional[float] = None
+    finish_s: Optional[float] = None
+    num_preemptions: int = 0
+    admit_seq: int = 0  # admission order, for victim choice
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return self.prompt_len + self.num_generated
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1 or self.num_generated == 0
+
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids, drawing seeded synthetic ids for a length-only request."""
+        if self.prompt_token_ids is None:
+            if self.synthetic_prompt is None:
+                raise ValueError(f"request {self.request_id}: has no prompt token ids")
+            seed, vocab_size = self.synthetic_prompt
+            rng = np.random.default_rng(seed)
+            self.prompt_token_ids = rng.integers(0, vocab_size, size=self.prompt_len).tolist()
+        return self.prompt_token_ids
+
+    def stop_length(self) -> int:
+        """How many tokens this request may generate at most (before the model's max length)."""
+        limit = self.sampling.max_tokens
+        if self.target_output_len is not None:
+            limit = min(limit, self.target_output_len)
+        return limit

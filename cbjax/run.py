@@ -1,0 +1,123 @@
+"""Build a run from a RunConfig, serve it, and write its outputs; experiments compare arms."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+from cbjax.config import RunConfig
+from cbjax.engine import serve
+from cbjax.metrics import summarize
+from cbjax.report import comparison_table, format_summary, write_run
+from cbjax.scheduler.core import Scheduler
+from cbjax.workload import build_workload
+
+
+def build_executor(cfg: RunConfig):
+    if cfg.executor.name == "sim":
+        from cbjax.sim import SimExecutor, make_cost_model
+
+        return SimExecutor(make_cost_model(cfg.executor.cost_model, cfg.model, cfg.hardware))
+    raise ValueError(f"executor.name: unknown executor {cfg.executor.name!r}")
+
+
+def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
+    """Serve the configured workload once; write summary.json, requests.jsonl, config.yaml."""
+    requests = build_workload(cfg.workload, cfg.seed)
+    executor = build_executor(cfg)
+    scheduler = Scheduler(
+        cfg.scheduler,
+        cfg.cache,
+        cfg.model.max_model_len,
+        validate=executor.validate,
+        eos_token_id=cfg.model.eos_token_id,
+    )
+    executor.warmup()
+    result = serve(requests, scheduler, executor, progress=cfg.progress)
+    summary = summarize(result, cfg.window_iterations)
+    summary.update(
+        {
+            "scheduler": cfg.scheduler.name,
+            "executor": cfg.executor.name,
+            "cost_model": cfg.executor.cost_model if cfg.executor.name == "sim" else None,
+            "allocation": cfg.cache.allocation,
+            "model": cfg.model.name,
+            "hardware": cfg.hardware.name,
+            "seed": cfg.seed,
+        }
+    )
+    if out_dir is not None:
+        write_run(out_dir, cfg, summary, result.requests)
+    if verbose:
+        print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
+    return summary
+
+
+def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
+    """Run a single configuration, or every arm of `cfg.experiment` and compare them."""
+    arms = cfg.experiment.arms
+    if not arms:
+        return run_single(cfg, out_dir, verbose=verbose)
+    summaries: dict[str, dict[str, Any]] = {}
+    for name, overrides in arms.items():
+        arm_cfg = with_overrides(cfg, overrides, where=f"experiment.arms.{name}")
+        if verbose:
+            print(f"\n== arm {name} ==")
+        summaries[name] = run_single(arm_cfg, out_dir / name if out_dir else None, verbose=False)
+    tables = []
+    for i, table in enumerate(cfg.experiment.tables):
+        missing = [a for a in table["arms"] if a not in summaries]
+        if missing:
+            raise ValueError(f"experiment.tables[{i}]: unknown arms {missing}; arms are {list(summaries)}")
+        tables.append(comparison_table(table["title"], list(table["arms"]), list(table["metrics"]), summaries))
+    text = "\n\n".join(tables)
+    if verbose:
+        print("\n" + text)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "comparison.md").write_text(text + "\n")
+        (out_dir / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    return summaries
+
+
+def with_overrides(cfg: RunConfig, overrides: dict[str, Any], where: str = "overrides") -> RunConfig:
+    """A copy of `cfg` with a nested partial config merged in, validated anew.
+
+    Keys may be nested dicts (`{scheduler: {name: static}}`) or dotted (`scheduler.name`).
+    """
+    tree = dataclasses.asdict(cfg)
+    tree["experiment"] = dataclasses.asdict(type(cfg.experiment)())
+    _merge(tree, overrides, where)
+    return from_dict(RunConfig, tree)
+
+
+def _merge(node: dict[str, Any], patch: dict[str, Any], where: str, prefix: str = "") -> None:
+    for key, value in patch.items():
+        head, _, rest = str(key).partition(".")
+        if rest:
+            value, key = {rest: value}, head
+        if key not in node:
+            raise ValueError(f"{where}: unknown key {prefix + key!r}")
+        if isinstance(value, dict) and isinstance(node[key], dict):
+            _merge(node[key], value, where, f"{prefix}{key}.")
+        else:
+            node[key] = copy.deepcopy(value)
+
+
+def from_dict(cls, data: dict[str, Any]):
+    """Build a (nested) config dataclass from plain dicts."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        ftype = hints[f.name]
+        if dataclasses.is_dataclass(ftype) and isinstance(value, dict):
+            value = from_dict(ftype, value)
+        kwargs[f.name] = value
+    return cls(**kwargs)

@@ -1,0 +1,6 @@
+"""Host-side scheduling: policies behind one interface, and the iteration-level scheduler."""
+
+from cbjax.scheduler.core import Schedule, Scheduler
+from cbjax.scheduler.policy import POLICIES, Policy, make_policy
+
+__all__ = ["POLICIES", "Policy", "Schedule", "Scheduler", "make_policy"]

@@ -1,0 +1,247 @@
+"""The host-side iteration-level scheduler: waiting queue, running set, fixed slot array (no jax)."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from cbjax.cache.allocator import PageAllocator
+from cbjax.config import CacheConfig, SchedulerConfig
+from cbjax.request import FinishReason, Request, Status
+from cbjax.scheduler.policy import Policy, make_policy
+
+
+@dataclass
+class Schedule:
+    """One iteration's plan over the fixed array of `num_slots` slots.
+
+    Each scheduled request carries its `slot` and `num_new_tokens`. A prefill processes the
+    request's whole token sequence (its prompt, plus tokens generated before a preemption);
+    a decode processes the one token generated last. Both yield one new token.
+    """
+
+    num_slots: int
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    start_s: float = 0.0
+
+    @property
+    def requests(self) -> list[Request]:
+        """Scheduled requests in executor order: decodes, then prefills."""
+        return self.decodes + self.prefills
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.decodes) + len(self.prefills)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(r.num_new_tokens for r in self.prefills)
+
+
+class Scheduler:
+    """Admits, preempts and retires requests; one `schedule` + `postprocess` pair per iteration.
+
+    Iteration semantics: finished requests have freed their slots before `schedule` runs; free
+    slots are filled from the waiting queue by the policy; a newly admitted request prefills in
+    that iteration and its prefill yields its first token; every running request yields one
+    token per iteration, so a request of output length L finishes at the end of its L-th.
+    """
+
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        cache: CacheConfig,
+        max_model_len: int,
+        policy: Optional[Policy] = None,
+        validate: Optional[Callable[[Request], Optional[str]]] = None,
+        eos_token_id: Optional[int] = None,
+    ):
+        self.cfg = cfg
+        self.max_num_seqs = cfg.max_num_seqs
+        self.token_budget = cfg.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy or make_policy(cfg)
+        self.allocator = PageAllocator(cache.num_pages, cache.page_size, cache.allocation)
+        self.validate = validate
+        self.eos_token_id = eos_token_id
+        self.running: list[Request] = []
+        self.slots: list[Optional[Request]] = [None] * cfg.max_num_seqs
+        self._free_slots = list(range(cfg.max_num_seqs))  # a min-heap
+        self.finished: list[Request] = []
+        self.num_preemptions = 0
+        self._admit_counter = 0
+
+    # ---- intake ----
+    def rejection_reason(self, req: Request) -> Optional[str]:
+        """Why the request can never run here, or None."""
+        if req.input_error:
+            return req.input_error
+        if req.prompt_len < 1:
+            return "empty prompt"
+        problem = req.sampling.problem()
+        if problem:
+            return problem
+        if req.target_output_len is not None and req.target_output_len < 1:
+            return f"output_len must be >= 1, got {req.target_output_len}"
+        if req.prompt_len >= self.max_model_len:
+            return (
+                f"prompt has {req.prompt_len} tokens, model max_model_len is {self.max_model_len} "
+                "(no room to generate)"
+            )
+        if req.prompt_len > self.token_budget:
+            return (
+                f"prompt has {req.prompt_len} tokens, more than "
+                f"scheduler.max_num_batched_tokens={self.token_budget}"
+            )
+        peak = req.prompt_len + req.max_output_len - 1
+        need = self.allocator.admission_pages(peak, self.max_len_tokens(req))
+        if need > self.allocator.num_usable_pages:
+            return (
+                f"needs {need} KV pages at its maximum length, the cache has "
+                f"{self.allocator.num_usable_pages} (cache.num_pages - 1)"
+            )
+        if self.validate is not None:
+            return self.validate(req)
+        return None
+
+    def max_len_tokens(self, req: Request) -> int:
+        """Tokens stored at the request's maximum length: what `reserve_max` reserves."""
+        return min(req.prompt_len + req.sampling.max_tokens, self.max_model_len) - 1
+
+    def add(self, req: Request, now: float) -> None:
+        """Accept a newly arrived request, or reject it with a reason."""
+        req.max_output_len = max(0, min(req.stop_length(), self.max_model_len - req.prompt_len))
+        reason = self.rejection_reason(req)
+        if reason is not None:
+            req.status = Status.FINISHED
+            req.finish_reason = FinishReason.REJECTED
+            req.reject_reason = reason
+            req.finish_s = now
+            self.finished.append(req)
+            return
+        req.status = Status.WAITING
+        self.policy.push(req)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.policy) > 0
+
+    # ---- one iteration ----
+    def schedule(self, now: float) -> Schedule:
+        plan = Schedule(num_slots=self.max_num_seqs, start_s=now)
+        alloc = self.allocator
+        # Running requests decode first; each must be able to hold one more token.
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            need = req.num_computed + 1
+            while not alloc.can_append(req.request_id, need):
+                victim = self.policy.choose_victim(self.running)
+                if victim in plan.decodes:
+                    plan.decodes.remove(victim)
+                self._preempt(victim, plan)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                alloc.append(req.request_id, need)
+                req.num_new_tokens = 1
+                plan.decodes.append(req)
+        budget = self.token_budget - len(plan.decodes)
+        if self._free_slots and self.policy.admission_open(self):
+            # Nothing preempted this iteration is readmitted in it.
+            while self._free_slots and len(self.policy):
+                req = self.policy.peek()
+                if req in plan.preempted:
+                    break
+                tokens = req.num_tokens
+                if tokens > budget or not alloc.can_allocate(tokens, self.max_len_tokens(req)):
+                    break
+                self.policy.pop()
+                alloc.allocate(req.request_id, tokens, self.max_len_tokens(req))
+                budget -= tokens
+                self._admit(req, now)
+                req.num_new_tokens = tokens
+                plan.prefills.append(req)
+        return plan
+
+    def _admit(self, req: Request, now: float) -> None:
+        req.status = Status.RUNNING
+        req.slot = heapq.heappop(self._free_slots)
+        self.slots[req.slot] = req
+        self._admit_counter += 1
+        req.admit_seq = self._admit_counter
+        if req.scheduled_s is None:
+            req.scheduled_s = now
+        self.running.append(req)
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.request_id)
+        self.slots[req.slot] = None
+        heapq.heappush(self._free_slots, req.slot)
+        req.slot = -1
+
+    def _preempt(self, req: Request, plan: Schedule) -> None:
+        """Recompute preemption: drop the request's K/V and requeue it with its tokens so far."""
+        self._release(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.preempted.append(req)
+        self.policy.requeue(req)
+
+    def postprocess(self, plan: Schedule, token_ids: Optional[Sequence[int]], now: float) -> list[Request]:
+        """Record one new token per scheduled request; retire the finished. Returns them.
+
+        `token_ids` follows `plan.requests` order; None means simulated tokens.
+        """
+        done: list[Request] = []
+        for i, req in enumerate(plan.requests):
+            req.num_computed += req.num_new_tokens
+            req.num_generated += 1
+            if req.first_token_s is None:
+                req.first_token_s = now
+            reason = None
+            if token_ids is not None:
+                tok = int(token_ids[i])
+                req.output_token_ids.append(tok)
+                if tok in req.sampling.stop_token_ids:
+                    reason = FinishReason.STOP
+                elif tok == self.eos_token_id and not req.sampling.ignore_eos:
+                    reason = FinishReason.EOS
+            if reason is None and req.num_generated >= req.max_output_len:
+                hit_target = req.target_output_len is not None and req.num_generated >= req.target_output_len
+                reason = (
+                    FinishReason.EOS
+                    if hit_target and req.num_generated < req.sampling.max_tokens
+                    and req.num_tokens < self.max_model_len
+                    else FinishReason.LENGTH
+                )
+            if reason is not None:
+                req.status = Status.FINISHED
+                req.finish_reason = reason
+                req.finish_s = now
+                self._release(req)
+                done.append(req)
+        if done:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+            self.finished.extend(done)
+        self.policy.on_step(plan.requests, now)
+        return done
+
+    def abort_all(self, now: float) -> None:
+        """End every unfinished request with reason `aborted` (e.g. a run cut short)."""
+        for req in list(self.running):
+            self._release(req)
+        leftovers = self.running + list(self.policy)
+        self.running = []
+        while len(self.policy):
+            self.policy.pop()
+        for req in leftovers:
+            req.status = Status.FINISHED
+            req.finish_reason = FinishReason.ABORTED
+            req.finish_s = now
+            self.finished.append(req)

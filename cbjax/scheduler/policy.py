@@ -1,0 +1,110 @@
+"""The one policy interface: a policy owns the waiting queue, admission gating and victim choice."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Iterator, Optional
+
+from cbjax.request import Request
+
+if TYPE_CHECKING:
+    from cbjax.config import SchedulerConfig
+    from cbjax.scheduler.core import Scheduler
+
+
+class Policy:
+    """Base policy. Subclasses override the queue order, gating, victim choice or hooks.
+
+    The scheduler calls, per iteration: `admission_open`, then `peek`/`pop` while slots, the
+    token budget and pages allow; `choose_victim` when a running request cannot grow; and
+    `on_step` after tokens are produced. Preempted requests come back through `requeue`.
+    """
+
+    name = "base"
+
+    def __init__(self, cfg: "SchedulerConfig"):
+        self.cfg = cfg
+
+    # ---- waiting queue ----
+    def push(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def requeue(self, request: Request) -> None:
+        """A preempted request returns to the waiting queue."""
+        self.push(request)
+
+    def peek(self) -> Optional[Request]:
+        raise NotImplementedError
+
+    def pop(self) -> Request:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Request]:
+        raise NotImplementedError
+
+    # ---- decisions ----
+    def admission_open(self, scheduler: "Scheduler") -> bool:
+        """Whether new requests may join the running batch this iteration."""
+        return True
+
+    def choose_victim(self, running: list[Request]) -> Request:
+        """The running request to preempt when pages run out: the latest admitted, as in vLLM."""
+        return max(running, key=lambda r: r.admit_seq)
+
+    def on_step(self, scheduled: list[Request], now: float) -> None:
+        """Called after each iteration with the requests that ran in it."""
+
+
+class FCFSPolicy(Policy):
+    """First come, first served: continuous batching at iteration level (Orca, vLLM)."""
+
+    name = "fcfs"
+
+    def __init__(self, cfg: "SchedulerConfig"):
+        super().__init__(cfg)
+        self._queue: deque[Request] = deque()
+
+    def push(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def requeue(self, request: Request) -> None:
+        # A preempted request was admitted before everything still waiting: it goes first.
+        self._queue.appendleft(request)
+
+    def peek(self) -> Optional[Request]:
+        return self._queue[0] if self._queue else None
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class StaticPolicy(FCFSPolicy):
+    """Static batching: a new batch forms only once every request of the previous one finished.
+
+    Finished requests leave their slots idle until the whole batch is done: the bubble.
+    """
+
+    name = "static"
+
+    def admission_open(self, scheduler: "Scheduler") -> bool:
+        return not scheduler.running
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FCFSPolicy, StaticPolicy)}
+
+
+def make_policy(cfg: "SchedulerConfig") -> Policy:
+    try:
+        cls = POLICIES[cfg.name]
+    except KeyError:
+        raise ValueError(f"scheduler.name: unknown policy {cfg.name!r}; choose one of {', '.join(POLICIES)}") from None
+    return cls(cfg)

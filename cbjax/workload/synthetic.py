@@ -1,0 +1,94 @@
+"""Synthetic workloads: seeded arrival processes, length distributions and prompt token ids."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cbjax.config import LengthConfig, WorkloadConfig
+from cbjax.request import Request, SamplingParams
+
+# One independent child stream per quantity, so that changing one distribution leaves the
+# others' draws alone. SeedSequence children are keyed by position: append, never reorder.
+STREAMS = ("arrivals", "prompt_len", "output_len", "token_ids", "sampling_seed")
+_MAX_SEED = 2**31 - 1
+
+
+def rng_streams(seed: int) -> dict[str, np.random.Generator]:
+    """One generator per name in STREAMS, all derived from `seed`."""
+    if seed < 0:
+        raise ValueError(f"workload seed must be >= 0, got {seed}")
+    children = np.random.SeedSequence(seed).spawn(len(STREAMS))
+    return {name: np.random.default_rng(child) for name, child in zip(STREAMS, children)}
+
+
+def arrival_times(arrival: str, num: int, rate: float, cv: float, rng: np.random.Generator) -> np.ndarray:
+    """Arrival times in seconds, f64[num], non-decreasing.
+
+    The stochastic processes are renewal processes started at t=0: the first request arrives
+    one inter-arrival draw after 0, not at 0.
+    """
+    if arrival == "all_at_once":
+        return np.zeros(num)
+    if arrival == "poisson":
+        gaps = rng.exponential(1.0 / rate, size=num)
+    elif arrival == "gamma":
+        shape = 1.0 / (cv * cv)  # a gamma's CV is 1/sqrt(shape)
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), size=num)
+    else:
+        raise ValueError(f"workload.arrival: unknown value {arrival!r}")
+    return np.cumsum(gaps)
+
+
+def sample_lengths(cfg: LengthConfig, num: int, rng: np.random.Generator) -> np.ndarray:
+    """Token lengths, i64[num]: draws rounded to the nearest integer, then clipped to [min, max]."""
+    if cfg.dist == "fixed":
+        draws = np.full(num, float(cfg.value))
+    elif cfg.dist == "uniform":
+        draws = rng.integers(cfg.low, cfg.high, size=num, endpoint=True).astype(np.float64)
+    elif cfg.dist == "exponential":
+        draws = rng.exponential(cfg.mean, size=num)
+    elif cfg.dist == "lognormal":
+        # Choose mu so that the distribution's mean (not its median) is cfg.mean.
+        mu = np.log(cfg.mean) - cfg.sigma**2 / 2
+        draws = rng.lognormal(mu, cfg.sigma, size=num)
+    else:
+        raise ValueError(f"length dist: unknown value {cfg.dist!r}")
+    return np.clip(np.rint(draws), cfg.min, cfg.max).astype(np.int64)
+
+
+def prompt_seeds(num: int, rng: np.random.Generator) -> list[int]:
+    """Per-request seeds of synthetic prompt ids (drawn lazily by `Request.prompt_ids`)."""
+    return rng.integers(0, 2**63 - 1, size=num, dtype=np.int64).tolist()
+
+
+def sampling_seeds(num: int, rng: np.random.Generator) -> list[int]:
+    """Per-request sampling seeds in [0, 2**31 - 1)."""
+    return rng.integers(0, _MAX_SEED, size=num).tolist()
+
+
+def build_synthetic(cfg: WorkloadConfig, seed: int) -> list[Request]:
+    """`cfg.num_requests` requests in arrival order, fully determined by `seed`."""
+    num = cfg.num_requests
+    rngs = rng_streams(seed)
+    arrivals = arrival_times(cfg.arrival, num, cfg.rate, cfg.cv, rngs["arrivals"]).tolist()
+    prompt_lens = sample_lengths(cfg.prompt_len, num, rngs["prompt_len"])
+    output_lens = sample_lengths(cfg.output_len, num, rngs["output_len"]).tolist()
+    prompt_lens = prompt_lens.tolist()
+    pseeds = prompt_seeds(num, rngs["token_ids"])
+    seeds = sampling_seeds(num, rngs["sampling_seed"])
+    return [
+        Request(
+            request_id=str(i),
+            arrival_s=arrivals[i],
+            prompt_len=prompt_lens[i],
+            synthetic_prompt=(pseeds[i], cfg.vocab_size),
+            # Above cfg.max_tokens the target stays as drawn: the request stops on length.
+            sampling=SamplingParams(
+                max_tokens=cfg.max_tokens if cfg.max_tokens is not None else output_lens[i],
+                ignore_eos=True,
+                seed=seeds[i],
+            ),
+            target_output_len=output_lens[i],
+        )
+        for i in range(num)
+    ]

@@ -1,0 +1,343 @@
+"""Trace replay: Azure LLM inference CSV, plain CSV and JSONL files, read into Requests.
+
+A problem with the whole file (missing, unknown format, bad header) raises ValueError. A
+malformed line becomes a Request with `input_error` set, so the run rejects it and it still
+shows in the outputs; its unparsed fields take defaults (prompt_len 0, the previous valid
+arrival time).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from cbjax.config import WorkloadConfig
+from cbjax.request import Request, SamplingParams
+from cbjax.workload.synthetic import rng_streams, sampling_seeds, prompt_seeds
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+CSV_COLUMNS = ("arrival_s", "prompt_len", "output_len")
+JSONL_KEYS = (
+    "arrival_s", "prompt_token_ids", "prompt_len", "max_tokens", "output_len", "request_id",
+    "temperature", "top_k", "top_p", "seed", "ignore_eos", "priority", "client_id", "stop_token_ids",
+)  # fmt: skip
+# 2023-11-16 18:17:03.9799600: up to 9 fractional digits (datetime takes 6), optional UTC offset.
+_TIMESTAMP = re.compile(
+    r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?\s*(Z|[+-]\d{2}:?\d{2})?"
+)
+
+
+class LineError(ValueError):
+    """A malformed trace line: it becomes that request's input_error, not a crash."""
+
+
+@dataclass
+class _Row:
+    """What could be read from one line, before defaults fill the rest."""
+
+    line: int
+    errors: list[str] = field(default_factory=list)
+    arrival_s: Optional[float] = None  # None: missing or unparseable
+    request_id: Optional[str] = None
+    prompt_len: Optional[int] = None
+    prompt_token_ids: Optional[list[int]] = None
+    output_len: Optional[int] = None
+    max_tokens: Optional[int] = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    client_id: str = "default"
+
+
+def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
+    """The requests of `cfg.path` in file order; arrival times are divided by `cfg.time_scale`."""
+    path = Path(cfg.path) if cfg.path else None
+    if path is None or not path.is_file():
+        where = f" (resolved to {path.resolve()})" if path is not None else ""
+        raise ValueError(f"trace file {cfg.path!r}{where} does not exist or is not a file")
+    try:
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"trace file {path}: cannot read it: {e}") from e
+    numbered = [(n, text.strip()) for n, text in enumerate(lines, 1) if text.strip()]
+    if not numbered:
+        raise ValueError(f"trace file {path} is empty")
+    fmt = cfg.format if cfg.format != "auto" else detect_format(path, numbered[0][1])
+    if fmt == "jsonl":
+        rows = [_jsonl_row(n, text) for n, text in numbered[: cfg.limit]]
+    else:
+        columns = AZURE_COLUMNS if fmt == "azure" else CSV_COLUMNS
+        order = _csv_header(path, fmt, numbered[0][1], columns)
+        body = numbered[1:][: cfg.limit]
+        rows = (_azure_rows if fmt == "azure" else _csv_rows)(body, order)
+    if not rows:
+        raise ValueError(f"trace file {path} holds no requests")
+    if fmt == "jsonl" and all(row.errors[:1] and row.errors[0].startswith("invalid JSON") for row in rows):
+        first = rows[0]
+        raise ValueError(f"trace file {path}: no line is valid JSON (line {first.line}: {first.errors[0]})")
+    return _to_requests(rows, path.name, cfg, seed)
+
+
+def detect_format(path: Path, first_line: str) -> str:
+    """'jsonl', 'azure' or 'csv', from the first non-blank line of `path`."""
+    if first_line.startswith("{"):
+        return "jsonl"
+    columns = {c.strip() for c in first_line.split(",")}
+    for fmt, expected in (("azure", AZURE_COLUMNS), ("csv", CSV_COLUMNS)):
+        if columns == set(expected):
+            return fmt
+    raise ValueError(
+        f"trace file {path}: cannot tell its format from the first line {first_line[:80]!r}; "
+        f"expected JSON objects, a CSV header {','.join(AZURE_COLUMNS)} (azure) "
+        f"or {','.join(CSV_COLUMNS)} (csv)"
+    )
+
+
+def parse_timestamp(text: str) -> tuple[int, float]:
+    """Whole seconds since 0001-01-01 UTC and the fraction, kept apart so no digit is lost."""
+    m = _TIMESTAMP.fullmatch(text.strip())
+    if m is None:
+        raise LineError(f"TIMESTAMP {text!r} is not a timestamp like 2023-11-16 18:17:03.9799600")
+    day, hh, mm, ss, frac, tz = m.groups()
+    hours, minutes, secs = int(hh), int(mm), int(ss)
+    try:
+        days = date.fromisoformat(day).toordinal()
+    except ValueError:
+        days = -1
+    if days < 0 or hours > 23 or minutes > 59 or secs > 59:
+        raise LineError(f"TIMESTAMP {text!r} is not a valid date and time")
+    whole = days * 86400 + hours * 3600 + minutes * 60 + secs
+    if tz and tz != "Z":
+        sign = -1 if tz[0] == "-" else 1
+        whole -= sign * (int(tz[1:3]) * 3600 + int(tz[-2:]) * 60)
+    return whole, (int(frac) / 10 ** len(frac) if frac else 0.0)
+
+
+def _csv_header(path: Path, fmt: str, header: str, expected: tuple[str, ...]) -> list[str]:
+    columns = [c.strip() for c in header.split(",")]
+    if sorted(columns) != sorted(expected):
+        raise ValueError(
+            f"trace file {path}: {fmt} header must have the columns {','.join(expected)}, "
+            f"got {header[:80]!r}"
+        )
+    return columns
+
+
+def _split(n: int, text: str, order: list[str]) -> tuple[_Row, dict[str, str]]:
+    row = _Row(line=n)
+    fields = text.split(",")
+    if len(fields) != len(order):
+        row.errors.append(f"expected {len(order)} fields ({','.join(order)}), got {len(fields)}")
+        return row, {}
+    return row, dict(zip(order, fields))
+
+
+def _csv_rows(body: list[tuple[int, str]], order: list[str]) -> list[_Row]:
+    rows = []
+    for n, text in body:
+        row, f = _split(n, text, order)
+        if f:
+            row.arrival_s = _attempt(row, _text_float, "arrival_s", f["arrival_s"])
+            row.prompt_len = _attempt(row, _text_int, "prompt_len", f["prompt_len"])
+            row.output_len = _attempt(row, _text_int, "output_len", f["output_len"])
+        rows.append(row)
+    return rows
+
+
+def _azure_rows(body: list[tuple[int, str]], order: list[str]) -> list[_Row]:
+    rows, stamps = [], []
+    for n, text in body:
+        row, f = _split(n, text, order)
+        stamp = None
+        if f:
+            stamp = _attempt(row, parse_timestamp, f["TIMESTAMP"])
+            row.prompt_len = _attempt(row, _text_int, "ContextTokens", f["ContextTokens"])
+            row.output_len = _attempt(row, _text_int, "GeneratedTokens", f["GeneratedTokens"])
+        rows.append(row)
+        stamps.append(stamp)
+    # Seconds since the earliest timestamp: the first row's, since the trace is time-sorted.
+    valid = [s for s in stamps if s is not None]
+    if valid:
+        first_whole, first_frac = min(valid)
+        for row, stamp in zip(rows, stamps):
+            if stamp is not None:
+                row.arrival_s = (stamp[0] - first_whole) + (stamp[1] - first_frac)
+    return rows
+
+
+def _jsonl_row(n: int, text: str) -> _Row:
+    row = _Row(line=n)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        row.errors.append(f"invalid JSON: {e.msg} at column {e.colno}")
+        return row
+    if not isinstance(obj, dict):
+        row.errors.append(f"expected a JSON object, got {type(obj).__name__}")
+        return row
+    unknown = [key for key in obj if key not in JSONL_KEYS]
+    if unknown:
+        names = ", ".join(repr(key) for key in unknown)
+        plural = "s" if len(unknown) > 1 else ""
+        row.errors.append(f"unknown key{plural} {names}; allowed: {', '.join(JSONL_KEYS)}")
+    obj = {key: value for key, value in obj.items() if value is not None}
+    if "arrival_s" in obj:
+        row.arrival_s = _attempt(row, _json_float, "arrival_s", obj["arrival_s"])
+    else:
+        row.errors.append("arrival_s is missing")
+    if "prompt_token_ids" in obj:
+        row.prompt_token_ids = _attempt(row, _json_ids, "prompt_token_ids", obj["prompt_token_ids"])
+    if "prompt_len" in obj:
+        row.prompt_len = _attempt(row, _json_int, "prompt_len", obj["prompt_len"])
+    if "prompt_token_ids" not in obj and "prompt_len" not in obj:
+        row.errors.append("needs prompt_token_ids or prompt_len")
+    elif row.prompt_token_ids is not None and row.prompt_len is not None:
+        if row.prompt_len != len(row.prompt_token_ids):
+            row.errors.append(
+                f"prompt_len {row.prompt_len} does not match {len(row.prompt_token_ids)} prompt_token_ids"
+            )
+    if "output_len" in obj:
+        row.output_len = _attempt(row, _json_int, "output_len", obj["output_len"])
+    if "max_tokens" in obj:
+        row.max_tokens = _attempt(row, _json_int, "max_tokens", obj["max_tokens"])
+    if "output_len" not in obj and "max_tokens" not in obj:
+        row.errors.append("needs max_tokens or output_len")
+    if "request_id" in obj:
+        rid = obj["request_id"]
+        if isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool)):
+            row.request_id = str(rid)
+        else:
+            row.errors.append(f"request_id must be a string or an integer, got {rid!r}")
+    optional = {"priority": _json_int, "client_id": _json_str, "temperature": _json_float,
+                "top_k": _json_int, "top_p": _json_float, "seed": _json_int,
+                "ignore_eos": _json_bool, "stop_token_ids": _json_ids}  # fmt: skip
+    for key, parse in optional.items():
+        value = _attempt(row, parse, key, obj[key]) if key in obj else None
+        if value is None:
+            continue
+        if key in ("priority", "client_id"):
+            setattr(row, key, value)
+        else:
+            row.sampling[key] = tuple(value) if key == "stop_token_ids" else value
+    return row
+
+
+def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) -> list[Request]:
+    rngs = rng_streams(seed)
+    for row in rows:
+        if row.prompt_len is not None and row.prompt_len < 0:
+            row.errors.append(f"prompt_len must be >= 0, got {row.prompt_len}")
+            row.prompt_len = None
+        if row.output_len is not None and row.output_len < 0:
+            row.errors.append(f"output_len must be >= 0, got {row.output_len}")
+            row.output_len = None
+    pseeds = prompt_seeds(len(rows), rngs["token_ids"])
+    seeds = sampling_seeds(len(rows), rngs["sampling_seed"])
+
+    requests, seen, prev_arrival = [], {}, 0.0
+    for index, (row, default_seed, pseed) in enumerate(zip(rows, seeds, pseeds)):
+        arrival = prev_arrival
+        if row.arrival_s is not None:
+            if math.isfinite(row.arrival_s) and row.arrival_s >= 0:
+                arrival = prev_arrival = row.arrival_s / cfg.time_scale
+            else:
+                row.errors.append(f"arrival_s must be a finite number >= 0, got {row.arrival_s}")
+                arrival = 0.0
+        rid = row.request_id if row.request_id is not None else str(index)
+        if rid in seen:
+            row.errors.append(f"duplicate request_id {rid!r} (first on line {seen[rid]})")
+            while rid in seen:  # keep ids unique in the outputs
+                rid = f"{rid}@line{row.line}"
+        seen[rid] = row.line
+        requests.append(
+            Request(
+                request_id=rid,
+                arrival_s=arrival,
+                prompt_len=len(row.prompt_token_ids) if row.prompt_token_ids is not None else row.prompt_len or 0,
+                prompt_token_ids=row.prompt_token_ids,
+                synthetic_prompt=None if row.prompt_token_ids is not None else (pseed, cfg.vocab_size),
+                sampling=_sampling(row, cfg, default_seed),
+                target_output_len=row.output_len,
+                priority=row.priority,
+                client_id=row.client_id,
+                input_error=f"{name} line {row.line}: {'; '.join(row.errors)}" if row.errors else None,
+            )
+        )
+    return requests
+
+
+def _sampling(row: _Row, cfg: WorkloadConfig, default_seed: int) -> SamplingParams:
+    """A given output_len is the request's length: it defaults ignore_eos on and, without an
+    explicit max_tokens, sets max_tokens (cfg.max_tokens, when set, takes that place)."""
+    kwargs = {"seed": default_seed, **row.sampling}
+    if row.max_tokens is not None:
+        kwargs["max_tokens"] = row.max_tokens
+    elif row.output_len is not None:
+        kwargs["max_tokens"] = cfg.max_tokens if cfg.max_tokens is not None else row.output_len
+    if row.output_len is not None:
+        kwargs.setdefault("ignore_eos", True)
+    return SamplingParams(**kwargs)
+
+
+def _attempt(row: _Row, parse: Callable[..., Any], *args: Any) -> Any:
+    """parse(*args), or None with the LineError's message added to the row's errors."""
+    try:
+        return parse(*args)
+    except LineError as e:
+        row.errors.append(str(e))
+        return None
+
+
+def _text_int(key: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise LineError(f"{key} {text.strip()!r} is not an integer") from None
+
+
+def _text_float(key: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise LineError(f"{key} {text.strip()!r} is not a number") from None
+
+
+def _json_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LineError(f"{key} {value!r} is not an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise LineError(f"{key} {value!r} is not an integer")
+        value = int(value)
+    return value
+
+
+def _json_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LineError(f"{key} {value!r} is not a number")
+    return float(value)
+
+
+def _json_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise LineError(f"{key} {value!r} is not true or false")
+    return value
+
+
+def _json_str(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise LineError(f"{key} {value!r} is not a string")
+    return value
+
+
+def _json_ids(key: str, value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise LineError(f"{key} must be a list of token ids, got {type(value).__name__}")
+    for i, tok in enumerate(value):
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise LineError(f"{key}[{i}] {tok!r} is not a token id (an integer >= 0)")
+    return value

@@ -1,0 +1,81 @@
+"""Shared fixtures: request builders and an executor that checks scheduler invariants each step."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from cbjax.executor import StepOutput
+from cbjax.request import Request, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+AZURE_TRACE = SHARED / "traces" / "AzureLLMInferenceTrace_code.csv"
+
+
+def make_requests(output_lens, prompt_lens=None, arrivals=None, max_tokens=None):
+    """Length-only requests with the given target output lengths."""
+    n = len(output_lens)
+    prompt_lens = prompt_lens or [8] * n
+    arrivals = arrivals or [0.0] * n
+    return [
+        Request(
+            request_id=str(i),
+            arrival_s=float(arrivals[i]),
+            prompt_len=int(prompt_lens[i]),
+            sampling=SamplingParams(max_tokens=int(max_tokens or output_lens[i]), ignore_eos=True),
+            target_output_len=int(output_lens[i]),
+        )
+        for i in range(n)
+    ]
+
+
+class CheckingExecutor:
+    """Unit-cost simulated executor that asserts the scheduler's invariants on every plan."""
+
+    virtual_clock = True
+
+    def __init__(self, scheduler, duration_s: float = 1.0):
+        self.scheduler = scheduler
+        self.duration_s = duration_s
+        self.plans = 0
+
+    def validate(self, req):
+        return None
+
+    def warmup(self):
+        pass
+
+    def execute(self, plan):
+        sched = self.scheduler
+        reqs = plan.requests
+        slots = [r.slot for r in reqs]
+        assert len(set(slots)) == len(slots), f"slot assigned twice: {slots}"
+        assert all(0 <= s < sched.max_num_seqs for s in slots)
+        assert len(reqs) <= sched.max_num_seqs
+        assert len({id(r) for r in reqs}) == len(reqs), "request scheduled twice"
+        assert plan.num_batched_tokens <= sched.token_budget
+        assert sched.allocator.num_used_pages <= sched.allocator.num_usable_pages
+        sched.allocator.check_invariants()
+        for r in reqs:
+            assert sched.slots[r.slot] is r
+            table = sched.allocator.page_tables[r.request_id]
+            assert len(table) * sched.allocator.page_size >= r.num_computed + r.num_new_tokens
+        self.plans += 1
+        return StepOutput(token_ids=None, duration_s=self.duration_s)
+
+
+@pytest.fixture
+def env_cpu():
+    """Environment for subprocesses: no GPU probing, repo on the path."""
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def cbjax_cmd():
+    return [sys.executable, "-m", "cbjax"]

@@ -1,0 +1,121 @@
+"""The Hydra app end to end: typed configs, the acceptance command, outputs, experiments."""
+
+import json
+import subprocess
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from conftest import REPO, cbjax_cmd
+from test_scheduler import list_schedule_finish_times, static_iterations
+from cbjax.cli import CONFIG_DIR, to_run_config
+from cbjax.run import run_experiment, with_overrides
+
+TINY_RUN = ["progress=false", "workload.num_requests=24"]
+
+
+def composed(*overrides):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def write_csv_trace(path, rows):
+    path.write_text("arrival_s,prompt_len,output_len\n" + "".join(f"{a},{p},{o}\n" for a, p, o in rows))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "static"])
+def test_acceptance_command_iterations_equal_the_hand_count(tmp_path, env_cpu, policy):
+    outputs = [5, 50, 10, 100, 3, 77, 12, 9, 31, 64, 2, 45, 18, 8, 90, 27, 6, 11]
+    trace = tmp_path / "trace.csv"
+    write_csv_trace(trace, [(0.0, 10 + i, o) for i, o in enumerate(outputs)])
+    out = tmp_path / "run"
+    cmd = cbjax_cmd() + [
+        "executor=sim", "executor.cost_model=unit", f"scheduler={policy}", "scheduler.max_num_seqs=8",
+        "scheduler.max_num_batched_tokens=1000000", "cache.num_pages=100000", "workload=trace",
+        f"workload.path={trace}", f"hydra.run.dir={out}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env_cpu, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    expected = max(list_schedule_finish_times(outputs, 8)) if policy == "fcfs" else static_iterations(outputs, 8)
+    assert summary["iterations"] == expected
+    assert summary["makespan_s"] == expected  # unit cost: one second per iteration
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert [r["output_len"] for r in rows] == outputs
+    assert (out / "config.yaml").is_file()
+    assert "throughput" in proc.stdout  # the readable table
+
+
+def test_every_request_appears_with_its_fate(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"arrival_s": 0.0, "prompt_len": 4, "output_len": 3},
+        {"arrival_s": 0.1, "prompt_len": 0, "output_len": 3},  # empty prompt
+        {"arrival_s": 0.2, "prompt_len": 4, "max_tokens": 0},  # max_tokens < 1
+        {"arrival_s": -1.0, "prompt_len": 4, "output_len": 3},  # negative arrival
+        {"arrival_s": 0.3, "prompt_len": 5000, "output_len": 3},  # longer than max_model_len
+    ]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n{not json\n")
+    cfg = composed("workload=trace", f"workload.path={trace}", "progress=false")
+    summary = run_experiment(cfg, tmp_path / "out", verbose=False)
+    rows = {r["request_id"]: r for r in map(json.loads, (tmp_path / "out/requests.jsonl").read_text().splitlines())}
+    assert len(rows) == 6 and summary["num_requests"] == 6
+    assert rows["0"]["finish_reason"] == "length"
+    assert rows["1"]["reject_reason"] == "empty prompt"
+    assert "max_tokens must be >= 1" in rows["2"]["reject_reason"]
+    assert "arrival_s" in rows["3"]["reject_reason"] and "line 4" in rows["3"]["reject_reason"]
+    assert "max_model_len is 1024" in rows["4"]["reject_reason"]
+    assert "line 6" in rows["5"]["reject_reason"]
+    assert summary["num_rejected"] == 5 and summary["num_finished"] == 1
+
+
+def test_misspelled_key_and_wrong_type_fail_at_startup_naming_the_key():
+    with pytest.raises(ConfigCompositionException) as err:
+        composed("scheduler.max_num_seq=4")
+    assert "max_num_seq" in str(err.value.__cause__ or err.value)
+    with pytest.raises(ConfigCompositionException) as err:
+        composed("cache.page_size=big")
+    assert "page_size" in str(err.value.__cause__ or err.value)
+    with pytest.raises(ConfigCompositionException, match="scheduler/nope"):
+        composed("scheduler=nope")
+    with pytest.raises(ValueError, match="scheduler.max_num_seqs"):
+        composed("scheduler.max_num_seqs=0")
+
+
+def test_cli_prints_a_clear_error_for_a_bad_value(env_cpu, tmp_path):
+    proc = subprocess.run(
+        cbjax_cmd() + ["workload.rate=-1", f"hydra.run.dir={tmp_path}"], env=env_cpu, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "cbjax: error: workload.rate must be > 0" in proc.stderr
+
+
+def test_static_vs_continuous_experiment_compares_arms(tmp_path):
+    cfg = composed("experiment=static_vs_continuous", *TINY_RUN, "workload.num_requests=200")
+    summaries = run_experiment(cfg, tmp_path, verbose=False)
+    assert set(summaries) == {"static", "continuous", "continuous_reserve_max"}
+    for arm in summaries:
+        assert {p.name for p in (tmp_path / arm).iterdir()} >= {"summary.json", "requests.jsonl", "config.yaml"}
+    table = (tmp_path / "comparison.md").read_text()
+    assert "continuous / static" in table and "kv_token_utilization" in table
+    s, c, r = summaries["static"], summaries["continuous"], summaries["continuous_reserve_max"]
+    assert c["throughput_tok_s"] > 2 * s["throughput_tok_s"]
+    assert c["slot_utilization"] > s["slot_utilization"]
+    assert c["kv_token_utilization"] > 0.9 > 0.2 > r["kv_token_utilization"]
+    assert c["mean_batch_size"] > r["mean_batch_size"]
+
+
+def test_with_overrides_rejects_unknown_keys():
+    cfg = composed(*TINY_RUN)
+    assert with_overrides(cfg, {"scheduler": {"name": "static"}}).scheduler.name == "static"
+    assert with_overrides(cfg, {"cache.num_pages": 9}).cache.num_pages == 9
+    with pytest.raises(ValueError, match="scheduler.nmae"):
+        with_overrides(cfg, {"scheduler": {"nmae": "static"}}, where="arm")
+
+
+def test_every_config_in_every_group_composes():
+    for group in ("scheduler", "executor", "workload", "model", "hardware", "cache", "experiment"):
+        for path in sorted((REPO / "configs" / group).glob("*.yaml")):
+            extra = ["workload.path=x.csv"] if path.stem == "trace" else []
+            composed(f"{group}={path.stem}", *extra)

@@ -1,0 +1,57 @@
+"""Cost models checked against hand-computed iteration times."""
+
+import pytest
+
+from cbjax.config import HardwareConfig, ModelConfig
+from cbjax.request import Request
+from cbjax.scheduler.core import Schedule
+from cbjax.sim import RooflineCost, UnitCost, make_cost_model
+
+# One layer, no embeddings to speak of: easy arithmetic.
+MODEL = ModelConfig(
+    name="toy", vocab_size=1, d_model=4, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, ffn_dim=8, dtype="bfloat16"
+)
+HW = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=100.0, mem_bytes=1e9, flops_efficiency=0.5, bw_efficiency=0.5, overhead_s=0.25)
+
+
+def req(computed, new):
+    r = Request("r", 0.0, 1)
+    r.num_computed, r.num_new_tokens = computed, new
+    return r
+
+
+def test_param_count_by_hand():
+    # attention 4*4*4 = 64, gated MLP 3*4*8 = 96, two norms 8, embed+head 2*1*4 = 8, final norm 4
+    assert MODEL.num_params == 64 + 96 + 8 + 8 + 4
+    assert MODEL.kv_bytes_per_token == 2 * 1 * 1 * 4 * 2
+
+
+def test_unit_cost_is_one_second():
+    assert UnitCost()(Schedule(num_slots=1)) == 1.0
+
+
+def test_roofline_decode_is_memory_bound_by_hand():
+    cost = RooflineCost(MODEL, HW)
+    plan = Schedule(num_slots=2, decodes=[req(3, 1)])
+    # bytes: weights 180 params * 2 B = 360, KV read 3 + write 1 (+ the new one read) = 5 tokens * 16 B = 80
+    bytes_moved = 360 + (3 + 2) * 16
+    # flops: body 2*(180-8)=344 per token, head 2*4 = 8 per seq, attention 4*1*1*4 = 16 per pair, 4 pairs
+    flops = 344 + 8 + 16 * 4
+    assert flops / 500 < bytes_moved / 50
+    assert cost(plan) == pytest.approx(bytes_moved / 50 + 0.25)
+
+
+def test_roofline_prefill_is_compute_bound_by_hand():
+    hw = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=1e9, mem_bytes=1e9, flops_efficiency=0.5, bw_efficiency=0.5, overhead_s=0.0)
+    cost = RooflineCost(MODEL, hw)
+    plan = Schedule(num_slots=1, prefills=[req(0, 10)])
+    flops = 10 * 344 + 8 + 16 * (10 * 11 / 2)
+    assert cost(plan) == pytest.approx(flops / 500)
+
+
+def test_model_too_big_for_hardware_is_a_clear_error():
+    big = ModelConfig(name="big", vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, ffn_dim=11008)
+    with pytest.raises(ValueError, match="model big needs .* GB of weights, hardware toy has"):
+        make_cost_model("roofline", big, HardwareConfig(name="toy", mem_bytes=1e9))
+    with pytest.raises(ValueError, match="executor.cost_model"):
+        make_cost_model("magic", MODEL, HW)
