@@ -95,10 +95,6 @@ class Request:
         """Prompt plus generated tokens."""
         return self.prompt_len + self.num_generated
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_computed < self.num_tokens - 1 or self.num_generated == 0
-
     def prompt_ids(self) -> list[int]:
         """The prompt's token ids, drawing seeded synthetic ids for a length-only request."""
         if self.prompt_token_ids is None:

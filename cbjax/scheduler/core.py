@@ -16,9 +16,10 @@ from cbjax.scheduler.policy import Policy, make_policy
 class Schedule:
     """One iteration's plan over the fixed array of `num_slots` slots.
 
-    Each scheduled request carries its `slot` and `num_new_tokens`. A prefill processes the
-    request's whole token sequence (its prompt, plus tokens generated before a preemption);
-    a decode processes the one token generated last. Both yield one new token.
+    Each scheduled request carries its `slot` and `num_new_tokens`: it processes its tokens
+    `[num_computed, num_computed + num_new_tokens)` of prompt-plus-generated. A decode
+    processes the one token generated last; a prefill processes the prompt (plus the tokens
+    generated before a preemption). A request yields a token when its last token is processed.
     """
 
     num_slots: int
@@ -132,37 +133,49 @@ class Scheduler:
     def schedule(self, now: float) -> Schedule:
         plan = Schedule(num_slots=self.max_num_seqs, start_s=now)
         alloc = self.allocator
-        # Running requests decode first; each must be able to hold one more token.
-        for req in list(self.running):
-            if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            need = req.num_computed + 1
-            while not alloc.can_append(req.request_id, need):
-                victim = self.policy.choose_victim(self.running)
-                if victim in plan.decodes:
-                    plan.decodes.remove(victim)
-                self._preempt(victim, plan)
-                if victim is req:
-                    break
-            if req.status is Status.RUNNING:
-                alloc.append(req.request_id, need)
-                req.num_new_tokens = 1
-                plan.decodes.append(req)
-        budget = self.token_budget - len(plan.decodes)
+        budget = self.token_budget
+        # Running requests first: decodes (one token left to process), then unfinished
+        # prefills. A request processes tokens[num_computed : num_computed + num_new_tokens].
+        for decoding in (True, False):
+            for req in list(self.running):
+                if req.status is not Status.RUNNING or req.num_new_tokens:
+                    continue  # preempted earlier in this loop, or already planned
+                remaining = req.num_tokens - req.num_computed
+                if (remaining == 1) != decoding:
+                    continue
+                n = min(remaining, budget)
+                if n == 0:
+                    continue
+                while not alloc.can_append(req.request_id, req.num_computed + n):
+                    victim = self.policy.choose_victim(self.running)
+                    budget += self._preempt(victim, plan)
+                    if victim is req:
+                        break
+                if req.status is Status.RUNNING:
+                    alloc.append(req.request_id, req.num_computed + n)
+                    req.num_new_tokens = n
+                    budget -= n
+                    (plan.decodes if decoding else plan.prefills).append(req)
         if self._free_slots and self.policy.admission_open(self):
             # Nothing preempted this iteration is readmitted in it.
-            while self._free_slots and len(self.policy):
+            while self._free_slots and len(self.policy) and budget > 0:
                 req = self.policy.peek()
                 if req in plan.preempted:
                     break
-                tokens = req.num_tokens
-                if tokens > budget or not alloc.can_allocate(tokens, self.max_len_tokens(req)):
+                n = req.num_tokens
+                if n > budget:
+                    # Only a recomputed request can outgrow the budget (longer prompts are
+                    # rejected): it prefills in budget-sized chunks, starting when at the head.
+                    if n <= self.token_budget:
+                        break
+                    n = budget
+                if not alloc.can_allocate(n, self.max_len_tokens(req)):
                     break
                 self.policy.pop()
-                alloc.allocate(req.request_id, tokens, self.max_len_tokens(req))
-                budget -= tokens
+                alloc.allocate(req.request_id, n, self.max_len_tokens(req))
+                budget -= n
                 self._admit(req, now)
-                req.num_new_tokens = tokens
+                req.num_new_tokens = n
                 plan.prefills.append(req)
         return plan
 
@@ -182,8 +195,15 @@ class Scheduler:
         heapq.heappush(self._free_slots, req.slot)
         req.slot = -1
 
-    def _preempt(self, req: Request, plan: Schedule) -> None:
-        """Recompute preemption: drop the request's K/V and requeue it with its tokens so far."""
+    def _preempt(self, req: Request, plan: Schedule) -> int:
+        """Recompute preemption: drop the request's K/V and requeue it with its tokens so far.
+
+        Returns the budget tokens it gives back if it was already planned this iteration.
+        """
+        planned = req.num_new_tokens
+        if planned:
+            (plan.decodes if req in plan.decodes else plan.prefills).remove(req)
+            req.num_new_tokens = 0
         self._release(req)
         self.running.remove(req)
         req.status = Status.WAITING
@@ -192,6 +212,7 @@ class Scheduler:
         self.num_preemptions += 1
         plan.preempted.append(req)
         self.policy.requeue(req)
+        return planned
 
     def postprocess(self, plan: Schedule, token_ids: Optional[Sequence[int]], now: float) -> list[Request]:
         """Record one new token per scheduled request; retire the finished. Returns them.
@@ -201,6 +222,9 @@ class Scheduler:
         done: list[Request] = []
         for i, req in enumerate(plan.requests):
             req.num_computed += req.num_new_tokens
+            req.num_new_tokens = 0
+            if req.num_computed < req.num_tokens:
+                continue  # a partial prefill yields no token
             req.num_generated += 1
             if req.first_token_s is None:
                 req.first_token_s = now
