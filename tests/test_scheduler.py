@@ -219,3 +219,16 @@ def test_nan_free_latencies_and_ttft_under_staggered_arrivals():
     assert reqs[1].scheduled_s == 2 and reqs[1].finish_s == 4
     assert s["ttft_s_p50"] == pytest.approx((1 + 2.5) / 2)
     assert all(not (isinstance(v, float) and math.isnan(v)) for v in s.values())
+
+
+def test_recomputed_request_longer_than_the_budget_prefills_in_chunks():
+    # Found by hypothesis: request 1 (9 prompt tokens) is preempted after generating, so its
+    # recompute (9 + generated tokens) exceeds the budget of 10 and must be chunked.
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=10), CacheConfig(num_pages=6, page_size=4), 64
+    )
+    reqs = make_requests([5, 5], prompt_lens=[1, 9])
+    result = serve(reqs, sched, CheckingExecutor(sched))
+    assert result.preemptions >= 1
+    assert [r.num_generated for r in reqs] == [5, 5]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in reqs)
