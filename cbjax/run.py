@@ -12,6 +12,7 @@ from typing import Any, Optional
 from cbjax.config import RunConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
+from cbjax.plots import plot_comparison
 from cbjax.report import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
 from cbjax.workload import build_workload
@@ -81,6 +82,7 @@ def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: b
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "comparison.md").write_text(text + "\n")
         (out_dir / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n")
+        plot_comparison(out_dir, summaries)
     return summaries
 
 

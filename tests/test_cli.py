@@ -97,6 +97,7 @@ def test_static_vs_continuous_experiment_compares_arms(tmp_path):
     assert set(summaries) == {"static", "continuous", "continuous_reserve_max"}
     for arm in summaries:
         assert {p.name for p in (tmp_path / arm).iterdir()} >= {"summary.json", "requests.jsonl", "config.yaml"}
+    assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (tmp_path / "comparison.md").read_text()
     assert "continuous / static" in table and "kv_token_utilization" in table
     s, c, r = summaries["static"], summaries["continuous"], summaries["continuous_reserve_max"]
