@@ -1,0 +1,1 @@
+"""Device kernels: Pallas implementations with plain-jnp references."""
