@@ -13,7 +13,8 @@ from typing import Any, Optional
 POLICIES = ("static", "fcfs")
 ALLOCATIONS = ("paged", "reserve_max")
 PREEMPTION_MODES = ("recompute",)
-EXECUTORS = ("sim",)
+EXECUTORS = ("sim", "jax")
+ATTENTION_IMPLS = ("auto", "pallas", "reference", "triton")
 COST_MODELS = ("unit", "roofline")
 ARRIVALS = ("all_at_once", "poisson", "gamma")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
@@ -44,9 +45,9 @@ class SchedulerConfig:
         _one_of("scheduler.preemption", self.preemption, PREEMPTION_MODES)
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", self.max_num_seqs)
         _require(
-            self.max_num_batched_tokens >= 1,
+            self.max_num_batched_tokens >= self.max_num_seqs,
             "scheduler.max_num_batched_tokens",
-            "must be >= 1",
+            f"must be >= scheduler.max_num_seqs ({self.max_num_seqs}) so every decode fits",
             self.max_num_batched_tokens,
         )
 
@@ -66,11 +67,27 @@ class CacheConfig:
 @dataclass
 class ExecutorConfig:
     name: str = "sim"
+    # sim
     cost_model: str = "roofline"
+    # jax
+    attention: str = "auto"  # auto: compiled Pallas on GPU/TPU, the XLA reference on CPU
+    prefill_buckets: Optional[list[int]] = None  # None: powers of two from 16 to the longest prefill
+    max_prefill_batch: int = 1  # >1: same-bucket prefills run together, padded to 1 or this many rows
+    pages_per_block: int = 4  # Pallas kernel: pages per inner loop step
 
     def __post_init__(self) -> None:
         _one_of("executor.name", self.name, EXECUTORS)
         _one_of("executor.cost_model", self.cost_model, COST_MODELS)
+        _one_of("executor.attention", self.attention, ATTENTION_IMPLS)
+        _require(self.max_prefill_batch >= 1, "executor.max_prefill_batch", "must be >= 1", self.max_prefill_batch)
+        _require(self.pages_per_block >= 1, "executor.pages_per_block", "must be >= 1", self.pages_per_block)
+        if self.prefill_buckets is not None:
+            _require(
+                len(self.prefill_buckets) > 0 and all(b >= 1 for b in self.prefill_buckets),
+                "executor.prefill_buckets",
+                "must be a non-empty list of lengths >= 1",
+                self.prefill_buckets,
+            )
 
 
 @dataclass

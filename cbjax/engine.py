@@ -24,6 +24,9 @@ class IterationStats:
     pages_used_peak: int = 0
     kv_util_sum: float = 0.0
     batch_peak: int = 0
+    # host wall time of the scheduler's two calls, summed over iterations
+    schedule_s: float = 0.0
+    postprocess_s: float = 0.0
     # iteration index at which each finished request ended (1-based), for "done in N iterations"
     finish_iteration: dict[str, int] = field(default_factory=dict)
 
@@ -76,7 +79,10 @@ def serve(
             continue
         if max_iterations is not None and stats.iterations >= max_iterations:
             break
+        t_sched = time.perf_counter()
         plan = scheduler.schedule(now)
+        t_exec = time.perf_counter()
+        stats.schedule_s += t_exec - t_sched
         n = plan.num_scheduled
         if n == 0:
             raise RuntimeError(
@@ -100,7 +106,9 @@ def serve(
         stats.kv_util_sum += alloc.token_utilization()
         if n > stats.batch_peak:
             stats.batch_peak = n
+        t_post = time.perf_counter()
         done = scheduler.postprocess(plan, out.token_ids, now)
+        stats.postprocess_s += time.perf_counter() - t_post
         for req in done:
             finish_iteration[req.request_id] = stats.iterations
         if bar is not None and len(scheduler.finished) != num_done_reported:

@@ -94,6 +94,7 @@ def summarize(result: RunResult, window_iterations: int = 1000) -> dict[str, Any
             "window_iterations": window_iterations,
             "finished_in_window": sum(1 for it in stats.finish_iteration.values() if it <= window_iterations),
             "wall_s": result.wall_s,
+            "scheduler_host_s": stats.schedule_s + stats.postprocess_s,
         }
     )
     summary.update(result.extra)

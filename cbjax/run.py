@@ -23,6 +23,10 @@ def build_executor(cfg: RunConfig):
         from cbjax.sim import SimExecutor, make_cost_model
 
         return SimExecutor(make_cost_model(cfg.executor.cost_model, cfg.model, cfg.hardware))
+    if cfg.executor.name == "jax":
+        from cbjax.runtime.executor import JaxExecutor
+
+        return JaxExecutor(cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed)
     raise ValueError(f"executor.name: unknown executor {cfg.executor.name!r}")
 
 
@@ -40,6 +44,8 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
     executor.warmup()
     result = serve(requests, scheduler, executor, progress=cfg.progress)
     summary = summarize(result, cfg.window_iterations)
+    if hasattr(executor, "metrics"):
+        summary.update(executor.metrics())
     summary.update(
         {
             "scheduler": cfg.scheduler.name,
@@ -52,7 +58,8 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         }
     )
     if out_dir is not None:
-        write_run(out_dir, cfg, summary, result.requests)
+        extra = None if executor.virtual_clock else (lambda r: {"output_token_ids": r.output_token_ids})
+        write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
     if verbose:
         print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
     return summary

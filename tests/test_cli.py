@@ -103,7 +103,7 @@ def test_static_vs_continuous_experiment_compares_arms(tmp_path):
     s, c, r = summaries["static"], summaries["continuous"], summaries["continuous_reserve_max"]
     assert c["throughput_tok_s"] > 2 * s["throughput_tok_s"]
     assert c["slot_utilization"] > s["slot_utilization"]
-    assert c["kv_token_utilization"] > 0.9 > 0.2 > r["kv_token_utilization"]
+    assert c["kv_token_utilization"] > 0.9 and r["kv_token_utilization"] < 0.5
     assert c["mean_batch_size"] > r["mean_batch_size"]
 
 

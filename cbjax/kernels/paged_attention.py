@@ -287,16 +287,21 @@ def paged_attention_reference(
     return out.reshape(num_slots, num_heads, head_dim).astype(q.dtype)
 
 
-def attention_op(impl: str = "auto") -> AttentionFn:
+def attention_op(impl: str = "auto", *, pages_per_block: int = 4) -> AttentionFn:
     """Pick a paged attention implementation: auto | pallas | reference.
 
     auto: compiled Pallas on gpu/tpu, the reference on cpu. pallas: compiled on
     gpu/tpu, interpret mode on cpu (slow; for tests). The returned function has
     the `paged_attention_reference` positional signature.
     """
+    if impl == "triton":
+        raise ValueError(
+            "executor.attention=triton needs a GPU and the `gpu` extra (jax-triton); "
+            "use auto, pallas or reference here"
+        )
     if impl not in IMPLS:
         raise ValueError(f"attention impl: unknown value {impl!r}; choose one of {', '.join(IMPLS)}")
     on_cpu = jax.default_backend() == "cpu"
     if impl == "reference" or (impl == "auto" and on_cpu):
         return paged_attention_reference
-    return functools.partial(paged_attention, interpret=on_cpu)
+    return functools.partial(paged_attention, interpret=on_cpu, pages_per_block=pages_per_block)

@@ -131,18 +131,23 @@ def prefill(
     lengths: jax.Array,  # i32[num_seqs]
     page_table: jax.Array,  # i32[num_seqs, max_pages_per_seq]
     cfg: ModelConfig,
-) -> tuple[jax.Array, KVCache]:  # logits f32[num_seqs, vocab_size] at position length - 1, the updated cache
-    """Run whole prompts from position 0 with dense causal attention and store their K/V.
+    start: jax.Array | None = None,  # i32[num_seqs]: tokens already in the cache (None: 0)
+) -> tuple[jax.Array, KVCache]:  # logits f32[num_seqs, vocab_size] at the last valid token, the updated cache
+    """Process `lengths` tokens per sequence at positions start + t and store their K/V.
 
-    Positions t < length write to page_table[seq, t // page_size] at t % page_size; padding
-    writes to the null page. A row with length 0 is padding: its logits are meaningless.
+    Position p writes to page_table[seq, p // page_size] at p % page_size; padding writes to
+    the null page. Without `start`, prompts run from position 0 with dense causal attention
+    inside the bucket. With `start`, queries also attend to the sequence's cached tokens
+    [0, start), read through its pages: a chunk of a longer prefill, or a prefill after a
+    cached prefix. A row with length 0 is padding: its logits are meaningless.
     """
     if tokens.ndim != 2:
         raise ValueError(f"prefill: tokens must be [num_seqs, bucket_len], got {tokens.shape}")
     num_seqs, bucket_len = tokens.shape
-    if lengths.shape != (num_seqs,):
+    if lengths.shape != (num_seqs,) or (start is not None and start.shape != (num_seqs,)):
         raise ValueError(
-            f"prefill: lengths {lengths.shape} must be [num_seqs={num_seqs}] for tokens {tokens.shape}"
+            f"prefill: lengths {lengths.shape} and start {None if start is None else start.shape} "
+            f"must be [num_seqs={num_seqs}] for tokens {tokens.shape}"
         )
     if page_table.ndim != 2 or page_table.shape[0] != num_seqs:
         raise ValueError(
@@ -151,13 +156,19 @@ def prefill(
     check_supported(cfg)
     _check_cache(cache, cfg, "prefill")
     page_size = cache.page_size
-    positions = jnp.broadcast_to(jnp.arange(bucket_len), (num_seqs, bucket_len))  # i32[num_seqs, bucket_len]
-    valid = positions < lengths[:, None]  # bool[num_seqs, bucket_len]
+    offsets_in_bucket = jnp.broadcast_to(jnp.arange(bucket_len), (num_seqs, bucket_len))
+    valid = offsets_in_bucket < lengths[:, None]  # bool[num_seqs, bucket_len]
+    positions = offsets_in_bucket if start is None else offsets_in_bucket + start[:, None]
     page_pos = jnp.where(valid, positions // page_size, 0)
     page_ids = jnp.where(valid, jnp.take_along_axis(page_table, page_pos, axis=1), NULL_PAGE).reshape(-1)
     offsets = (positions % page_size).reshape(-1)  # i32[num_seqs * bucket_len]
-    causal = jnp.tril(jnp.ones((bucket_len, bucket_len), bool))
-    mask = causal[None] & valid[:, None, :]  # bool[num_seqs, bucket_len (query), bucket_len (key)]
+    if start is None:
+        causal = jnp.tril(jnp.ones((bucket_len, bucket_len), bool))
+        mask = causal[None] & valid[:, None, :]  # bool[num_seqs, bucket_len (query), bucket_len (key)]
+    else:
+        key_pos = jnp.arange(page_table.shape[1] * page_size)  # i32[max_len]
+        key_valid = key_pos[None] < (start + lengths)[:, None]  # bool[num_seqs, max_len]
+        mask = (key_pos[None, None] <= positions[:, :, None]) & valid[:, :, None]  # [num_seqs, bucket_len, max_len]
 
     k_pages, v_pages = cache.k, cache.v
     x = embed(params, tokens)  # [num_seqs, bucket_len, d_model]
@@ -165,6 +176,25 @@ def prefill(
         q, k, v = attention_qkv(layer, x, positions, cfg)  # k [num_seqs, bucket_len, num_kv_heads, head_dim]
         k_pages = _write(k_pages, layer_idx, page_ids, offsets, k.reshape(num_seqs * bucket_len, *k.shape[2:]))
         v_pages = _write(v_pages, layer_idx, page_ids, offsets, v.reshape(num_seqs * bucket_len, *v.shape[2:]))
-        x = attention_out_and_mlp(layer, x, dense_attention(q, k, v, mask), cfg)
+        if start is None:
+            attn = dense_attention(q, k, v, mask)
+        else:
+            k_ctx = _gather_sequence(k_pages[layer_idx], page_table, key_valid)
+            v_ctx = _gather_sequence(v_pages[layer_idx], page_table, key_valid)
+            attn = dense_attention(q, k_ctx, v_ctx, mask)
+        x = attention_out_and_mlp(layer, x, attn, cfg)
     last = x[jnp.arange(num_seqs), jnp.maximum(lengths - 1, 0)]  # [num_seqs, d_model]
     return lm_logits(params, last, cfg), KVCache(k=k_pages, v=v_pages)
+
+
+def _gather_sequence(
+    pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], one layer
+    page_table: jax.Array,  # i32[num_seqs, max_pages_per_seq]
+    key_valid: jax.Array,  # bool[num_seqs, max_pages_per_seq * page_size]
+) -> jax.Array:  # [num_seqs, max_pages_per_seq * page_size, num_kv_heads, head_dim]
+    """Each sequence's cached K or V in position order; positions past its length are zero."""
+    num_kv_heads, _, page_size, head_dim = pages.shape
+    num_seqs, max_pages = page_table.shape
+    seq = pages[:, page_table]  # [num_kv_heads, num_seqs, max_pages, page_size, head_dim]
+    seq = seq.transpose(1, 2, 3, 0, 4).reshape(num_seqs, max_pages * page_size, num_kv_heads, head_dim)
+    return jnp.where(key_valid[:, :, None, None], seq, jnp.zeros((), seq.dtype))

@@ -27,6 +27,8 @@ class Schedule:
     prefills: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     start_s: float = 0.0
+    # request_id -> its pages, the allocator's live tables (read-only for executors)
+    page_tables: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def requests(self) -> list[Request]:
@@ -131,8 +133,8 @@ class Scheduler:
 
     # ---- one iteration ----
     def schedule(self, now: float) -> Schedule:
-        plan = Schedule(num_slots=self.max_num_seqs, start_s=now)
         alloc = self.allocator
+        plan = Schedule(num_slots=self.max_num_seqs, start_s=now, page_tables=alloc.page_tables)
         budget = self.token_budget
         # Running requests first: decodes (one token left to process), then unfinished
         # prefills. A request processes tokens[num_computed : num_computed + num_new_tokens].
