@@ -111,6 +111,10 @@ class JaxExecutor:
         self.num_slots = scheduler.max_num_seqs
         self.page_size = cache.page_size
         self.max_pages = -(-model.max_model_len // cache.page_size)
+        # Decode reads a prefix of the page table wide enough for the longest active sequence:
+        # one compiled variant per width, so short batches do not pay for max_model_len.
+        widths = cfg.decode_page_buckets or default_buckets(self.max_pages, smallest=max(1, self.max_pages // 8))
+        self.decode_widths = sorted({min(w, self.max_pages) for w in widths} | {self.max_pages})
         longest = min(model.max_model_len, scheduler.max_num_batched_tokens)
         self.buckets = sorted(set(cfg.prefill_buckets or default_buckets(longest)))
         if self.buckets[-1] < longest:
@@ -152,10 +156,12 @@ class JaxExecutor:
         """Compile the decode step and every prefill bucket with all-padding inputs."""
         compile_count()  # start counting before the first compile
         sampling = SamplingArrays(self.num_slots).arrays()
-        toks, self.cache = self._decode(
-            self.params, self.cache, self._tokens, self._positions, self._page_table, self._active, sampling
-        )
-        jax.block_until_ready(toks)
+        for width in self.decode_widths:
+            toks, self.cache = self._decode(
+                self.params, self.cache, self._tokens, self._positions, self._page_table[:, :width],
+                self._active, sampling,
+            )  # fmt: skip
+            jax.block_until_ready(toks)
         for bucket in self.buckets:
             for rows in self.row_buckets:
                 toks = self._run_prefill(np.zeros((rows, bucket), np.int32), [], {})
@@ -171,6 +177,7 @@ class JaxExecutor:
         if plan.decodes:
             self._active[:] = False
             slots = []
+            longest = 0
             for req in plan.decodes:
                 s = req.slot
                 slots.append(s)
@@ -178,11 +185,14 @@ class JaxExecutor:
                 self._tokens[s] = _token_at(req, req.num_computed)
                 self._positions[s] = req.num_computed
                 self._active[s] = True
+                longest = max(longest, req.num_computed + 1)
+            need = -(-longest // self.page_size)
+            width = next(w for w in self.decode_widths if w >= need)
             np.add(self._positions, 1, out=self._sampling.position)  # index of the token generated
             tc = time.perf_counter()
             toks, self.cache = self._decode(
-                self.params, self.cache, self._tokens, self._positions, self._page_table, self._active,
-                self._sampling.arrays(),
+                self.params, self.cache, self._tokens, self._positions, self._page_table[:, :width],
+                self._active, self._sampling.arrays(),
             )  # fmt: skip
             call_s += time.perf_counter() - tc
             pending.append((toks, range(len(slots)), slots))
@@ -219,6 +229,7 @@ class JaxExecutor:
         return {
             "compiles_after_warmup": after,
             "prefill_buckets": self.buckets,
+            "decode_page_widths": self.decode_widths,
             "host_pack_s": self.host_pack_s,
             "device_wait_s": self.device_s,
             "context_prefills": self.num_context_prefills,
