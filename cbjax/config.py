@@ -74,6 +74,9 @@ class ExecutorConfig:
     prefill_buckets: Optional[list[int]] = None  # None: powers of two from 16 to the longest prefill
     max_prefill_batch: int = 1  # >1: same-bucket prefills run together, padded to 1 or this many rows
     pages_per_block: int = 4  # Pallas kernel: pages per inner loop step
+    # Page-table widths the decode step is compiled for. None: powers of two from 1/8 of the
+    # widest (max_model_len / page_size) up to it.
+    decode_page_buckets: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         _one_of("executor.name", self.name, EXECUTORS)
