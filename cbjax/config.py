@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-POLICIES = ("static", "fcfs")
+POLICIES = ("static", "fcfs", "priority", "sjf", "mlfq", "vtc")
+PREDICTORS = ("oracle", "mean", "learned")
 ALLOCATIONS = ("paged", "reserve_max")
 PREEMPTION_MODES = ("recompute",)
 EXECUTORS = ("sim", "jax")
@@ -39,10 +40,32 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
     preemption: str = "recompute"
+    # Policy knobs; each policy reads only its own (see cbjax/scheduler/policies/).
+    priority_preempt: bool = False  # priority: a waiting request may evict a lower-priority one
+    predictor: str = "oracle"  # sjf: oracle | mean | learned
+    predictor_path: Optional[str] = None  # sjf with predictor=learned: a saved predictor (.npz)
+    mlfq_num_queues: int = 5
+    mlfq_base_quantum: int = 32  # tokens; queue i has quantum base * 2**i
+    mlfq_preempt: bool = True  # FastServe preempts lower-queue requests at iteration level
+    vtc_input_weight: float = 1.0  # service cost per prompt token
+    vtc_output_weight: float = 2.0  # service cost per generated token
 
     def __post_init__(self) -> None:
         _one_of("scheduler.name", self.name, POLICIES)
         _one_of("scheduler.preemption", self.preemption, PREEMPTION_MODES)
+        _one_of("scheduler.predictor", self.predictor, PREDICTORS)
+        if self.name == "sjf" and self.predictor == "learned":
+            _require(
+                bool(self.predictor_path),
+                "scheduler.predictor_path",
+                "is required for predictor=learned",
+                self.predictor_path,
+            )
+        _require(self.mlfq_num_queues >= 1, "scheduler.mlfq_num_queues", "must be >= 1", self.mlfq_num_queues)
+        _require(self.mlfq_base_quantum >= 1, "scheduler.mlfq_base_quantum", "must be >= 1", self.mlfq_base_quantum)
+        for key in ("vtc_input_weight", "vtc_output_weight"):
+            value = getattr(self, key)
+            _require(value >= 0 and math.isfinite(value), f"scheduler.{key}", "must be >= 0", value)
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", self.max_num_seqs)
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,

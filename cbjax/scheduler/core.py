@@ -158,9 +158,9 @@ class Scheduler:
                     req.num_new_tokens = n
                     budget -= n
                     (plan.decodes if decoding else plan.prefills).append(req)
-        if self._free_slots and self.policy.admission_open(self):
+        if self.policy.admission_open(self):
             # Nothing preempted this iteration is readmitted in it.
-            while self._free_slots and len(self.policy) and budget > 0:
+            while len(self.policy) and budget > 0:
                 req = self.policy.peek()
                 if req in plan.preempted:
                     break
@@ -171,8 +171,13 @@ class Scheduler:
                     if n <= self.token_budget:
                         break
                     n = budget
-                if not alloc.can_allocate(n, self.max_len_tokens(req)):
-                    break
+                if not self._free_slots or not alloc.can_allocate(n, self.max_len_tokens(req)):
+                    # The policy may evict a running request the head outranks (priority, mlfq).
+                    victim = self.policy.preempt_for(req, self)
+                    if victim is None:
+                        break
+                    budget += self._preempt(victim, plan)
+                    continue
                 self.policy.pop()
                 alloc.allocate(req.request_id, n, self.max_len_tokens(req))
                 budget -= n

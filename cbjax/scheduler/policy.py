@@ -16,8 +16,9 @@ class Policy:
     """Base policy. Subclasses override the queue order, gating, victim choice or hooks.
 
     The scheduler calls, per iteration: `admission_open`, then `peek`/`pop` while slots, the
-    token budget and pages allow; `choose_victim` when a running request cannot grow; and
-    `on_step` after tokens are produced. Preempted requests come back through `requeue`.
+    token budget and pages allow; `choose_victim` when a running request cannot grow;
+    `preempt_for` when the head lacks a slot or pages; and `on_step` after tokens are
+    produced. Preempted requests come back through `requeue`.
     """
 
     name = "base"
@@ -53,6 +54,13 @@ class Policy:
     def choose_victim(self, running: list[Request]) -> Request:
         """The running request to preempt when pages run out: the latest admitted, as in vLLM."""
         return max(running, key=lambda r: r.admit_seq)
+
+    def preempt_for(self, waiting: Request, scheduler: "Scheduler") -> Optional[Request]:
+        """A running request to preempt so that `waiting`, the queue's head, can be admitted.
+
+        Called when the head lacks a free slot or pages; None (the default) leaves it waiting.
+        """
+        return None
 
     def on_step(self, scheduled: list[Request], now: float) -> None:
         """Called after each iteration with the requests that ran in it."""
@@ -100,6 +108,12 @@ class StaticPolicy(FCFSPolicy):
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FCFSPolicy, StaticPolicy)}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a policy selectable as `scheduler=NAME` (see scheduler/policies/)."""
+    POLICIES[cls.name] = cls
+    return cls
 
 
 def make_policy(cfg: "SchedulerConfig") -> Policy:
