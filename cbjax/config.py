@@ -40,6 +40,8 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
     preemption: str = "recompute"
+    # Split prompts into chunks under max_num_batched_tokens, mixed with decodes (Sarathi-Serve).
+    chunked_prefill: bool = False
     # Policy knobs; each policy reads only its own (see cbjax/scheduler/policies/).
     priority_preempt: bool = False  # priority: a waiting request may evict a lower-priority one
     predictor: str = "oracle"  # sjf: oracle | mean | learned
@@ -268,6 +270,20 @@ class ExperimentConfig:
 
 
 @dataclass
+class SLOConfig:
+    """Latency targets: a served request meets its SLO when both hold (None: no target)."""
+
+    ttft_s: Optional[float] = None
+    tpot_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for key in ("ttft_s", "tpot_s"):
+            value = getattr(self, key)
+            if value is not None:
+                _require(value > 0, f"slo.{key}", "must be > 0", value)
+
+
+@dataclass
 class RunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -276,6 +292,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
     seed: int = 0
     progress: bool = True
     # "requests completed in N iterations", the seeds' throughput measure

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -58,8 +58,23 @@ def _percentiles(prefix: str, values: list[float], out: dict[str, Any]) -> None:
     out[f"{prefix}_mean"] = float(arr.mean()) if arr.size else None
 
 
-def summarize(result: RunResult, window_iterations: int = 1000) -> dict[str, Any]:
-    """Flat run-level metrics for summary.json."""
+def meets_slo(req: Request, ttft_s: Optional[float], tpot_s: Optional[float]) -> bool:
+    """Served, with TTFT and TPOT within their targets (a one-token request has no TPOT)."""
+    if req.finish_reason not in SERVED:
+        return False
+    lat = request_latencies(req)
+    if ttft_s is not None and lat["ttft_s"] > ttft_s:
+        return False
+    return tpot_s is None or lat["tpot_s"] is None or lat["tpot_s"] <= tpot_s
+
+
+def summarize(
+    result: RunResult, window_iterations: int = 1000, slo_ttft_s: Optional[float] = None, slo_tpot_s: Optional[float] = None
+) -> dict[str, Any]:
+    """Flat run-level metrics for summary.json.
+
+    Goodput counts requests meeting both SLOs per second of makespan; attainment is their
+    share of all submitted requests (a rejected request misses)."""
     reqs = result.requests
     stats = result.stats
     served = [r for r in reqs if r.finish_reason in SERVED]
@@ -80,6 +95,7 @@ def summarize(result: RunResult, window_iterations: int = 1000) -> dict[str, Any
     lat = [request_latencies(r) for r in served]
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
         _percentiles(key, [x[key] for x in lat if x[key] is not None], summary)
+    good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in reqs)
     summary.update(
         {
             "num_slots": result.num_slots,
@@ -93,6 +109,8 @@ def summarize(result: RunResult, window_iterations: int = 1000) -> dict[str, Any
             "preemptions": result.preemptions,
             "window_iterations": window_iterations,
             "finished_in_window": sum(1 for it in stats.finish_iteration.values() if it <= window_iterations),
+            "goodput_req_s": good / makespan if makespan > 0 else 0.0,
+            "slo_attainment": good / len(reqs) if reqs else 0.0,
             "wall_s": result.wall_s,
             "scheduler_host_s": stats.schedule_s + stats.postprocess_s,
         }

@@ -43,7 +43,7 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
     )
     executor.warmup()
     result = serve(requests, scheduler, executor, progress=cfg.progress)
-    summary = summarize(result, cfg.window_iterations)
+    summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
     if hasattr(executor, "metrics"):
         summary.update(executor.metrics())
     summary.update(

@@ -23,11 +23,11 @@ BUCKETS = [16, 64]
 BUDGET = 64  # the longest prefill: the largest bucket
 
 
-def make_executor(num_slots, num_pages=512, page_size=4, **exec_kw):
+def make_executor(num_slots, num_pages=512, page_size=4, chunked=False, **exec_kw):
     return JaxExecutor(
         MODEL,
         CacheConfig(num_pages=num_pages, page_size=page_size),
-        SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=BUDGET),
+        SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=BUDGET, chunked_prefill=chunked),
         ExecutorConfig(name="jax", prefill_buckets=BUCKETS, **exec_kw),
         seed=0,
     )
@@ -57,10 +57,10 @@ def fresh(req):
     )
 
 
-def run_engine(reqs, num_slots, num_pages=512, page_size=4, **exec_kw):
-    ex = make_executor(num_slots, num_pages, page_size, **exec_kw)
+def run_engine(reqs, num_slots, num_pages=512, page_size=4, chunked=False, **exec_kw):
+    ex = make_executor(num_slots, num_pages, page_size, chunked=chunked, **exec_kw)
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=BUDGET),
+        SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=BUDGET, chunked_prefill=chunked),
         CacheConfig(num_pages=num_pages, page_size=page_size),
         MODEL.max_model_len,
         validate=ex.validate,
@@ -121,6 +121,16 @@ def test_preemption_by_recompute_keeps_outputs_identical():
     assert ex.metrics()["context_prefills"] > 0
     for rid, req in ample.items():
         assert tight[rid].output_token_ids == req.output_token_ids, rid
+
+
+def test_chunked_prefill_keeps_outputs_identical():
+    # Prompts up to 60 tokens under a 64-token budget shared with decodes: most prompts are
+    # split, the later chunks attend to their cached first chunk.
+    reqs = workload(10, wseed=7, max_prompt=60, max_out=12, stagger_s=0.0)
+    plain, _, _ = run_engine(reqs, num_slots=4)
+    chunked, result, ex = run_engine(reqs, num_slots=4, chunked=True)
+    assert ex.metrics()["context_prefills"] > 0 and ex.metrics()["compiles_after_warmup"] == 0
+    assert all(chunked[r].output_token_ids == plain[r].output_token_ids for r in plain)
 
 
 def test_no_compiles_after_warmup_over_200_iterations():

@@ -94,11 +94,12 @@ workloads = st.lists(
     budget=st.integers(6, 120),
     num_pages=st.integers(6, 40),
     page_size=st.sampled_from([1, 4, 16]),
+    chunked=st.booleans(),
 )
-def test_invariants_under_binding_limits(reqs, policy, allocation, num_slots, budget, num_pages, page_size):
+def test_invariants_under_binding_limits(reqs, policy, allocation, num_slots, budget, num_pages, page_size, chunked):
     budget = max(budget, num_slots)
     sched = Scheduler(
-        SchedulerConfig(name=policy, max_num_seqs=num_slots, max_num_batched_tokens=budget),
+        SchedulerConfig(name=policy, max_num_seqs=num_slots, max_num_batched_tokens=budget, chunked_prefill=chunked),
         CacheConfig(num_pages=num_pages, page_size=page_size, allocation=allocation),
         max_model_len=64,
     )
@@ -232,3 +233,36 @@ def test_recomputed_request_longer_than_the_budget_prefills_in_chunks():
     assert result.preemptions >= 1
     assert [r.num_generated for r in reqs] == [5, 5]
     assert all(r.finish_reason is FinishReason.LENGTH for r in reqs)
+
+
+def test_chunked_prefill_by_hand():
+    # Budget 6 on 2 slots. A (prompt 10, 3 out) and B (prompt 4, 2 out) arrive at t=0.
+    # it 1: A's first chunk, 6 tokens. it 2: A's last 4 tokens (first token out), then B's first
+    # 2. it 3: A decodes, then B's last 2 tokens (B's first token). it 4: both decode and end.
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=6, chunked_prefill=True), BIG_CACHE, 1000
+    )
+    a, b = make_requests([3, 2], prompt_lens=[10, 4])
+    result = serve([a, b], sched, CheckingExecutor(sched))
+    assert result.stats.iterations == 4
+    assert (a.first_token_s, a.finish_s, b.first_token_s, b.finish_s) == (2, 4, 3, 4)
+    assert result.stats.batched_tokens == 6 + 6 + 3 + 2
+    # without chunking, A's prompt can never fit the budget
+    plain = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=6), BIG_CACHE, 1000)
+    a2, b2 = make_requests([3, 2], prompt_lens=[10, 4])
+    serve([a2, b2], plain, CheckingExecutor(plain))
+    assert "max_num_batched_tokens=6" in a2.reject_reason and b2.finish_s == 2
+
+
+def test_slo_goodput_and_attainment_by_hand():
+    # Unit cost, 1 slot: request 0 runs 0..3 (TTFT 1, TPOT 1), request 1 runs 3..5 (TTFT 4),
+    # request 2 is rejected. With ttft <= 2: only request 0 meets it.
+    reqs = make_requests([3, 2, 2], prompt_lens=[4, 4, 0])
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, **LOOSE), BIG_CACHE, 1000)
+    result = serve(reqs, sched, SimExecutor(UnitCost()))
+    s = summarize(result, slo_ttft_s=2.0, slo_tpot_s=1.0)
+    assert s["makespan_s"] == 5
+    assert s["goodput_req_s"] == pytest.approx(1 / 5)
+    assert s["slo_attainment"] == pytest.approx(1 / 3)
+    assert summarize(result, slo_tpot_s=0.5)["slo_attainment"] == 0.0
+    assert summarize(result)["slo_attainment"] == pytest.approx(2 / 3)

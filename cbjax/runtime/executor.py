@@ -126,7 +126,9 @@ class JaxExecutor:
         self.row_buckets = sorted({1, min(cfg.max_prefill_batch, self.num_slots)})
         # Prefills that continue cached tokens (a chunk, a recompute beyond the token budget)
         # run in pieces of one bucket through a second, context-reading step.
-        self.context_bucket = next((b for b in self.buckets if b >= 64), self.buckets[-1])
+        # Under chunked prefill a chunk is at most the token budget: one piece per chunk.
+        piece = min(scheduler.max_num_batched_tokens, longest) if scheduler.chunked_prefill else 64
+        self.context_bucket = next((b for b in self.buckets if b >= piece), self.buckets[-1])
         self.params = params if params is not None else init_params(model, seed)
         self.cache = init_cache(model, cache.num_pages, cache.page_size)
         self._decode, self._prefill, self._prefill_ctx = jitted_steps(model, cfg.attention, cfg.pages_per_block)

@@ -94,7 +94,7 @@ class Scheduler:
                 f"prompt has {req.prompt_len} tokens, model max_model_len is {self.max_model_len} "
                 "(no room to generate)"
             )
-        if req.prompt_len > self.token_budget:
+        if req.prompt_len > self.token_budget and not self.cfg.chunked_prefill:
             return (
                 f"prompt has {req.prompt_len} tokens, more than "
                 f"scheduler.max_num_batched_tokens={self.token_budget}"
@@ -137,7 +137,8 @@ class Scheduler:
         plan = Schedule(num_slots=self.max_num_seqs, start_s=now, page_tables=alloc.page_tables)
         budget = self.token_budget
         # Running requests first: decodes (one token left to process), then unfinished
-        # prefills. A request processes tokens[num_computed : num_computed + num_new_tokens].
+        # prefills, then new prefills: Sarathi-Serve's stall-free order. A request processes
+        # tokens[num_computed : num_computed + num_new_tokens].
         for decoding in (True, False):
             for req in list(self.running):
                 if req.status is not Status.RUNNING or req.num_new_tokens:
@@ -166,9 +167,10 @@ class Scheduler:
                     break
                 n = req.num_tokens
                 if n > budget:
-                    # Only a recomputed request can outgrow the budget (longer prompts are
-                    # rejected): it prefills in budget-sized chunks, starting when at the head.
-                    if n <= self.token_budget:
+                    # Chunked prefill (Sarathi-Serve) fills the budget's remainder with the
+                    # head's first chunk. Without it, only a recomputed request can outgrow the
+                    # whole budget (longer prompts are rejected): it is chunked the same way.
+                    if n <= self.token_budget and not self.cfg.chunked_prefill:
                         break
                     n = budget
                 if not self._free_slots or not alloc.can_allocate(n, self.max_len_tokens(req)):
