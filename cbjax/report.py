@@ -57,7 +57,7 @@ def comparison_table(title: str, arms: list[str], metrics: list[str], summaries:
     rows = []
     for m in metrics:
         vals = [summaries[a].get(m) for a in arms]
-        cells = [m, *(_num(v) for v in vals)]
+        cells = [m, *(format_number(v) for v in vals)]
         for v in vals[1:]:
             b = vals[0]
             cells.append(f"{v / b:.2f}x" if isinstance(v, (int, float)) and isinstance(b, (int, float)) and b else "-")
@@ -65,7 +65,8 @@ def comparison_table(title: str, arms: list[str], metrics: list[str], summaries:
     return f"### {title}\n\n" + markdown_table(header, rows)
 
 
-def _num(v: Any) -> str:
+def format_number(v: Any) -> str:
+    """A table cell: '-' for None, four significant digits for floats."""
     if v is None:
         return "-"
     if isinstance(v, float):

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
-from cbjax.report import markdown_table
+from cbjax.report import format_number, markdown_table
 
 DEFAULT_METRICS = (
     "throughput_tok_s",
@@ -107,19 +107,11 @@ def check_metrics(jobs: list[Job], names: Optional[list[str]]) -> list[str]:
     return names
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
 def format_markdown(jobs: list[Job], columns: list[str], metrics: list[str]) -> str:
     """Varying labels then metrics, one row per job; labels shared by every job go on one line above."""
     shown = varying(jobs, columns)
     fixed = [f"{c}={jobs[0].labels[c]}" for c in columns if c not in shown]
-    rows = [[j.labels.get(c, "-") for c in shown] + [_fmt(j.summary.get(m)) for m in metrics] for j in jobs]
+    rows = [[j.labels.get(c, "-") for c in shown] + [format_number(j.summary.get(m)) for m in metrics] for j in jobs]
     table = markdown_table([*shown, *metrics], rows)
     return (f"fixed: {', '.join(fixed)}\n\n" if fixed else "") + table
 
