@@ -197,3 +197,12 @@ def test_compiled_pallas_engine_matches_reference_engine():
     ref, _, _ = run_engine(reqs, num_slots=4, attention="reference")
     pallas, _, _ = run_engine(reqs, num_slots=4, attention="pallas")
     assert all(pallas[r].output_token_ids == ref[r].output_token_ids for r in ref)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="jax-triton needs a GPU")
+def test_triton_engine_matches_reference_engine():
+    reqs = workload(10, wseed=6)
+    ref, _, _ = run_engine(reqs, num_slots=4, attention="reference")
+    tri, _, _ = run_engine(reqs, num_slots=4, page_size=16, attention="triton")
+    ref16, _, _ = run_engine(reqs, num_slots=4, page_size=16, attention="reference")
+    assert all(tri[r].output_token_ids == ref16[r].output_token_ids == ref[r].output_token_ids for r in ref)

@@ -295,10 +295,14 @@ def attention_op(impl: str = "auto", *, pages_per_block: int = 4) -> AttentionFn
     the `paged_attention_reference` positional signature.
     """
     if impl == "triton":
-        raise ValueError(
-            "executor.attention=triton needs a GPU and the `gpu` extra (jax-triton); "
-            "use auto, pallas or reference here"
-        )
+        if jax.default_backend() != "gpu":
+            raise ValueError(
+                "executor.attention=triton needs a GPU and the `gpu` extra (jax-triton); "
+                "use auto, pallas or reference here"
+            )
+        from cbjax.kernels.triton_paged_attention import paged_attention_triton
+
+        return paged_attention_triton
     if impl not in IMPLS:
         raise ValueError(f"attention impl: unknown value {impl!r}; choose one of {', '.join(IMPLS)}")
     on_cpu = jax.default_backend() == "cpu"
