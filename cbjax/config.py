@@ -13,7 +13,7 @@ from typing import Any, Optional
 POLICIES = ("static", "fcfs", "priority", "sjf", "mlfq", "vtc")
 PREDICTORS = ("oracle", "mean", "learned")
 ALLOCATIONS = ("paged", "reserve_max")
-PREEMPTION_MODES = ("recompute",)
+PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
 ATTENTION_IMPLS = ("auto", "pallas", "reference", "triton")
 COST_MODELS = ("unit", "roofline")
@@ -39,6 +39,8 @@ class SchedulerConfig:
     name: str = "fcfs"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
+    # recompute: drop the victim's K/V and prefill it again. swap: copy its pages to host
+    # memory (cache.num_swap_pages) and back on readmission; recompute when that is full.
     preemption: str = "recompute"
     # Split prompts into chunks under max_num_batched_tokens, mixed with decodes (Sarathi-Serve).
     chunked_prefill: bool = False
@@ -82,11 +84,23 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int = 4096
     allocation: str = "paged"
+    # Share full pages with an identical token prefix between requests, and keep released ones
+    # cached (evicted LRU once the free list is empty) for later requests.
+    prefix_caching: bool = False
+    # Host pages for scheduler.preemption=swap. None: as many as num_pages.
+    num_swap_pages: Optional[int] = None
 
     def __post_init__(self) -> None:
         _one_of("cache.allocation", self.allocation, ALLOCATIONS)
         _require(self.page_size >= 1, "cache.page_size", "must be >= 1", self.page_size)
         _require(self.num_pages >= 2, "cache.num_pages", "must be >= 2 (page 0 is the null page)", self.num_pages)
+        if self.num_swap_pages is not None:
+            _require(self.num_swap_pages >= 0, "cache.num_swap_pages", "must be >= 0", self.num_swap_pages)
+
+    @property
+    def swap_capacity(self) -> int:
+        """Host pages available to swap preemption."""
+        return self.num_pages if self.num_swap_pages is None else self.num_swap_pages
 
 
 @dataclass
@@ -102,6 +116,9 @@ class ExecutorConfig:
     # Page-table widths the decode step is compiled for. None: powers of two from 1/8 of the
     # widest (max_model_len / page_size) up to it.
     decode_page_buckets: Optional[list[int]] = None
+    # Row counts the decode step is compiled for: active slots are packed into the smallest
+    # that holds them, so a thinning batch stops paying for every slot. None: max_num_seqs only.
+    decode_row_buckets: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         _one_of("executor.name", self.name, EXECUTORS)
@@ -204,14 +221,23 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     norm_eps: float = 1e-5
     eos_token_id: Optional[int] = None
+    # A local Hugging Face model directory (config.json, *.safetensors, maybe tokenizer.json).
+    # Its config.json sets the architecture fields; with it, dtype "auto" and max_model_len 0
+    # mean "the checkpoint's" (see cbjax.model.hf).
+    path: Optional[str] = None
 
     def __post_init__(self) -> None:
-        _one_of("model.dtype", self.dtype, DTYPES)
+        if self.dtype == "auto" or self.max_model_len == 0:
+            _require(
+                bool(self.path), "model.path", "is required by model=hf (dtype auto, max_model_len 0)", self.path
+            )
+        _one_of("model.dtype", self.dtype, DTYPES + (("auto",) if self.path else ()))
         _one_of("model.mlp", self.mlp, MLP_KINDS)
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
             value = getattr(self, key)
             _require(value >= 1, f"model.{key}", "must be >= 1", value)
-        _require(self.max_model_len >= 2, "model.max_model_len", "must be >= 2", self.max_model_len)
+        if not (self.path and self.max_model_len == 0):
+            _require(self.max_model_len >= 2, "model.max_model_len", "must be >= 2", self.max_model_len)
         _require(
             self.num_heads % self.num_kv_heads == 0,
             "model.num_heads",
@@ -248,9 +274,12 @@ class HardwareConfig:
     flops_efficiency: float = 0.6  # achievable fraction of peak_flops
     bw_efficiency: float = 0.8  # achievable fraction of mem_bw
     overhead_s: float = 0.002  # fixed per-iteration cost: launch, scheduling, sampling
+    # Host<->device bytes/s for swap preemption. PCIe 4.0 x16 carries 31.5 GB/s each way
+    # (16 GT/s x 16 lanes, 128b/130b encoding; PCI-SIG PCIe 4.0 spec); pinned copies reach ~25.
+    host_bw: float = 25e9
 
     def __post_init__(self) -> None:
-        for key in ("peak_flops", "mem_bw", "mem_bytes"):
+        for key in ("peak_flops", "mem_bw", "mem_bytes", "host_bw"):
             value = getattr(self, key)
             _require(value > 0, f"hardware.{key}", "must be > 0", value)
         for key in ("flops_efficiency", "bw_efficiency"):

@@ -128,6 +128,7 @@ def serve(
         makespan_s=last_end,
         preemptions=scheduler.num_preemptions,
         wall_s=time.perf_counter() - wall0,
+        extra=scheduler.cache_stats(),
     )
 
 

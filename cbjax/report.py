@@ -24,7 +24,8 @@ SUMMARY_ROWS = (
     ("batch size mean / peak", lambda s: f"{s['mean_batch_size']:.1f} / {s['peak_batch_size']}"),
     ("KV pages mean / peak", lambda s: f"{s['kv_pages_used_mean']:.1f} / {s['kv_pages_used_peak']}"),
     ("KV token utilization", lambda s: f"{s['kv_token_utilization']:.1%}"),
-    ("preemptions", lambda s: f"{s['preemptions']}"),
+    ("preemptions (by swap)", lambda s: f"{s['preemptions']} ({s.get('swap_preemptions', 0)})"),
+    ("prefix cache hit rate", lambda s: f"{s.get('prefix_cache_hit_rate', 0.0):.1%}"),
     ("wall time", lambda s: f"{s['wall_s']:.2f} s"),
 )
 

@@ -69,6 +69,8 @@ class Request:
     # Length-only requests: (seed, vocab_size) of synthetic prompt ids, drawn on first use so
     # that a simulated trace never pays for millions of ids it does not read.
     synthetic_prompt: Optional[tuple[int, int]] = None
+    # A text prompt (JSONL `prompt`): the runner tokenizes it into prompt_token_ids before serving.
+    prompt_text: Optional[str] = None
 
     # ---- scheduler-owned state ----
     status: Status = Status.WAITING

@@ -16,9 +16,21 @@ from cbjax.plots import plot_comparison
 from cbjax.report import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
 from cbjax.workload import build_workload
+from cbjax.workload.trace import encode_text_prompts
+
+
+def resolve_model(cfg: RunConfig) -> RunConfig:
+    """With model.path set, `cfg` with the model's fields read from the checkpoint's config.json,
+    so the scheduler, the cost model and the executor all see the real model."""
+    if not cfg.model.path:
+        return cfg
+    from cbjax.model.hf import load_config
+
+    return dataclasses.replace(cfg, model=load_config(cfg.model))
 
 
 def build_executor(cfg: RunConfig):
+    cfg = resolve_model(cfg)
     if cfg.executor.name == "sim":
         from cbjax.sim import SimExecutor, make_cost_model
 
@@ -26,13 +38,25 @@ def build_executor(cfg: RunConfig):
     if cfg.executor.name == "jax":
         from cbjax.runtime.executor import JaxExecutor
 
-        return JaxExecutor(cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed)
+        params = None
+        if cfg.model.path:
+            from cbjax.model.hf import load_params
+
+            params = load_params(cfg.model)
+        return JaxExecutor(cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed, params=params)
     raise ValueError(f"executor.name: unknown executor {cfg.executor.name!r}")
 
 
 def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
     """Serve the configured workload once; write summary.json, requests.jsonl, config.yaml."""
+    cfg = resolve_model(cfg)
     requests = build_workload(cfg.workload, cfg.seed)
+    tokenizer = None
+    if cfg.model.path:
+        from cbjax.model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.path)
+    encode_text_prompts(requests, tokenizer, where=f"model {cfg.model.name!r}")
     executor = build_executor(cfg)
     scheduler = Scheduler(
         cfg.scheduler,
@@ -58,11 +82,18 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         }
     )
     if out_dir is not None:
-        extra = None if executor.virtual_clock else (lambda r: {"output_token_ids": r.output_token_ids})
+        extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
         write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
     if verbose:
         print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
     return summary
+
+
+def _output_row(req, tokenizer) -> dict[str, Any]:
+    row: dict[str, Any] = {"output_token_ids": req.output_token_ids}
+    if tokenizer is not None:
+        row["output_text"] = tokenizer.decode(req.output_token_ids)
+    return row
 
 
 def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:

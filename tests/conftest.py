@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cbjax.executor import StepOutput
-from cbjax.request import Request, SamplingParams
+from cbjax.request import Request, SamplingParams, Status
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -57,6 +57,7 @@ class CheckingExecutor:
         assert all(0 <= s < sched.max_num_seqs for s in slots)
         assert len(reqs) <= sched.max_num_seqs
         assert len({id(r) for r in reqs}) == len(reqs), "request scheduled twice"
+        assert all(r.num_new_tokens >= 1 for r in reqs), "a request scheduled with nothing to process"
         assert plan.num_batched_tokens <= sched.token_budget
         assert sched.allocator.num_used_pages <= sched.allocator.num_usable_pages
         sched.allocator.check_invariants()
@@ -66,6 +67,48 @@ class CheckingExecutor:
             assert len(table) * sched.allocator.page_size >= r.num_computed + r.num_new_tokens
         self.plans += 1
         return StepOutput(token_ids=None, duration_s=self.duration_s)
+
+
+class ContentCheckingExecutor(CheckingExecutor):
+    """Also models the KV cache's contents: a page holds the token id at each position written
+    to it. Every scheduled request must find its own tokens at its computed positions, so a
+    wrong prefix-cache hit, a shared page overwritten or a lost swap fails here. Swaps copy
+    page contents to a host dict and back. With `tokens`, it emits token ids that depend only
+    on the sequence so far (equal prompts generate equal tokens, so decode pages are shared
+    too); otherwise tokens stay simulated (None)."""
+
+    def __init__(self, scheduler, duration_s: float = 1.0, tokens: bool = True):
+        super().__init__(scheduler, duration_s)
+        self.tokens = tokens
+        self.pages: dict[int, list] = {}
+        self.host: dict[str, list[list]] = {}
+
+    def execute(self, plan):
+        super().execute(plan)
+        ps = plan.page_size
+        for req, src in plan.swap_out:
+            assert req.status is Status.WAITING and len(src) == -(-req.num_computed // ps)
+            assert req.request_id not in self.host
+            self.host[req.request_id] = [list(self.pages[p]) for p in src]
+        for req, dst in plan.swap_in:
+            copies = self.host.pop(req.request_id)
+            assert req.status is Status.RUNNING and len(copies) == len(dst)
+            for page, copy in zip(dst, copies):
+                self.pages[page] = copy
+        out = []
+        for req in plan.requests:
+            seq = req.prompt_ids() + req.output_token_ids
+            table = plan.page_tables[req.request_id]
+            # generated tokens the simulator never materialized are ("sim", request, position)
+            seq += [("sim", req.request_id, pos) for pos in range(len(seq), req.num_tokens)]
+            for pos in range(req.num_computed):
+                got = self.pages.get(table[pos // ps], [None] * ps)[pos % ps]
+                assert got == seq[pos], f"request {req.request_id}: position {pos} holds {got}, not {seq[pos]}"
+            end = req.num_computed + req.num_new_tokens
+            for pos in range(req.num_computed, end):
+                self.pages.setdefault(table[pos // ps], [None] * ps)[pos % ps] = seq[pos]
+            out.append((sum(seq[:end]) * 31 + end) % 97 if self.tokens else 0)
+        return StepOutput(token_ids=out if self.tokens else None, duration_s=self.duration_s)
 
 
 @pytest.fixture

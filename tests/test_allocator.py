@@ -1,10 +1,11 @@
-"""Page allocator: free list, growing page tables, reserve_max, invariants under random use."""
+"""Page allocator: free list, growing page tables, reserve_max, prefix sharing, invariants under random use."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbjax.cache import PageAllocator
+from cbjax.cache.allocator import ROOT_HASH, chain_hashes
 
 
 def test_page_zero_is_never_handed_out_and_pages_are_reused_at_once():
@@ -78,3 +79,133 @@ def test_no_page_is_both_free_and_owned_and_all_return(ops, allocation):
         alloc.free(rid)
     alloc.check_invariants()
     assert alloc.num_free_pages == alloc.num_usable_pages
+
+
+# ---- prefix caching ----
+
+
+def test_shared_pages_are_refcounted_and_cached_after_the_last_user():
+    alloc = PageAllocator(num_pages=8, page_size=4, prefix_caching=True)
+    ids = list(range(12))
+    hashes = chain_hashes(ROOT_HASH, ids, 4)  # 3 full pages
+    a = alloc.allocate("a", 12, 12)
+    assert alloc.match(hashes) == []  # nothing registered yet
+    alloc.register("a", hashes, 3)
+    assert alloc.match(hashes) == a
+    # b shares a's first two pages (its own third page differs) and adds one page
+    other = chain_hashes(ROOT_HASH, ids[:8] + [99, 98, 97, 96], 4)
+    shared = alloc.match(other)
+    assert shared == a[:2]
+    b = alloc.allocate("b", 10, 10, cached=shared)
+    assert b[:2] == a[:2] and b[2] not in a and alloc.num_used_pages == 4
+    alloc.check_invariants()
+    alloc.free("a")  # the shared pages stay owned by b; a's third page is cached
+    assert alloc.num_used_pages == 3 and alloc.num_cached_pages == 1
+    alloc.free("b")  # b's third page was never registered: it goes to the free list
+    assert alloc.num_cached_pages == 3 and alloc.num_free_pages == alloc.num_usable_pages
+    assert alloc.match(hashes) == a  # still reusable
+    alloc.check_invariants()
+
+
+def test_cached_pages_are_evicted_lru_only_once_the_free_list_is_empty():
+    alloc = PageAllocator(num_pages=6, page_size=2, prefix_caching=True)  # 5 usable pages
+    x = chain_hashes(ROOT_HASH, [1, 2, 3, 4], 2)
+    y = chain_hashes(ROOT_HASH, [5, 6], 2)
+    alloc.allocate("x", 4, 4)
+    alloc.register("x", x, 2)
+    alloc.allocate("y", 2, 2)
+    alloc.register("y", y, 1)
+    alloc.free("x")  # released first: its tail page, then its head, are the least recent
+    alloc.free("y")
+    assert alloc.num_cached_pages == 3 and len(alloc._free) == 2
+    alloc.allocate("z", 4, 4)  # the 2 free pages: nothing evicted
+    assert alloc.num_evictions == 0 and alloc.match(x) != [] and len(alloc.match(x)) == 2
+    alloc.append("z", 6)  # one more page: evicts x's tail page
+    assert alloc.num_evictions == 1 and len(alloc.match(x)) == 1 and len(alloc.match(y)) == 1
+    # a cached page about to be reused is not evicted to make room for its own request
+    assert alloc.can_allocate(4, 4, cached=alloc.match(x)) and not alloc.can_allocate(6, 6, cached=alloc.match(x))
+    w = alloc.allocate("w", 4, 4, cached=alloc.match(x))
+    assert alloc.num_evictions == 2 and alloc.match(y) == []  # y's page made room
+    assert len(w) == 2 and alloc.num_free_pages == 0
+    alloc.check_invariants()
+
+
+def test_register_needs_prefix_caching():
+    alloc = PageAllocator(num_pages=4, page_size=2)
+    alloc.allocate("a", 2, 2)
+    with pytest.raises(ValueError, match="request a: register needs cache.prefix_caching"):
+        alloc.register("a", chain_hashes(ROOT_HASH, [1, 2], 2), 1)
+
+
+def sequence(rid, group):
+    """Request `rid`'s tokens: 12 of its group's, then its own."""
+    return [group * 100 + t if t < 12 else 1000 * (rid + 1) + t for t in range(40)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "grow", "free", "free"]), st.integers(0, 5), st.integers(1, 16),
+            st.integers(0, 1), st.booleans(),
+        ),
+        max_size=120,
+    ),  # fmt: skip
+    allocation=st.sampled_from(["paged", "reserve_max"]),
+)
+def test_prefix_caching_refcounts_eviction_and_contents(ops, allocation):
+    # A page's contents are modelled as the token ids written to it. A cache hit must hand back
+    # pages holding exactly the matching tokens, however pages were shared, cached and evicted.
+    # After a write, the request registers its full pages, or (`lazy`) leaves them for later.
+    alloc = PageAllocator(num_pages=9, page_size=4, allocation=allocation, prefix_caching=True)
+    contents: dict[int, tuple] = {}
+    held = {}  # rid -> (tokens, stored count)
+
+    def write(rid, lo, hi, lazy):
+        ids, table = held[rid][0], alloc.page_tables[rid]
+        for i in range(lo // 4, alloc.pages_for(hi)):
+            assert table[i] not in alloc._hash_of, "writing into a registered page"
+            contents[table[i]] = tuple(ids[i * 4 : min((i + 1) * 4, hi)])
+        if not lazy:
+            alloc.register(rid, chain_hashes(ROOT_HASH, ids[:hi], 4), hi // 4)
+
+    for op, num, n, group, lazy in ops:
+        rid = str(num)
+        if op == "alloc" and rid not in held:
+            ids = sequence(num, group)
+            n = min(n, len(ids))
+            cached = alloc.match(chain_hashes(ROOT_HASH, ids[: n - 1], 4))
+            for i, page in enumerate(cached):
+                assert contents[page] == tuple(ids[i * 4 : (i + 1) * 4])
+            if alloc.can_allocate(n, n + 8, cached):
+                table = alloc.allocate(rid, n, n + 8, cached)
+                assert table[: len(cached)] == cached
+                held[rid] = (ids, n)
+                write(rid, len(cached) * 4, n, lazy)
+            else:
+                with pytest.raises(ValueError, match=f"request {rid}: needs"):
+                    alloc.allocate(rid, n, n + 8, cached)
+        elif op == "grow" and rid in held:
+            ids, stored = held[rid]
+            target = min(stored + n, len(ids))
+            if alloc.can_append(rid, target):
+                alloc.append(rid, target)
+                held[rid] = (ids, target)
+                write(rid, stored, target, lazy)
+        elif op == "free" and rid in held:
+            alloc.free(rid)
+            del held[rid]
+        alloc.check_invariants()
+        assert alloc.num_stored_tokens == sum(stored for _, stored in held.values())
+        assert alloc.num_used_pages + alloc.num_free_pages == alloc.num_usable_pages
+    for rid in list(held):
+        alloc.free(rid)
+    alloc.check_invariants()
+    # every page is back: free, or cached for reuse
+    assert alloc.num_free_pages == alloc.num_usable_pages and alloc.num_used_pages == 0
+    # new contents for every page evict every cached one, and nothing matches any more
+    cached, evictions = alloc.num_cached_pages, alloc.num_evictions
+    alloc.allocate("fill", alloc.num_usable_pages * 4, alloc.num_usable_pages * 4)
+    assert alloc.num_evictions == evictions + cached and alloc.num_cached_pages == 0
+    assert all(alloc.match(chain_hashes(ROOT_HASH, sequence(n, g), 4)) == [] for n in range(6) for g in range(2))
+    alloc.check_invariants()

@@ -119,4 +119,19 @@ def test_every_config_in_every_group_composes():
     for group in ("scheduler", "executor", "workload", "model", "hardware", "cache", "experiment"):
         for path in sorted((REPO / "configs" / group).glob("*.yaml")):
             extra = ["workload.path=x.csv"] if path.stem == "trace" else []
+            extra = ["model.path=x"] if path.stem == "hf" else extra  # read only when a run starts
             composed(f"{group}={path.stem}", *extra)
+
+
+def test_swap_preemption_and_prefix_caching_from_the_command_line(tmp_path):
+    cfg = composed(*TINY_RUN, "scheduler.preemption=swap", "cache.prefix_caching=true", "cache.num_pages=120")
+    assert cfg.cache.swap_capacity == 120 and cfg.hardware.host_bw == 25e9
+    summary = run_experiment(cfg, tmp_path, verbose=False)
+    assert summary["num_finished"] == 24 and summary["swap_preemptions"] > 0
+    assert summary["prefix_cache_hit_rate"] == 0.0  # synthetic prompts share no page
+    recompute = run_experiment(with_overrides(cfg, {"scheduler.preemption": "recompute"}), verbose=False)
+    assert recompute["preemptions"] > 0 and recompute["swap_preemptions"] == 0
+    with pytest.raises(ValueError, match="scheduler.preemption: unknown value 'swapp'"):
+        composed("scheduler.preemption=swapp")
+    with pytest.raises(ValueError, match="cache.num_swap_pages"):
+        composed("cache.num_swap_pages=-1")

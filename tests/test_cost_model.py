@@ -55,3 +55,17 @@ def test_model_too_big_for_hardware_is_a_clear_error():
         make_cost_model("roofline", big, HardwareConfig(name="toy", mem_bytes=1e9))
     with pytest.raises(ValueError, match="executor.cost_model"):
         make_cost_model("magic", MODEL, HW)
+
+
+def test_roofline_swap_charges_page_bytes_over_the_host_link_by_hand():
+    hw = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=100.0, mem_bytes=1e9, host_bw=64.0)
+    cost = RooflineCost(MODEL, hw)
+    plan = Schedule(num_slots=2, decodes=[req(3, 1)], page_size=4)
+    without = cost(plan)
+    plan.swap_out = [(req(8, 0), [1, 2])]
+    plan.swap_in = [(req(4, 0), [5])]
+    # 3 pages of 4 tokens at 16 B of K/V per token: 192 B over 64 B/s, after the step's time
+    assert cost(plan) == pytest.approx(without + 192 / 64)
+    assert UnitCost()(plan) == 1.0
+    with pytest.raises(ValueError, match="hardware.host_bw"):
+        HardwareConfig(host_bw=0.0)

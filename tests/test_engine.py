@@ -14,7 +14,9 @@ from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConf
 from cbjax.engine import serve
 from cbjax.model import forward_dense
 from cbjax.request import FinishReason, Request, SamplingParams
+from cbjax.model import init_cache
 from cbjax.runtime.executor import JaxExecutor
+from cbjax.runtime.swap import HostSwap
 from cbjax.scheduler import Scheduler
 
 # The tiny model with a short context, so few prefill buckets compile.
@@ -23,11 +25,15 @@ BUCKETS = [16, 64]
 BUDGET = 64  # the longest prefill: the largest bucket
 
 
-def make_executor(num_slots, num_pages=512, page_size=4, chunked=False, **exec_kw):
+def make_executor(
+    num_slots, num_pages=512, page_size=4, chunked=False, preemption="recompute", cache_kw=None, **exec_kw
+):
     return JaxExecutor(
         MODEL,
-        CacheConfig(num_pages=num_pages, page_size=page_size),
-        SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=BUDGET, chunked_prefill=chunked),
+        CacheConfig(num_pages=num_pages, page_size=page_size, **(cache_kw or {})),
+        SchedulerConfig(
+            max_num_seqs=num_slots, max_num_batched_tokens=BUDGET, chunked_prefill=chunked, preemption=preemption
+        ),
         ExecutorConfig(name="jax", prefill_buckets=BUCKETS, **exec_kw),
         seed=0,
     )
@@ -57,11 +63,15 @@ def fresh(req):
     )
 
 
-def run_engine(reqs, num_slots, num_pages=512, page_size=4, chunked=False, **exec_kw):
-    ex = make_executor(num_slots, num_pages, page_size, chunked=chunked, **exec_kw)
+def run_engine(
+    reqs, num_slots, num_pages=512, page_size=4, chunked=False, preemption="recompute", cache_kw=None, **exec_kw
+):
+    ex = make_executor(num_slots, num_pages, page_size, chunked, preemption, cache_kw, **exec_kw)
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=BUDGET, chunked_prefill=chunked),
-        CacheConfig(num_pages=num_pages, page_size=page_size),
+        SchedulerConfig(
+            max_num_seqs=num_slots, max_num_batched_tokens=BUDGET, chunked_prefill=chunked, preemption=preemption
+        ),
+        CacheConfig(num_pages=num_pages, page_size=page_size, **(cache_kw or {})),
         MODEL.max_model_len,
         validate=ex.validate,
     )
@@ -131,6 +141,63 @@ def test_chunked_prefill_keeps_outputs_identical():
     chunked, result, ex = run_engine(reqs, num_slots=4, chunked=True)
     assert ex.metrics()["context_prefills"] > 0 and ex.metrics()["compiles_after_warmup"] == 0
     assert all(chunked[r].output_token_ids == plain[r].output_token_ids for r in plain)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_tight_pool_with_chunked_prefill_and_prefix_caching_preempts_and_keeps_outputs(preemption):
+    # A page pool too small for the load forces preemption, with chunked prefill and prefix
+    # caching on, in both preemption modes; greedy outputs must still equal decoding each
+    # request alone, and preemptions > 0 must be reported.
+    reqs = workload(8, wseed=8, max_prompt=16, max_out=24, stagger_s=0.0)
+    shared = (np.arange(28) * 37 % MODEL.vocab_size).tolist()  # 7 pages every prompt starts with
+    for req in reqs:
+        req.prompt_token_ids = shared + req.prompt_token_ids
+        req.prompt_len = len(req.prompt_token_ids)
+        req.sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    alone, _, _ = run_engine(reqs, num_slots=1)
+    # At full length a request holds up to 65 tokens (17 pages, 7 of them the shared prefix):
+    # 4 slots need 7 + 4 * 10 = 47 pages, more than the 30 usable. Host swap space is 31
+    # pages, so in swap mode a later victim may find it full and be recomputed.
+    out, result, ex = run_engine(
+        reqs, num_slots=4, num_pages=31, chunked=True, preemption=preemption, cache_kw=dict(prefix_caching=True)
+    )
+    assert result.preemptions > 0
+    assert result.extra["prefix_cache_hit_rate"] > 0
+    assert (result.extra["swap_preemptions"] > 0) == (preemption == "swap")
+    assert ex.metrics()["compiles_after_warmup"] == 0
+    for rid, req in alone.items():
+        assert out[rid].finish_reason is FinishReason.LENGTH
+        assert out[rid].output_token_ids == req.output_token_ids, rid
+
+
+def test_swap_round_trip_restores_pages_exactly():
+    # bfloat16 pages; 11 pages at widths [2, 4]: calls of 4, 4 and 3 padded to 4.
+    cfg = ModelConfig(max_model_len=64, dtype="bfloat16")
+    cache = init_cache(cfg, num_pages=24, page_size=4)
+    rng = np.random.default_rng(0)
+    cache = type(cache)(
+        k=jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype),
+        v=jnp.asarray(rng.standard_normal(cache.v.shape), cache.v.dtype),
+    )
+    before_k, before_v = np.asarray(cache.k), np.asarray(cache.v)
+    swap = HostSwap([2, 4])
+    cache = swap.warmup(cache)
+    a, b = _request("a"), _request("b")
+    src_a, src_b = [3, 7, 1, 20, 11, 12], [5, 2, 9, 17, 23]
+    swap.swap_out(cache, [(a, src_a), (b, src_b)])
+    dst_b, dst_a = [4, 6, 8, 10, 13], [14, 15, 16, 18, 19, 21]
+    cache = swap.swap_in(cache, [(b, dst_b), (a, dst_a)])
+    after_k, after_v = np.asarray(cache.k), np.asarray(cache.v)
+    for src, dst in ((src_a, dst_a), (src_b, dst_b)):
+        np.testing.assert_array_equal(after_k[:, :, dst], before_k[:, :, src])
+        np.testing.assert_array_equal(after_v[:, :, dst], before_v[:, :, src])
+    untouched = [p for p in range(1, 24) if p not in dst_a + dst_b]
+    np.testing.assert_array_equal(after_k[:, :, untouched], before_k[:, :, untouched])
+    assert (swap.num_out_pages, swap.num_in_pages) == (11, 11)
+
+
+def _request(rid):
+    return Request(rid, 0.0, 1, prompt_token_ids=[0])
 
 
 def test_no_compiles_after_warmup_over_200_iterations():

@@ -7,12 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import CheckingExecutor, make_requests
+from conftest import CheckingExecutor, ContentCheckingExecutor, make_requests
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.request import FinishReason, Request, SamplingParams
-from cbjax.scheduler import Scheduler
+from cbjax.scheduler import POLICIES, Scheduler
+from cbjax.scheduler.policy import FCFSPolicy
 from cbjax.sim import SimExecutor, UnitCost
 
 LOOSE = dict(max_num_batched_tokens=1_000_000)
@@ -79,32 +80,60 @@ def test_unit_iterations_match_list_scheduling_and_group_sums(lengths, num_slots
 
 
 workloads = st.lists(
-    st.tuples(st.floats(0, 30), st.integers(1, 60), st.integers(1, 30)),  # arrival, prompt, output
-    min_size=1,
+    # arrival, prompt, output, prompt tokens shared with its group, group, priority, client
+    st.tuples(
+        st.floats(0, 8), st.integers(1, 40), st.integers(1, 30), st.integers(0, 40), st.integers(0, 2),
+        st.integers(0, 3), st.sampled_from("abc"),
+    ),
+    min_size=6,
     max_size=30,
 )
 
 
-@settings(max_examples=60, deadline=None)
+def shared_prefix_ids(i, prompt_len, shared, group):
+    """The first `shared` tokens are the group's; the rest are the request's own."""
+    return [group * 1000 + t if t < shared else 10_000 * (i + 1) + t for t in range(prompt_len)]
+
+
+@settings(max_examples=400, deadline=None)
 @given(
     reqs=workloads,
-    policy=st.sampled_from(["fcfs", "static"]),
+    policy=st.sampled_from(sorted(POLICIES)),
     allocation=st.sampled_from(["paged", "reserve_max"]),
     num_slots=st.integers(1, 6),
     budget=st.integers(6, 120),
-    num_pages=st.integers(6, 40),
-    page_size=st.sampled_from([1, 4, 16]),
+    num_pages=st.integers(6, 30),
+    page_size=st.sampled_from([1, 2, 4, 8, 16]),
     chunked=st.booleans(),
+    prefix_caching=st.booleans(),
+    preemption=st.sampled_from(["recompute", "swap"]),
+    num_swap_pages=st.sampled_from([0, 8, None]),
+    tokens=st.booleans(),
 )
-def test_invariants_under_binding_limits(reqs, policy, allocation, num_slots, budget, num_pages, page_size, chunked):
+def test_invariants_under_binding_limits(
+    reqs, policy, allocation, num_slots, budget, num_pages, page_size, chunked, prefix_caching, preemption,
+    num_swap_pages, tokens,
+):  # fmt: skip
+    # Every policy (with its preemption on where it has one), both preemption modes, prefix
+    # caching, and a cache model that checks each request reads back exactly its own tokens.
     budget = max(budget, num_slots)
     sched = Scheduler(
-        SchedulerConfig(name=policy, max_num_seqs=num_slots, max_num_batched_tokens=budget, chunked_prefill=chunked),
-        CacheConfig(num_pages=num_pages, page_size=page_size, allocation=allocation),
+        SchedulerConfig(
+            name=policy, max_num_seqs=num_slots, max_num_batched_tokens=budget, chunked_prefill=chunked,
+            preemption=preemption, priority_preempt=True, mlfq_base_quantum=2,
+        ),
+        CacheConfig(
+            num_pages=num_pages, page_size=page_size, allocation=allocation, prefix_caching=prefix_caching,
+            num_swap_pages=num_swap_pages,
+        ),
         max_model_len=64,
-    )
-    requests = make_requests([o for _, _, o in reqs], [p for _, p, _ in reqs], [a for a, _, _ in reqs])
-    result = serve(requests, sched, CheckingExecutor(sched))
+    )  # fmt: skip
+    requests = make_requests([r[2] for r in reqs], [r[1] for r in reqs], [r[0] for r in reqs])
+    for i, (req, (_, prompt, _, shared, group, priority, client)) in enumerate(zip(requests, reqs)):
+        req.prompt_token_ids = shared_prefix_ids(i, prompt, shared, group)
+        req.priority, req.client_id = priority, client
+    executor = ContentCheckingExecutor(sched, tokens=tokens)
+    result = serve(requests, sched, executor)
     # every request ends exactly once, with a fate
     assert len(sched.finished) == len(requests)
     assert {id(r) for r in sched.finished} == {id(r) for r in requests}
@@ -116,10 +145,17 @@ def test_invariants_under_binding_limits(reqs, policy, allocation, num_slots, bu
             # no token lost or repeated across preemptions
             assert r.num_generated == min(r.target_output_len, 64 - r.prompt_len)
             assert r.first_token_s <= r.finish_s
-    # every page back on the free list after the run
+    # every page back on the free list or in the prefix cache after the run, no host copy left
     sched.allocator.check_invariants()
     assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+    assert prefix_caching or sched.allocator.num_cached_pages == 0
+    assert sched.swap_used == 0 and not executor.host
     assert result.preemptions == sum(r.num_preemptions for r in requests)
+    stats = result.extra
+    assert stats["swap_preemptions"] <= result.preemptions
+    assert preemption == "swap" or stats["swap_preemptions"] == 0
+    assert prefix_caching or stats["prefix_cache_hit_tokens"] == 0
+    assert 0.0 <= stats["prefix_cache_hit_rate"] < 1.0
 
 
 def test_preemption_by_recompute_keeps_every_token():
@@ -266,3 +302,90 @@ def test_slo_goodput_and_attainment_by_hand():
     assert s["slo_attainment"] == pytest.approx(1 / 3)
     assert summarize(result, slo_tpot_s=0.5)["slo_attainment"] == 0.0
     assert summarize(result)["slo_attainment"] == pytest.approx(2 / 3)
+
+
+def test_prefix_cache_hit_rate_by_hand():
+    # 1 slot, so each request runs alone after the previous one; pages of 4 tokens. P is a
+    # 20-token prefix (5 pages). A = P + 6 own tokens (26), B = P + 6 others (26), C = A, and
+    # D = 10 unrelated tokens. After A, its 6 full prompt pages (tokens 0..23) are cached.
+    # B matches P's 5 pages (20 tokens); its 6th page differs. C matches 6 pages (24 tokens):
+    # (26 - 1) // 4 = 6 leaves its last 2 tokens to prefill. D matches nothing.
+    # hit rate = (0 + 20 + 24 + 0) / (26 + 26 + 26 + 10) = 44 / 88 = 0.5.
+    prefix = list(range(20))
+    prompts = [prefix + [100 + i for i in range(6)], prefix + [200 + i for i in range(6)], None, list(range(300, 310))]
+    prompts[2] = list(prompts[0])
+    reqs = make_requests([2] * 4, prompt_lens=[len(p) for p in prompts])
+    for req, ids in zip(reqs, prompts):
+        req.prompt_token_ids = ids
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=1, **LOOSE), CacheConfig(num_pages=64, page_size=4, prefix_caching=True), 1000
+    )
+    executor = ContentCheckingExecutor(sched, tokens=False)
+    result = serve(reqs, sched, executor)
+    s = summarize(result)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(44 / 88)
+    assert s["prefix_cache_hit_tokens"] == 44
+    # prefill tokens 26 + 6 + 2 + 10, plus one decode each
+    assert result.stats.batched_tokens == 26 + 6 + 2 + 10 + 4
+    assert all(r.num_generated == 2 for r in reqs)
+    # every prompt page is back, and the 6 + 1 + 0 + 2 distinct full prompt pages stay cached
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+    assert sched.allocator.num_cached_pages == 6 + 1 + 2
+
+
+@pytest.mark.parametrize(
+    "preemption,prefix_caching,num_swap_pages,batched,swaps,hit_tokens",
+    [
+        ("recompute", False, None, 30, 0, 0),
+        ("recompute", True, None, 22, 0, 8),  # readmission finds its own 2 prompt pages
+        ("swap", False, None, 22, 1, 0),
+        ("swap", False, 1, 30, 0, 0),  # 2 pages do not fit 1 host page: recompute instead
+    ],
+)
+def test_preemption_modes_by_hand(preemption, prefix_caching, num_swap_pages, batched, swaps, hit_tokens):
+    # 5 usable pages of 4 tokens. A and B: 8-token prompts, 4 tokens out, admitted at t=0.
+    # it 1: both prefill (16 tokens, 4 pages). it 2: A takes the last page to decode; B cannot
+    # grow and is preempted. it 3, 4: A decodes and finishes; B's readmission needs 3 pages
+    # and waits. it 5: B is readmitted with 1 generated token: a recompute prefills 9 tokens;
+    # a prefix-cache hit (its 2 full prompt pages, still cached) or a swap-in leaves 1 to
+    # process. it 6, 7: B decodes. Batched: 16 + 3 (A) + 9 or 1 + 2 (B) = 30 or 22.
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, preemption=preemption, **LOOSE),
+        CacheConfig(num_pages=6, page_size=4, prefix_caching=prefix_caching, num_swap_pages=num_swap_pages),
+        1000,
+    )
+    a, b = make_requests([4, 4], prompt_lens=[8, 8])
+    a.prompt_token_ids, b.prompt_token_ids = list(range(8)), list(range(10, 18))
+    executor = ContentCheckingExecutor(sched, tokens=False)
+    result = serve([a, b], sched, executor)
+    assert (a.num_preemptions, b.num_preemptions, result.preemptions) == (0, 1, 1)
+    assert (a.finish_s, b.finish_s) == (4, 7)
+    assert result.stats.batched_tokens == batched
+    assert result.extra["swap_preemptions"] == swaps
+    assert result.extra["swapped_out_pages"] == 2 * swaps
+    assert result.extra["prefix_cache_hit_tokens"] == hit_tokens
+    assert result.extra["prefix_cache_hit_rate"] == 0.0  # first admissions found nothing
+    assert not executor.host and sched.swap_used == 0
+
+
+class EvictLatestPolicy(FCFSPolicy):
+    """A head that lacks room evicts the latest admitted request, even one admitted (swapped
+    in) earlier in the same plan, while another stays running so every plan makes progress."""
+
+    def preempt_for(self, waiting, scheduler):
+        return max(scheduler.running, key=lambda r: r.admit_seq) if len(scheduler.running) > 1 else None
+
+
+@settings(max_examples=60, deadline=None)
+@given(reqs=workloads, num_slots=st.integers(2, 4), num_pages=st.integers(8, 24), page_size=st.sampled_from([2, 4]))
+def test_a_swap_in_cancelled_by_the_same_plan_keeps_the_host_copy(reqs, num_slots, num_pages, page_size):
+    cfg = SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=64, preemption="swap", chunked_prefill=True)
+    cache = CacheConfig(num_pages=num_pages, page_size=page_size, prefix_caching=True)
+    sched = Scheduler(cfg, cache, 64, policy=EvictLatestPolicy(cfg))
+    requests = make_requests([r[2] for r in reqs], [r[1] for r in reqs], [0.0] * len(reqs))
+    for i, (req, r) in enumerate(zip(requests, reqs)):
+        req.prompt_token_ids = shared_prefix_ids(i, r[1], r[3], r[4])
+    executor = ContentCheckingExecutor(sched)
+    serve(requests, sched, executor, max_iterations=5000)
+    assert all(r.finish_reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.REJECTED) for r in requests)
+    assert sched.swap_used == 0 and not executor.host

@@ -1,5 +1,6 @@
 """Host-side KV cache bookkeeping."""
 
 from cbjax.cache.allocator import PageAllocator
+from cbjax.cache.prefix import PrefixCache
 
-__all__ = ["PageAllocator"]
+__all__ = ["PageAllocator", "PrefixCache"]

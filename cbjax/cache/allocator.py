@@ -1,6 +1,26 @@
-"""Paged KV page allocator: a free list and a growing page table per request (never imports jax)."""
+"""Paged KV page allocator: a free list, growing page tables, refcounted prefix sharing (never imports jax)."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+# The parent hash of a sequence's first page. A fixed int: hash(None) varies between runs
+# before Python 3.12, and runs must be reproducible.
+ROOT_HASH = 0
+
+
+def chain_hashes(parent: int, token_ids: Sequence[int], page_size: int) -> list[int]:
+    """Chained hashes of the full pages of `token_ids`: page i hashes (hash of page i-1, its ids).
+
+    Equal hashes mean equal token prefixes up to a 64-bit collision (about n**2 / 2**64 for n
+    cached pages), which this research allocator accepts, as vLLM does with Python's hash.
+    """
+    hashes = []
+    for lo in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = hash((parent, tuple(token_ids[lo : lo + page_size])))
+        hashes.append(parent)
+    return hashes
 
 
 class PageAllocator:
@@ -9,11 +29,20 @@ class PageAllocator:
     `paged` grows a request's page table on demand as tokens are appended. `reserve_max`
     reserves pages for the request's maximum length at admission: the contiguous,
     Orca(Max)-style baseline of the vLLM paper.
+
+    Every page is in exactly one state: free (on the free list), cached (holds a registered
+    full page of tokens, referenced by nobody, evictable in LRU order), or owned (its refcount
+    is the number of page tables holding it). Without prefix caching nothing is registered, so
+    no page is ever cached or shared, and refcounts (all 1) are not kept. With it, `register`
+    records a request's full pages under their chained hashes, `match` finds the longest
+    cached prefix of a hash chain, and `allocate(..., cached=pages)` shares those pages. A
+    released page whose refcount drops to 0 stays cached until the free list is empty and a
+    new page is needed: then the least recently released cached page is evicted.
     """
 
     NULL_PAGE = 0
 
-    def __init__(self, num_pages: int, page_size: int, allocation: str = "paged"):
+    def __init__(self, num_pages: int, page_size: int, allocation: str = "paged", prefix_caching: bool = False):
         if num_pages < 2:
             raise ValueError(f"cache.num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         if page_size < 1:
@@ -23,11 +52,18 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.reserve_max = allocation == "reserve_max"
+        self.prefix_caching = prefix_caching
         # Popping from the end hands out low page numbers first.
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._refs: dict[int, int] = {}  # owned page -> page tables holding it (prefix caching only)
+        self._cached: OrderedDict[int, None] = OrderedDict()  # refcount-0 registered pages, LRU first
+        self._page_of: dict[int, int] = {}  # hash -> registered page
+        self._hash_of: dict[int, int] = {}  # registered page -> hash
+        self._num_hashed: dict[str, int] = {}  # request -> leading pages already offered to `register`
         self.page_tables: dict[str, list[int]] = {}
         self._stored: dict[str, int] = {}
         self.num_stored_tokens = 0
+        self.num_evictions = 0
 
     # ---- counters ----
     @property
@@ -36,36 +72,86 @@ class PageAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages that can be handed out: free, or cached and unreferenced (evictable)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Unreferenced pages kept for prefix reuse."""
+        return len(self._cached)
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - 1 - len(self._free)
+        """Pages referenced by at least one page table (a shared page counts once)."""
+        return self.num_pages - 1 - len(self._free) - len(self._cached)
 
     def token_utilization(self) -> float:
-        """Tokens stored / token capacity of the allocated pages (1.0 when nothing is allocated)."""
+        """Tokens stored / token capacity of the owned pages (1.0 when nothing is owned).
+
+        Tokens are counted per request, so with shared prefix pages this can exceed 1."""
         used = self.num_used_pages
         return self.num_stored_tokens / (used * self.page_size) if used else 1.0
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    # ---- prefix cache ----
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """The pages of the longest cached prefix of a hash chain (from `chain_hashes`)."""
+        pages = []
+        for h in hashes:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def register(self, request_id: str, hashes: Sequence[int], num_pages: int) -> None:
+        """Record the request's first `num_pages` pages, full and computed, as holding
+        `hashes[:num_pages]` (fewer if fewer hashes are known). Cheap when nothing is new.
+        A hash already cached in another page stays there; this page is then not cached."""
+        if not self.prefix_caching:
+            raise ValueError(f"request {request_id}: register needs cache.prefix_caching=true")
+        table = self.page_tables[request_id]
+        num_pages = min(num_pages, len(hashes))
+        if num_pages > len(table):
+            raise ValueError(f"request {request_id}: registers {num_pages} pages, holds {len(table)}")
+        for i in range(self._num_hashed[request_id], num_pages):
+            page, h = table[i], hashes[i]
+            if h not in self._page_of and page not in self._hash_of:
+                self._page_of[h] = page
+                self._hash_of[page] = h
+        self._num_hashed[request_id] = max(self._num_hashed[request_id], num_pages)
+
     # ---- admission ----
     def admission_pages(self, num_tokens: int, max_tokens: int) -> int:
         """Pages a request needs at admission: for its tokens now, or its maximum under reserve_max."""
         return self.pages_for(max_tokens if self.reserve_max else num_tokens)
 
-    def can_allocate(self, num_tokens: int, max_tokens: int) -> bool:
-        return self.admission_pages(num_tokens, max_tokens) <= len(self._free)
+    def can_allocate(self, num_tokens: int, max_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Whether `allocate` would succeed. Cached pages are reused; those nobody holds leave
+        the evictable pool, so they count against the pages available."""
+        new = self.admission_pages(num_tokens, max_tokens) - len(cached)
+        revived = sum(1 for p in cached if p in self._cached)
+        return new + revived <= self.num_free_pages
 
-    def allocate(self, request_id: str, num_tokens: int, max_tokens: int) -> list[int]:
+    def allocate(self, request_id: str, num_tokens: int, max_tokens: int, cached: Sequence[int] = ()) -> list[int]:
+        """A page table for `num_tokens` tokens whose first len(cached) pages are `cached`
+        (pages from `match`, shared), the rest newly handed out."""
         if request_id in self.page_tables:
             raise ValueError(f"request {request_id}: already holds pages")
         need = self.admission_pages(num_tokens, max_tokens)
-        if need > len(self._free):
-            raise ValueError(f"request {request_id}: needs {need} pages, {len(self._free)} free")
-        table = [self._free.pop() for _ in range(need)]
+        if len(cached) > need:
+            raise ValueError(f"request {request_id}: reuses {len(cached)} cached pages for {need} pages in all")
+        if not self.can_allocate(num_tokens, max_tokens, cached):
+            raise ValueError(f"request {request_id}: needs {need} pages, {self.num_free_pages} free")
+        for page in cached:
+            if page not in self._hash_of:
+                raise ValueError(f"request {request_id}: page {page} is not a cached page")
+            self._hold(page)
+        table = list(cached) + self._take(need - len(cached))
         self.page_tables[request_id] = table
+        self._num_hashed[request_id] = len(cached)
         self._stored[request_id] = num_tokens
         self.num_stored_tokens += num_tokens
         return table
@@ -76,35 +162,85 @@ class PageAllocator:
         return max(0, self.pages_for(num_tokens) - len(self.page_tables[request_id]))
 
     def can_append(self, request_id: str, num_tokens: int) -> bool:
-        return self.pages_to_append(request_id, num_tokens) <= len(self._free)
+        # the scheduler's hottest call: num_free_pages and pages_to_append inlined
+        need = -(-num_tokens // self.page_size) - len(self.page_tables[request_id])
+        return need <= len(self._free) + len(self._cached)
 
     def append(self, request_id: str, num_tokens: int) -> None:
         """Grow the request's page table to hold `num_tokens` tokens in all."""
         table = self.page_tables[request_id]
-        need = self.pages_for(num_tokens) - len(table)
-        if need > len(self._free):
-            raise ValueError(f"request {request_id}: needs {need} more pages, {len(self._free)} free")
-        for _ in range(need):
-            table.append(self._free.pop())
+        need = -(-num_tokens // self.page_size) - len(table)
+        if need > len(self._free) + len(self._cached):
+            raise ValueError(f"request {request_id}: needs {need} more pages, {self.num_free_pages} free")
+        if need > 0:
+            table.extend(self._take(need))
         self.num_stored_tokens += num_tokens - self._stored[request_id]
         self._stored[request_id] = num_tokens
 
     # ---- release ----
     def free(self, request_id: str) -> None:
-        """Return all of the request's pages to the free list at once."""
+        """Release all of the request's pages at once: a page nobody else holds goes back to
+        the free list, or, if registered, to the cached pool."""
         table = self.page_tables.pop(request_id)
         self.num_stored_tokens -= self._stored.pop(request_id)
-        self._free.extend(reversed(table))
+        del self._num_hashed[request_id]
+        if not self.prefix_caching:
+            self._free.extend(reversed(table))
+            return
+        # Tail first, so a sequence's last pages are evicted before the prefix they extend.
+        for page in reversed(table):
+            refs = self._refs[page] - 1
+            if refs:
+                self._refs[page] = refs
+                continue
+            del self._refs[page]
+            if page in self._hash_of:
+                self._cached[page] = None
+            else:
+                self._free.append(page)
+
+    def _hold(self, page: int) -> None:
+        if page in self._cached:
+            del self._cached[page]
+        self._refs[page] = self._refs.get(page, 0) + 1
+
+    def _take(self, n: int) -> list[int]:
+        """`n` pages for new contents: free ones, then the least recently released cached ones."""
+        free = self._free
+        k = min(n, len(free))
+        pages = free[len(free) - k :][::-1]  # as if popped one by one
+        del free[len(free) - k :]
+        for _ in range(n - k):
+            page, _ = self._cached.popitem(last=False)
+            del self._page_of[self._hash_of.pop(page)]
+            self.num_evictions += 1
+            pages.append(page)
+        if self.prefix_caching:
+            self._refs.update(dict.fromkeys(pages, 1))
+        return pages
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if any page is lost, shared, or both free and owned."""
-        owned = [p for table in self.page_tables.values() for p in table]
-        free = set(self._free)
+        """Raise AssertionError unless every page is exactly one of free, cached or owned, with
+        owned refcounts equal to the page tables holding them, and the hash index consistent."""
+        counts: dict[int, int] = {}
+        for rid, table in self.page_tables.items():
+            assert len(set(table)) == len(table), f"request {rid}: holds a page twice"
+            for p in table:
+                counts[p] = counts.get(p, 0) + 1
+        if self.prefix_caching:
+            assert counts == self._refs, "a refcount differs from the page tables holding the page"
+        else:
+            assert not self._refs and all(c == 1 for c in counts.values()), "a page is shared without prefix caching"
+        free, cached, owned = set(self._free), set(self._cached), set(counts)
         assert len(free) == len(self._free), "a page is on the free list twice"
-        assert len(set(owned)) == len(owned), "a page is owned twice"
-        assert not free & set(owned), "a page is both free and owned"
-        assert self.NULL_PAGE not in free and self.NULL_PAGE not in owned, "the null page was handed out"
-        assert free | set(owned) == set(range(1, self.num_pages)), "a page was lost"
+        assert not free & owned and not free & cached and not cached & owned, "a page is in two states"
+        assert self.NULL_PAGE not in free | cached | owned, "the null page was handed out"
+        assert free | cached | owned == set(range(1, self.num_pages)), "a page was lost"
+        assert not free & set(self._hash_of), "a free page is still registered"
+        assert cached <= set(self._hash_of), "a cached page is not registered"
+        assert {p: h for h, p in self._page_of.items()} == self._hash_of, "the hash index is inconsistent"
+        assert self.prefix_caching or not self._hash_of, "a page was registered without prefix caching"
         assert self.num_stored_tokens == sum(self._stored.values())
+        assert self._num_hashed.keys() == self.page_tables.keys()
         for rid, table in self.page_tables.items():
             assert self._stored[rid] <= len(table) * self.page_size, f"request {rid}: stores more than its pages"

@@ -21,6 +21,7 @@ from cbjax.model import decode_step, init_cache, init_params, prefill
 from cbjax.request import Request
 from cbjax.runtime.compiles import compile_count
 from cbjax.runtime.sampling import sample
+from cbjax.runtime.swap import HostSwap
 from cbjax.scheduler.core import Schedule
 
 
@@ -115,6 +116,7 @@ class JaxExecutor:
         # one compiled variant per width, so short batches do not pay for max_model_len.
         widths = cfg.decode_page_buckets or default_buckets(self.max_pages, smallest=max(1, self.max_pages // 8))
         self.decode_widths = sorted({min(w, self.max_pages) for w in widths} | {self.max_pages})
+        self.decode_rows = sorted({min(r, self.num_slots) for r in cfg.decode_row_buckets or []} | {self.num_slots})
         longest = min(model.max_model_len, scheduler.max_num_batched_tokens)
         self.buckets = sorted(set(cfg.prefill_buckets or default_buckets(longest)))
         if self.buckets[-1] < longest:
@@ -139,6 +141,10 @@ class JaxExecutor:
         self._positions = np.zeros(self.num_slots, np.int32)
         self._active = np.zeros(self.num_slots, bool)
         self._sampling = SamplingArrays(self.num_slots)
+        # Swap preemption moves pages in calls padded to the decode page-table widths.
+        self._swap = HostSwap(self.decode_widths)
+        self._swap_at_warmup = scheduler.preemption == "swap"
+        self.swap_s = 0.0
         self._compiles_at_warmup: Optional[int] = None
         self.host_pack_s = 0.0
         self.device_s = 0.0
@@ -158,24 +164,33 @@ class JaxExecutor:
         """Compile the decode step and every prefill bucket with all-padding inputs."""
         compile_count()  # start counting before the first compile
         sampling = SamplingArrays(self.num_slots).arrays()
-        for width in self.decode_widths:
-            toks, self.cache = self._decode(
-                self.params, self.cache, self._tokens, self._positions, self._page_table[:, :width],
-                self._active, sampling,
-            )  # fmt: skip
-            jax.block_until_ready(toks)
+        for rows in self.decode_rows:
+            for width in self.decode_widths:
+                toks, self.cache = self._decode(
+                    self.params, self.cache, self._tokens[:rows], self._positions[:rows],
+                    self._page_table[:rows, :width], self._active[:rows], tuple(a[:rows] for a in sampling),
+                )  # fmt: skip
+                jax.block_until_ready(toks)
         for bucket in self.buckets:
             for rows in self.row_buckets:
                 toks = self._run_prefill(np.zeros((rows, bucket), np.int32), [], {})
                 jax.block_until_ready(toks)
         toks = self._run_prefill(np.zeros((1, self.context_bucket), np.int32), [], {}, context=True)
         jax.device_get(toks)
+        if self._swap_at_warmup:
+            self.cache = self._swap.warmup(self.cache)
         self._compiles_at_warmup = compile_count()
 
     def execute(self, plan: Schedule) -> StepOutput:
         t0 = time.perf_counter()
         call_s = 0.0
         pending = []  # (device tokens, output indices, rows): plan.requests order is decodes, prefills
+        if plan.swap_out or plan.swap_in:  # before the step, swap-outs first: they may free swap-in pages
+            tc = time.perf_counter()
+            self._swap.swap_out(self.cache, plan.swap_out)
+            self.cache = self._swap.swap_in(self.cache, plan.swap_in)
+            self.swap_s += time.perf_counter() - tc
+            call_s += time.perf_counter() - tc
         if plan.decodes:
             self._active[:] = False
             slots = []
@@ -191,11 +206,17 @@ class JaxExecutor:
             need = -(-longest // self.page_size)
             width = next(w for w in self.decode_widths if w >= need)
             np.add(self._positions, 1, out=self._sampling.position)  # index of the token generated
+            args = (self._tokens, self._positions, self._page_table[:, :width], self._active, self._sampling.arrays())
+            rows = next(r for r in self.decode_rows if r >= len(slots))
+            if rows < self.num_slots:  # pack the active slots into the first rows; the rest are inactive
+                idx = np.zeros(rows, np.intp)
+                idx[: len(slots)] = slots
+                tokens, positions, table, active, sampling = args
+                active = np.arange(rows) < len(slots)
+                args = (tokens[idx], positions[idx], table[idx], active, tuple(a[idx] for a in sampling))
+                slots = list(range(len(slots)))
             tc = time.perf_counter()
-            toks, self.cache = self._decode(
-                self.params, self.cache, self._tokens, self._positions, self._page_table[:, :width],
-                self._active, self._sampling.arrays(),
-            )  # fmt: skip
+            toks, self.cache = self._decode(self.params, self.cache, *args)
             call_s += time.perf_counter() - tc
             pending.append((toks, range(len(slots)), slots))
         first = len(plan.decodes)
@@ -232,9 +253,11 @@ class JaxExecutor:
             "compiles_after_warmup": after,
             "prefill_buckets": self.buckets,
             "decode_page_widths": self.decode_widths,
+            "decode_rows": self.decode_rows,
             "host_pack_s": self.host_pack_s,
             "device_wait_s": self.device_s,
             "context_prefills": self.num_context_prefills,
+            "swap_s": self.swap_s,
         }
 
     # ---- packing ----

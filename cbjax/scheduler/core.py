@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cbjax.cache.allocator import PageAllocator
+from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.request import FinishReason, Request, Status
 from cbjax.scheduler.policy import Policy, make_policy
@@ -20,6 +21,10 @@ class Schedule:
     `[num_computed, num_computed + num_new_tokens)` of prompt-plus-generated. A decode
     processes the one token generated last; a prefill processes the prompt (plus the tokens
     generated before a preemption). A request yields a token when its last token is processed.
+
+    Swaps run before the step, swap-outs first: `swap_out` holds (request, its pages whose
+    contents go to host memory), `swap_in` (request, the new pages its host copy returns to),
+    pages in sequence order. A page freed by a swap-out may be a swap-in's destination.
     """
 
     num_slots: int
@@ -29,6 +34,14 @@ class Schedule:
     start_s: float = 0.0
     # request_id -> its pages, the allocator's live tables (read-only for executors)
     page_tables: dict[str, list[int]] = field(default_factory=dict)
+    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
+    page_size: int = 1
+
+    @property
+    def num_swapped_pages(self) -> int:
+        """Pages copied between device and host before this step, both directions."""
+        return sum(len(pages) for _, pages in self.swap_out + self.swap_in)
 
     @property
     def requests(self) -> list[Request]:
@@ -51,6 +64,16 @@ class Scheduler:
     slots are filled from the waiting queue by the policy; a newly admitted request prefills in
     that iteration and its prefill yields its first token; every running request yields one
     token per iteration, so a request of output length L finishes at the end of its L-th.
+
+    Prefix caching (`cache.prefix_caching`, see `cbjax.cache.prefix`): a request's full pages
+    are registered once computed; at admission its cached leading pages are shared and
+    `num_computed` starts after them.
+
+    Swap preemption (`scheduler.preemption=swap`): the victim's computed pages go to host
+    memory (`Schedule.swap_out`) and it keeps `num_computed`; on readmission new pages are
+    allocated and the host copy comes back (`Schedule.swap_in`), bypassing the prefix cache.
+    A victim with nothing computed, or whose pages exceed the free host pages
+    (`cache.num_swap_pages`), is recomputed instead.
     """
 
     def __init__(
@@ -66,8 +89,13 @@ class Scheduler:
         self.max_num_seqs = cfg.max_num_seqs
         self.token_budget = cfg.max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.policy = policy or make_policy(cfg)
-        self.allocator = PageAllocator(cache.num_pages, cache.page_size, cache.allocation)
+        self.policy = policy if policy is not None else make_policy(cfg)  # an empty queue is falsy
+        self.allocator = PageAllocator(cache.num_pages, cache.page_size, cache.allocation, cache.prefix_caching)
+        self.prefix = PrefixCache(self.allocator) if cache.prefix_caching else None
+        self.swap = cfg.preemption == "swap"
+        self.swap_capacity = cache.swap_capacity
+        self.swap_used = 0
+        self._swapped: dict[Request, int] = {}  # waiting request -> its pages held in host memory
         self.validate = validate
         self.eos_token_id = eos_token_id
         self.running: list[Request] = []
@@ -75,6 +103,8 @@ class Scheduler:
         self._free_slots = list(range(cfg.max_num_seqs))  # a min-heap
         self.finished: list[Request] = []
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_swapped_out_pages = 0
         self._admit_counter = 0
 
     # ---- intake ----
@@ -134,7 +164,9 @@ class Scheduler:
     # ---- one iteration ----
     def schedule(self, now: float) -> Schedule:
         alloc = self.allocator
-        plan = Schedule(num_slots=self.max_num_seqs, start_s=now, page_tables=alloc.page_tables)
+        plan = Schedule(
+            num_slots=self.max_num_seqs, start_s=now, page_tables=alloc.page_tables, page_size=alloc.page_size
+        )
         budget = self.token_budget
         # Running requests first: decodes (one token left to process), then unfinished
         # prefills, then new prefills: Sarathi-Serve's stall-free order. A request processes
@@ -165,7 +197,10 @@ class Scheduler:
                 req = self.policy.peek()
                 if req in plan.preempted:
                     break
-                n = req.num_tokens
+                swapped = self._swapped.get(req, 0)
+                cached = [] if swapped or self.prefix is None else self.prefix.match(req)
+                done = req.num_computed if swapped else len(cached) * alloc.page_size
+                n = req.num_tokens - done
                 if n > budget:
                     # Chunked prefill (Sarathi-Serve) fills the budget's remainder with the
                     # head's first chunk. Without it, only a recomputed request can outgrow the
@@ -173,7 +208,7 @@ class Scheduler:
                     if n <= self.token_budget and not self.cfg.chunked_prefill:
                         break
                     n = budget
-                if not self._free_slots or not alloc.can_allocate(n, self.max_len_tokens(req)):
+                if not self._free_slots or not alloc.can_allocate(done + n, self.max_len_tokens(req), cached):
                     # The policy may evict a running request the head outranks (priority, mlfq).
                     victim = self.policy.preempt_for(req, self)
                     if victim is None:
@@ -181,12 +216,31 @@ class Scheduler:
                     budget += self._preempt(victim, plan)
                     continue
                 self.policy.pop()
-                alloc.allocate(req.request_id, n, self.max_len_tokens(req))
+                table = alloc.allocate(req.request_id, done + n, self.max_len_tokens(req), cached)
                 budget -= n
+                if swapped:
+                    del self._swapped[req]
+                    self.swap_used -= swapped
+                    plan.swap_in.append((req, table[:swapped]))
+                else:
+                    if self.prefix is not None:
+                        self.prefix.admitted(req, done)
+                    req.num_computed = done
                 self._admit(req, now)
                 req.num_new_tokens = n
                 plan.prefills.append(req)
         return plan
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache and swap counters for summary.json (hit rate: `PrefixCache.hit_rate`)."""
+        prefix = self.prefix
+        return {
+            "prefix_cache_hit_rate": prefix.hit_rate if prefix else 0.0,
+            "prefix_cache_hit_tokens": prefix.tokens_hit if prefix else 0,
+            "prefix_cache_evictions": self.allocator.num_evictions,
+            "swap_preemptions": self.num_swap_preemptions,
+            "swapped_out_pages": self.num_swapped_out_pages,
+        }
 
     def _admit(self, req: Request, now: float) -> None:
         req.status = Status.RUNNING
@@ -205,7 +259,8 @@ class Scheduler:
         req.slot = -1
 
     def _preempt(self, req: Request, plan: Schedule) -> int:
-        """Recompute preemption: drop the request's K/V and requeue it with its tokens so far.
+        """Preempt by swap (its computed pages to host memory, `num_computed` kept) or by
+        recompute (its K/V dropped), and requeue it with its tokens so far.
 
         Returns the budget tokens it gives back if it was already planned this iteration.
         """
@@ -213,10 +268,24 @@ class Scheduler:
         if planned:
             (plan.decodes if req in plan.decodes else plan.prefills).remove(req)
             req.num_new_tokens = 0
+        pages = self.allocator.pages_for(req.num_computed)
+        swap_in = next((entry for entry in plan.swap_in if entry[0] is req), None)
+        if swap_in is not None:
+            plan.swap_in.remove(swap_in)  # swapped in by this plan: its host copy is still there
+        elif self.swap and 0 < pages <= self.swap_capacity - self.swap_used:
+            plan.swap_out.append((req, self.allocator.page_tables[req.request_id][:pages]))
+            self.num_swap_preemptions += 1
+            self.num_swapped_out_pages += pages
+        else:
+            pages = 0
         self._release(req)
         self.running.remove(req)
         req.status = Status.WAITING
-        req.num_computed = 0
+        if pages:
+            self._swapped[req] = pages
+            self.swap_used += pages
+        else:
+            req.num_computed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         plan.preempted.append(req)
@@ -232,6 +301,8 @@ class Scheduler:
         for i, req in enumerate(plan.requests):
             req.num_computed += req.num_new_tokens
             req.num_new_tokens = 0
+            if self.prefix is not None:
+                self.prefix.register(req)
             if req.num_computed < req.num_tokens:
                 continue  # a partial prefill yields no token
             req.num_generated += 1
@@ -258,6 +329,8 @@ class Scheduler:
                 req.finish_reason = reason
                 req.finish_s = now
                 self._release(req)
+                if self.prefix is not None:
+                    self.prefix.forget(req)
                 done.append(req)
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
@@ -271,6 +344,10 @@ class Scheduler:
             self._release(req)
         leftovers = self.running + list(self.policy)
         self.running = []
+        self._swapped.clear()
+        self.swap_used = 0
+        if self.prefix is not None:
+            self.prefix.clear()
         while len(self.policy):
             self.policy.pop()
         for req in leftovers:

@@ -7,7 +7,7 @@ from cbjax.scheduler.core import Schedule
 
 
 class UnitCost:
-    """Every iteration costs exactly 1.0 s, so time counts iterations."""
+    """Every iteration costs exactly 1.0 s, so time counts iterations (swaps cost nothing)."""
 
     name = "unit"
 
@@ -22,6 +22,9 @@ class RooflineCost:
     sequence (only the last position is sampled), and attention scores and mixing over each
     token's context. Bytes: all weights once per iteration, plus the K/V each sequence reads
     and writes. One forward serves every prefill and decode of the iteration, as in Orca.
+    A prefill after a prefix-cache hit counts only its new tokens (the hit is its context).
+    Swap preemption adds the swapped pages' K/V bytes over `hardware.host_bw`, serially: the
+    copies run before the step.
     """
 
     name = "roofline"
@@ -38,6 +41,7 @@ class RooflineCost:
         self.attn_flops_per_pair = 4.0 * model.num_layers * model.num_heads * model.head_dim
         self.weight_bytes = float(model.num_params * model.dtype_bytes)
         self.kv_bytes_per_token = float(model.kv_bytes_per_token)
+        self.host_bytes_per_s = hw.host_bw
         if self.weight_bytes > hw.mem_bytes:
             raise ValueError(
                 f"model {model.name} needs {self.weight_bytes / 1e9:.1f} GB of weights, "
@@ -62,7 +66,8 @@ class RooflineCost:
         seqs = plan.num_scheduled
         flops = tokens * self.body_flops_per_token + seqs * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
         bytes_moved = self.weight_bytes + kv_tokens * self.kv_bytes_per_token
-        return max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s) + self.overhead_s
+        swap_s = plan.num_swapped_pages * plan.page_size * self.kv_bytes_per_token / self.host_bytes_per_s
+        return max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s) + self.overhead_s + swap_s
 
 
 COST_MODELS = ("unit", "roofline")

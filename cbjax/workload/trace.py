@@ -4,6 +4,9 @@ A problem with the whole file (missing, unknown format, bad header) raises Value
 malformed line becomes a Request with `input_error` set, so the run rejects it and it still
 shows in the outputs; its unparsed fields take defaults (prompt_len 0, the previous valid
 arrival time).
+
+A JSONL line may give its prompt as text (`prompt`); `encode_text_prompts` turns it into
+token ids with the model's tokenizer before the run.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ CSV_COLUMNS = ("arrival_s", "prompt_len", "output_len")
 JSONL_KEYS = (
     "arrival_s", "prompt_token_ids", "prompt_len", "max_tokens", "output_len", "request_id",
     "temperature", "top_k", "top_p", "seed", "ignore_eos", "priority", "client_id", "stop_token_ids",
+    "prompt",
 )  # fmt: skip
 # 2023-11-16 18:17:03.9799600: up to 9 fractional digits (datetime takes 6), optional UTC offset.
 _TIMESTAMP = re.compile(
@@ -46,6 +50,7 @@ class _Row:
     request_id: Optional[str] = None
     prompt_len: Optional[int] = None
     prompt_token_ids: Optional[list[int]] = None
+    prompt_text: Optional[str] = None
     output_len: Optional[int] = None
     max_tokens: Optional[int] = None
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -193,8 +198,12 @@ def _jsonl_row(n: int, text: str) -> _Row:
         row.prompt_token_ids = _attempt(row, _json_ids, "prompt_token_ids", obj["prompt_token_ids"])
     if "prompt_len" in obj:
         row.prompt_len = _attempt(row, _json_int, "prompt_len", obj["prompt_len"])
-    if "prompt_token_ids" not in obj and "prompt_len" not in obj:
-        row.errors.append("needs prompt_token_ids or prompt_len")
+    if "prompt" in obj:
+        row.prompt_text = _attempt(row, _json_str, "prompt", obj["prompt"])
+        if "prompt_token_ids" in obj or "prompt_len" in obj:
+            row.errors.append("prompt (text) excludes prompt_token_ids and prompt_len")
+    elif "prompt_token_ids" not in obj and "prompt_len" not in obj:
+        row.errors.append("needs prompt, prompt_token_ids or prompt_len")
     elif row.prompt_token_ids is not None and row.prompt_len is not None:
         if row.prompt_len != len(row.prompt_token_ids):
             row.errors.append(
@@ -253,13 +262,15 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
             while rid in seen:  # keep ids unique in the outputs
                 rid = f"{rid}@line{row.line}"
         seen[rid] = row.line
+        has_prompt = row.prompt_token_ids is not None or row.prompt_text is not None
         requests.append(
             Request(
                 request_id=rid,
                 arrival_s=arrival,
                 prompt_len=len(row.prompt_token_ids) if row.prompt_token_ids is not None else row.prompt_len or 0,
                 prompt_token_ids=row.prompt_token_ids,
-                synthetic_prompt=None if row.prompt_token_ids is not None else (pseed, cfg.vocab_size),
+                synthetic_prompt=None if has_prompt else (pseed, cfg.vocab_size),
+                prompt_text=row.prompt_text,
                 sampling=_sampling(row, cfg, default_seed),
                 target_output_len=row.output_len,
                 priority=row.priority,
@@ -268,6 +279,25 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
             )
         )
     return requests
+
+
+def encode_text_prompts(requests: list[Request], tokenizer: Optional[Any], where: str = "the model") -> None:
+    """Tokenize each request's `prompt_text` into its prompt ids, in place.
+
+    `tokenizer` has `encode(text) -> list[int]`; without one, text requests are rejected by
+    name. Requests already rejected keep their first error.
+    """
+    for req in requests:
+        if req.prompt_text is None or req.input_error is not None:
+            continue
+        if tokenizer is None:
+            req.input_error = (
+                f"request {req.request_id}: prompt is text, but {where} has no tokenizer; "
+                "set model.path to a Hugging Face directory with tokenizer.json"
+            )
+            continue
+        req.prompt_token_ids = tokenizer.encode(req.prompt_text)
+        req.prompt_len = len(req.prompt_token_ids)
 
 
 def _sampling(row: _Row, cfg: WorkloadConfig, default_seed: int) -> SamplingParams:

@@ -22,8 +22,8 @@ class MLFQPolicy(RankedPolicy):
 
     With `scheduler.mlfq_preempt` (FastServe's iteration-level preemption) a waiting request
     that lacks a slot or pages preempts the running request in the lowest queue below its
-    own, latest admitted first. FastServe swaps the evicted KV cache to host memory; here it
-    is recomputed. Preempted requests keep their queue and quantum use. FastServe also lifts
+    own, latest admitted first. FastServe swaps the evicted KV cache to host memory; here that
+    is `scheduler.preemption=swap`, and the default recomputes it. Preempted requests keep their queue and quantum use. FastServe also lifts
     jobs that waited past a limit back to the top queue; that is not implemented here, so
     under sustained load of short requests the lower queues may wait indefinitely.
     """

@@ -12,7 +12,7 @@ class PriorityPolicy(RankedPolicy):
     """Lower `priority` value first, FCFS among equals (vLLM's convention).
 
     With `scheduler.priority_preempt`, a waiting request that lacks a slot or pages preempts
-    (by recompute) the lowest-priority running request it strictly outranks, latest admitted
+    (by `scheduler.preemption`) the lowest-priority running request it strictly outranks, latest admitted
     among equals. When pages run out the victim is chosen the same way.
     """
 

@@ -1,0 +1,66 @@
+"""Prefix caching on top of the page allocator: requests' page hash chains and hit counters (no jax)."""
+
+from __future__ import annotations
+
+from cbjax.cache.allocator import ROOT_HASH, PageAllocator, chain_hashes
+from cbjax.request import Request
+
+
+class PrefixCache:
+    """Matches and registers requests' full pages in the allocator's prefix index.
+
+    A page is identified by its chained hash, so only pages whose token ids are all known can
+    be matched or registered: prompt pages always, pages of generated tokens only when the
+    executor materializes tokens (the JAX engine; the simulator has no ids for them).
+    """
+
+    def __init__(self, allocator: PageAllocator):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._chains: dict[Request, list[int]] = {}  # hashes of the request's known full pages
+        self.prompt_tokens_admitted = 0  # over first admissions
+        self.prompt_tokens_hit = 0  # of those, found in the cache
+        self.tokens_hit = 0  # found in the cache at every admission, readmissions included
+
+    def _chain(self, req: Request) -> list[int]:
+        """Chained hashes of the request's full pages whose token ids are known (memoized)."""
+        chain = self._chains.setdefault(req, [])
+        ps = self.page_size
+        known = req.prompt_len + len(req.output_token_ids)
+        if (len(chain) + 1) * ps <= known:
+            lo, hi = len(chain) * ps, known - known % ps
+            ids = req.prompt_ids()
+            if hi > req.prompt_len:
+                ids = ids + req.output_token_ids
+            chain.extend(chain_hashes(chain[-1] if chain else ROOT_HASH, ids[lo:hi], ps))
+        return chain
+
+    def match(self, req: Request) -> list[int]:
+        """Cached pages holding the request's leading tokens, short of the page of its last
+        token: that token is always prefilled, so the prefill yields the next one."""
+        return self.allocator.match(self._chain(req)[: (req.num_tokens - 1) // self.page_size])
+
+    def admitted(self, req: Request, num_hit: int) -> None:
+        """Count an admission that reuses `num_hit` cached tokens. Call before it is scheduled."""
+        self.tokens_hit += num_hit
+        if req.scheduled_s is None:  # first admission
+            self.prompt_tokens_admitted += req.prompt_len
+            self.prompt_tokens_hit += num_hit
+
+    def register(self, req: Request) -> None:
+        """Register the request's computed full pages whose token ids are known."""
+        self.allocator.register(req.request_id, self._chain(req), req.num_computed // self.page_size)
+
+    def forget(self, req: Request) -> None:
+        self._chains.pop(req, None)
+
+    def clear(self) -> None:
+        self._chains.clear()
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens found in the cache at requests' first admission over the prompt
+        tokens of all admitted requests. A readmission after a preemption is left out, so a
+        request re-finding its own pages does not count (it is in `tokens_hit`)."""
+        admitted = self.prompt_tokens_admitted
+        return self.prompt_tokens_hit / admitted if admitted else 0.0

@@ -1,0 +1,269 @@
+"""Load a local Hugging Face Llama, Mistral or Qwen2 checkpoint (config.json + safetensors) into cbjax.
+
+`load_config` fills a ModelConfig's architecture fields from `config.json`; `load_params`
+reads the `*.safetensors` files (one file, or shards listed in `model.safetensors.index.json`)
+into the `cbjax.model.llama` param tree, transposing each nn.Linear weight from Hugging Face's
+[out, in] to [in, out]. Nothing is ever downloaded: `model.path` is a directory on disk.
+
+Two ModelConfig values mean "take it from the checkpoint": `dtype="auto"` (config.json's
+dtype; float16 loads as float32, which holds it exactly) and `max_model_len=0`
+(max_position_embeddings, capped by a sliding window so attention stays exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so safetensors can read BF16 tensors
+import numpy as np
+
+from cbjax.config import ModelConfig
+from cbjax.model.llama import Params, check_supported
+
+# model_type -> the causal-LM class whose weights we read
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ROPE_TYPES = ("default",)
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some older checkpoints carry; recomputed here, never read.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json of `model_dir` as a dict, after checking the directory holds one."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model.path {str(model_dir)!r} is not a directory (resolved to {path.resolve()})")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model.path {str(model_dir)!r}: no config.json in {path.resolve()}")
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model.path {str(model_dir)!r}: cannot read config.json: {e}") from e
+
+
+def load_config(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with every architecture field taken from `cfg.path`/config.json.
+
+    Kept from `cfg`: name, path, an explicit dtype, and an explicit max_model_len (which must
+    fit the checkpoint's context).
+    """
+    if not cfg.path:
+        raise ValueError("model.path is not set: load_config needs a Hugging Face model directory")
+    hf = read_hf_config(cfg.path)
+    where = f"model.path {cfg.path!r}"
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"{where}: unsupported architecture model_type={model_type!r} "
+            f"(architectures {hf.get('architectures')}); supported: {', '.join(ARCHITECTURES)}"
+        )
+    expected_arch = ARCHITECTURES[model_type]
+    archs = hf.get("architectures") or [expected_arch]
+    if expected_arch not in archs:
+        raise ValueError(f"{where}: unsupported architecture {archs}; for {model_type!r} cbjax reads {expected_arch}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: unsupported hidden_act {hf['hidden_act']!r}; cbjax's MLP is SwiGLU (silu)")
+    rope_theta = _rope_theta(hf, where)
+
+    num_heads = hf["num_attention_heads"]
+    limit, limit_key = hf.get("max_position_embeddings", 2048), "max_position_embeddings"
+    window = _sliding_window(hf, model_type)
+    if window is not None and window < limit:
+        limit, limit_key = window, "sliding_window"
+    max_model_len = cfg.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(
+            f"model.max_model_len {max_model_len} exceeds the checkpoint's {limit_key} {limit} ({where})"
+        )
+    dtype = cfg.dtype
+    if dtype == "auto":
+        hf_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if hf_dtype not in _DTYPES:
+            raise ValueError(f"{where}: unsupported dtype {hf_dtype!r}; set model.dtype to float32 or bfloat16")
+        dtype = _DTYPES[hf_dtype]
+    resolved = dataclasses.replace(
+        cfg,
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        ffn_dim=hf["intermediate_size"],
+        rope_theta=float(rope_theta),
+        max_model_len=max_model_len,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        mlp="gated",
+        attention_bias=_biases(hf, model_type)[0],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        eos_token_id=_eos_token_id(hf, Path(cfg.path)),
+    )
+    check_supported(resolved)
+    return resolved
+
+
+def load_params(cfg: ModelConfig) -> Params:
+    """The checkpoint's weights as a cbjax param tree in the resolved dtype.
+
+    Raises ValueError naming the tensor for a missing tensor, an unexpected one (an
+    architecture variant cbjax does not model) or a shape that disagrees with config.json.
+    """
+    cfg = load_config(cfg)
+    model_dir = Path(cfg.path)
+    hf = read_hf_config(model_dir)
+    where = f"model.path {cfg.path!r}"
+    expected = _expected_tensors(cfg, hf)  # HF name -> (shape as stored, transpose?)
+    files = _tensor_files(model_dir, where)
+    missing = [name for name in expected if name not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{where}: tensor {missing[0]!r} is missing from the checkpoint{more}")
+    unexpected = [
+        name for name in files
+        if name not in expected and not name.endswith(_IGNORED_SUFFIXES)
+        and not (name == "lm_head.weight" and cfg.tie_embeddings)
+    ]  # fmt: skip
+    if unexpected:
+        raise ValueError(
+            f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all): an architecture "
+            f"variant cbjax does not support"
+        )
+    from safetensors import safe_open
+
+    dtype = jnp.dtype(cfg.dtype)
+    flat: dict[str, Any] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="numpy") as f:
+            for name in names:
+                shape, transpose = expected[name]
+                got = tuple(f.get_slice(name).get_shape())
+                if got != shape:
+                    raise ValueError(
+                        f"{where}: tensor {name!r} has shape {list(got)}, config.json implies {list(shape)}"
+                    )
+                array = f.get_tensor(name)
+                array = array.T if transpose else array
+                flat[name] = jnp.asarray(np.ascontiguousarray(array.astype(dtype)))
+    return _nest(flat, cfg)
+
+
+def _rope_theta(hf: dict[str, Any], where: str) -> float:
+    """rope_theta from the v5 `rope_parameters` or the older top-level key; only unscaled RoPE."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{where}: unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    factor = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise ValueError(f"{where}: unsupported partial_rotary_factor {factor}; cbjax rotates the whole head")
+    return rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+
+
+def _sliding_window(hf: dict[str, Any], model_type: str):
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        return None
+    return hf.get("sliding_window")
+
+
+def _biases(hf: dict[str, Any], model_type: str) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, o_proj bias, mlp bias) as each architecture defines them."""
+    if model_type == "qwen2":
+        return True, False, False
+    if model_type == "llama":
+        attn = bool(hf.get("attention_bias", False))
+        return attn, attn, bool(hf.get("mlp_bias", False))
+    return False, False, False
+
+
+def _eos_token_id(hf: dict[str, Any], model_dir: Path):
+    """generation_config.json's eos (what `generate` stops on), else config.json's; a list gives its first."""
+    eos = hf.get("eos_token_id")
+    gen_file = model_dir / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+        except json.JSONDecodeError:
+            pass
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def _expected_tensors(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Every tensor the checkpoint must hold: HF name -> (HF shape, transpose into cbjax)."""
+    d, q_dim, kv_dim, ffn = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ffn_dim
+    qkv_bias, o_bias, mlp_bias = _biases(hf, hf["model_type"])
+    out: dict[str, tuple[tuple[int, ...], bool]] = {"model.embed_tokens.weight": ((cfg.vocab_size, d), False)}
+
+    def linear(name: str, d_in: int, d_out: int, bias: bool) -> None:
+        out[f"{name}.weight"] = ((d_out, d_in), True)
+        if bias:
+            out[f"{name}.bias"] = ((d_out,), False)
+
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = ((d,), False)
+        out[f"{p}.post_attention_layernorm.weight"] = ((d,), False)
+        linear(f"{p}.self_attn.q_proj", d, q_dim, qkv_bias)
+        linear(f"{p}.self_attn.k_proj", d, kv_dim, qkv_bias)
+        linear(f"{p}.self_attn.v_proj", d, kv_dim, qkv_bias)
+        linear(f"{p}.self_attn.o_proj", q_dim, d, o_bias)
+        linear(f"{p}.mlp.gate_proj", d, ffn, mlp_bias)
+        linear(f"{p}.mlp.up_proj", d, ffn, mlp_bias)
+        linear(f"{p}.mlp.down_proj", ffn, d, mlp_bias)
+    out["model.norm.weight"] = ((d,), False)
+    if not cfg.tie_embeddings:
+        linear("lm_head", d, cfg.vocab_size, False)
+    return out
+
+
+def _tensor_files(model_dir: Path, where: str) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the shard index or the files' headers."""
+    from safetensors import safe_open
+
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{where}: cannot read {INDEX_FILE}: {e}") from e
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        absent = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if absent:
+            raise ValueError(f"{where}: shard {absent[0]!r} listed in {INDEX_FILE} does not exist")
+        return files
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"{where}: no *.safetensors files in {model_dir.resolve()}")
+    files = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="numpy") as f:
+            for name in f.keys():
+                files[name] = shard
+    return files
+
+
+def _nest(flat: dict[str, Any], cfg: ModelConfig) -> Params:
+    """HF flat names -> the nested cbjax tree (`model.` dropped, layers a list)."""
+    params: Params = {"layers": [{} for _ in range(cfg.num_layers)]}
+    for name, array in flat.items():
+        parts = name.split(".")
+        if parts[0] == "model":
+            parts = parts[1:]
+        node = params
+        if parts[0] == "layers":
+            node, parts = params["layers"][int(parts[1])], parts[2:]
+        for key in parts[:-1]:
+            node = node.setdefault(key, {})
+        node[parts[-1]] = array
+    return params

@@ -1,0 +1,356 @@
+"""Hugging Face checkpoints: cbjax must match transformers token for token on the same weights.
+
+Tiny random models are built from configs with transformers (no downloads), saved with
+`save_pretrained` and loaded by `cbjax.model.hf`. Everything runs in f32.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from cbjax.config import (  # noqa: E402
+    CacheConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig,
+)  # fmt: skip
+from cbjax.engine import serve  # noqa: E402
+from cbjax.kernels.paged_attention import attention_op  # noqa: E402
+from cbjax.model import decode_step, forward_dense, init_cache, prefill  # noqa: E402
+from cbjax.model.hf import load_config, load_params  # noqa: E402
+from cbjax.model.tokenizer import load_tokenizer  # noqa: E402
+from cbjax.request import FinishReason, Request, SamplingParams  # noqa: E402
+from cbjax.run import run_single  # noqa: E402
+from cbjax.runtime.executor import JaxExecutor  # noqa: E402
+from cbjax.scheduler import Scheduler  # noqa: E402
+from cbjax.workload.trace import encode_text_prompts, load_trace  # noqa: E402
+
+# f32 on both sides; only the order of sums differs. Logits are O(1) (weights ~ N(0, 0.1)).
+LOGITS_ATOL = 1e-4
+LOGITS_RTOL = 1e-4
+
+MAX_MODEL_LEN = 128
+PAGE_SIZE = 4
+BUCKETS = [64]  # one prefill shape and one decode width: few compiles
+DECODE_WIDTHS = [MAX_MODEL_LEN // PAGE_SIZE]
+BUDGET = 64
+NUM_PAGES = 256
+NUM_DECODE_STEPS = 12
+NUM_SLOTS = 4
+
+COMMON = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
+    rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+ARCHS = {
+    # explicit head_dim (24, not 64 / 4), GQA 4:2, biases on q/k/v/o, untied head, rope_theta 5e5
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, attention_bias=True,
+                   rope_theta=500000.0, tie_word_embeddings=False)),
+    # Qwen2: q/k/v biases, GQA 8:2, tied embeddings, rope_theta 1e6
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(num_attention_heads=8, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True)),
+}  # fmt: skip
+
+
+def build_hf(arch: str, out_dir, seed: int = 0, dtype=None):
+    """A random transformers model saved to `out_dir`; every weight ~ N(0, 0.1), norms ~ 1."""
+    config_cls, model_cls, kw = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**COMMON, **kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(str(out_dir))
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """checkpoint(arch) -> (transformers model, model dir, resolved cbjax ModelConfig), built once."""
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            out_dir = str(tmp_path_factory.mktemp(f"hf_{arch}"))
+            model = build_hf(arch, out_dir)
+            cfg = load_config(ModelConfig(name="hf", path=out_dir, dtype="auto", max_model_len=MAX_MODEL_LEN))
+            built[arch] = (model, out_dir, cfg)
+        return built[arch]
+
+    return get
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def assert_logits_close(got, want, what):
+    err = np.abs(np.asarray(got) - want)
+    bound = LOGITS_ATOL + LOGITS_RTOL * np.abs(want)
+    assert (err <= bound).all(), f"{what}: max |diff| {err.max():.2e}"
+
+
+# ---- loader ----
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_config_json_maps_onto_model_config(checkpoint, arch):
+    _, _, cfg = checkpoint(arch)
+    kw = ARCHS[arch][2]
+    assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.ffn_dim) == (512, 64, 2, 128)
+    assert (cfg.num_heads, cfg.num_kv_heads) == (kw["num_attention_heads"], kw["num_key_value_heads"])
+    assert cfg.head_dim == kw.get("head_dim", 64 // kw["num_attention_heads"])
+    assert cfg.rope_theta == kw["rope_theta"] and cfg.tie_embeddings == kw["tie_word_embeddings"]
+    assert cfg.attention_bias and cfg.dtype == "float32" and cfg.eos_token_id == 2 and cfg.norm_eps == 1e-6
+    assert cfg.max_model_len == MAX_MODEL_LEN
+    full = load_config(ModelConfig(path=cfg.path, dtype="auto", max_model_len=0))
+    assert full.max_model_len == 256  # max_position_embeddings
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_dense_forward_matches_transformers_at_every_position(checkpoint, arch):
+    model, _, cfg = checkpoint(arch)
+    params = load_params(cfg)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 57).tolist()
+    got = jax.jit(functools.partial(forward_dense, cfg=cfg))(params, jnp.asarray(tokens, jnp.int32))
+    assert_logits_close(got, hf_logits(model, tokens), f"{arch} dense forward")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_paged_prefill_and_every_decode_step_match_transformers(checkpoint, arch):
+    """Three prompts share the paged cache (pages permuted); after prefill each slot decodes
+    NUM_DECODE_STEPS tokens, feeding back transformers' greedy choice; logits compared at each step."""
+    model, _, cfg = checkpoint(arch)
+    params = load_params(cfg)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 16, 11)]
+    num_slots, max_pages, bucket = len(prompts), 8, 16
+    page_table = rng.permutation(np.arange(1, 1 + num_slots * max_pages)).reshape(num_slots, max_pages)
+    page_table = page_table.astype(np.int32)
+    tokens = np.zeros((num_slots, bucket), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    cache = init_cache(cfg, 1 + num_slots * max_pages, PAGE_SIZE)
+    logits, cache = jax.jit(functools.partial(prefill, cfg=cfg))(params, cache, tokens, lengths, page_table)
+    seqs = [list(p) for p in prompts]
+    decode = jax.jit(functools.partial(decode_step, cfg=cfg, attn_fn=attention_op("reference")))
+    active = np.ones(num_slots, bool)
+    for step in range(NUM_DECODE_STEPS + 1):
+        for i, seq in enumerate(seqs):
+            want = hf_logits(model, seq)[-1]
+            assert_logits_close(logits[i], want, f"{arch} slot {i} {'prefill' if step == 0 else f'decode {step}'}")
+            seq.append(int(want.argmax()))
+        if step == NUM_DECODE_STEPS:
+            break
+        last = np.array([s[-1] for s in seqs], np.int32)
+        positions = np.array([len(s) - 1 for s in seqs], np.int32)
+        logits, cache = decode(params, cache, last, positions, page_table, active)
+
+
+def hf_greedy(model, prompts, max_new_tokens, eos_token_id=None):
+    """transformers' greedy `generate` over all prompts in one left-padded batch; each output is
+    cut to its own max_new_tokens and after its first EOS."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :] = torch.tensor(p)
+        mask[i, longest - len(p) :] = 1
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max(max_new_tokens), do_sample=False, pad_token_id=0
+        )[:, longest:].tolist()
+    outputs = []
+    for row, n in zip(out, max_new_tokens):
+        row = row[:n]
+        if eos_token_id in row:
+            row = row[: row.index(eos_token_id) + 1]
+        outputs.append(row)
+    return outputs
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_continuous_batching_greedy_equals_transformers_generate(checkpoint, arch):
+    """18 prompts of 1-60 tokens, 1-24 new tokens each, through 4 slots (slots are refilled);
+    EOS (id 2) is honoured on both sides. Qwen2 also packs <= 2 active slots into 2 decode rows."""
+    model, _, cfg = checkpoint(arch)
+    rng = np.random.default_rng(3)
+    reqs = []
+    for i in range(18):
+        prompt = rng.integers(3, cfg.vocab_size, int(rng.integers(1, 61))).tolist()
+        sampling = SamplingParams(max_tokens=int(rng.integers(1, 25)))
+        reqs.append(Request(str(i), 0.001 * i, len(prompt), prompt, sampling))
+    sched_cfg = SchedulerConfig(max_num_seqs=NUM_SLOTS, max_num_batched_tokens=BUDGET)
+    cache = CacheConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE)
+    rows = [2] if arch == "qwen2" else None
+    ex_cfg = ExecutorConfig(
+        name="jax", prefill_buckets=BUCKETS, decode_page_buckets=DECODE_WIDTHS, decode_row_buckets=rows
+    )
+    ex = JaxExecutor(cfg, cache, sched_cfg, ex_cfg, params=load_params(cfg))
+    sched = Scheduler(sched_cfg, cache, cfg.max_model_len, validate=ex.validate, eos_token_id=cfg.eos_token_id)
+    ex.warmup()
+    result = serve(reqs, sched, ex)
+    assert result.stats.batch_peak == NUM_SLOTS and ex.metrics()["compiles_after_warmup"] == 0
+    want = hf_greedy(model, [r.prompt_token_ids for r in reqs], [r.sampling.max_tokens for r in reqs], cfg.eos_token_id)
+    for req, expected in zip(result.requests, want):
+        assert req.output_token_ids == expected, f"{arch} request {req.request_id}"
+        assert req.finish_reason in (FinishReason.LENGTH, FinishReason.EOS)
+
+
+def test_sharded_and_bf16_checkpoints_load(tmp_path, checkpoint):
+    model = build_hf("qwen2", tmp_path / "sharded")
+    model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    _, _, cfg = checkpoint("qwen2")
+    sharded = ModelConfig(path=str(tmp_path / "sharded"), dtype="auto", max_model_len=MAX_MODEL_LEN)
+    a, b = load_params(cfg), load_params(sharded)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    build_hf("llama", tmp_path / "bf16", dtype=torch.bfloat16)
+    cfg16 = load_config(ModelConfig(path=str(tmp_path / "bf16"), dtype="auto", max_model_len=0))
+    assert cfg16.dtype == "bfloat16"
+    assert jax.tree.leaves(load_params(cfg16))[0].dtype == jnp.bfloat16
+    as32 = load_config(ModelConfig(path=str(tmp_path / "bf16"), dtype="float32", max_model_len=0))
+    assert jax.tree.leaves(load_params(as32))[0].dtype == jnp.float32
+
+
+def test_mistral_loads_with_context_capped_by_its_sliding_window(tmp_path):
+    config = transformers.MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=96)
+    model = transformers.MistralForCausalLM(config).eval()
+    model.save_pretrained(str(tmp_path))
+    cfg = load_config(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=0))
+    assert cfg.max_model_len == 96 and not cfg.attention_bias
+    tokens = list(range(3, 40))
+    got = jax.jit(functools.partial(forward_dense, cfg=cfg))(load_params(cfg), jnp.asarray(tokens))
+    assert_logits_close(got, hf_logits(model, tokens), "mistral dense forward")
+    with pytest.raises(ValueError, match="exceeds the checkpoint's sliding_window 96"):
+        load_config(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=128))
+
+
+def _edit_config(model_dir, **changes):
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def test_loader_errors_name_the_problem(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    build_hf("llama", tmp_path)
+    load = lambda: load_params(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=0))  # noqa: E731
+
+    _edit_config(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
+        load()
+    _edit_config(tmp_path, model_type="llama", architectures=["LlamaForCausalLM"],
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})  # fmt: skip
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
+        load()
+    _edit_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1e4}, intermediate_size=96)
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\]"):
+        load()
+    _edit_config(tmp_path, intermediate_size=128)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="tensor 'model.layers.1.self_attn.k_proj.bias' is missing"):
+        load()
+    with pytest.raises(ValueError, match="is not a directory"):
+        load_config(ModelConfig(path=str(tmp_path / "nope"), dtype="auto"))
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match="no config.json"):
+        load()
+
+
+# ---- tokenizer and text prompts ----
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "and", "then", "slept"]
+
+
+def build_tokenizer(model_dir):
+    """A word-level tokenizer whose encode adds <s> in front, as Llama's does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    vocab.update({f"w{i}": i for i in range(len(vocab), COMMON["vocab_size"])})  # every model id decodes
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(model_dir / "tokenizer.json"))
+
+
+def test_tokenizer_encodes_as_transformers_fast_tokenizer(tmp_path):
+    build_tokenizer(tmp_path)
+    ours = load_tokenizer(tmp_path)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    text = "the cat sat on a mat and then slept"
+    assert ours.encode(text) == theirs(text)["input_ids"] == [1, 3, 4, 5, 6, 7, 8, 13, 14, 15]
+    assert ours.decode(ours.encode(text)) == text
+    assert load_tokenizer(tmp_path / "missing") is None and load_tokenizer(None) is None
+
+
+def test_jsonl_prompt_text_is_read_and_checked(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"arrival_s": 0.0, "prompt": "the cat sat", "max_tokens": 4},
+        {"arrival_s": 0.0, "prompt": "the cat", "prompt_len": 2, "max_tokens": 4},
+        {"arrival_s": 0.0, "prompt": 7, "max_tokens": 4},
+    ]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ok, both, bad = load_trace(WorkloadConfig(name="trace", path=str(trace)), seed=0)
+    assert ok.prompt_text == "the cat sat" and ok.input_error is None and ok.synthetic_prompt is None
+    assert "prompt (text) excludes prompt_token_ids and prompt_len" in both.input_error
+    assert "prompt 7 is not a string" in bad.input_error
+    build_tokenizer(tmp_path)
+    encode_text_prompts([ok, both], load_tokenizer(tmp_path))
+    assert ok.prompt_token_ids == [1, 3, 4, 5] and ok.prompt_len == 4 and both.prompt_token_ids is None
+
+
+def test_text_prompts_without_a_tokenizer_are_rejected_by_name():
+    reqs = [Request("7", 0.0, 0, prompt_text="the cat")]
+    encode_text_prompts(reqs, None, where="model 'tiny'")
+    assert "request 7: prompt is text, but model 'tiny' has no tokenizer" in reqs[0].input_error
+
+
+def test_jsonl_text_workload_runs_end_to_end_with_output_text(tmp_path, checkpoint):
+    """run_single with model.path: the same ModelConfig as above, so compiled steps are reused."""
+    model, model_dir, _ = checkpoint("llama")
+    build_tokenizer(Path(model_dir))
+    texts = ["the cat sat on a mat", "a dog ran far away", "then the dog slept", "the mat"]
+    trace = tmp_path / "w.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": 0.0, "prompt": t, "max_tokens": 6}) + "\n" for t in texts))
+    run_cfg = RunConfig(
+        model=ModelConfig(name="hf", path=model_dir, dtype="auto", max_model_len=MAX_MODEL_LEN),
+        executor=ExecutorConfig(name="jax", prefill_buckets=BUCKETS, decode_page_buckets=DECODE_WIDTHS),
+        scheduler=SchedulerConfig(max_num_seqs=NUM_SLOTS, max_num_batched_tokens=BUDGET),
+        cache=CacheConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE),
+        workload=WorkloadConfig(name="trace", path=str(trace)),
+        progress=False,
+    )
+    summary = run_single(run_cfg, tmp_path / "out", verbose=False)
+    assert summary["num_finished"] == len(texts)
+    tok = load_tokenizer(model_dir)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
+    prompts = [tok.encode(text) for text in texts]
+    want = hf_greedy(model, prompts, [6] * len(prompts), eos_token_id=2)
+    for row, prompt, expected in zip(rows, prompts, want):
+        assert row["prompt_len"] == len(prompt) and prompt[0] == 1  # <s> added
+        assert row["output_token_ids"] == expected
+        words = [WORDS[i - 3] if i < 3 + len(WORDS) else f"w{i}" for i in expected if i > 2]
+        assert row["output_text"] == " ".join(words)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["compiles_after_warmup"] == 0
