@@ -122,3 +122,22 @@ def env_cpu():
 
 def cbjax_cmd():
     return [sys.executable, "-m", "cbjax"]
+
+
+def assert_every_request_ends_once(sched, requests, result, max_model_len):
+    """Every request ends exactly once with a fate, no token is lost or repeated across
+    preemptions, and every page is back (free, or in the prefix cache) after the run."""
+    from cbjax.request import FinishReason
+
+    assert len(sched.finished) == len(requests)
+    assert {id(r) for r in sched.finished} == {id(r) for r in requests}
+    for r in requests:
+        assert r.finish_reason is not None
+        if r.finish_reason is FinishReason.REJECTED:
+            assert r.reject_reason
+        else:
+            assert r.num_generated == min(r.target_output_len, max_model_len - r.prompt_len)
+            assert r.first_token_s <= r.finish_s
+    sched.allocator.check_invariants()
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+    assert result.preemptions == sum(r.num_preemptions for r in requests)

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import CheckingExecutor, make_requests
+from conftest import CheckingExecutor, assert_every_request_ends_once, make_requests
 from cbjax.config import POLICIES as CONFIG_POLICIES
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine import serve
-from cbjax.request import FinishReason, Status
+from cbjax.request import Status
 from cbjax.scheduler import POLICIES, Scheduler
 
 LOOSE = dict(max_num_batched_tokens=1_000_000)
@@ -113,19 +113,8 @@ def test_invariants_under_binding_limits(variant, reqs, allocation, num_slots, b
     result, sched, _ = run(
         VARIANTS[variant], requests, num_slots, cache, max_model_len=64, max_num_batched_tokens=max(budget, num_slots)
     )
-    assert len(sched.finished) == len(requests)
-    assert {id(r) for r in sched.finished} == {id(r) for r in requests}
     assert len(sched.policy) == 0 and not sched.running
-    for r in requests:
-        if r.finish_reason is FinishReason.REJECTED:
-            assert r.reject_reason
-        else:
-            # no token lost or repeated across preemptions
-            assert r.num_generated == min(r.target_output_len, 64 - r.prompt_len)
-            assert r.first_token_s <= r.finish_s
-    sched.allocator.check_invariants()
-    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
-    assert result.preemptions == sum(r.num_preemptions for r in requests)
+    assert_every_request_ends_once(sched, requests, result, max_model_len=64)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import CheckingExecutor, ContentCheckingExecutor, make_requests
+from conftest import CheckingExecutor, ContentCheckingExecutor, assert_every_request_ends_once, make_requests
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
@@ -134,23 +134,10 @@ def test_invariants_under_binding_limits(
         req.priority, req.client_id = priority, client
     executor = ContentCheckingExecutor(sched, tokens=tokens)
     result = serve(requests, sched, executor)
-    # every request ends exactly once, with a fate
-    assert len(sched.finished) == len(requests)
-    assert {id(r) for r in sched.finished} == {id(r) for r in requests}
-    for r in requests:
-        assert r.finish_reason is not None
-        if r.finish_reason is FinishReason.REJECTED:
-            assert r.reject_reason
-        else:
-            # no token lost or repeated across preemptions
-            assert r.num_generated == min(r.target_output_len, 64 - r.prompt_len)
-            assert r.first_token_s <= r.finish_s
-    # every page back on the free list or in the prefix cache after the run, no host copy left
-    sched.allocator.check_invariants()
-    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+    assert_every_request_ends_once(sched, requests, result, max_model_len=64)
+    # no host copy left, and cached pages only with prefix caching on
     assert prefix_caching or sched.allocator.num_cached_pages == 0
     assert sched.swap_used == 0 and not executor.host
-    assert result.preemptions == sum(r.num_preemptions for r in requests)
     stats = result.extra
     assert stats["swap_preemptions"] <= result.preemptions
     assert preemption == "swap" or stats["swap_preemptions"] == 0
