@@ -79,7 +79,7 @@ def cbjax_runner(model_dir: str, args):
     cache = CacheConfig(page_size=16, num_pages=args.pages)
     buckets = [b for b in (32, 64, 96, 128, 192, 256, 384, 512) if b < args.budget] + [args.budget]
     ex_cfg = ExecutorConfig(
-        name="jax", prefill_buckets=buckets, max_prefill_batch=args.prefill_batch,
+        name="jax", attention=args.attention, prefill_buckets=buckets, max_prefill_batch=args.prefill_batch,
         decode_page_buckets=[8, 16, 32], decode_row_buckets=args.decode_rows,
     )  # fmt: skip
     ex = JaxExecutor(model, cache, sched_cfg, ex_cfg, params=load_params(model))
@@ -119,7 +119,13 @@ def profile_cbjax(run, ex, workload) -> str:
         return call
 
     steps = ex._decode, ex._prefill, ex._prefill_ctx
-    ex._decode = timed("decode", ex._decode, lambda a: f"{a[2].shape[0]} rows x {a[4].shape[1]} pages")
+    decode_for = ex._decode
+
+    def decode(entries):
+        where = f"{entries} page entries" if entries is not None else "{} pages"
+        return timed("decode", decode_for(entries), lambda a: f"{a[2].shape[0]} rows x " + where.format(a[4].shape[1]))
+
+    ex._decode = decode
     ex._prefill = timed("prefill", ex._prefill, lambda a: f"{a[2].shape[0]} rows x {a[2].shape[1]} tokens")
     ex._prefill_ctx = timed("context prefill", ex._prefill_ctx, lambda a: f"{a[2].shape[1]} tokens")
     try:
@@ -210,6 +216,7 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=2048)
     ap.add_argument("--prefill-batch", type=int, default=4)
     ap.add_argument("--decode-rows", type=int, nargs="*", default=[4, 8, 16, 32], help="cbjax decode row buckets")
+    ap.add_argument("--attention", default="auto", help="cbjax executor.attention (auto: ragged on CPU)")
     ap.add_argument("--static-repeats", type=int, default=1, help="static generate is slow: fewer repeats")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)

@@ -15,7 +15,7 @@ PREDICTORS = ("oracle", "mean", "learned")
 ALLOCATIONS = ("paged", "reserve_max")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
-ATTENTION_IMPLS = ("auto", "pallas", "reference", "triton")
+ATTENTION_IMPLS = ("auto", "pallas", "ragged", "reference", "triton")
 COST_MODELS = ("unit", "roofline")
 ARRIVALS = ("all_at_once", "poisson", "gamma")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
@@ -109,7 +109,9 @@ class ExecutorConfig:
     # sim
     cost_model: str = "roofline"
     # jax
-    attention: str = "auto"  # auto: compiled Pallas on GPU/TPU, the XLA reference on CPU
+    # auto: compiled Pallas on GPU/TPU; on CPU the page-sparse XLA path `ragged`, whose work
+    # follows the pages the slots hold. reference: the dense plain-jnp oracle.
+    attention: str = "auto"
     prefill_buckets: Optional[list[int]] = None  # None: powers of two from 16 to the longest prefill
     max_prefill_batch: int = 1  # >1: same-bucket prefills run together, padded to 1 or this many rows
     pages_per_block: int = 4  # Pallas kernel: pages per inner loop step
@@ -119,6 +121,9 @@ class ExecutorConfig:
     # Row counts the decode step is compiled for: active slots are packed into the smallest
     # that holds them, so a thinning batch stops paying for every slot. None: max_num_seqs only.
     decode_row_buckets: Optional[list[int]] = None
+    # attention=ragged: total (slot, page) entries the decode step is compiled for, per row
+    # count (each capped at rows x widest table). None: powers of two from 1/8 of the cap.
+    decode_entry_buckets: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         _one_of("executor.name", self.name, EXECUTORS)
@@ -133,6 +138,15 @@ class ExecutorConfig:
                 "must be a non-empty list of lengths >= 1",
                 self.prefill_buckets,
             )
+        for name in ("decode_page_buckets", "decode_row_buckets", "decode_entry_buckets"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(
+                    len(value) > 0 and all(int(b) >= 1 for b in value),
+                    f"executor.{name}",
+                    "must be a non-empty list of sizes >= 1",
+                    value,
+                )
 
 
 @dataclass

@@ -9,7 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbjax.kernels.paged_attention import attention_op, paged_attention, paged_attention_reference
+from cbjax.kernels.paged_attention import (
+    attention_op,
+    paged_attention,
+    paged_attention_ragged,
+    paged_attention_reference,
+    resolve_attention,
+)
 
 # Kernel vs reference, and reference vs float64 numpy. f32 differs only by summation
 # order. bf16: inputs are bf16 on both sides, but the kernel feeds bf16 softmax weights
@@ -112,6 +118,36 @@ def test_reference_matches_dense_numpy(dtype, group):
     _assert_close(actual, _dense_numpy(q, dense_k, dense_v, LENGTHS, group), dtype)
 
 
+# Pages held by LENGTHS at PAGE_SIZE: the fewest entries ragged attention may be given.
+_HELD = sum(-(-n // PAGE_SIZE) for n in LENGTHS)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_ragged_matches_reference_and_dense_numpy(dtype, group):
+    """Exactly the held pages, padding entries, and the whole table give the same answer."""
+    args, (q, dense_k, dense_v) = _make_case(50 + group, dtype, group)
+    expected = _reference(*args)
+    dense = _dense_numpy(q, dense_k, dense_v, LENGTHS, group)
+    for num_entries in (_HELD, _HELD + 5, None):
+        actual = jax.jit(functools.partial(paged_attention_ragged, num_entries=num_entries))(*args)
+        assert actual.shape == expected.shape and actual.dtype == dtype
+        assert not np.isnan(np.asarray(actual, np.float32)).any()
+        np.testing.assert_array_equal(np.asarray(actual[0], np.float32), 0.0)  # length 0: exact zeros
+        _assert_close(actual, expected, dtype)
+        _assert_close(actual, dense, dtype)
+
+
+def test_ragged_reads_only_the_entries_it_is_given():
+    """One entry short of the held pages drops the last slot's last page: the contract is the
+    caller's to keep, and the test shows the entry count is what bounds the work."""
+    args, _ = _make_case(60, jnp.float32, 2)
+    short = paged_attention_ragged(*args, num_entries=_HELD - 1)
+    expected = _reference(*args)
+    _assert_close(short[:-1], expected[:-1], jnp.float32)
+    assert not np.allclose(np.asarray(short[-1]), np.asarray(expected[-1]), atol=1e-3)
+
+
 @pytest.mark.parametrize("pages_per_block", [1, 6])
 def test_pages_per_block_and_scale(pages_per_block):
     args, _ = _make_case(20 + pages_per_block, jnp.float32, 2)
@@ -124,9 +160,11 @@ def test_attention_op_dispatch():
     args, _ = _make_case(30, jnp.float32, 2)
     expected = _reference(*args)
     if jax.default_backend() == "cpu":
-        assert attention_op("auto") is paged_attention_reference
+        assert resolve_attention("auto") == "ragged"
+        assert attention_op("auto").func is paged_attention_ragged
     assert attention_op("reference") is paged_attention_reference
     _assert_close(attention_op("pallas")(*args), expected, jnp.float32)
+    _assert_close(attention_op("ragged", num_entries=14)(*args), expected, jnp.float32)
     with pytest.raises(ValueError, match="unknown value 'flash'"):
         attention_op("flash")
     if jax.default_backend() == "cpu":
@@ -136,7 +174,7 @@ def test_attention_op_dispatch():
 
 def test_bad_shapes_raise():
     (q, k_pages, v_pages, page_table, lengths), _ = _make_case(40, jnp.float32, 2)
-    for fn in (paged_attention_reference, functools.partial(paged_attention, interpret=True)):
+    for fn in (paged_attention_reference, paged_attention_ragged, functools.partial(paged_attention, interpret=True)):
         with pytest.raises(ValueError, match=r"page_table has 5 rows, q has 6 slots.*page_table \(5, 6\)"):
             fn(q, k_pages, v_pages, page_table[:5], lengths)
         with pytest.raises(ValueError, match="q head_dim 8 != k_pages head_dim 16"):

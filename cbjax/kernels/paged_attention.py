@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 # Finite, so a fully masked row never computes inf - inf.
 MASK_VALUE = -1e30
 TARGETS = ("gpu", "tpu")
-IMPLS = ("auto", "pallas", "reference")
+IMPLS = ("auto", "pallas", "ragged", "reference", "triton")
 _TRITON_MIN_DOT_ROWS = 16
 
 # (q, k_pages, v_pages, page_table, lengths) -> out, the `paged_attention_reference` positional signature.
@@ -287,25 +287,106 @@ def paged_attention_reference(
     return out.reshape(num_slots, num_heads, head_dim).astype(q.dtype)
 
 
-def attention_op(impl: str = "auto", *, pages_per_block: int = 4) -> AttentionFn:
-    """Pick a paged attention implementation: auto | pallas | reference.
+def paged_attention_ragged(
+    q: jax.Array,  # [num_slots, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    page_table: jax.Array,  # i32[num_slots, max_pages_per_seq]
+    lengths: jax.Array,  # i32[num_slots]
+    *,
+    num_entries: Optional[int] = None,
+    scale: Optional[float] = None,
+) -> jax.Array:  # [num_slots, num_heads, head_dim], q.dtype
+    """XLA decode attention whose work follows the pages the slots hold, not the table width.
 
-    auto: compiled Pallas on gpu/tpu, the reference on cpu. pallas: compiled on
-    gpu/tpu, interpret mode on cpu (slow; for tests). The returned function has
-    the `paged_attention_reference` positional signature.
+    The slots' pages are flattened into `num_entries` (slot, page) entries, in slot order;
+    each entry attends its query to one page (a split of the softmax, as in split-K decode),
+    and the per-entry maxima, sums and outputs are merged per slot with segment reductions.
+    Work is num_entries x page_size keys instead of num_slots x max_pages_per_seq x page_size.
+
+    Contract: num_entries >= sum(ceil(lengths / page_size)); the caller (the executor) picks
+    it from a few compiled sizes. Pages past that sum are never read. None means the table
+    size, always enough. Same masking contract as the Pallas kernel: NaN anywhere past a
+    length is never used, and length 0 gives zeros.
     """
+    _check_shapes(q, k_pages, v_pages, page_table, lengths)
+    num_slots, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    max_pages_per_seq = page_table.shape[1]
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    num_entries = num_slots * max_pages_per_seq if num_entries is None else num_entries
+    if num_entries < 1:
+        raise ValueError(f"paged_attention_ragged: num_entries must be >= 1, got {num_entries}")
+
+    lengths = lengths.astype(jnp.int32)
+    pages_held = jnp.minimum(-(-lengths // page_size), max_pages_per_seq)  # i32[num_slots]
+    ends = jnp.cumsum(pages_held)  # entry e belongs to the slot whose [end - held, end) holds e
+    entry = jnp.arange(num_entries, dtype=jnp.int32)
+    slot = jnp.searchsorted(ends, entry, side="right", method="compare_all").astype(jnp.int32)
+    used = slot < num_slots  # bool[num_entries]: entries past the last slot's pages are padding
+    slot = jnp.minimum(slot, num_slots - 1)
+    page_pos = jnp.where(used, entry - (ends - pages_held)[slot], 0)
+    page_idx = jnp.where(used, page_table[slot, page_pos], 0)  # padding reads the null page
+
+    k = jnp.take(k_pages, page_idx, axis=1, mode="clip").astype(jnp.float32)  # [kv, entries, page_size, d]
+    v = jnp.take(v_pages, page_idx, axis=1, mode="clip").astype(jnp.float32)
+    key_pos = page_pos[:, None] * page_size + jnp.arange(page_size)[None, :]  # i32[entries, page_size]
+    valid = used[:, None] & (key_pos < lengths[slot][:, None])  # bool[entries, page_size]
+    v = jnp.where(valid[None, :, :, None], v, 0.0)
+    qe = q.reshape(num_slots, num_kv_heads, group, head_dim).astype(jnp.float32)[slot]  # [entries, kv, g, d]
+    # Broadcast-multiply-reduce, not einsum: the contractions are tiny ([group, head_dim] x
+    # [head_dim, page_size] per entry), which XLA:CPU runs far faster as fused loops than as
+    # thousands of batched dots.
+    k = k.transpose(1, 0, 2, 3)  # [entries, kv, page_size, d]
+    v = v.transpose(1, 0, 2, 3)
+    scores = jnp.sum(qe[:, :, :, None, :] * k[:, :, None, :, :], axis=-1) * scale  # f32[entries, kv, g, page_size]
+    scores = jnp.where(valid[:, None, None, :], scores, MASK_VALUE)
+    m = jnp.max(scores, axis=-1)  # f32[entries, kv, g]
+    p = jnp.where(valid[:, None, None, :], jnp.exp(scores - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)  # f32[entries, kv, g]
+    o = jnp.sum(p[..., None] * v[:, :, None, :, :], axis=-2)  # f32[entries, kv, g, d]
+
+    # Merge the entries of each slot. Padding entries carry l = 0 and MASK_VALUE maxima, so
+    # they add nothing; a slot with no entries keeps l = 0 and gives zeros.
+    m_slot = jax.ops.segment_max(m, slot, num_segments=num_slots, indices_are_sorted=True)
+    w = jnp.exp(m - m_slot[slot])  # f32[entries, kv, g]
+    l_slot = jax.ops.segment_sum(w * l, slot, num_segments=num_slots, indices_are_sorted=True)
+    o_slot = jax.ops.segment_sum(w[..., None] * o, slot, num_segments=num_slots, indices_are_sorted=True)
+    out = o_slot / jnp.where(l_slot > 0, l_slot, 1.0)[..., None]
+    return out.reshape(num_slots, num_heads, head_dim).astype(q.dtype)
+
+
+def resolve_attention(impl: str = "auto") -> str:
+    """The implementation `impl` runs as here: auto is pallas on gpu/tpu and ragged on cpu."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl: unknown value {impl!r}; choose one of {', '.join(IMPLS)}")
+    if impl == "triton" and jax.default_backend() != "gpu":
+        raise ValueError(
+            "executor.attention=triton needs a GPU and the `gpu` extra (jax-triton); "
+            "use auto, pallas, ragged or reference here"
+        )
+    if impl == "auto":
+        return "ragged" if jax.default_backend() == "cpu" else "pallas"
+    return impl
+
+
+def attention_op(impl: str = "auto", *, pages_per_block: int = 4, num_entries: Optional[int] = None) -> AttentionFn:
+    """Pick a paged attention implementation: auto | pallas | ragged | reference | triton.
+
+    auto: compiled Pallas on gpu/tpu, the page-sparse XLA `ragged` on cpu (Pallas runs only
+    interpreted there). pallas: compiled on gpu/tpu, interpret mode on cpu (slow; for tests).
+    reference: the plain-jnp oracle, rows x table width of work. `num_entries` sizes ragged's
+    work (see `paged_attention_ragged`); the others ignore it. The returned function has the
+    `paged_attention_reference` positional signature.
+    """
+    impl = resolve_attention(impl)
     if impl == "triton":
-        if jax.default_backend() != "gpu":
-            raise ValueError(
-                "executor.attention=triton needs a GPU and the `gpu` extra (jax-triton); "
-                "use auto, pallas or reference here"
-            )
         from cbjax.kernels.triton_paged_attention import paged_attention_triton
 
         return paged_attention_triton
-    if impl not in IMPLS:
-        raise ValueError(f"attention impl: unknown value {impl!r}; choose one of {', '.join(IMPLS)}")
-    on_cpu = jax.default_backend() == "cpu"
-    if impl == "reference" or (impl == "auto" and on_cpu):
+    if impl == "reference":
         return paged_attention_reference
-    return functools.partial(paged_attention, interpret=on_cpu, pages_per_block=pages_per_block)
+    if impl == "ragged":
+        return functools.partial(paged_attention_ragged, num_entries=num_entries)
+    return functools.partial(paged_attention, interpret=jax.default_backend() == "cpu", pages_per_block=pages_per_block)

@@ -16,7 +16,7 @@ import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.executor import StepOutput
-from cbjax.kernels.paged_attention import attention_op
+from cbjax.kernels.paged_attention import attention_op, resolve_attention
 from cbjax.model import decode_step, init_cache, init_params, prefill
 from cbjax.request import Request
 from cbjax.runtime.compiles import compile_count
@@ -43,14 +43,30 @@ def _prefill_after_context_and_sample(params, cache, tokens, lengths, start, pag
 _STEPS: dict[tuple[str, str, int], tuple] = {}
 
 
+class _DecodeSteps:
+    """Jitted decode steps, one per ragged-attention entry count (None for the other impls)."""
+
+    def __init__(self, model: ModelConfig, attention: str, pages_per_block: int):
+        self._make = functools.partial(attention_op, attention, pages_per_block=pages_per_block)
+        self._model = model
+        self._jitted: dict[Optional[int], object] = {}
+
+    def __call__(self, entries: Optional[int]):
+        if entries not in self._jitted:
+            attn_fn = self._make(num_entries=entries)
+            step = functools.partial(_decode_and_sample, cfg=self._model, attn_fn=attn_fn)
+            self._jitted[entries] = jax.jit(step, donate_argnums=(1,))
+        return self._jitted[entries]
+
+
 def jitted_steps(model: ModelConfig, attention: str, pages_per_block: int):
-    """The jitted (decode, prefill, context prefill) steps, shared by every executor with the
-    same model and attention, so experiment arms and tests reuse compiled programs."""
+    """The jitted (decode by entry count, prefill, context prefill) steps, shared by every
+    executor with the same model and attention, so experiment arms and tests reuse compiled
+    programs."""
     key = (repr(model), attention, pages_per_block)
     if key not in _STEPS:
-        attn_fn = attention_op(attention, pages_per_block=pages_per_block)
         _STEPS[key] = (
-            jax.jit(functools.partial(_decode_and_sample, cfg=model, attn_fn=attn_fn), donate_argnums=(1,)),
+            _DecodeSteps(model, attention, pages_per_block),
             jax.jit(functools.partial(_prefill_and_sample, cfg=model), donate_argnums=(1,)),
             jax.jit(functools.partial(_prefill_after_context_and_sample, cfg=model), donate_argnums=(1,)),
         )
@@ -117,6 +133,19 @@ class JaxExecutor:
         widths = cfg.decode_page_buckets or default_buckets(self.max_pages, smallest=max(1, self.max_pages // 8))
         self.decode_widths = sorted({min(w, self.max_pages) for w in widths} | {self.max_pages})
         self.decode_rows = sorted({min(r, self.num_slots) for r in cfg.decode_row_buckets or []} | {self.num_slots})
+        self.attention = resolve_attention(cfg.attention)
+        # (rows, page-table width, ragged entries) variants compiled for decode. Ragged attention
+        # reads pages through the full table, so its work is set by the entry count instead:
+        # the total pages the active slots hold, rounded up to a compiled size.
+        self.decode_shapes: dict[int, list[tuple[int, Optional[int]]]] = {}
+        for rows in self.decode_rows:
+            if self.attention == "ragged":
+                cap = rows * self.max_pages
+                sizes = cfg.decode_entry_buckets or default_buckets(cap, smallest=max(rows, cap // 8))
+                entries = sorted({min(int(e), cap) for e in sizes} | {cap})
+                self.decode_shapes[rows] = [(self.max_pages, e) for e in entries]
+            else:
+                self.decode_shapes[rows] = [(w, None) for w in self.decode_widths]
         longest = min(model.max_model_len, scheduler.max_num_batched_tokens)
         self.buckets = sorted(set(cfg.prefill_buckets or default_buckets(longest)))
         if self.buckets[-1] < longest:
@@ -149,6 +178,7 @@ class JaxExecutor:
         self.host_pack_s = 0.0
         self.device_s = 0.0
         self.num_steps = 0
+        self.decode_calls: dict[tuple[int, int, Optional[int]], int] = {}  # (rows, width, entries) -> calls
         self.num_context_prefills = 0
 
     # ---- interface ----
@@ -164,9 +194,9 @@ class JaxExecutor:
         """Compile the decode step and every prefill bucket with all-padding inputs."""
         compile_count()  # start counting before the first compile
         sampling = SamplingArrays(self.num_slots).arrays()
-        for rows in self.decode_rows:
-            for width in self.decode_widths:
-                toks, self.cache = self._decode(
+        for rows, shapes in self.decode_shapes.items():
+            for width, entries in shapes:
+                toks, self.cache = self._decode(entries)(
                     self.params, self.cache, self._tokens[:rows], self._positions[:rows],
                     self._page_table[:rows, :width], self._active[:rows], tuple(a[:rows] for a in sampling),
                 )  # fmt: skip
@@ -195,19 +225,25 @@ class JaxExecutor:
             self._active[:] = False
             slots = []
             longest = 0
+            held = 0  # pages the active slots attend over
+            page_size = self.page_size
             for req in plan.decodes:
                 s = req.slot
                 slots.append(s)
                 self._sync_row(s, req, plan.page_tables[req.request_id])
-                self._tokens[s] = _token_at(req, req.num_computed)
-                self._positions[s] = req.num_computed
+                n = req.num_computed
+                self._tokens[s] = _token_at(req, n)
+                self._positions[s] = n
                 self._active[s] = True
-                longest = max(longest, req.num_computed + 1)
-            need = -(-longest // self.page_size)
-            width = next(w for w in self.decode_widths if w >= need)
+                longest = max(longest, n + 1)
+                held += n // page_size + 1
+            rows = next(r for r in self.decode_rows if r >= len(slots))
+            need = -(-longest // page_size)
+            width, entries = next(
+                (w, e) for w, e in self.decode_shapes[rows] if w >= need and (e is None or e >= held)
+            )
             np.add(self._positions, 1, out=self._sampling.position)  # index of the token generated
             args = (self._tokens, self._positions, self._page_table[:, :width], self._active, self._sampling.arrays())
-            rows = next(r for r in self.decode_rows if r >= len(slots))
             if rows < self.num_slots:  # pack the active slots into the first rows; the rest are inactive
                 idx = np.zeros(rows, np.intp)
                 idx[: len(slots)] = slots
@@ -216,7 +252,9 @@ class JaxExecutor:
                 args = (tokens[idx], positions[idx], table[idx], active, tuple(a[idx] for a in sampling))
                 slots = list(range(len(slots)))
             tc = time.perf_counter()
-            toks, self.cache = self._decode(self.params, self.cache, *args)
+            shape = (rows, width, entries)
+            self.decode_calls[shape] = self.decode_calls.get(shape, 0) + 1
+            toks, self.cache = self._decode(entries)(self.params, self.cache, *args)
             call_s += time.perf_counter() - tc
             pending.append((toks, range(len(slots)), slots))
         first = len(plan.decodes)
@@ -252,8 +290,12 @@ class JaxExecutor:
         return {
             "compiles_after_warmup": after,
             "prefill_buckets": self.buckets,
-            "decode_page_widths": self.decode_widths,
-            "decode_rows": self.decode_rows,
+            "attention": self.attention,
+            "decode_shapes": {rows: [list(shape) for shape in shapes] for rows, shapes in self.decode_shapes.items()},
+            # "rows x width" (or "rows x width / entries" under ragged attention) -> decode calls
+            "decode_calls": {
+                f"{r}x{w}" + ("" if e is None else f"/{e}"): n for (r, w, e), n in sorted(self.decode_calls.items(), key=str)
+            },
             "host_pack_s": self.host_pack_s,
             "device_wait_s": self.device_s,
             "context_prefills": self.num_context_prefills,
