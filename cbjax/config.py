@@ -122,7 +122,7 @@ class ExecutorConfig:
     # that holds them, so a thinning batch stops paying for every slot. None: max_num_seqs only.
     decode_row_buckets: Optional[list[int]] = None
     # attention=ragged: total (slot, page) entries the decode step is compiled for, per row
-    # count (each capped at rows x widest table). None: powers of two from 1/8 of the cap.
+    # count (each capped at rows x widest table). None: steps of about sqrt(2) from 1/8 of the cap.
     decode_entry_buckets: Optional[list[int]] = None
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ import pytest
 from cbjax.config import ModelConfig
 from cbjax.kernels.paged_attention import attention_op
 from cbjax.model import KVCache, decode_step, forward_dense, init_params, prefill
+from cbjax.model.llama import fuse_projections
 
 # f32 throughout; the cached path only reorders sums (and, for pallas, runs an online softmax).
 LOGITS_ATOL = 1e-4
@@ -150,6 +151,21 @@ def test_params_follow_hugging_face_names():
     assert len(flat) == 1 + 1 + cfg.num_layers * 12
     untied = init_params(TINY, seed=0)
     assert untied["lm_head"]["weight"].shape == (TINY.d_model, TINY.vocab_size)
+
+
+@pytest.mark.parametrize("cfg", [TINY, QWEN_LIKE], ids=["tiny", "qwen_like"])
+def test_fused_projections_compute_the_same_model(cfg):
+    """The executor's serving layout (q/k/v and gate/up fused) gives the unfused logits."""
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x) * 4) if x.ndim == 2 else x, init_params(cfg, 0))
+    fused = fuse_projections(params)
+    attn = fused["layers"][0]["self_attn"]
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    assert set(attn) == {"qkv_proj", "o_proj"} and attn["qkv_proj"]["weight"].shape == (cfg.d_model, q_dim + 2 * kv_dim)
+    assert ("bias" in attn["qkv_proj"]) == cfg.attention_bias
+    assert set(fused["layers"][0]["mlp"]) == {"gate_up_proj", "down_proj"}
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, 12), jnp.int32)
+    fwd = jax.jit(functools.partial(forward_dense, cfg=cfg))
+    np.testing.assert_allclose(np.asarray(fwd(fused, tokens)), np.asarray(fwd(params, tokens)), atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
 
 
 def test_bad_inputs_raise():

@@ -119,9 +119,15 @@ def attention_qkv(layer: Params, x: jax.Array, positions: jax.Array, cfg: ModelC
     lead = x.shape[:-1]
     attn = layer["self_attn"]
     h = rms_norm(x, layer["input_layernorm"]["weight"], cfg.norm_eps)
-    q = linear(attn["q_proj"], h).reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = linear(attn["k_proj"], h).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(attn["v_proj"], h).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if "qkv_proj" in attn:  # fused by `fuse_projections`: one matmul, then split
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = linear(attn["qkv_proj"], h)
+        q, k, v = qkv[..., :q_dim], qkv[..., q_dim : q_dim + kv_dim], qkv[..., q_dim + kv_dim :]
+    else:
+        q, k, v = linear(attn["q_proj"], h), linear(attn["k_proj"], h), linear(attn["v_proj"], h)
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
 
 
@@ -130,7 +136,40 @@ def attention_out_and_mlp(layer: Params, x: jax.Array, attn: jax.Array, cfg: Mod
     x = x + linear(layer["self_attn"]["o_proj"], attn.reshape(*attn.shape[:-2], -1).astype(x.dtype))
     h = rms_norm(x, layer["post_attention_layernorm"]["weight"], cfg.norm_eps)
     mlp = layer["mlp"]
-    return x + linear(mlp["down_proj"], jax.nn.silu(linear(mlp["gate_proj"], h)) * linear(mlp["up_proj"], h))
+    if "gate_up_proj" in mlp:  # fused by `fuse_projections`
+        gate_up = linear(mlp["gate_up_proj"], h)
+        ffn = gate_up.shape[-1] // 2
+        gate, up = gate_up[..., :ffn], gate_up[..., ffn:]
+    else:
+        gate, up = linear(mlp["gate_proj"], h), linear(mlp["up_proj"], h)
+    return x + linear(mlp["down_proj"], jax.nn.silu(gate) * up)
+
+
+def fuse_projections(params: Params) -> Params:
+    """The same model with q/k/v and gate/up each concatenated into one weight (and bias).
+
+    Serving layout: decode's matmuls have few rows, so one wide matmul beats three narrow
+    ones. The loaded (Hugging Face shaped) params stay the public layout; the model
+    functions accept either.
+    """
+
+    def cat(parts: list[Params]) -> Params:
+        fused = {"weight": jnp.concatenate([p["weight"] for p in parts], axis=1)}
+        if all("bias" in p for p in parts):
+            fused["bias"] = jnp.concatenate([p["bias"] for p in parts])
+        elif any("bias" in p for p in parts):  # Qwen2-style q/k/v biases come all or none
+            raise ValueError("fuse_projections: some of the fused projections have a bias and some do not")
+        return fused
+
+    layers = []
+    for layer in params["layers"]:
+        attn, mlp = layer["self_attn"], layer["mlp"]
+        layers.append({
+            **layer,
+            "self_attn": {"qkv_proj": cat([attn["q_proj"], attn["k_proj"], attn["v_proj"]]), "o_proj": attn["o_proj"]},
+            "mlp": {"gate_up_proj": cat([mlp["gate_proj"], mlp["up_proj"]]), "down_proj": mlp["down_proj"]},
+        })  # fmt: skip
+    return {**params, "layers": layers}
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConf
 from cbjax.executor import StepOutput
 from cbjax.kernels.paged_attention import attention_op, resolve_attention
 from cbjax.model import decode_step, init_cache, init_params, prefill
+from cbjax.model.llama import fuse_projections
 from cbjax.request import Request
 from cbjax.runtime.compiles import compile_count
 from cbjax.runtime.sampling import sample
@@ -82,6 +83,17 @@ def default_buckets(longest: int, smallest: int = 16) -> list[int]:
     return buckets + [longest]
 
 
+def geometric_buckets(longest: int, smallest: int, ratio: float = 2**0.5) -> list[int]:
+    """Sizes from `smallest` up to `longest` (always the last), each about `ratio` x the one
+    before: finer than powers of two, so a batch pads its work by at most ~41%."""
+    buckets, b = [], float(smallest)
+    while round(b) < longest:
+        if not buckets or round(b) > buckets[-1]:
+            buckets.append(round(b))
+        b *= ratio
+    return buckets + [longest]
+
+
 class SamplingArrays:
     """Host buffers for the per-row sampling knobs: f32 temperature, i32 top_k, f32 top_p,
     u32 seed, i32 position of the token being generated."""
@@ -141,7 +153,7 @@ class JaxExecutor:
         for rows in self.decode_rows:
             if self.attention == "ragged":
                 cap = rows * self.max_pages
-                sizes = cfg.decode_entry_buckets or default_buckets(cap, smallest=max(rows, cap // 8))
+                sizes = cfg.decode_entry_buckets or geometric_buckets(cap, smallest=max(rows, cap // 8))
                 entries = sorted({min(int(e), cap) for e in sizes} | {cap})
                 self.decode_shapes[rows] = [(self.max_pages, e) for e in entries]
             else:
@@ -160,7 +172,8 @@ class JaxExecutor:
         # Under chunked prefill a chunk is at most the token budget: one piece per chunk.
         piece = min(scheduler.max_num_batched_tokens, longest) if scheduler.chunked_prefill else 64
         self.context_bucket = next((b for b in self.buckets if b >= piece), self.buckets[-1])
-        self.params = params if params is not None else init_params(model, seed)
+        # Serving layout: q/k/v and gate/up fused into one matmul each (same model, same numbers).
+        self.params = fuse_projections(params if params is not None else init_params(model, seed))
         self.cache = init_cache(model, cache.num_pages, cache.page_size)
         self._decode, self._prefill, self._prefill_ctx = jitted_steps(model, cfg.attention, cfg.pages_per_block)
         # decode buffers, one row per slot
@@ -178,6 +191,7 @@ class JaxExecutor:
         self.host_pack_s = 0.0
         self.device_s = 0.0
         self.num_steps = 0
+        self._on_cpu = jax.default_backend() == "cpu"
         self.decode_calls: dict[tuple[int, int, Optional[int]], int] = {}  # (rows, width, entries) -> calls
         self.num_context_prefills = 0
 
@@ -272,8 +286,9 @@ class JaxExecutor:
                 call_s += time.perf_counter() - tc
                 pending.append((toks, [first + i], [0]))
         t1 = time.perf_counter()
-        for toks, _, _ in pending:
-            toks.copy_to_host_async()
+        if len(pending) > 1 and not self._on_cpu:  # overlap the copies; on CPU they cost ~60 us each, for nothing
+            for toks, _, _ in pending:
+                toks.copy_to_host_async()
         token_ids = [0] * plan.num_scheduled
         for toks, out_idx, rows in pending:  # one small device->host copy per call
             values = np.asarray(toks)[rows].tolist()
