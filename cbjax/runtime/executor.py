@@ -117,11 +117,6 @@ class SamplingArrays:
         return (self.temperature, self.top_k, self.top_p, self.seed, self.position)
 
 
-def _token_at(req: Request, idx: int) -> int:
-    prompt = req.prompt_ids()
-    return prompt[idx] if idx < req.prompt_len else req.output_token_ids[idx - req.prompt_len]
-
-
 class JaxExecutor:
     """The real-engine side of the executor interface."""
 
@@ -236,21 +231,26 @@ class JaxExecutor:
             self.swap_s += time.perf_counter() - tc
             call_s += time.perf_counter() - tc
         if plan.decodes:
-            self._active[:] = False
-            slots = []
-            longest = 0
-            held = 0  # pages the active slots attend over
-            page_size = self.page_size
+            # The host's hottest loop: plain lists here, one vectorized write per array after.
+            slots, tokens, positions = [], [], []
+            page_tables, row_key = plan.page_tables, self._row_key
             for req in plan.decodes:
                 s = req.slot
-                slots.append(s)
-                self._sync_row(s, req, plan.page_tables[req.request_id])
+                pages = page_tables[req.request_id]
+                if row_key[s] != (id(req), req.admit_seq, len(pages)):
+                    self._sync_row(s, req, pages)
                 n = req.num_computed
-                self._tokens[s] = _token_at(req, n)
-                self._positions[s] = n
-                self._active[s] = True
-                longest = max(longest, n + 1)
-                held += n // page_size + 1
+                out_idx = n - req.prompt_len
+                tokens.append(req.output_token_ids[out_idx] if out_idx >= 0 else req.prompt_ids()[n])
+                positions.append(n)
+                slots.append(s)
+            self._active[:] = False
+            self._active[slots] = True
+            self._tokens[slots] = tokens
+            self._positions[slots] = positions
+            page_size = self.page_size
+            longest = max(positions) + 1
+            held = sum(n // page_size for n in positions) + len(positions)  # pages the active slots attend over
             rows = next(r for r in self.decode_rows if r >= len(slots))
             need = -(-longest // page_size)
             width, entries = next(
