@@ -15,7 +15,7 @@ from cbjax.engine import serve
 from cbjax.model import forward_dense, init_params
 from cbjax.request import FinishReason, Request, SamplingParams
 from cbjax.model import init_cache
-from cbjax.runtime.executor import JaxExecutor
+from cbjax.runtime.executor import JaxExecutor, default_buckets, geometric_buckets
 from cbjax.runtime.swap import HostSwap
 from cbjax.scheduler import Scheduler
 
@@ -204,6 +204,18 @@ def test_swap_round_trip_restores_pages_exactly():
 
 def _request(rid):
     return Request(rid, 0.0, 1, prompt_token_ids=[0])
+
+
+def test_decode_shape_buckets_by_hand():
+    # powers of two from 16 up to the longest, which always closes the list
+    assert default_buckets(100) == [16, 32, 64, 100]
+    # steps of sqrt(2) from 16: 16, 22.6, 32, 45.3, 64, 90.5, then the cap 128
+    assert geometric_buckets(128, 16) == [16, 23, 32, 45, 64, 91, 128]
+    assert geometric_buckets(4, 4) == [4]
+    # ragged decode: per row count, entry counts from 1/8 of rows x widest table (32 pages here)
+    ex = make_executor(4)
+    if ex.attention == "ragged":
+        assert ex.decode_shapes == {4: [(32, e) for e in geometric_buckets(128, 16)]}
 
 
 def test_no_compiles_after_warmup_over_200_iterations():
