@@ -233,12 +233,10 @@ class JaxExecutor:
         if plan.decodes:
             # The host's hottest loop: plain lists here, one vectorized write per array after.
             slots, tokens, positions = [], [], []
-            page_tables, row_key = plan.page_tables, self._row_key
+            page_tables = plan.page_tables
             for req in plan.decodes:
                 s = req.slot
-                pages = page_tables[req.request_id]
-                if row_key[s] != (id(req), req.admit_seq, len(pages)):
-                    self._sync_row(s, req, pages)
+                self._sync_row(s, req, page_tables[req.request_id])
                 n = req.num_computed
                 out_idx = n - req.prompt_len
                 tokens.append(req.output_token_ids[out_idx] if out_idx >= 0 else req.prompt_ids()[n])
