@@ -123,8 +123,11 @@ def profile_cbjax(run, ex, workload) -> str:
     decode_for = ex._decode
 
     def decode(entries):
-        where = f"{entries} page entries" if entries is not None else "{} pages"
-        return timed("decode", decode_for(entries), lambda a: f"{a[2].shape[0]} rows x " + where.format(a[4].shape[1]))
+        def shape_of(a):
+            work = f"{entries} page entries" if entries is not None else f"{a[4].shape[1]} pages"
+            return f"{a[2].shape[0]} rows x {work}"
+
+        return timed("decode", decode_for(entries), shape_of)
 
     ex._decode = decode
     ex._prefill = timed("prefill", ex._prefill, lambda a: f"{a[2].shape[0]} rows x {a[2].shape[1]} tokens")

@@ -93,18 +93,19 @@ workloads = st.lists(
     min_size=1,
     max_size=30,
 )
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@settings(max_examples=30, deadline=None)
-@given(
-    reqs=workloads,
+# Slots, token budget and KV pages small enough to bind: preemptions and chunked recomputes.
+binding_limits = dict(
     allocation=st.sampled_from(["paged", "reserve_max"]),
     num_slots=st.integers(1, 6),
     budget=st.integers(6, 120),
     num_pages=st.integers(6, 40),
     page_size=st.sampled_from([1, 4, 16]),
 )
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@settings(max_examples=30, deadline=None)
+@given(reqs=workloads, **binding_limits)
 def test_invariants_under_binding_limits(variant, reqs, allocation, num_slots, budget, num_pages, page_size):
     requests = make_requests([r[2] for r in reqs], [r[1] for r in reqs], [r[0] for r in reqs])
     for req, (*_, priority, client) in zip(requests, reqs):
@@ -127,14 +128,7 @@ def test_invariants_under_binding_limits(variant, reqs, allocation, num_slots, b
     ids=["priority", "mlfq", "vtc"],
 )
 @settings(max_examples=25, deadline=None)
-@given(
-    reqs=workloads,
-    allocation=st.sampled_from(["paged", "reserve_max"]),
-    num_slots=st.integers(1, 6),
-    budget=st.integers(6, 120),
-    num_pages=st.integers(6, 40),
-    page_size=st.sampled_from([1, 4, 16]),
-)
+@given(reqs=workloads, **binding_limits)
 def test_degenerate_configs_reproduce_fcfs_exactly(cfg_kw, reqs, allocation, num_slots, budget, num_pages, page_size):
     # With one rank for everybody, latest-preempted-first requeues and latest-admitted victims
     # make these policies fcfs, binding limits, preemptions and chunked recomputes included.

@@ -170,7 +170,8 @@ class JaxExecutor:
         # Serving layout: q/k/v and gate/up fused into one matmul each (same model, same numbers).
         self.params = fuse_projections(params if params is not None else init_params(model, seed))
         self.cache = init_cache(model, cache.num_pages, cache.page_size)
-        self._decode, self._prefill, self._prefill_ctx = jitted_steps(model, cfg.attention, cfg.pages_per_block)
+        # keyed by the resolved impl, so `auto` and what it resolves to share compiled programs
+        self._decode, self._prefill, self._prefill_ctx = jitted_steps(model, self.attention, cfg.pages_per_block)
         # decode buffers, one row per slot
         self._page_table = np.zeros((self.num_slots, self.max_pages), np.int32)  # i32[num_slots, max_pages]
         self._row_key: list[tuple[int, int, int]] = [(0, 0, 0)] * self.num_slots  # (request, admission, pages)
