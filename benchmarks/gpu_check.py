@@ -1,7 +1,7 @@
 """GPU check (issue 9, acceptance 5): compiled ragged kernel vs reference, decode HBM bandwidth.
 
     python benchmarks/gpu_check.py kernel --out DIR     # (1) and (2), appended to DIR/gpu_check.md
-    python benchmarks/gpu_check.py engine --out DIR --summary FILE -- OVERRIDES...  # (3): report a run
+    python benchmarks/gpu_check.py engine --out DIR --summary FILE --overrides ...  # (3): report a run
 
 `benchmarks/gpu_check.sh` runs both, each section guarded so a failure in one still
 reports the others. With no GPU visible to JAX, `kernel` prints so and exits 0.
@@ -188,7 +188,9 @@ def engine(out: Path, summary_path: Path, overrides: list) -> dict:
     """Report the engine run's summary.json (the run itself is gpu_check.sh's, in a fresh process)."""
     _md(out, "`cbjax " + " ".join(overrides) + "`\n")
     if not summary_path.is_file():
-        _md(out, f"No {summary_path.name}: the engine run failed or timed out; see engine.log.")
+        log = out / "engine.log"
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.is_file() else "(no engine.log)"
+        _md(out, f"No {summary_path.name}: the engine run failed or timed out. engine.log ends:\n\n```\n{tail}\n```")
         return {"error": "no summary.json"}
     summary = json.loads(summary_path.read_text())
     keys = ["throughput_tok_s", "iterations", "num_finished", "makespan_s", "mean_batch_size", "warmup_s",
@@ -206,7 +208,7 @@ def main(argv=None) -> int:
     parser.add_argument("section", choices=["kernel", "engine"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--summary", type=Path, help="engine: the run's summary.json")
-    parser.add_argument("overrides", nargs="*", help="engine: the cbjax overrides that were run")
+    parser.add_argument("--overrides", nargs=argparse.REMAINDER, default=[], help="engine: the cbjax overrides run")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results_path = args.out / "gpu_check.json"

@@ -12,7 +12,9 @@
 #     bash benchmarks/gpu_check.sh --fetch-wheels     # pure-Python wheels into .whl/ (git-ignored)
 # then run `bash benchmarks/gpu_check.sh` there with `.whl` carried. Elsewhere (a GPU box with
 # a registry) the script installs what is missing with pip instead.
-# Knobs: GPU_CHECK_ENGINE_TIMEOUT_S (default 300), GPU_CHECK_ENGINE_ARGS (extra overrides).
+# Knobs: GPU_CHECK_ENGINE_TIMEOUT_S (default 240), GPU_CHECK_ENGINE_ARGS (extra overrides).
+# Parts are capped at 200 + 90 + 240 s so the whole call ends inside the device's 10-minute
+# command limit (give the call timeout_s 590).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -57,8 +59,8 @@ fi
 
 # (1) and (2): one process. Then the compiled kernel tests, then (3) in fresh processes
 # (JAX preallocates most of the GPU's memory per process).
-timeout 300 "$PY" benchmarks/gpu_check.py kernel --out "$OUT" 2>&1 | tee "$OUT/kernel.log"
-timeout 120 "$PY" -m pytest tests/test_pallas_ragged.py -k compiled -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+timeout 200 "$PY" benchmarks/gpu_check.py kernel --out "$OUT" 2>&1 | tee "$OUT/kernel.log"
+timeout 90 "$PY" -m pytest tests/test_pallas_ragged.py -k compiled -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
 
 ENGINE_ARGS=(
     executor=jax hardware=h200 progress=false seed=0
@@ -72,11 +74,11 @@ ENGINE_ARGS=(
 ENGINE_ARGS+=(${GPU_CHECK_ENGINE_ARGS:-})
 ENGINE_DIR=/tmp/gpu_check_engine
 rm -rf "$ENGINE_DIR"
-timeout "${GPU_CHECK_ENGINE_TIMEOUT_S:-300}" "$PY" -m cbjax "${ENGINE_ARGS[@]}" hydra.run.dir="$ENGINE_DIR" \
+timeout "${GPU_CHECK_ENGINE_TIMEOUT_S:-240}" "$PY" -m cbjax "${ENGINE_ARGS[@]}" hydra.run.dir="$ENGINE_DIR" \
     >"$OUT/engine.log" 2>&1
 echo "gpu_check: engine exit status $?" | tee -a "$OUT/engine.log"
 tail -n 30 "$OUT/engine.log"
 cp "$ENGINE_DIR/summary.json" "$OUT/engine_summary.json" 2>/dev/null
-"$PY" benchmarks/gpu_check.py engine --out "$OUT" --summary "$OUT/engine_summary.json" -- "${ENGINE_ARGS[@]}"
+"$PY" benchmarks/gpu_check.py engine --out "$OUT" --summary "$OUT/engine_summary.json" --overrides "${ENGINE_ARGS[@]}"
 echo "gpu_check: results in $OUT/gpu_check.md"
 exit 0
