@@ -2,9 +2,10 @@
 
 Parameters (module path: shape, logical axes). Every one is an `nnx.Param` whose
 `out_sharding` metadata names logical axes from LOGICAL_AXES; `nnx.get_partition_spec`
-under `nnx.logical_axis_rules` turns them into mesh PartitionSpecs. Heads keep their own
-axis, so mapping "heads", "kv_heads" and "mlp" to one tensor-parallel mesh axis splits
-on head and hidden-unit boundaries with no reshape.
+under `nnx.logical_axis_rules` (naming every logical axis, None to replicate) turns them
+into mesh PartitionSpecs. Heads keep their own axis, so mapping "heads", "kv_heads" and
+"mlp" to one tensor-parallel mesh axis splits on head and hidden-unit boundaries with no
+reshape.
 
     embed_tokens                      [vocab_size, d_model]             (vocab, embed)
     layers[i].input_layernorm.scale   [d_model]                         (embed,)
@@ -71,7 +72,11 @@ def check_supported(cfg: ModelConfig) -> None:
 
 
 def param(value: jax.Array, axes: Axes) -> nnx.Param:
-    """A Param with logical partitioning metadata; placed on a mesh later, not here."""
+    """A Param with logical partitioning metadata (flax 0.12's `out_sharding`).
+
+    eager_sharding=False: flax would otherwise shard the value at creation, which needs a
+    mesh; here the axes stay metadata until the state is placed on a mesh.
+    """
     if len(axes) != value.ndim:
         raise ValueError(f"param: axes {axes} do not match shape {value.shape}")
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
