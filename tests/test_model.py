@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from llama_fixtures import BIASED, QWEN_LIKE, TINY, dense, dense_logits, numpy_forward, scaled_llama
 
 from cbjax.model import Llama, forward_dense, init_cache, kv_cache_axes
@@ -114,13 +115,13 @@ def test_every_parameter_carries_logical_axes(name, fused):
         specs = nnx.get_partition_spec(nnx.state(model))
     layer = specs["layers"][0]
     if fused:
-        assert layer["qkv_proj"]["kernel"].get_value() == jax.P(None, "tp", None, None)
-        assert layer["gate_up_proj"]["kernel"].get_value() == jax.P(None, None, "tp")
+        assert layer["qkv_proj"]["kernel"].get_value() == P(None, "tp", None, None)
+        assert layer["gate_up_proj"]["kernel"].get_value() == P(None, None, "tp")
     else:
-        assert layer["q_proj"]["kernel"].get_value() == jax.P(None, "tp", None)
-        assert layer["gate_proj"]["kernel"].get_value() == jax.P(None, "tp")
-    assert layer["o_proj"]["kernel"].get_value() == jax.P("tp", None, None)
-    assert layer["down_proj"]["kernel"].get_value() == jax.P("tp", None)
+        assert layer["q_proj"]["kernel"].get_value() == P(None, "tp", None)
+        assert layer["gate_proj"]["kernel"].get_value() == P(None, "tp")
+    assert layer["o_proj"]["kernel"].get_value() == P("tp", None, None)
+    assert layer["down_proj"]["kernel"].get_value() == P("tp", None)
 
 
 def test_kv_cache_axes_name_the_cache_layout():
