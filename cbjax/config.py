@@ -233,6 +233,8 @@ class ModelConfig:
     dtype: str = "float32"
     mlp: str = "gated"  # gated: SwiGLU (Llama); plain: two matrices (OPT)
     attention_bias: bool = False  # Qwen2 has q/k/v biases
+    o_proj_bias: bool = False  # Llama checkpoints with attention_bias also bias o_proj
+    mlp_bias: bool = False  # Llama's mlp_bias: gate/up/down biases
     norm_eps: float = 1e-5
     eos_token_id: Optional[int] = None
     # A local Hugging Face model directory (config.json, *.safetensors, maybe tokenizer.json).

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import cbjax_cmd
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.engine import serve
-from cbjax.model import forward_dense, init_params
+from cbjax.model import Llama, forward_dense
 from cbjax.request import FinishReason, Request, SamplingParams
 from cbjax.model import init_cache
 from cbjax.runtime.executor import JaxExecutor, default_buckets, geometric_buckets
@@ -85,15 +86,16 @@ def dense_oracle():
     """Greedy argmax of a dense, cache-free forward pass over the whole sequence at each step.
 
     Sequences are padded to max_model_len; causal attention makes the padding invisible."""
-    params = init_params(MODEL, 0)  # the executors' weights (seed 0), in the unfused layout
-    fwd = jax.jit(functools.partial(forward_dense, cfg=MODEL))
+    # the executors' weights (seed 0), as the NNX model
+    graphdef, state = nnx.split(Llama(MODEL, seed=0))
+    fwd = jax.jit(lambda state, tokens: forward_dense(nnx.merge(graphdef, state), tokens))
 
     def generate(prompt, num_tokens):
         seq = list(prompt)
         for _ in range(num_tokens):
             padded = np.zeros(MODEL.max_model_len, np.int32)
             padded[: len(seq)] = seq
-            logits = np.asarray(fwd(params, jnp.asarray(padded)))[len(seq) - 1]
+            logits = np.asarray(fwd(state, jnp.asarray(padded)))[len(seq) - 1]
             top2 = np.sort(logits)[-2:]
             assert top2[1] - top2[0] > 1e-4, "near-tie in the oracle: pick another seed"
             seq.append(int(logits.argmax()))

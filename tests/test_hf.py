@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -24,7 +25,8 @@ from cbjax.config import (  # noqa: E402
 from cbjax.engine import serve  # noqa: E402
 from cbjax.kernels.paged_attention import attention_op  # noqa: E402
 from cbjax.model import decode_step, forward_dense, init_cache, prefill  # noqa: E402
-from cbjax.model.hf import load_config, load_params  # noqa: E402
+from cbjax.model.functional import params_from_model  # noqa: E402
+from cbjax.model.hf import load_config, load_model, load_params, name_map  # noqa: E402
 from cbjax.model.tokenizer import load_tokenizer  # noqa: E402
 from cbjax.request import FinishReason, Request, SamplingParams  # noqa: E402
 from cbjax.run import run_single  # noqa: E402
@@ -94,6 +96,16 @@ def checkpoint(tmp_path_factory):
     return get
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _dense_logits(graphdef, state, tokens):
+    return forward_dense(nnx.merge(graphdef, state), tokens)
+
+
+def dense(model, tokens) -> np.ndarray:
+    """forward_dense of an NNX Llama, jitted over its split state."""
+    return np.asarray(_dense_logits(*nnx.split(model), jnp.asarray(tokens, jnp.int32)))
+
+
 def hf_logits(model, tokens) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].numpy()
@@ -115,6 +127,7 @@ def test_config_json_maps_onto_model_config(checkpoint, arch):
     assert cfg.head_dim == kw.get("head_dim", 64 // kw["num_attention_heads"])
     assert cfg.rope_theta == kw["rope_theta"] and cfg.tie_embeddings == kw["tie_word_embeddings"]
     assert cfg.attention_bias and cfg.dtype == "float32" and cfg.eos_token_id == 2 and cfg.norm_eps == 1e-6
+    assert cfg.o_proj_bias == (arch == "llama") and not cfg.mlp_bias  # Llama's attention_bias covers o_proj
     assert cfg.max_model_len == MAX_MODEL_LEN
     full = load_config(ModelConfig(path=cfg.path, dtype="auto", max_model_len=0))
     assert full.max_model_len == 256  # max_position_embeddings
@@ -123,10 +136,39 @@ def test_config_json_maps_onto_model_config(checkpoint, arch):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_dense_forward_matches_transformers_at_every_position(checkpoint, arch):
     model, _, cfg = checkpoint(arch)
-    params = load_params(cfg)
+    ours = load_model(cfg)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 57).tolist()
-    got = jax.jit(functools.partial(forward_dense, cfg=cfg))(params, jnp.asarray(tokens, jnp.int32))
-    assert_logits_close(got, hf_logits(model, tokens), f"{arch} dense forward")
+    want = hf_logits(model, tokens)
+    assert_logits_close(dense(ours, tokens), want, f"{arch} dense forward")
+    assert_logits_close(dense(ours.fused(), tokens), want, f"{arch} dense forward, fused layout")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_name_map_fills_every_parameter_in_the_module_layout(checkpoint, arch):
+    """Each Hugging Face tensor lands at its module path: linear weights transposed and split
+    into heads, biases split into heads, norms as they are."""
+    model, _, cfg = checkpoint(arch)
+    ours = load_model(cfg)
+    module_params = {path for path, node in nnx.iter_graph(ours) if isinstance(node, nnx.Param)}
+    mapped = [t.path for t in name_map(cfg).values()]
+    assert sorted(map(str, mapped)) == sorted(map(str, module_params)) and len(set(mapped)) == len(mapped)
+    theirs = {name: p.detach().numpy() for name, p in model.named_parameters()}
+    d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layer = ours.layers[1]
+    attn = "model.layers.1.self_attn"
+    np.testing.assert_array_equal(layer.q_proj.kernel[...], theirs[f"{attn}.q_proj.weight"].T.reshape(d, h, hd))
+    np.testing.assert_array_equal(layer.v_proj.kernel[...], theirs[f"{attn}.v_proj.weight"].T.reshape(d, kv, hd))
+    np.testing.assert_array_equal(layer.k_proj.bias[...], theirs[f"{attn}.k_proj.bias"].reshape(kv, hd))
+    np.testing.assert_array_equal(layer.o_proj.kernel[...], theirs[f"{attn}.o_proj.weight"].T.reshape(h, hd, d))
+    assert (layer.o_proj.bias is not None) == (arch == "llama")
+    np.testing.assert_array_equal(layer.down_proj.kernel[...], theirs["model.layers.1.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(ours.norm.scale[...], theirs["model.norm.weight"])
+    np.testing.assert_array_equal(ours.embed_tokens[...], theirs["model.embed_tokens.weight"])
+    assert (ours.lm_head is None) == cfg.tie_embeddings
+    # the old engine's dict params hold the same numbers
+    old = load_params(cfg)
+    np.testing.assert_array_equal(old["layers"][1]["self_attn"]["q_proj"]["weight"], theirs[f"{attn}.q_proj.weight"].T)
+    assert jax.tree.structure(old) == jax.tree.structure(params_from_model(ours))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -217,15 +259,16 @@ def test_sharded_and_bf16_checkpoints_load(tmp_path, checkpoint):
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     _, _, cfg = checkpoint("qwen2")
     sharded = ModelConfig(path=str(tmp_path / "sharded"), dtype="auto", max_model_len=MAX_MODEL_LEN)
-    a, b = load_params(cfg), load_params(sharded)
+    a, b = nnx.state(load_model(cfg)), nnx.state(load_model(sharded))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
     build_hf("llama", tmp_path / "bf16", dtype=torch.bfloat16)
     cfg16 = load_config(ModelConfig(path=str(tmp_path / "bf16"), dtype="auto", max_model_len=0))
     assert cfg16.dtype == "bfloat16"
-    assert jax.tree.leaves(load_params(cfg16))[0].dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(load_model(cfg16)))} == {jnp.dtype(jnp.bfloat16)}
     as32 = load_config(ModelConfig(path=str(tmp_path / "bf16"), dtype="float32", max_model_len=0))
-    assert jax.tree.leaves(load_params(as32))[0].dtype == jnp.float32
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(load_model(as32)))} == {jnp.dtype(jnp.float32)}
 
 
 def test_mistral_loads_with_context_capped_by_its_sliding_window(tmp_path):
@@ -235,8 +278,7 @@ def test_mistral_loads_with_context_capped_by_its_sliding_window(tmp_path):
     cfg = load_config(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=0))
     assert cfg.max_model_len == 96 and not cfg.attention_bias
     tokens = list(range(3, 40))
-    got = jax.jit(functools.partial(forward_dense, cfg=cfg))(load_params(cfg), jnp.asarray(tokens))
-    assert_logits_close(got, hf_logits(model, tokens), "mistral dense forward")
+    assert_logits_close(dense(load_model(cfg), tokens), hf_logits(model, tokens), "mistral dense forward")
     with pytest.raises(ValueError, match="exceeds the checkpoint's sliding_window 96"):
         load_config(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=128))
 
@@ -252,7 +294,7 @@ def test_loader_errors_name_the_problem(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     build_hf("llama", tmp_path)
-    load = lambda: load_params(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=0))  # noqa: E731
+    load = lambda: load_model(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=0))  # noqa: E731
 
     _edit_config(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
@@ -261,7 +303,10 @@ def test_loader_errors_name_the_problem(tmp_path):
                  rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})  # fmt: skip
     with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
         load()
-    _edit_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1e4}, intermediate_size=96)
+    _edit_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1e4}, head_dim=23)
+    with pytest.raises(ValueError, match="model.head_dim must be even for RoPE, got 23"):
+        load()
+    _edit_config(tmp_path, head_dim=24, intermediate_size=96)
     with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\]"):
         load()
     _edit_config(tmp_path, intermediate_size=128)

@@ -1,206 +1,169 @@
-"""Llama model: paged prefill + decode must reproduce the dense causal forward pass."""
+"""The NNX Llama: dense forward vs a float64 oracle, fused layout, partitioning metadata, jit boundary."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from llama_fixtures import BIASED, QWEN_LIKE, TINY, dense, dense_logits, numpy_forward, scaled_llama
 
-from cbjax.config import ModelConfig
-from cbjax.kernels.paged_attention import attention_op
-from cbjax.model import KVCache, decode_step, forward_dense, init_params, prefill
-from cbjax.model.llama import fuse_projections
+from cbjax.model import Llama, forward_dense, init_cache, kv_cache_axes
+from cbjax.model.llama import LOGICAL_AXES
+from cbjax.runtime.compiles import compile_count
 
-# f32 throughout; the cached path only reorders sums (and, for pallas, runs an online softmax).
-LOGITS_ATOL = 1e-4
-LOGITS_RTOL = 1e-4
+# f32 against float64: only rounding differs. Logits are O(1).
+ATOL = RTOL = 1e-4
 
-PAGE_SIZE = 4
-NUM_PAGES = 24
-MAX_PAGES_PER_SEQ = 4  # 16 positions per slot
-BUCKET_LEN = 8
-NUM_STEPS = 6
-
-TINY = ModelConfig()  # vocab 512, d_model 64, 2 layers, 4 heads, 2 kv heads, head_dim 16, ffn 128
-QWEN_LIKE = dataclasses.replace(TINY, attention_bias=True, tie_embeddings=True, rope_theta=1e6)
+CONFIGS = {"tiny": TINY, "qwen_like": QWEN_LIKE, "biased": BIASED}
 
 
-# Traces per (config, impl, step); a retrace after the first call is a recompile.
-_TRACES: collections.Counter = collections.Counter()
+def _tokens(cfg, n, seed=0):
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, n).astype(np.int32)
 
 
-def _counted(fn, key):
-    def traced(*args, **kwargs):
-        _TRACES[key] += 1
-        return fn(*args, **kwargs)
-
-    return traced
-
-
-@functools.lru_cache(maxsize=None)
-def _steps(name: str, impl: str):
-    """Jitted (prefill, decode) built the way an executor should: cfg static, cache donated."""
-    cfg = {"tiny": TINY, "qwen_like": QWEN_LIKE}[name]
-    prefill_fn = jax.jit(functools.partial(_counted(prefill, (name, impl, "prefill")), cfg=cfg), donate_argnums=(1,))
-    decode_fn = jax.jit(
-        functools.partial(_counted(decode_step, (name, impl, "decode")), cfg=cfg, attn_fn=attention_op(impl)),
-        donate_argnums=(1,),
-    )
-    # At std 0.02 attention is nearly uniform and an off-by-one RoPE position in decode moves
-    # logits by only ~3e-3; with every matrix scaled by 4 it moves them by ~0.2.
-    params = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(np.asarray(x) * 4) if x.ndim == 2 else x, init_params(cfg, seed=0)
-    )
-    return cfg, params, prefill_fn, decode_fn
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_dense_forward_matches_float64_reference(name):
+    """GQA 2:1 and 4:1, q/k/v, o_proj and MLP biases, tied embeddings, rope theta 1e6."""
+    cfg = CONFIGS[name]
+    model = scaled_llama(cfg)
+    tokens = _tokens(cfg, 13)
+    want = numpy_forward(model, cfg, tokens)
+    got = dense(model, tokens)
+    assert got.shape == (13, cfg.vocab_size) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    # the step's interface takes any leading dims: shapes only, no compile
+    x = jax.ShapeDtypeStruct((2, 5, cfg.d_model), jnp.float32)
+    q, k, v = jax.eval_shape(model.layers[0].qkv, x, jax.ShapeDtypeStruct((2, 5), jnp.int32))
+    assert q.shape == (2, 5, cfg.num_heads, cfg.head_dim)
+    assert k.shape == v.shape == (2, 5, cfg.num_kv_heads, cfg.head_dim)
+    assert jax.eval_shape(model.layers[0].finish, x, q).shape == (2, 5, cfg.d_model)
+    assert jax.eval_shape(model.logits, x).shape == (2, 5, cfg.vocab_size)
 
 
-def _nan_cache(cfg: ModelConfig) -> KVCache:
-    """Every page, the null page included, starts as NaN: any read of an unwritten entry shows."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, NUM_PAGES, PAGE_SIZE, cfg.head_dim)
-    return KVCache(k=jnp.full(shape, jnp.nan, cfg.dtype), v=jnp.full(shape, jnp.nan, cfg.dtype))
+def test_fused_layout_computes_the_same_logits():
+    cfg = BIASED  # every bias, GQA 4:1
+    model = scaled_llama(cfg)
+    fused = model.fused()
+    assert fused.is_fused and not model.is_fused  # the original is left unfused
+    layer = fused.layers[0]
+    group = cfg.num_heads // cfg.num_kv_heads
+    assert layer.qkv_proj.kernel.shape == (cfg.d_model, cfg.num_kv_heads, group + 2, cfg.head_dim)
+    assert layer.q_proj is None and layer.gate_proj is None
+    assert layer.gate_up_proj.kernel.shape == (cfg.d_model, 2, cfg.ffn_dim)
+    assert (layer.qkv_proj.bias is not None) == cfg.attention_bias
+    tokens = _tokens(cfg, 11, seed=1)
+    np.testing.assert_allclose(dense(fused, tokens), dense(model, tokens), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="already fused"):
+        fused.fused()
+    unbiased = nnx.eval_shape(lambda: Llama(TINY, seed=None).fused()).layers[0]
+    assert unbiased.qkv_proj.bias is None and unbiased.gate_up_proj.bias is None
 
 
-def _generate(name: str, impl: str, prompts, seed: int):
-    """Prefill `prompts` (None: an idle slot) together, then greedy-decode NUM_STEPS tokens.
-
-    Returns per slot the full token sequence and the logits that chose each new token.
-    """
-    cfg, params, prefill_fn, decode_fn = _steps(name, impl)
-    rng = np.random.default_rng(seed)
-    num_slots = len(prompts)
-    page_table = rng.permutation(np.arange(1, NUM_PAGES))[: num_slots * MAX_PAGES_PER_SEQ]
-    page_table = page_table.reshape(num_slots, MAX_PAGES_PER_SEQ).astype(np.int32)
-    tokens = np.zeros((num_slots, BUCKET_LEN), np.int32)
-    lengths = np.zeros(num_slots, np.int32)
-    for slot, prompt in enumerate(prompts):
-        if prompt is None:
-            page_table[slot] = rng.integers(-3, 10**6, MAX_PAGES_PER_SEQ)  # idle: garbage table
-        else:
-            tokens[slot, : len(prompt)] = prompt
-            lengths[slot] = len(prompt)
-    active = lengths > 0
-
-    logits, cache = prefill_fn(
-        params, _nan_cache(cfg), jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(page_table)
-    )
-    seqs = [list(p) if p is not None else [] for p in prompts]
-    step_logits = [[] for _ in prompts]
-    positions = lengths.copy()
-    for step in range(NUM_STEPS + 1):
-        logits = np.asarray(logits)
-        next_tokens = logits.argmax(-1).astype(np.int32)
-        for slot in np.flatnonzero(active):
-            step_logits[slot].append(logits[slot])
-            seqs[slot].append(int(next_tokens[slot]))
-        if step == NUM_STEPS:
-            break
-        decode_positions = np.where(active, positions, 999).astype(np.int32)  # idle: garbage position
-        logits, cache = decode_fn(
-            params, cache, jnp.asarray(next_tokens), jnp.asarray(decode_positions),
-            jnp.asarray(page_table), jnp.asarray(active),
-        )
-        positions += 1
-    return cfg, params, seqs, [np.stack(x) if x else None for x in step_logits]
+# Expected (shape, axes) per parameter, from the table in cbjax/model/llama.py.
+def _expected_axes(cfg, fused):
+    d, h, kv, hd, f, vocab = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
+    layer, biases = {}, {}
+    layer[("input_layernorm", "scale")] = layer[("post_attention_layernorm", "scale")] = ((d,), ("embed",))
+    layer[("o_proj", "kernel")] = ((h, hd, d), ("heads", "head_dim", "embed"))
+    layer[("down_proj", "kernel")] = ((f, d), ("mlp", "embed"))
+    biases["o_proj"] = {("o_proj", "bias"): ((d,), ("embed",))}
+    biases["mlp"] = {("down_proj", "bias"): ((d,), ("embed",))}
+    biases["qkv"] = {}
+    if fused:
+        layer[("qkv_proj", "kernel")] = ((d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"))
+        biases["qkv"][("qkv_proj", "bias")] = ((kv, h // kv + 2, hd), ("kv_heads", None, "head_dim"))
+        layer[("gate_up_proj", "kernel")] = ((d, 2, f), ("embed", None, "mlp"))
+        biases["mlp"][("gate_up_proj", "bias")] = ((2, f), (None, "mlp"))
+    else:
+        for name, n, axis in (("q_proj", h, "heads"), ("k_proj", kv, "kv_heads"), ("v_proj", kv, "kv_heads")):
+            layer[(name, "kernel")] = ((d, n, hd), ("embed", axis, "head_dim"))
+            biases["qkv"][(name, "bias")] = ((n, hd), (axis, "head_dim"))
+        for name in ("gate_proj", "up_proj"):
+            layer[(name, "kernel")] = ((d, f), ("embed", "mlp"))
+            biases["mlp"][(name, "bias")] = ((f,), ("mlp",))
+    for kind, flag in (("qkv", cfg.attention_bias), ("o_proj", cfg.o_proj_bias), ("mlp", cfg.mlp_bias)):
+        if flag:
+            layer.update(biases[kind])
+    out = {("embed_tokens",): ((vocab, d), ("vocab", "embed")), ("norm", "scale"): ((d,), ("embed",))}
+    if not cfg.tie_embeddings:
+        out[("lm_head",)] = ((d, vocab), ("embed", "vocab"))
+    for i in range(cfg.num_layers):
+        out.update({("layers", i, *key): value for key, value in layer.items()})
+    return out
 
 
-def _assert_logits_close(actual, expected):
-    np.testing.assert_allclose(actual, expected, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+@pytest.mark.parametrize("name,fused", [("biased", False), ("biased", True), ("qwen_like", False)])
+def test_every_parameter_carries_logical_axes(name, fused):
+    cfg = CONFIGS[name]
+    model = Llama(cfg, seed=0)
+    model = model.fused() if fused else model
+    expected = _expected_axes(cfg, fused)
+    params = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Param)}
+    assert set(params) == set(expected)
+    for path, p in params.items():
+        axes = p.get_metadata()["out_sharding"]
+        assert set(axes) <= set(LOGICAL_AXES) | {None}, path
+        assert (p.shape, axes) == expected[path], path
+    # the sharding issue's 1:1 mapping: heads, kv_heads and mlp onto one tensor-parallel mesh axis
+    rules = [("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"), ("vocab", None), ("embed", None), ("head_dim", None)]
+    with nnx.logical_axis_rules(rules):
+        specs = nnx.get_partition_spec(nnx.state(model))
+    layer = specs["layers"][0]
+    if fused:
+        assert layer["qkv_proj"]["kernel"].get_value() == P(None, "tp", None, None)
+        assert layer["gate_up_proj"]["kernel"].get_value() == P(None, None, "tp")
+    else:
+        assert layer["q_proj"]["kernel"].get_value() == P(None, "tp", None)
+        assert layer["gate_proj"]["kernel"].get_value() == P(None, "tp")
+    assert layer["o_proj"]["kernel"].get_value() == P("tp", None, None)
+    assert layer["down_proj"]["kernel"].get_value() == P("tp", None)
 
 
-@pytest.mark.parametrize("name,impl", [("tiny", "reference"), ("qwen_like", "reference"), ("tiny", "pallas")])
-def test_prefill_and_decode_match_dense(name, impl):
-    prompt = [7, 300, 42, 5, 511]
-    cfg, params, seqs, step_logits = _generate(name, impl, [prompt, None], seed=1)
-    dense = np.asarray(jax.jit(functools.partial(forward_dense, cfg=cfg))(params, jnp.asarray(seqs[0][:-1])))
-    # Position len(prompt) - 1 (prefill) and every decoded position after it.
-    expected = dense[len(prompt) - 1 :]
-    assert step_logits[0].shape == expected.shape == (NUM_STEPS + 1, cfg.vocab_size)
-    assert np.isfinite(step_logits[0]).all()
-    _assert_logits_close(step_logits[0], expected)
+def test_kv_cache_axes_name_the_cache_layout():
+    cache = init_cache(BIASED, num_pages=3, page_size=2)  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    assert len(kv_cache_axes) == cache.k.ndim and set(kv_cache_axes) <= set(LOGICAL_AXES) | {None}
+    sizes = dict(zip(kv_cache_axes, cache.k.shape))
+    assert sizes["kv_heads"] == BIASED.num_kv_heads and sizes["head_dim"] == BIASED.head_dim
 
 
-def test_slots_batched_equal_slots_alone():
-    prompts = [[1, 2, 3], [400, 17, 99, 250, 8, 61, 33]]
-    _, _, seqs_together, logits_together = _generate("tiny", "reference", prompts, seed=2)
-    for slot, prompt in enumerate(prompts):
-        alone = [prompt if s == slot else None for s in range(len(prompts))]
-        _, _, seqs_alone, logits_alone = _generate("tiny", "reference", alone, seed=3 + slot)
-        assert seqs_alone[slot] == seqs_together[slot]
-        _assert_logits_close(logits_together[slot], logits_alone[slot])
-    # Three runs with new values but the same shapes: each step compiled exactly once.
-    assert _TRACES[("tiny", "reference", "prefill")] == 1
-    assert _TRACES[("tiny", "reference", "decode")] == 1
-
-
-def test_params_follow_hugging_face_names():
+def test_jit_over_split_state_reuses_the_program_for_new_weights():
     cfg = QWEN_LIKE
-    params = init_params(cfg, seed=0)
-    flat = {jax.tree_util.keystr(path): x.shape for path, x in jax.tree_util.tree_leaves_with_path(params)}
-    layer = "['layers'][1]"
-    assert flat["['embed_tokens']['weight']"] == (cfg.vocab_size, cfg.d_model)
-    assert flat[f"{layer}['self_attn']['q_proj']['weight']"] == (cfg.d_model, cfg.num_heads * cfg.head_dim)
-    assert flat[f"{layer}['self_attn']['k_proj']['bias']"] == (cfg.num_kv_heads * cfg.head_dim,)
-    assert flat[f"{layer}['mlp']['down_proj']['weight']"] == (cfg.ffn_dim, cfg.d_model)
-    assert flat[f"{layer}['post_attention_layernorm']['weight']"] == (cfg.d_model,)
-    assert "['lm_head']['weight']" not in flat  # tied
-    assert len(flat) == 1 + 1 + cfg.num_layers * 12
-    untied = init_params(TINY, seed=0)
-    assert untied["lm_head"]["weight"].shape == (TINY.d_model, TINY.vocab_size)
+    tokens = _tokens(cfg, 9, seed=2)
+    graphdef, state = nnx.split(scaled_llama(cfg, seed=0))
+    first = np.asarray(dense_logits(graphdef, state, tokens))
+    before = compile_count()
+    other = scaled_llama(cfg, seed=1)  # building a model compiles nothing either
+    graphdef2, state2 = nnx.split(other)
+    second = np.asarray(dense_logits(graphdef2, state2, tokens))
+    assert compile_count() == before
+    assert graphdef2 == graphdef and hash(graphdef2) == hash(graphdef)
+    assert np.abs(second - first).max() > 1e-2  # the new weights were used
+    np.testing.assert_allclose(second, numpy_forward(other, cfg, tokens), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("cfg", [TINY, QWEN_LIKE], ids=["tiny", "qwen_like"])
-def test_fused_projections_compute_the_same_model(cfg):
-    """The executor's serving layout (q/k/v and gate/up fused) gives the unfused logits."""
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x) * 4) if x.ndim == 2 else x, init_params(cfg, 0))
-    fused = fuse_projections(params)
-    attn = fused["layers"][0]["self_attn"]
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    assert set(attn) == {"qkv_proj", "o_proj"} and attn["qkv_proj"]["weight"].shape == (cfg.d_model, q_dim + 2 * kv_dim)
-    assert ("bias" in attn["qkv_proj"]) == cfg.attention_bias
-    assert set(fused["layers"][0]["mlp"]) == {"gate_up_proj", "down_proj"}
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, 12), jnp.int32)
-    fwd = jax.jit(functools.partial(forward_dense, cfg=cfg))
-    np.testing.assert_allclose(np.asarray(fwd(fused, tokens)), np.asarray(fwd(params, tokens)), atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+def test_construction_from_a_seed_is_host_side_and_deterministic():
+    before = compile_count()
+    a, b = Llama(TINY, seed=5), Llama(TINY, seed=5)
+    assert compile_count() == before
+    kernel = np.asarray(a.layers[1].q_proj.kernel[...])
+    assert np.array_equal(kernel, np.asarray(b.layers[1].q_proj.kernel[...]))
+    assert abs(kernel.std() - 0.02) < 0.002 and np.all(np.asarray(a.norm.scale[...]) == 1)
+    abstract = nnx.eval_shape(lambda: Llama(TINY, seed=None))
+    assert isinstance(abstract.embed_tokens.get_value(), jax.ShapeDtypeStruct)
+    assert abstract.layers[0].o_proj.kernel.shape == (4, 16, 64)
+    bf16 = Llama(dataclasses.replace(TINY, dtype="bfloat16"), seed=5)
+    assert bf16.layers[1].q_proj.kernel[...].dtype == jnp.bfloat16
 
 
-def test_bad_inputs_raise():
+def test_unsupported_architectures_and_bad_inputs_raise():
     with pytest.raises(ValueError, match="model.mlp"):
-        init_params(dataclasses.replace(TINY, mlp="plain"), seed=0)
-    cfg, params, _, _ = _steps("tiny", "reference")
-    cache = _nan_cache(cfg)
-    with pytest.raises(ValueError, match=r"page_table \(3, 4\) must be \[num_slots=2"):
-        decode_step(params, cache, jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros((3, 4), jnp.int32),
-                    jnp.ones(2, bool), cfg, attention_op("reference"))
-    with pytest.raises(ValueError, match=r"lengths \(3,\) and start None must be \[num_seqs=2\]"):
-        tokens, page_table = jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 4), jnp.int32)
-        prefill(params, cache, tokens, jnp.zeros(3, jnp.int32), page_table, cfg)
-
-
-def test_prefill_in_pieces_after_cached_context_matches_dense():
-    # A prompt processed as three pieces at start 0, 5 and 9 (a chunked prefill, or a recompute
-    # beyond the token budget) must leave the same logits and cache as one dense pass.
-    cfg, params, _, decode_fn = _steps("tiny", "reference")
-    chunk = jax.jit(lambda p, c, t, l, pt, st: prefill(p, c, t, l, pt, cfg, start=st))
-    prompt = [9, 400, 3, 77, 250, 18, 6, 301, 44, 12, 500, 2]
-    rng = np.random.default_rng(5)
-    page_table = rng.permutation(np.arange(1, NUM_PAGES))[:MAX_PAGES_PER_SEQ][None].astype(np.int32)
-    cache = _nan_cache(cfg)
-    for lo, hi in ((0, 5), (5, 9), (9, len(prompt))):
-        tokens = np.zeros((1, BUCKET_LEN), np.int32)
-        tokens[0, : hi - lo] = prompt[lo:hi]
-        logits, cache = chunk(params, cache, tokens, np.array([hi - lo], np.int32), page_table, np.array([lo], np.int32))
-    dense = np.asarray(jax.jit(functools.partial(forward_dense, cfg=cfg))(params, jnp.asarray(prompt)))
-    _assert_logits_close(np.asarray(logits)[0], dense[-1])
-    # the pieces' K/V in the pages serve a decode step exactly like the dense pass would
-    nxt = int(dense[-1].argmax())
-    logits, cache = decode_fn(
-        params, cache, jnp.asarray([nxt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32),
-        jnp.asarray(page_table), jnp.asarray([True]),
-    )  # fmt: skip
-    dense2 = np.asarray(jax.jit(functools.partial(forward_dense, cfg=cfg))(params, jnp.asarray(prompt + [nxt])))
-    _assert_logits_close(np.asarray(logits)[0], dense2[-1])
+        Llama(dataclasses.replace(TINY, mlp="plain"), seed=0)
+    with pytest.raises(ValueError, match="model.head_dim must be even"):
+        Llama(dataclasses.replace(TINY, head_dim=15), seed=0)
+    with pytest.raises(ValueError, match=r"forward_dense: tokens must be \[T\], got shape \(2, 3\)"):
+        forward_dense(Llama(TINY, seed=0), jnp.zeros((2, 3), jnp.int32))

@@ -1,9 +1,11 @@
 """Load a local Hugging Face Llama, Mistral or Qwen2 checkpoint (config.json + safetensors) into cbjax.
 
-`load_config` fills a ModelConfig's architecture fields from `config.json`; `load_params`
+`load_config` fills a ModelConfig's architecture fields from `config.json`; `load_model`
 reads the `*.safetensors` files (one file, or shards listed in `model.safetensors.index.json`)
-into the `cbjax.model.llama` param tree, transposing each nn.Linear weight from Hugging Face's
-[out, in] to [in, out]. Nothing is ever downloaded: `model.path` is a directory on disk.
+into an abstract `cbjax.model.llama.Llama` through `name_map` (Hugging Face tensor name ->
+module path), transposing each nn.Linear weight from Hugging Face's [out, in] to [in, out]
+and reshaping it to the module's head-split layout. `load_params` gives the same weights
+as the old engine's dict params. Nothing is ever downloaded: `model.path` is a directory on disk.
 
 Two ModelConfig values mean "take it from the checkpoint": `dtype="auto"` (config.json's
 dtype; float16 loads as float32, which holds it exactly) and `max_model_len=0`
@@ -15,14 +17,17 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Union
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so safetensors can read BF16 tensors
 import numpy as np
+from flax import nnx
 
 from cbjax.config import ModelConfig
-from cbjax.model.llama import Params, check_supported
+from cbjax.model.functional import Params, params_from_model
+from cbjax.model.llama import Llama, check_supported
 
 # model_type -> the causal-LM class whose weights we read
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -81,6 +86,7 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
         raise ValueError(
             f"model.max_model_len {max_model_len} exceeds the checkpoint's {limit_key} {limit} ({where})"
         )
+    qkv_bias, o_bias, mlp_bias = _biases(hf, model_type)
     dtype = cfg.dtype
     if dtype == "auto":
         hf_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
@@ -101,7 +107,9 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype,
         mlp="gated",
-        attention_bias=_biases(hf, model_type)[0],
+        attention_bias=qkv_bias,
+        o_proj_bias=o_bias,
+        mlp_bias=mlp_bias,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         eos_token_id=_eos_token_id(hf, Path(cfg.path)),
     )
@@ -109,17 +117,51 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
     return resolved
 
 
-def load_params(cfg: ModelConfig) -> Params:
-    """The checkpoint's weights as a cbjax param tree in the resolved dtype.
+class HFTensor(NamedTuple):
+    """Where one checkpoint tensor goes: its shape as stored, and the module path it fills."""
+
+    shape: tuple[int, ...]
+    transpose: bool  # an nn.Linear weight: [out, in] in the checkpoint, [in, out] in the module
+    path: tuple[Union[str, int], ...]  # attribute names and layer indices from the Llama
+
+
+def name_map(cfg: ModelConfig) -> dict[str, HFTensor]:
+    """Every tensor the checkpoint must hold, in the (unfused) `Llama` built from `cfg`."""
+    d, q_dim, kv_dim, ffn = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ffn_dim
+    out = {"model.embed_tokens.weight": HFTensor((cfg.vocab_size, d), False, ("embed_tokens",))}
+
+    def linear(name: str, path: tuple, d_in: int, d_out: int, bias: bool) -> None:
+        out[f"{name}.weight"] = HFTensor((d_out, d_in), True, (*path, "kernel"))
+        if bias:
+            out[f"{name}.bias"] = HFTensor((d_out,), False, (*path, "bias"))
+
+    for i in range(cfg.num_layers):
+        p, layer = f"model.layers.{i}", ("layers", i)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}.{norm}.weight"] = HFTensor((d,), False, (*layer, norm, "scale"))
+        linear(f"{p}.self_attn.q_proj", (*layer, "q_proj"), d, q_dim, cfg.attention_bias)
+        linear(f"{p}.self_attn.k_proj", (*layer, "k_proj"), d, kv_dim, cfg.attention_bias)
+        linear(f"{p}.self_attn.v_proj", (*layer, "v_proj"), d, kv_dim, cfg.attention_bias)
+        linear(f"{p}.self_attn.o_proj", (*layer, "o_proj"), q_dim, d, cfg.o_proj_bias)
+        linear(f"{p}.mlp.gate_proj", (*layer, "gate_proj"), d, ffn, cfg.mlp_bias)
+        linear(f"{p}.mlp.up_proj", (*layer, "up_proj"), d, ffn, cfg.mlp_bias)
+        linear(f"{p}.mlp.down_proj", (*layer, "down_proj"), ffn, d, cfg.mlp_bias)
+    out["model.norm.weight"] = HFTensor((d,), False, ("norm", "scale"))
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = HFTensor((cfg.vocab_size, d), True, ("lm_head",))
+    return out
+
+
+def load_model(cfg: ModelConfig) -> Llama:
+    """The checkpoint as an unfused `Llama` in the resolved dtype (`.fused()` for serving).
 
     Raises ValueError naming the tensor for a missing tensor, an unexpected one (an
     architecture variant cbjax does not model) or a shape that disagrees with config.json.
     """
     cfg = load_config(cfg)
     model_dir = Path(cfg.path)
-    hf = read_hf_config(model_dir)
     where = f"model.path {cfg.path!r}"
-    expected = _expected_tensors(cfg, hf)  # HF name -> (shape as stored, transpose?)
+    expected = name_map(cfg)
     files = _tensor_files(model_dir, where)
     missing = [name for name in expected if name not in files]
     if missing:
@@ -138,23 +180,41 @@ def load_params(cfg: ModelConfig) -> Params:
     from safetensors import safe_open
 
     dtype = jnp.dtype(cfg.dtype)
-    flat: dict[str, Any] = {}
+    model = nnx.eval_shape(lambda: Llama(cfg, seed=None))  # shapes only; every Param is filled below
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
         with safe_open(str(file), framework="numpy") as f:
             for name in names:
-                shape, transpose = expected[name]
+                tensor = expected[name]
                 got = tuple(f.get_slice(name).get_shape())
-                if got != shape:
+                if got != tensor.shape:
                     raise ValueError(
-                        f"{where}: tensor {name!r} has shape {list(got)}, config.json implies {list(shape)}"
+                        f"{where}: tensor {name!r} has shape {list(got)}, config.json implies {list(tensor.shape)}"
                     )
                 array = f.get_tensor(name)
-                array = array.T if transpose else array
-                flat[name] = jnp.asarray(np.ascontiguousarray(array.astype(dtype)))
-    return _nest(flat, cfg)
+                array = array.T if tensor.transpose else array
+                variable = _module_variable(model, tensor.path)
+                # device_put, not jnp.asarray: no compiled copy program per shape
+                variable.set_value(jax.device_put(np.ascontiguousarray(array.astype(dtype)).reshape(variable.shape)))
+    unfilled = [path for path, node in nnx.iter_graph(model)
+                if isinstance(node, nnx.Param) and isinstance(node.get_value(), jax.ShapeDtypeStruct)]  # fmt: skip
+    if unfilled:  # name_map and Llama disagree: a bug here, not in the checkpoint
+        raise RuntimeError(f"load_model: name_map left {unfilled[0]} unfilled")
+    return model
+
+
+def load_params(cfg: ModelConfig) -> Params:
+    """`load_model`'s weights as the old engine's dict params (`cbjax.model.functional`)."""
+    return params_from_model(load_model(cfg))
+
+
+def _module_variable(model: Llama, path: tuple[Union[str, int], ...]) -> nnx.Param:
+    node: Any = model
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    return node
 
 
 def _rope_theta(hf: dict[str, Any], where: str) -> float:
@@ -199,34 +259,6 @@ def _eos_token_id(hf: dict[str, Any], model_dir: Path):
     return eos
 
 
-def _expected_tensors(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """Every tensor the checkpoint must hold: HF name -> (HF shape, transpose into cbjax)."""
-    d, q_dim, kv_dim, ffn = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ffn_dim
-    qkv_bias, o_bias, mlp_bias = _biases(hf, hf["model_type"])
-    out: dict[str, tuple[tuple[int, ...], bool]] = {"model.embed_tokens.weight": ((cfg.vocab_size, d), False)}
-
-    def linear(name: str, d_in: int, d_out: int, bias: bool) -> None:
-        out[f"{name}.weight"] = ((d_out, d_in), True)
-        if bias:
-            out[f"{name}.bias"] = ((d_out,), False)
-
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}"
-        out[f"{p}.input_layernorm.weight"] = ((d,), False)
-        out[f"{p}.post_attention_layernorm.weight"] = ((d,), False)
-        linear(f"{p}.self_attn.q_proj", d, q_dim, qkv_bias)
-        linear(f"{p}.self_attn.k_proj", d, kv_dim, qkv_bias)
-        linear(f"{p}.self_attn.v_proj", d, kv_dim, qkv_bias)
-        linear(f"{p}.self_attn.o_proj", q_dim, d, o_bias)
-        linear(f"{p}.mlp.gate_proj", d, ffn, mlp_bias)
-        linear(f"{p}.mlp.up_proj", d, ffn, mlp_bias)
-        linear(f"{p}.mlp.down_proj", ffn, d, mlp_bias)
-    out["model.norm.weight"] = ((d,), False)
-    if not cfg.tie_embeddings:
-        linear("lm_head", d, cfg.vocab_size, False)
-    return out
-
-
 def _tensor_files(model_dir: Path, where: str) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it, from the shard index or the files' headers."""
     from safetensors import safe_open
@@ -251,19 +283,3 @@ def _tensor_files(model_dir: Path, where: str) -> dict[str, Path]:
             for name in f.keys():
                 files[name] = shard
     return files
-
-
-def _nest(flat: dict[str, Any], cfg: ModelConfig) -> Params:
-    """HF flat names -> the nested cbjax tree (`model.` dropped, layers a list)."""
-    params: Params = {"layers": [{} for _ in range(cfg.num_layers)]}
-    for name, array in flat.items():
-        parts = name.split(".")
-        if parts[0] == "model":
-            parts = parts[1:]
-        node = params
-        if parts[0] == "layers":
-            node, parts = params["layers"][int(parts[1])], parts[2:]
-        for key in parts[:-1]:
-            node = node.setdefault(key, {})
-        node[parts[-1]] = array
-    return params

@@ -1,105 +1,134 @@
-"""Llama-family decoder (Llama, Qwen2) as pure functions over a nested-dict param pytree.
+"""Llama-family decoder (Llama, Mistral, Qwen2) as Flax NNX modules, and the dense oracle.
 
-Params mirror Hugging Face tensor names, with `model.` dropped:
+Parameters (module path: shape, logical axes). Every one is an `nnx.Param` whose
+`out_sharding` metadata names logical axes from LOGICAL_AXES; `nnx.get_partition_spec`
+under `nnx.logical_axis_rules` (naming every logical axis, None to replicate) turns them
+into mesh PartitionSpecs. Heads keep their own axis, so mapping "heads", "kv_heads" and
+"mlp" to one tensor-parallel mesh axis splits on head and hidden-unit boundaries with no
+reshape.
 
-    embed_tokens.weight                   [vocab_size, d_model]
-    layers[i].input_layernorm.weight      [d_model]
-    layers[i].self_attn.q_proj.weight     [d_model, num_heads * head_dim]   (+ .bias if attention_bias)
-    layers[i].self_attn.k_proj.weight     [d_model, num_kv_heads * head_dim] (+ .bias if attention_bias)
-    layers[i].self_attn.v_proj.weight     [d_model, num_kv_heads * head_dim] (+ .bias if attention_bias)
-    layers[i].self_attn.o_proj.weight     [num_heads * head_dim, d_model]
-    layers[i].post_attention_layernorm.weight [d_model]
-    layers[i].mlp.gate_proj.weight        [d_model, ffn_dim]
-    layers[i].mlp.up_proj.weight          [d_model, ffn_dim]
-    layers[i].mlp.down_proj.weight        [ffn_dim, d_model]
-    norm.weight                           [d_model]
-    lm_head.weight                        [d_model, vocab_size]  (absent if tie_embeddings)
+    embed_tokens                      [vocab_size, d_model]             (vocab, embed)
+    layers[i].input_layernorm.scale   [d_model]                         (embed,)
+    layers[i].q_proj.kernel           [d_model, num_heads, head_dim]    (embed, heads, head_dim)
+    layers[i].q_proj.bias             [num_heads, head_dim]             (heads, head_dim)       attention_bias
+    layers[i].k_proj, v_proj          kernel [d_model, num_kv_heads, head_dim] (embed, kv_heads, head_dim),
+                                      bias [num_kv_heads, head_dim]     (kv_heads, head_dim)    attention_bias
+    layers[i].o_proj.kernel           [num_heads, head_dim, d_model]    (heads, head_dim, embed)
+    layers[i].o_proj.bias             [d_model]                         (embed,)                o_proj_bias
+    layers[i].post_attention_layernorm.scale [d_model]                  (embed,)
+    layers[i].gate_proj, up_proj      kernel [d_model, ffn_dim]         (embed, mlp), bias [ffn_dim] (mlp,)
+    layers[i].down_proj.kernel        [ffn_dim, d_model]                (mlp, embed), bias [d_model] (embed,)
+    norm.scale                        [d_model]                         (embed,)
+    lm_head                           [d_model, vocab_size]             (embed, vocab)          None if tied
 
-Linear weights are stored [in, out] so `x @ w` needs no transpose; Hugging Face stores
-nn.Linear weights [out, in], so a loader transposes every `*_proj` and `lm_head` weight
-(not embed_tokens). Params and activations are in cfg.dtype; norms, RoPE and softmax run
-in f32. Nothing here is jitted: callers jit with cfg static.
+`Llama.fused()` is the serving layout (see `DecoderLayer.fuse`): qkv_proj.kernel
+[d_model, num_kv_heads, group + 2, head_dim] (embed, kv_heads, None, head_dim) with
+group = num_heads // num_kv_heads, and gate_up_proj.kernel [d_model, 2, ffn_dim]
+(embed, None, mlp). The KV cache [num_layers, num_kv_heads, num_pages, page_size,
+head_dim] has axes `kv_cache_axes`.
+
+Params and activations are in cfg.dtype; norms, RoPE and softmax run in f32.
+
+The jit boundary: never `nnx.jit` (it walks the object graph on every call). Split once,
+
+    graphdef, state = nnx.split(model)            # graphdef is static and hashable
+    step = jax.jit(lambda graphdef, state, *args: f(nnx.merge(graphdef, state), *args),
+                   static_argnums=0)               # donate the KV cache argument here
+
+and call `step(graphdef, state, ...)`: the weights are traced arguments, so a new state of
+the same shapes reuses the compiled program.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so weights are cast on the host
 import numpy as np
+from flax import nnx
 
 from cbjax.config import ModelConfig
 
-Params = dict[str, Any]
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp")
+# KV cache [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+kv_cache_axes = (None, "kv_heads", None, None, "head_dim")
 
 # Finite, so a fully masked row (a padding query) gives a uniform softmax, not NaN.
 MASK_VALUE = -1e30
 
+Axes = tuple[Optional[str], ...]
+
 
 def check_supported(cfg: ModelConfig) -> None:
+    """Raise ValueError naming the field of an architecture this model can't express."""
     if cfg.mlp != "gated":
         raise ValueError(f"model.mlp: the JAX Llama model supports only 'gated' (SwiGLU), got {cfg.mlp!r}")
     if cfg.head_dim % 2:
         raise ValueError(f"model.head_dim must be even for RoPE, got {cfg.head_dim}")
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"model.dtype: the JAX model needs float32 or bfloat16 (resolve 'auto'), got {cfg.dtype!r}")
 
 
-def init_params(cfg: ModelConfig, seed: int) -> Params:
-    """Random weights and biases ~ normal(0, 0.02); norm weights are ones.
+def param(value: jax.Array, axes: Axes) -> nnx.Param:
+    """A Param with logical partitioning metadata (flax 0.12's `out_sharding`).
 
-    Drawn with numpy on the host: jax.random would compile one program per tensor shape,
-    which costs more than the draws for small models.
+    eager_sharding=False: flax would otherwise shard the value at creation, which needs a
+    mesh; here the axes stay metadata until the state is placed on a mesh.
     """
-    check_supported(cfg)
-    dtype = jnp.dtype(cfg.dtype)
-    rng = np.random.default_rng(seed)
-    d, q_dim, kv_dim = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-
-    def normal(shape):
-        return jnp.asarray(0.02 * rng.standard_normal(shape, dtype=np.float32), dtype)
-
-    def linear(d_in, d_out, bias=False):
-        p = {"weight": normal((d_in, d_out))}
-        if bias:
-            p["bias"] = normal((d_out,))
-        return p
-
-    def norm():
-        return {"weight": jnp.asarray(np.ones((d,), np.float32), dtype)}
-
-    layers = [
-        {
-            "input_layernorm": norm(),
-            "self_attn": {
-                "q_proj": linear(d, q_dim, cfg.attention_bias),
-                "k_proj": linear(d, kv_dim, cfg.attention_bias),
-                "v_proj": linear(d, kv_dim, cfg.attention_bias),
-                "o_proj": linear(q_dim, d),
-            },
-            "post_attention_layernorm": norm(),
-            "mlp": {
-                "gate_proj": linear(d, cfg.ffn_dim),
-                "up_proj": linear(d, cfg.ffn_dim),
-                "down_proj": linear(cfg.ffn_dim, d),
-            },
-        }
-        for _ in range(cfg.num_layers)
-    ]
-    params: Params = {"embed_tokens": {"weight": normal((cfg.vocab_size, d))}, "layers": layers, "norm": norm()}
-    if not cfg.tie_embeddings:
-        params["lm_head"] = linear(d, cfg.vocab_size)
-    return params
+    if len(axes) != value.ndim:
+        raise ValueError(f"param: axes {axes} do not match shape {value.shape}")
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * y.astype(x.dtype)
+class _Init:
+    """Initial values: normal(0, 0.02) and ones drawn with numpy (seed), or zeros (seed None).
+
+    numpy, not jax.random: jax.random compiles one program per tensor shape, which costs
+    more than the draws for small models; jax.device_put, not jnp.asarray, which also
+    compiles one (copy) program per shape. With seed None every value is a zeros
+    placeholder, cheap under `nnx.eval_shape` (what a checkpoint loader fills).
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: Optional[int]):
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.rng = None if seed is None else np.random.default_rng(seed)
+
+    def normal(self, shape: tuple[int, ...], drawn_as: Optional[tuple[int, ...]] = None) -> jax.Array:
+        # `drawn_as`: the 2-D [in, out] shape the values are drawn in, so a seed gives the
+        # same numbers as the Hugging Face-shaped layout (cbjax.model.functional).
+        if self.rng is None:
+            return jnp.zeros(shape, self.dtype)
+        values = 0.02 * self.rng.standard_normal(drawn_as or shape, dtype=np.float32)
+        return jax.device_put(values.reshape(shape).astype(self.dtype))
+
+    def ones(self, shape: tuple[int, ...]) -> jax.Array:
+        return jnp.ones(shape, self.dtype) if self.rng is None else jax.device_put(np.ones(shape, self.dtype))
 
 
-def linear(p: Params, x: jax.Array) -> jax.Array:
-    y = x @ p["weight"]
-    return y + p["bias"] if "bias" in p else y
+class RMSNorm(nnx.Module):
+    def __init__(self, d_model: int, eps: float, init: _Init):
+        self.scale = param(init.ones((d_model,)), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * y.astype(x.dtype)
+
+
+class Dense(nnx.Module):
+    """x [..., *in] -> [..., *out]: one matmul contracting x's last `num_in` axes with the kernel's first."""
+
+    def __init__(self, kernel: nnx.Param, bias: Optional[nnx.Param] = None, *, num_in: int = 1):
+        self.kernel = kernel  # [*in, *out]
+        self.bias = bias  # [*out] or None
+        self.num_in = num_in
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.tensordot(x, self.kernel[...], axes=self.num_in)
+        return y if self.bias is None else y + self.bias[...]
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -114,62 +143,133 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
-def attention_qkv(layer: Params, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
-    """x [..., d_model], positions i32[...] -> q [..., num_heads, head_dim], k, v [..., num_kv_heads, head_dim]."""
-    lead = x.shape[:-1]
-    attn = layer["self_attn"]
-    h = rms_norm(x, layer["input_layernorm"]["weight"], cfg.norm_eps)
-    if "qkv_proj" in attn:  # fused by `fuse_projections`: one matmul, then split
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = linear(attn["qkv_proj"], h)
-        q, k, v = qkv[..., :q_dim], qkv[..., q_dim : q_dim + kv_dim], qkv[..., q_dim + kv_dim :]
-    else:
-        q, k, v = linear(attn["q_proj"], h), linear(attn["k_proj"], h), linear(attn["v_proj"], h)
-    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention + SwiGLU block, split at the attention op: `qkv`, then the caller's
+    attention, then `finish`."""
+
+    def __init__(self, cfg: ModelConfig, init: _Init):
+        d, h, kv, hd, ffn = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.rope_theta = cfg.rope_theta
+
+        def dense(shape, axes, bias, drawn_as=None, num_in=1):
+            # weight then bias: the draw order of the Hugging Face-shaped init
+            kernel = param(init.normal(shape, drawn_as), axes)
+            out_shape, out_axes = shape[num_in:], axes[num_in:]
+            return Dense(kernel, param(init.normal(out_shape), out_axes) if bias else None, num_in=num_in)
+
+        self.input_layernorm = RMSNorm(d, cfg.norm_eps, init)
+        qkv_bias = cfg.attention_bias
+        # nnx.data: `fuse` swaps these for fused modules and None.
+        self.q_proj = nnx.data(dense((d, h, hd), ("embed", "heads", "head_dim"), qkv_bias, (d, h * hd)))
+        self.k_proj = nnx.data(dense((d, kv, hd), ("embed", "kv_heads", "head_dim"), qkv_bias, (d, kv * hd)))
+        self.v_proj = nnx.data(dense((d, kv, hd), ("embed", "kv_heads", "head_dim"), qkv_bias, (d, kv * hd)))
+        self.qkv_proj = nnx.data(None)
+        self.o_proj = dense((h, hd, d), ("heads", "head_dim", "embed"), cfg.o_proj_bias, (h * hd, d), num_in=2)
+        self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps, init)
+        self.gate_proj = nnx.data(dense((d, ffn), ("embed", "mlp"), cfg.mlp_bias))
+        self.up_proj = nnx.data(dense((d, ffn), ("embed", "mlp"), cfg.mlp_bias))
+        self.gate_up_proj = nnx.data(None)
+        self.down_proj = dense((ffn, d), ("mlp", "embed"), cfg.mlp_bias)
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [..., d_model], positions i32[...] -> q [..., num_heads, head_dim], k and v
+        [..., num_kv_heads, head_dim], RoPE applied to q and k."""
+        h = self.input_layernorm(x)
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(h)  # [..., num_kv_heads, group + 2, head_dim]
+            group = self.num_heads // self.num_kv_heads
+            q = qkv[..., :group, :].reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+            k, v = qkv[..., group, :], qkv[..., group + 1, :]
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+
+    def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        """Residual o_proj of attn [..., num_heads, head_dim], then the residual SwiGLU block."""
+        x = x + self.o_proj(attn.astype(x.dtype))
+        h = self.post_attention_layernorm(x)
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(h)  # [..., 2, ffn_dim]
+            gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+        else:
+            gate, up = self.gate_proj(h), self.up_proj(h)
+        return x + self.down_proj(jax.nn.silu(gate) * up)
+
+    def fuse(self) -> None:
+        """In place: q/k/v become one matmul, and gate/up another (same numbers).
+
+        qkv_proj groups by kv head: for kv head j, its `group` query heads (j*group ...
+        j*group + group - 1, the GQA pairing), then its k head, then its v head. A plain
+        [q | k | v] concatenation along one head axis could not be tensor-parallel sharded
+        naively: an even split would hand one device only query heads and another only v
+        heads. Grouped, the kv_heads axis shards exactly when the TP size divides
+        num_kv_heads; beyond that the sharding issue must replicate kv heads per shard (or
+        serve the unfused layout, whose "heads" axis shards on its own).
+        """
+        kv, group, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        d = q.kernel.shape[0]
+        kernel = jnp.concatenate(
+            [q.kernel[...].reshape(d, kv, group, hd), k.kernel[...][:, :, None], v.kernel[...][:, :, None]], axis=2
+        )
+        bias = None
+        if q.bias is not None:
+            parts = [q.bias[...].reshape(kv, group, hd), k.bias[...][:, None], v.bias[...][:, None]]
+            bias = param(jnp.concatenate(parts, axis=1), ("kv_heads", None, "head_dim"))
+        self.qkv_proj = Dense(param(kernel, ("embed", "kv_heads", None, "head_dim")), bias)
+        self.q_proj = self.k_proj = self.v_proj = None
+
+        gate, up = self.gate_proj, self.up_proj
+        kernel = param(jnp.stack([gate.kernel[...], up.kernel[...]], axis=1), ("embed", None, "mlp"))
+        bias = None if gate.bias is None else param(jnp.stack([gate.bias[...], up.bias[...]]), (None, "mlp"))
+        self.gate_up_proj = Dense(kernel, bias)
+        self.gate_proj = self.up_proj = None
 
 
-def attention_out_and_mlp(layer: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Residual o_proj of attn [..., num_heads, head_dim], then the residual SwiGLU block."""
-    x = x + linear(layer["self_attn"]["o_proj"], attn.reshape(*attn.shape[:-2], -1).astype(x.dtype))
-    h = rms_norm(x, layer["post_attention_layernorm"]["weight"], cfg.norm_eps)
-    mlp = layer["mlp"]
-    if "gate_up_proj" in mlp:  # fused by `fuse_projections`
-        gate_up = linear(mlp["gate_up_proj"], h)
-        ffn = gate_up.shape[-1] // 2
-        gate, up = gate_up[..., :ffn], gate_up[..., ffn:]
-    else:
-        gate, up = linear(mlp["gate_proj"], h), linear(mlp["up_proj"], h)
-    return x + linear(mlp["down_proj"], jax.nn.silu(gate) * up)
+class Llama(nnx.Module):
+    """The decoder: `embed`, then each of `layers` (`qkv`, attention, `finish`), then `logits`.
 
-
-def fuse_projections(params: Params) -> Params:
-    """The same model with q/k/v and gate/up each concatenated into one weight (and bias).
-
-    Serving layout: decode's matmuls have few rows, so one wide matmul beats three narrow
-    ones. The loaded (Hugging Face shaped) params stay the public layout; the model
-    functions accept either.
+    Llama(cfg, seed=s) draws random weights (normal(0, 0.02), norms ones) with numpy, the
+    same numbers as `cbjax.model.functional.init_params(cfg, s)`. Llama(cfg, seed=None)
+    holds zeros: build it under `nnx.eval_shape` for an abstract model to fill.
     """
 
-    def cat(parts: list[Params]) -> Params:
-        fused = {"weight": jnp.concatenate([p["weight"] for p in parts], axis=1)}
-        if all("bias" in p for p in parts):
-            fused["bias"] = jnp.concatenate([p["bias"] for p in parts])
-        elif any("bias" in p for p in parts):  # Qwen2-style q/k/v biases come all or none
-            raise ValueError("fuse_projections: some of the fused projections have a bias and some do not")
-        return fused
+    def __init__(self, cfg: ModelConfig, *, seed: Optional[int] = 0):
+        check_supported(cfg)
+        init = _Init(cfg, seed)
+        # Draw order (layers, embeddings, LM head) is the Hugging Face-shaped init's.
+        self.layers = nnx.List([DecoderLayer(cfg, init) for _ in range(cfg.num_layers)])
+        self.embed_tokens = param(init.normal((cfg.vocab_size, cfg.d_model)), ("vocab", "embed"))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, init)
+        lm_head = None if cfg.tie_embeddings else init.normal((cfg.d_model, cfg.vocab_size))
+        self.lm_head = None if lm_head is None else param(lm_head, ("embed", "vocab"))
 
-    layers = []
-    for layer in params["layers"]:
-        attn, mlp = layer["self_attn"], layer["mlp"]
-        layers.append({
-            **layer,
-            "self_attn": {"qkv_proj": cat([attn["q_proj"], attn["k_proj"], attn["v_proj"]]), "o_proj": attn["o_proj"]},
-            "mlp": {"gate_up_proj": cat([mlp["gate_proj"], mlp["up_proj"]]), "down_proj": mlp["down_proj"]},
-        })  # fmt: skip
-    return {**params, "layers": layers}
+    @property
+    def is_fused(self) -> bool:
+        return self.layers[0].qkv_proj is not None
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens i32[...] -> x [..., d_model]."""
+        return self.embed_tokens[...][tokens]
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: x [..., d_model] -> f32[..., vocab_size]."""
+        h = self.norm(x)
+        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+    def fused(self) -> Llama:
+        """A new model in the serving layout (`DecoderLayer.fuse`), same numbers; this one is unchanged.
+
+        Decode's matmuls have few rows, so one wide matmul beats three narrow ones.
+        """
+        if self.is_fused:
+            raise ValueError("Llama.fused: the model is already fused")
+        model = nnx.clone(self)  # new Variables over the same (immutable) arrays
+        for layer in model.layers:
+            layer.fuse()
+        return model
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -184,27 +284,15 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     return out.reshape(b, t, num_heads, head_dim).astype(q.dtype)
 
 
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return params["embed_tokens"]["weight"][tokens]
-
-
-def lm_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Final norm and LM head: x [..., d_model] -> f32[..., vocab_size]."""
-    h = rms_norm(x, params["norm"]["weight"], cfg.norm_eps)
-    w = params["embed_tokens"]["weight"].T if cfg.tie_embeddings else params["lm_head"]["weight"]
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
-
-
-def forward_dense(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+def forward_dense(model: Llama, tokens: jax.Array) -> jax.Array:
     """tokens i32[T] -> logits f32[T, vocab_size]. Causal, no cache: the correctness oracle."""
     if tokens.ndim != 1:
         raise ValueError(f"forward_dense: tokens must be [T], got shape {tokens.shape}")
-    check_supported(cfg)
     num_tokens = tokens.shape[0]
     positions = jnp.arange(num_tokens)[None]  # i32[1, T]
     mask = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))[None]  # bool[1, T, T]
-    x = embed(params, tokens)[None]  # [1, T, d_model]
-    for layer in params["layers"]:
-        q, k, v = attention_qkv(layer, x, positions, cfg)
-        x = attention_out_and_mlp(layer, x, dense_attention(q, k, v, mask), cfg)
-    return lm_logits(params, x[0], cfg)
+    x = model.embed(tokens)[None]  # [1, T, d_model]
+    for layer in model.layers:
+        q, k, v = layer.qkv(x, positions)
+        x = layer.finish(x, dense_attention(q, k, v, mask))
+    return model.logits(x[0])

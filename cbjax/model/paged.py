@@ -20,15 +20,8 @@ import jax.numpy as jnp
 
 from cbjax.config import ModelConfig
 from cbjax.kernels.paged_attention import AttentionFn
-from cbjax.model.llama import (
-    Params,
-    attention_out_and_mlp,
-    attention_qkv,
-    check_supported,
-    dense_attention,
-    embed,
-    lm_logits,
-)
+from cbjax.model.functional import Params, attention_out_and_mlp, attention_qkv, embed, lm_logits
+from cbjax.model.llama import check_supported, dense_attention
 
 # Writes that belong to no sequence (inactive slots, prompt padding) land here; never read.
 NULL_PAGE = 0

@@ -17,8 +17,8 @@ import numpy as np
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.executor import StepOutput
 from cbjax.kernels.paged_attention import attention_op, resolve_attention
-from cbjax.model import decode_step, init_cache, init_params, prefill
-from cbjax.model.llama import fuse_projections
+from cbjax.model import decode_step, init_cache, prefill
+from cbjax.model.functional import fuse_projections, init_params
 from cbjax.request import Request
 from cbjax.runtime.compiles import compile_count
 from cbjax.runtime.sampling import sample
