@@ -109,44 +109,28 @@ class ExecutorConfig:
     # sim
     cost_model: str = "roofline"
     # jax
-    # auto: compiled Pallas on GPU/TPU; on CPU the page-sparse XLA path `ragged`, whose work
-    # follows the pages the slots hold. reference: the dense plain-jnp oracle.
+    # auto: the Pallas ragged kernel on GPU/TPU; on CPU the XLA formulation `ragged`, whose
+    # work follows the pages each token reads. reference: the plain-jnp oracle.
     attention: str = "auto"
-    prefill_buckets: Optional[list[int]] = None  # None: powers of two from 16 to the longest prefill
-    max_prefill_batch: int = 1  # >1: same-bucket prefills run together, padded to 1 or this many rows
-    pages_per_block: int = 4  # Pallas kernel: pages per inner loop step
-    # Page-table widths the decode step is compiled for. None: powers of two from 1/8 of the
-    # widest (max_model_len / page_size) up to it.
-    decode_page_buckets: Optional[list[int]] = None
-    # Row counts the decode step is compiled for: active slots are packed into the smallest
-    # that holds them, so a thinning batch stops paying for every slot. None: max_num_seqs only.
-    decode_row_buckets: Optional[list[int]] = None
-    # attention=ragged: total (slot, page) entries the decode step is compiled for, per row
-    # count (each capped at rows x widest table). None: steps of about sqrt(2) from 1/8 of the cap.
-    decode_entry_buckets: Optional[list[int]] = None
+    # Token counts the one-forward step is compiled for (a step's flat buffer is padded up to
+    # one). None: 1, 2, 4, 8, steps of ~sqrt(2) up to max_num_seqs, then doubling up to the
+    # largest step, min(max_num_batched_tokens, max_num_seqs * max_model_len).
+    token_buckets: Optional[list[int]] = None
+    # JAX's persistent compilation cache: a rerun loads programs instead of compiling them.
+    # None (null) turns it off.
+    compilation_cache_dir: Optional[str] = "~/.cache/cbjax/jax"
 
     def __post_init__(self) -> None:
         _one_of("executor.name", self.name, EXECUTORS)
         _one_of("executor.cost_model", self.cost_model, COST_MODELS)
         _one_of("executor.attention", self.attention, ATTENTION_IMPLS)
-        _require(self.max_prefill_batch >= 1, "executor.max_prefill_batch", "must be >= 1", self.max_prefill_batch)
-        _require(self.pages_per_block >= 1, "executor.pages_per_block", "must be >= 1", self.pages_per_block)
-        if self.prefill_buckets is not None:
+        if self.token_buckets is not None:
             _require(
-                len(self.prefill_buckets) > 0 and all(b >= 1 for b in self.prefill_buckets),
-                "executor.prefill_buckets",
-                "must be a non-empty list of lengths >= 1",
-                self.prefill_buckets,
+                len(self.token_buckets) > 0 and all(int(b) >= 1 for b in self.token_buckets),
+                "executor.token_buckets",
+                "must be a non-empty list of sizes >= 1",
+                self.token_buckets,
             )
-        for name in ("decode_page_buckets", "decode_row_buckets", "decode_entry_buckets"):
-            value = getattr(self, name)
-            if value is not None:
-                _require(
-                    len(value) > 0 and all(int(b) >= 1 for b in value),
-                    f"executor.{name}",
-                    "must be a non-empty list of sizes >= 1",
-                    value,
-                )
 
 
 @dataclass

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Protocol
 
+from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
-from cbjax.scheduler.core import Schedule
 
-
-@dataclass
-class StepOutput:
-    """One iteration's result: a token per scheduled request (`Schedule.requests` order), or
-    None when tokens are simulated, and the iteration's duration on the executor's clock."""
-
-    token_ids: Optional[Sequence[int]]
-    duration_s: float
+__all__ = ["Executor", "Schedule", "StepOutput"]
 
 
 class Executor(Protocol):

@@ -38,12 +38,14 @@ def build_executor(cfg: RunConfig):
     if cfg.executor.name == "jax":
         from cbjax.runtime.executor import JaxExecutor
 
-        params = None
+        llama = None
         if cfg.model.path:
-            from cbjax.model.hf import load_params
+            from cbjax.model.hf import load_model
 
-            params = load_params(cfg.model)
-        return JaxExecutor(cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed, params=params)
+            llama = load_model(cfg.model)
+        executor = JaxExecutor(cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed, llama=llama)
+        executor.progress = cfg.progress
+        return executor
     raise ValueError(f"executor.name: unknown executor {cfg.executor.name!r}")
 
 

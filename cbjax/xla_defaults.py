@@ -9,7 +9,7 @@ turns them off with `--xla_cpu_experimental_ynn_fusion_type=` (empty: no YNN fus
 - Never overrides a value the user put in XLA_FLAGS themselves.
 - `CBJAX_XLA_DEFAULTS=0` turns this off.
 - It takes effect only if it runs before jax's CPU backend starts (any first jax computation);
-  `import cbjax` does it, so import cbjax before using jax.
+  importing `cbjax.runtime` (the engine) does it, so import it before using jax.
 """
 
 from __future__ import annotations

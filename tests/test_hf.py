@@ -23,14 +23,17 @@ from cbjax.config import (  # noqa: E402
     CacheConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig,
 )  # fmt: skip
 from cbjax.engine import serve  # noqa: E402
-from cbjax.kernels.paged_attention import attention_op  # noqa: E402
-from cbjax.model import decode_step, forward_dense, init_cache, prefill  # noqa: E402
-from cbjax.model.functional import params_from_model  # noqa: E402
-from cbjax.model.hf import load_config, load_model, load_params, name_map  # noqa: E402
+from cbjax.model import forward_dense  # noqa: E402
+from cbjax.model.hf import load_config, load_model, name_map  # noqa: E402
+from cbjax.plan import Schedule  # noqa: E402
 from cbjax.model.tokenizer import load_tokenizer  # noqa: E402
 from cbjax.request import FinishReason, Request, SamplingParams  # noqa: E402
 from cbjax.run import run_single  # noqa: E402
-from cbjax.runtime.executor import JaxExecutor  # noqa: E402
+from cbjax.runtime.batch import BatchPacker  # noqa: E402
+from cbjax.runtime.executor import JaxExecutor, to_device  # noqa: E402
+from cbjax.runtime.kv_cache import init_cache  # noqa: E402
+from cbjax.runtime.shapes import plan_shapes  # noqa: E402
+from cbjax.runtime.step import model_step, split_model  # noqa: E402
 from cbjax.scheduler import Scheduler  # noqa: E402
 from cbjax.workload.trace import encode_text_prompts, load_trace  # noqa: E402
 
@@ -40,8 +43,7 @@ LOGITS_RTOL = 1e-4
 
 MAX_MODEL_LEN = 128
 PAGE_SIZE = 4
-BUCKETS = [64]  # one prefill shape and one decode width: few compiles
-DECODE_WIDTHS = [MAX_MODEL_LEN // PAGE_SIZE]
+BUCKETS = [4, 64]  # two token buckets: few compiles
 BUDGET = 64
 NUM_PAGES = 256
 NUM_DECODE_STEPS = 12
@@ -165,42 +167,38 @@ def test_name_map_fills_every_parameter_in_the_module_layout(checkpoint, arch):
     np.testing.assert_array_equal(ours.norm.scale[...], theirs["model.norm.weight"])
     np.testing.assert_array_equal(ours.embed_tokens[...], theirs["model.embed_tokens.weight"])
     assert (ours.lm_head is None) == cfg.tie_embeddings
-    # the old engine's dict params hold the same numbers
-    old = load_params(cfg)
-    np.testing.assert_array_equal(old["layers"][1]["self_attn"]["q_proj"]["weight"], theirs[f"{attn}.q_proj.weight"].T)
-    assert jax.tree.structure(old) == jax.tree.structure(params_from_model(ours))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_paged_prefill_and_every_decode_step_match_transformers(checkpoint, arch):
-    """Three prompts share the paged cache (pages permuted); after prefill each slot decodes
-    NUM_DECODE_STEPS tokens, feeding back transformers' greedy choice; logits compared at each step."""
+    """Three prompts share the paged cache (pages permuted) in the one-forward step: one mixed
+    prefill step, then NUM_DECODE_STEPS decode steps feeding back transformers' greedy choice;
+    logits compared at each step."""
     model, _, cfg = checkpoint(arch)
-    params = load_params(cfg)
+    graphdef, weights = split_model(load_model(cfg).fused())
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 16, 11)]
-    num_slots, max_pages, bucket = len(prompts), 8, 16
-    page_table = rng.permutation(np.arange(1, 1 + num_slots * max_pages)).reshape(num_slots, max_pages)
-    page_table = page_table.astype(np.int32)
-    tokens = np.zeros((num_slots, bucket), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    cache = init_cache(cfg, 1 + num_slots * max_pages, PAGE_SIZE)
-    logits, cache = jax.jit(functools.partial(prefill, cfg=cfg))(params, cache, tokens, lengths, page_table)
+    num_slots, max_pages = len(prompts), 8
+    pages = rng.permutation(np.arange(1, 1 + num_slots * max_pages)).reshape(num_slots, max_pages).tolist()
+    shapes = plan_shapes(num_slots, max_pages * PAGE_SIZE, PAGE_SIZE, 32, token_buckets=[4, 32])
+    packer = BatchPacker(shapes, tiles=True)
+    cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1 + num_slots * max_pages, PAGE_SIZE, cfg.dtype)
     seqs = [list(p) for p in prompts]
-    decode = jax.jit(functools.partial(decode_step, cfg=cfg, attn_fn=attention_op("reference")))
-    active = np.ones(num_slots, bool)
+    reqs = [Request(str(i), 0.0, len(p), list(p)) for i, p in enumerate(prompts)]
+    for i, r in enumerate(reqs):
+        r.slot, r.num_computed, r.num_new_tokens = i, 0, len(prompts[i])
     for step in range(NUM_DECODE_STEPS + 1):
+        plan = Schedule(num_slots=num_slots, prefills=reqs if step == 0 else [], decodes=reqs if step else [],
+                        page_tables={r.request_id: pages[i] for i, r in enumerate(reqs)}, page_size=PAGE_SIZE)  # fmt: skip
+        _, logits, cache = model_step(weights, cache, to_device(packer.pack(plan)), graphdef=graphdef, attention="ragged")
         for i, seq in enumerate(seqs):
             want = hf_logits(model, seq)[-1]
             assert_logits_close(logits[i], want, f"{arch} slot {i} {'prefill' if step == 0 else f'decode {step}'}")
             seq.append(int(want.argmax()))
-        if step == NUM_DECODE_STEPS:
-            break
-        last = np.array([s[-1] for s in seqs], np.int32)
-        positions = np.array([len(s) - 1 for s in seqs], np.int32)
-        logits, cache = decode(params, cache, last, positions, page_table, active)
+        for r, seq in zip(reqs, seqs):  # the next step decodes the token just chosen
+            r.num_computed += r.num_new_tokens
+            r.num_new_tokens = 1
+            r.output_token_ids = seq[r.prompt_len :]
 
 
 def hf_greedy(model, prompts, max_new_tokens, eos_token_id=None):
@@ -228,7 +226,7 @@ def hf_greedy(model, prompts, max_new_tokens, eos_token_id=None):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_continuous_batching_greedy_equals_transformers_generate(checkpoint, arch):
     """18 prompts of 1-60 tokens, 1-24 new tokens each, through 4 slots (slots are refilled);
-    EOS (id 2) is honoured on both sides. Qwen2 also packs <= 2 active slots into 2 decode rows."""
+    EOS (id 2) is honoured on both sides."""
     model, _, cfg = checkpoint(arch)
     rng = np.random.default_rng(3)
     reqs = []
@@ -238,11 +236,8 @@ def test_continuous_batching_greedy_equals_transformers_generate(checkpoint, arc
         reqs.append(Request(str(i), 0.001 * i, len(prompt), prompt, sampling))
     sched_cfg = SchedulerConfig(max_num_seqs=NUM_SLOTS, max_num_batched_tokens=BUDGET)
     cache = CacheConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE)
-    rows = [2] if arch == "qwen2" else None
-    ex_cfg = ExecutorConfig(
-        name="jax", prefill_buckets=BUCKETS, decode_page_buckets=DECODE_WIDTHS, decode_row_buckets=rows
-    )
-    ex = JaxExecutor(cfg, cache, sched_cfg, ex_cfg, params=load_params(cfg))
+    ex_cfg = ExecutorConfig(name="jax", token_buckets=BUCKETS)
+    ex = JaxExecutor(cfg, cache, sched_cfg, ex_cfg, llama=load_model(cfg))
     sched = Scheduler(sched_cfg, cache, cfg.max_model_len, validate=ex.validate, eos_token_id=cfg.eos_token_id)
     ex.warmup()
     result = serve(reqs, sched, ex)
@@ -381,7 +376,7 @@ def test_jsonl_text_workload_runs_end_to_end_with_output_text(tmp_path, checkpoi
     trace.write_text("".join(json.dumps({"arrival_s": 0.0, "prompt": t, "max_tokens": 6}) + "\n" for t in texts))
     run_cfg = RunConfig(
         model=ModelConfig(name="hf", path=model_dir, dtype="auto", max_model_len=MAX_MODEL_LEN),
-        executor=ExecutorConfig(name="jax", prefill_buckets=BUCKETS, decode_page_buckets=DECODE_WIDTHS),
+        executor=ExecutorConfig(name="jax", token_buckets=BUCKETS),
         scheduler=SchedulerConfig(max_num_seqs=NUM_SLOTS, max_num_batched_tokens=BUDGET),
         cache=CacheConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE),
         workload=WorkloadConfig(name="trace", path=str(trace)),

@@ -37,7 +37,19 @@ def test_this_jaxlib_accepts_the_flag():
     """XLA aborts the process on an unknown flag: start a backend with it in a subprocess."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CBJAX_XLA_DEFAULTS")}
     env["JAX_PLATFORMS"] = "cpu"
-    code = "import os, cbjax, jax.numpy as jnp; print(os.environ['XLA_FLAGS']); print(float((jnp.ones((4, 4)) @ jnp.ones(4)).sum()))"
+    code = (
+        "import os, cbjax.runtime, jax.numpy as jnp; print(os.environ['XLA_FLAGS']); "
+        "print(float((jnp.ones((4, 4)) @ jnp.ones(4)).sum()))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [FLAG, "16.0"]
+
+
+def test_the_scheduler_side_sets_no_flags():
+    """Only the engine (cbjax.runtime) applies the flags; config, scheduler and simulator do not."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CBJAX_XLA_DEFAULTS")}
+    code = "import os, cbjax.config, cbjax.scheduler, cbjax.sim, cbjax.run; print(os.environ.get('XLA_FLAGS', 'unset'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["unset"]

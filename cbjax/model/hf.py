@@ -4,8 +4,7 @@
 reads the `*.safetensors` files (one file, or shards listed in `model.safetensors.index.json`)
 into an abstract `cbjax.model.llama.Llama` through `name_map` (Hugging Face tensor name ->
 module path), transposing each nn.Linear weight from Hugging Face's [out, in] to [in, out]
-and reshaping it to the module's head-split layout. `load_params` gives the same weights
-as the old engine's dict params. Nothing is ever downloaded: `model.path` is a directory on disk.
+and reshaping it to the module's head-split layout. Nothing is ever downloaded: `model.path` is a directory on disk.
 
 Two ModelConfig values mean "take it from the checkpoint": `dtype="auto"` (config.json's
 dtype; float16 loads as float32, which holds it exactly) and `max_model_len=0`
@@ -26,7 +25,6 @@ import numpy as np
 from flax import nnx
 
 from cbjax.config import ModelConfig
-from cbjax.model.functional import Params, params_from_model
 from cbjax.model.llama import Llama, check_supported
 
 # model_type -> the causal-LM class whose weights we read
@@ -203,11 +201,6 @@ def load_model(cfg: ModelConfig) -> Llama:
     if unfilled:  # name_map and Llama disagree: a bug here, not in the checkpoint
         raise RuntimeError(f"load_model: name_map left {unfilled[0]} unfilled")
     return model
-
-
-def load_params(cfg: ModelConfig) -> Params:
-    """`load_model`'s weights as the old engine's dict params (`cbjax.model.functional`)."""
-    return params_from_model(load_model(cfg))
 
 
 def _module_variable(model: Llama, path: tuple[Union[str, int], ...]) -> nnx.Param:

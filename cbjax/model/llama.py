@@ -97,7 +97,7 @@ class _Init:
 
     def normal(self, shape: tuple[int, ...], drawn_as: Optional[tuple[int, ...]] = None) -> jax.Array:
         # `drawn_as`: the 2-D [in, out] shape the values are drawn in, so a seed gives the
-        # same numbers as the Hugging Face-shaped layout (cbjax.model.functional).
+        # same numbers as a Hugging Face-shaped [in, out] draw.
         if self.rng is None:
             return jnp.zeros(shape, self.dtype)
         values = 0.02 * self.rng.standard_normal(drawn_as or shape, dtype=np.float32)
@@ -231,8 +231,7 @@ class Llama(nnx.Module):
     """The decoder: `embed`, then each of `layers` (`qkv`, attention, `finish`), then `logits`.
 
     Llama(cfg, seed=s) draws random weights (normal(0, 0.02), norms ones) with numpy, the
-    same numbers as `cbjax.model.functional.init_params(cfg, s)`. Llama(cfg, seed=None)
-    holds zeros: build it under `nnx.eval_shape` for an abstract model to fill.
+    same numbers whatever the serving layout. Llama(cfg, seed=None) holds zeros: build it under `nnx.eval_shape` for an abstract model to fill.
     """
 
     def __init__(self, cfg: ModelConfig, *, seed: Optional[int] = 0):

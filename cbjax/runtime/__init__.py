@@ -1,1 +1,9 @@
-"""The real engine: jit-compiled prefill and decode steps over a fixed slot array (imports jax)."""
+"""The real engine: plan -> batch -> one jitted step over the fixed slot array (imports jax).
+
+Importing it applies cbjax's XLA:CPU flag defaults (`cbjax.xla_defaults`) before jax starts its
+backend; the scheduler side of cbjax sets no flags.
+"""
+
+from cbjax import xla_defaults as _xla_defaults
+
+_xla_defaults.apply()

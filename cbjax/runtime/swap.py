@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from cbjax.model import NULL_PAGE, KVCache
+from cbjax.runtime.kv_cache import NULL_PAGE, KVCache
 from cbjax.request import Request
 
 

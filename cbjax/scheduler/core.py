@@ -3,58 +3,14 @@
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cbjax.cache.allocator import PageAllocator
 from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig
+from cbjax.plan import Schedule
 from cbjax.request import FinishReason, Request, Status
 from cbjax.scheduler.policy import Policy, make_policy
-
-
-@dataclass
-class Schedule:
-    """One iteration's plan over the fixed array of `num_slots` slots.
-
-    Each scheduled request carries its `slot` and `num_new_tokens`: it processes its tokens
-    `[num_computed, num_computed + num_new_tokens)` of prompt-plus-generated. A decode
-    processes the one token generated last; a prefill processes the prompt (plus the tokens
-    generated before a preemption). A request yields a token when its last token is processed.
-
-    Swaps run before the step, swap-outs first: `swap_out` holds (request, its pages whose
-    contents go to host memory), `swap_in` (request, the new pages its host copy returns to),
-    pages in sequence order. A page freed by a swap-out may be a swap-in's destination.
-    """
-
-    num_slots: int
-    decodes: list[Request] = field(default_factory=list)
-    prefills: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    start_s: float = 0.0
-    # request_id -> its pages, the allocator's live tables (read-only for executors)
-    page_tables: dict[str, list[int]] = field(default_factory=dict)
-    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
-    page_size: int = 1
-
-    @property
-    def num_swapped_pages(self) -> int:
-        """Pages copied between device and host before this step, both directions."""
-        return sum(len(pages) for _, pages in self.swap_out + self.swap_in)
-
-    @property
-    def requests(self) -> list[Request]:
-        """Scheduled requests in executor order: decodes, then prefills."""
-        return self.decodes + self.prefills
-
-    @property
-    def num_scheduled(self) -> int:
-        return len(self.decodes) + len(self.prefills)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return len(self.decodes) + sum(r.num_new_tokens for r in self.prefills)
 
 
 class Scheduler:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cbjax.config import HardwareConfig, ModelConfig
-from cbjax.scheduler.core import Schedule
+from cbjax.plan import Schedule
 
 
 class UnitCost:

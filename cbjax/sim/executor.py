@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from cbjax.executor import StepOutput
+from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
-from cbjax.scheduler.core import Schedule
 
 
 class SimExecutor:

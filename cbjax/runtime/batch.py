@@ -1,0 +1,174 @@
+"""Plan -> host arrays: pack one `Schedule` into the flat token buffer of a step (pure numpy).
+
+Rows of the fixed slot array are filled in plan order (decodes, then prefills), so row r's
+sampled token is `plan.requests[r]`'s. Row r's new tokens are its request's tokens
+[num_computed, num_computed + num_new_tokens) of prompt-plus-generated, laid out contiguously
+in the flat buffer; the buffer is padded to the plan's token bucket. The persistent per-slot
+buffers (page-table rows, sampling knobs) change only when a slot's request, admission or
+page count changes, so a steady decode step rewrites almost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from cbjax.plan import Schedule
+from cbjax.request import Request
+from cbjax.runtime.shapes import ShapePlan
+from cbjax.runtime.tiles import BLOCK_Q, CHUNK_BLOCK, CHUNK_SINGLE, build_tiles, tile_capacity
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs, as numpy arrays; T is the token bucket, R the slot count."""
+
+    tokens: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]; padding 0
+    write_idx: np.ndarray  # i32[T]: page * page_size + offset where each token's K/V goes; padding 0 (null page)
+    page_table: np.ndarray  # i32[R, max_pages], row order
+    query_start: np.ndarray  # i32[R + 1]
+    kv_lens: np.ndarray  # i32[R]
+    token_row: np.ndarray  # i32[T]
+    token_pos: np.ndarray  # i32[T]; padding -1
+    logits_idx: np.ndarray  # i32[R]: each row's last flat token (idle rows 0)
+    sampling: tuple[np.ndarray, ...]  # temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], position i32[R]
+    tiles: Optional[tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]]  # XLA ragged backend only
+    num_rows_used: int
+    num_tokens_used: int
+
+
+class SamplingArrays:
+    """Per-slot sampling knobs: f32 temperature, i32 top_k, f32 top_p, u32 seed."""
+
+    def __init__(self, rows: int):
+        self.temperature = np.zeros(rows, np.float32)
+        self.top_k = np.zeros(rows, np.int32)
+        self.top_p = np.ones(rows, np.float32)
+        self.seed = np.zeros(rows, np.uint32)
+
+    def set(self, row: int, req: Request) -> None:
+        sp = req.sampling
+        self.temperature[row] = sp.temperature
+        self.top_k[row] = sp.top_k
+        self.top_p[row] = sp.top_p
+        self.seed[row] = sp.seed & 0xFFFFFFFF
+
+
+class BatchPacker:
+    """Packs plans for one executor; keeps the per-slot buffers between steps."""
+
+    def __init__(self, shapes: ShapePlan, *, tiles: bool):
+        self.shapes = shapes
+        self.with_tiles = tiles
+        num_slots = shapes.num_rows
+        self._slot_table = np.zeros((num_slots, shapes.max_pages), np.int32)  # i32[num_slots, max_pages]
+        self._slot_key: list[tuple[int, int, int]] = [(0, 0, 0)] * num_slots  # (request, admission, pages)
+        self._slot_sampling = SamplingArrays(num_slots)
+
+    def capacity(self, bucket: int) -> tuple[int, int]:
+        """Static (single, block) tile capacities for a step of `bucket` tokens."""
+        s = self.shapes
+        return tile_capacity(bucket, s.num_rows, s.max_pages, BLOCK_Q, (CHUNK_SINGLE, CHUNK_BLOCK))
+
+    def empty(self, bucket: int) -> HostBatch:
+        """An all-padding batch of `bucket` tokens (warmup)."""
+        return self._assemble(bucket, [], [], [], [], [])
+
+    def pack(self, plan: Schedule) -> HostBatch:
+        reqs = plan.requests
+        if len(reqs) > self.shapes.num_rows:
+            raise ValueError(f"pack: {len(reqs)} scheduled requests exceed the {self.shapes.num_rows} slots")
+        slots, starts, counts, chunks = [], [], [], []
+        page_tables = plan.page_tables
+        for req in reqs:
+            s = req.slot
+            self._sync_slot(s, req, page_tables[req.request_id])
+            n, lo = req.num_new_tokens, req.num_computed
+            if n == 1:  # a decode (or a one-token prefill): the token at position lo
+                p = req.prompt_len
+                chunks.append([req.output_token_ids[lo - p] if lo >= p else req.prompt_ids()[lo]])
+            else:
+                seq = req.prompt_ids()
+                if lo + n > len(seq):
+                    seq = seq + req.output_token_ids
+                chunks.append(seq[lo : lo + n])
+            slots.append(s)
+            starts.append(lo)
+            counts.append(n)
+        total = sum(counts)
+        return self._assemble(self.shapes.bucket(max(total, 1)), slots, starts, counts, chunks, reqs)
+
+    def _assemble(self, bucket, slots, starts, counts, chunks, reqs) -> HostBatch:
+        s = self.shapes
+        num_rows, page_size = s.num_rows, s.page_size
+        used = len(slots)
+        counts_a = np.asarray(counts, np.int32)
+        starts_a = np.asarray(starts, np.int32)
+        query_start = np.zeros(num_rows + 1, np.int32)
+        np.cumsum(counts_a, out=query_start[1 : used + 1])
+        total = int(query_start[used])
+        query_start[used + 1 :] = total
+        kv_lens = np.zeros(num_rows, np.int32)
+        kv_lens[:used] = starts_a + counts_a
+        page_table = np.zeros((num_rows, s.max_pages), np.int32)
+        page_table[:used] = self._slot_table[slots]
+        tokens = np.zeros(bucket, np.int32)
+        positions = np.zeros(bucket, np.int32)
+        token_row = np.zeros(bucket, np.int32)
+        token_pos = np.full(bucket, -1, np.int32)
+        if used:
+            if total == used:  # every row has one token: decodes
+                tokens[:used] = [c[0] for c in chunks]
+                positions[:used] = starts_a
+                token_row[:used] = np.arange(used)
+            else:
+                tokens[:total] = np.concatenate([np.asarray(c, np.int32) for c in chunks])
+                token_row[:total] = np.repeat(np.arange(used, dtype=np.int32), counts_a)
+                positions[:total] = np.arange(total) - np.repeat(query_start[:used], counts_a) + starts_a[token_row[:total]]
+            token_pos[:total] = positions[:total]
+        row_pages = page_table[token_row[:total], positions[:total] // page_size]
+        write_idx = np.zeros(bucket, np.int32)
+        write_idx[:total] = row_pages * page_size + positions[:total] % page_size
+        logits_idx = np.zeros(num_rows, np.int32)
+        logits_idx[:used] = query_start[1 : used + 1] - 1
+        sp = self._slot_sampling
+        sampling = (
+            _rows(sp.temperature, slots, num_rows, 0.0),
+            _rows(sp.top_k, slots, num_rows, 0),
+            _rows(sp.top_p, slots, num_rows, 1.0),
+            _rows(sp.seed, slots, num_rows, 0),
+            kv_lens.copy(),  # the index of the token each row generates
+        )
+        tiles = None
+        if self.with_tiles:
+            tiles = build_tiles(query_start, kv_lens, page_table, bucket, page_size, BLOCK_Q, self.capacity(bucket))
+        return HostBatch(
+            tokens=tokens, positions=positions, write_idx=write_idx, page_table=page_table, query_start=query_start,
+            kv_lens=kv_lens, token_row=token_row, token_pos=token_pos, logits_idx=logits_idx, sampling=sampling,
+            tiles=tiles, num_rows_used=used, num_tokens_used=total,
+        )  # fmt: skip
+
+    def _sync_slot(self, slot: int, req: Request, pages: list[int]) -> None:
+        """Refresh a slot's page-table row (and sampling knobs) only when its request, admission
+        or page count changed: most steps touch neither."""
+        key = (id(req), req.admit_seq, len(pages))
+        if self._slot_key[slot] != key:
+            if self._slot_key[slot][:2] != key[:2]:
+                self._slot_sampling.set(slot, req)
+            if len(pages) > self.shapes.max_pages:
+                raise ValueError(
+                    f"request {req.request_id}: holds {len(pages)} pages, the page table has {self.shapes.max_pages}"
+                )
+            row = self._slot_table[slot]
+            row[:] = 0
+            row[: len(pages)] = pages
+            self._slot_key[slot] = key
+
+
+def _rows(values: np.ndarray, slots: list[int], num_rows: int, fill) -> np.ndarray:
+    out = np.full(num_rows, fill, values.dtype)
+    out[: len(slots)] = values[slots]
+    return out

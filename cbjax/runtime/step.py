@@ -1,0 +1,110 @@
+"""The one jitted model step per iteration: every scheduled token of the plan in one forward.
+
+    greedy, logits, cache = model_step(weights, cache, batch, graphdef=graphdef, attention=name)
+
+The jit boundary is here, defined once: the model's weights and the batch are traced
+arguments, the graph definitions and the attention backend's name are static, and the cache
+is donated (updated in place). `split_model` splits an NNX `Llama` into the model without
+its layers and the layers' weights stacked on a leading axis, so the step runs the layers
+as one `lax.scan`: XLA compiles one layer body, not num_layers copies, which keeps warmup
+short for deep models. K/V are written for every token before
+attention; logits run only at each row's last token. The step returns each row's greedy
+token (-1 where its logits are not finite) and the logits themselves, which stay on the
+device: a batch with a sampled row passes them to `sample_step`, compiled once for all token
+buckets since its shapes are [num_rows, vocab_size] (random keys and the top-k/top-p sort
+cost seconds to compile on XLA:CPU, so they stay out of the per-bucket programs). Either way
+one i32[num_rows] array comes back to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cbjax.kernels.metadata import AttentionMetadata
+from cbjax.kernels.registry import attention_op
+from cbjax.runtime.kv_cache import KVCache, write_layer
+from cbjax.runtime.sampling import sample
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "positions", "write_idx", "md", "logits_idx", "sampling"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class DeviceBatch:
+    tokens: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    write_idx: jax.Array  # i32[T]
+    md: AttentionMetadata
+    logits_idx: jax.Array  # i32[R]
+    sampling: tuple  # temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], position i32[R]
+
+
+def check_batch(batch: DeviceBatch) -> None:
+    """A ValueError naming the shapes when the batch's arrays disagree."""
+    t = batch.tokens.shape
+    r = batch.md.kv_lens.shape
+    bad = batch.positions.shape != t or batch.write_idx.shape != t or batch.md.token_pos.shape != t
+    bad |= batch.logits_idx.shape != r or any(a.shape != r for a in batch.sampling)
+    if len(t) != 1 or bad:
+        raise ValueError(
+            f"model_step: inconsistent batch shapes: tokens {t}, positions {batch.positions.shape}, "
+            f"write_idx {batch.write_idx.shape}, token_pos {batch.md.token_pos.shape}, kv_lens {r}, "
+            f"logits_idx {batch.logits_idx.shape}, sampling {[a.shape for a in batch.sampling]}"
+        )
+
+
+def split_model(model) -> tuple[tuple, tuple]:
+    """(graphdef, weights) of an NNX Llama for `model_step`: graphdef = (the model without its
+    layers, one layer) is static and hashable; weights = (that model's state, every layer's
+    state stacked on a leading num_layers axis)."""
+    layers = list(model.layers)
+    layer_def, _ = nnx.split(layers[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
+    shell = nnx.clone(model)
+    shell.layers = nnx.List([])
+    outer_def, outer_state = nnx.split(shell)
+    return (outer_def, layer_def), (outer_state, stacked)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention"), donate_argnames=("cache",))
+def model_step(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str):
+    check_batch(batch)
+    outer_def, layer_def = graphdef
+    outer_state, layer_states = weights
+    model = nnx.merge(outer_def, outer_state)
+    attn_fn = attention_op(attention)
+    num_layers = cache.k.shape[0]
+
+    def layer_step(carry, xs):
+        x, k_pages, v_pages = carry
+        layer_state, layer_idx = xs
+        layer = nnx.merge(layer_def, layer_state)
+        q, k, v = layer.qkv(x, batch.positions)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
+        k_pages = write_layer(k_pages, layer_idx, batch.write_idx, k)
+        v_pages = write_layer(v_pages, layer_idx, batch.write_idx, v)
+        x = layer.finish(x, attn_fn(q, k_pages[layer_idx], v_pages[layer_idx], batch.md))
+        return (x, k_pages, v_pages), None
+
+    x = model.embed(batch.tokens)  # [T, d_model]
+    carry = (x, cache.k, cache.v)
+    (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, carry, (layer_states, jnp.arange(num_layers)))
+    logits = model.logits(x[batch.logits_idx])  # f32[R, vocab_size]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _mark_non_finite(logits, greedy), logits, KVCache(k=k_pages, v=v_pages)
+
+
+def _mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, -1)
+
+
+@jax.jit
+def sample_step(logits: jax.Array, sampling: tuple) -> jax.Array:  # i32[R]
+    """Per-row temperature / top-k / top-p sampling of the step's logits; -1 where not finite."""
+    return _mark_non_finite(logits, sample(logits, *sampling))

@@ -1,0 +1,108 @@
+"""Plan -> host arrays, shape buckets and tile lists, checked by hand with no jax compile."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from cbjax.plan import Schedule
+from cbjax.request import Request, SamplingParams
+from cbjax.runtime.batch import BatchPacker
+from cbjax.runtime.shapes import default_token_buckets, plan_shapes
+from cbjax.runtime.tiles import build_tiles, tile_capacity
+
+
+def req(rid, prompt, outputs, computed, new, slot, temperature=0.0):
+    r = Request(request_id=rid, arrival_s=0.0, prompt_len=len(prompt), prompt_token_ids=list(prompt),
+                sampling=SamplingParams(temperature=temperature, seed=7))  # fmt: skip
+    r.output_token_ids = list(outputs)
+    r.num_computed, r.num_new_tokens, r.slot = computed, new, slot
+    return r
+
+
+def test_default_token_buckets_by_hand():
+    assert default_token_buckets(32, 8192) == [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert default_token_buckets(4, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert default_token_buckets(1, 16) == [1, 2, 4, 8, 16]
+
+
+def test_shape_plan_caps_the_largest_step_and_names_the_key():
+    shapes = plan_shapes(num_rows=2, max_model_len=64, page_size=16, max_num_batched_tokens=8192)
+    assert shapes.token_buckets[-1] == 128 and shapes.max_pages == 4  # 2 rows x 64 tokens at most
+    assert shapes.bucket(3) == 4 and shapes.bucket(128) == 128
+    with pytest.raises(ValueError, match="executor.token_buckets"):
+        plan_shapes(2, 64, 16, 8192, token_buckets=[8, 64])
+    with pytest.raises(ValueError, match="exceeds the largest token bucket"):
+        shapes.bucket(129)
+
+
+def test_pack_mixes_decodes_fresh_prefills_and_a_chunk_in_plan_order():
+    shapes = plan_shapes(num_rows=4, max_model_len=32, page_size=4, max_num_batched_tokens=64, token_buckets=[4, 8, 16, 64])
+    packer = BatchPacker(shapes, tiles=True)
+    d1 = req("d1", [5, 6, 7], [8, 9], computed=4, new=1, slot=2)  # decodes token 9 at position 4
+    d2 = req("d2", [1], [2], computed=1, new=1, slot=0)  # decodes token 2 at position 1
+    p1 = req("p1", [11, 12, 13], [], computed=0, new=3, slot=1, temperature=0.5)  # fresh prefill
+    c1 = req("c1", [20, 21, 22, 23, 24, 25], [], computed=4, new=2, slot=3)  # a chunk after 4 cached tokens
+    plan = Schedule(num_slots=4, decodes=[d1, d2], prefills=[p1, c1], page_size=4,
+                    page_tables={"d1": [3, 9], "d2": [4], "p1": [5], "c1": [6, 7]})  # fmt: skip
+    b = packer.pack(plan)
+    assert b.tokens.shape == (8,)  # 7 tokens -> bucket 8
+    assert b.tokens.tolist() == [9, 2, 11, 12, 13, 24, 25, 0]
+    assert b.positions.tolist() == [4, 1, 0, 1, 2, 4, 5, 0]
+    assert b.token_pos.tolist() == [4, 1, 0, 1, 2, 4, 5, -1]
+    assert b.token_row.tolist() == [0, 1, 2, 2, 2, 3, 3, 0]
+    assert b.query_start.tolist() == [0, 1, 2, 5, 7]
+    assert b.kv_lens.tolist() == [5, 2, 3, 6]
+    assert b.logits_idx.tolist() == [0, 1, 4, 6]
+    # page * 4 + offset: d1 pos 4 -> page 9 off 0; d2 pos 1 -> page 4 off 1; p1 -> page 5; c1 pos 4, 5 -> page 7
+    assert b.write_idx.tolist() == [36, 17, 20, 21, 22, 28, 29, 0]
+    assert b.page_table[:, :2].tolist() == [[3, 9], [4, 0], [5, 0], [6, 7]]
+    temperature, top_k, top_p, seed, position = b.sampling
+    assert temperature.tolist() == [0.0, 0.0, 0.5, 0.0] and seed.tolist() == [7, 7, 7, 7]
+    assert position.tolist() == [5, 2, 3, 6]  # the index of the token each row generates
+    assert (b.num_rows_used, b.num_tokens_used) == (4, 7)
+
+
+def test_pack_pads_idle_rows_and_refreshes_a_slot_when_its_pages_grow():
+    shapes = plan_shapes(num_rows=3, max_model_len=16, page_size=2, max_num_batched_tokens=16, token_buckets=[2, 16])
+    packer = BatchPacker(shapes, tiles=False)
+    r = req("r", [1, 2], [3], computed=2, new=1, slot=1)
+    b = packer.pack(Schedule(num_slots=3, decodes=[r], page_tables={"r": [4, 5]}, page_size=2))
+    assert b.tokens.tolist() == [3, 0] and b.query_start.tolist() == [0, 1, 1, 1] and b.kv_lens.tolist() == [3, 0, 0]
+    assert b.write_idx.tolist() == [10, 0] and b.tiles is None
+    r.output_token_ids.append(4)
+    r.num_computed = 3
+    b = packer.pack(Schedule(num_slots=3, decodes=[r], page_tables={"r": [4, 5]}, page_size=2))
+    assert b.write_idx.tolist() == [11, 0]
+    r.output_token_ids.append(5)
+    r.num_computed = 4
+    b = packer.pack(Schedule(num_slots=3, decodes=[r], page_tables={"r": [4, 5, 8]}, page_size=2))
+    assert b.page_table[0, :3].tolist() == [4, 5, 8] and b.write_idx.tolist() == [16, 0]
+
+
+def test_tiles_by_hand():
+    # page_size 2, block 2. Row 0: one decode token at position 4 (3 pages). Row 1: 3 new tokens
+    # at positions 1..3 (blocks [1, 2] -> pages 0..1 and [3] -> pages 0..1). Row 2: idle.
+    query_start = np.array([0, 1, 4, 4], np.int32)
+    kv_lens = np.array([5, 4, 0], np.int32)
+    table = np.array([[7, 8, 9], [3, 4, 0], [0, 0, 0]], np.int32)
+    cap = tile_capacity(6, 3, 3, 2, (4, 4))
+    single, block = build_tiles(query_start, kv_lens, table, 6, 2, 2, cap)
+    q, page, pos, num = single
+    assert int(num) == 3 and q[:3, 0].tolist() == [0, 0, 0] and page[:3].tolist() == [7, 8, 9]
+    assert pos[:3].tolist() == [0, 1, 2] and (q[3:] == 6).all()  # unused tiles point at the padding row
+    q, page, pos, num = block
+    assert int(num) == 4
+    assert q[:4].tolist() == [[1, 2], [1, 2], [3, 6], [3, 6]]
+    assert page[:4].tolist() == [3, 4, 3, 4] and pos[:4].tolist() == [0, 1, 0, 1]
+
+
+def test_packing_imports_no_jax():
+    import subprocess
+
+    code = "import sys, cbjax.runtime.batch, cbjax.runtime.shapes, cbjax.plan; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,100 @@
+"""The one-forward step against the dense, cache-free forward: mixed batches, every backend."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cbjax.config import ModelConfig
+from cbjax.model import Llama, forward_dense
+from cbjax.plan import Schedule
+from cbjax.request import Request
+from cbjax.runtime.batch import BatchPacker
+from cbjax.runtime.executor import to_device
+from cbjax.runtime.kv_cache import KVCache
+from cbjax.runtime.shapes import plan_shapes
+from cbjax.runtime.step import model_step, split_model
+
+PAGE_SIZE = 4
+NUM_ROWS = 6
+# (context already cached, new tokens) per row of the step under test: decodes, fresh
+# prefills, chunks continuing context, lengths ending on and just past page boundaries. A
+# first step prefills each row's context.
+SECOND = {
+    "decode_only": [(5, 1), (8, 1), (3, 1), (4, 1), (1, 1)],
+    "prefill_only": [(0, 6), (0, 4), (0, 9)],
+    "mixed": [(5, 1), (0, 7), (8, 4), (3, 1), (4, 5)],
+}
+
+
+def sequences(seed, vocab):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, 24).tolist() for _ in range(NUM_ROWS)]
+
+
+def req(i, seq, ctx, n):
+    r = Request(request_id=str(i), arrival_s=0.0, prompt_len=ctx + n, prompt_token_ids=seq[: ctx + n])
+    r.num_computed, r.num_new_tokens, r.slot = ctx, n, i
+    return r
+
+
+def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages):
+    reqs = [req(i, seqs[i], ctx, n) for i, (ctx, n) in enumerate(rows)]
+    plan = Schedule(num_slots=NUM_ROWS, prefills=reqs, page_tables={r.request_id: pages[int(r.request_id)] for r in reqs},
+                    page_size=PAGE_SIZE)  # fmt: skip
+    _, logits, cache = model_step(weights, cache, to_device(packer.pack(plan)), graphdef=graphdef, attention=attention)
+    return np.asarray(logits)[: len(rows)], cache
+
+
+# The XLA formulation over GQA groups 1, 2 and 4; the Pallas kernel (interpreted on CPU, so
+# slow to compile) at groups 1 and 4, its own tests cover the rest against the reference.
+@pytest.mark.parametrize(
+    "attention, num_kv_heads", [("ragged", 4), ("ragged", 2), ("ragged", 1), ("pallas", 4), ("pallas", 1)]
+)
+def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads):
+    cfg = ModelConfig(num_heads=4, num_kv_heads=num_kv_heads, max_model_len=32)
+    model = Llama(cfg, seed=1)
+    graphdef, weights = split_model(model.fused())
+    dense_def, dense_state = nnx.split(model)
+    dense_fn = jax.jit(lambda state, tokens: forward_dense(nnx.merge(dense_def, state), tokens))
+
+    def dense_last(tokens):  # padded to one length: causal attention makes the padding invisible
+        padded = np.zeros(cfg.max_model_len, np.int32)
+        padded[: len(tokens)] = tokens
+        return np.asarray(dense_fn(dense_state, jnp.asarray(padded)))[len(tokens) - 1]
+    shapes = plan_shapes(NUM_ROWS, cfg.max_model_len, PAGE_SIZE, 32, token_buckets=[8, 32])
+    rng = np.random.default_rng(num_kv_heads)
+    num_pages = 64
+    perm = rng.permutation(np.arange(1, num_pages))
+    pages = [perm[i * 8 : (i + 1) * 8].tolist() for i in range(NUM_ROWS)]  # 8 pages = 32 tokens a row
+    seqs = sequences(num_kv_heads, cfg.vocab_size)
+    for name, second in SECOND.items():
+        # every page NaN until written: reading past a length or an unwritten slot poisons the logits
+        shape = (cfg.num_layers, num_kv_heads, num_pages, PAGE_SIZE, cfg.head_dim)
+        cache = KVCache(k=jnp.full(shape, jnp.nan), v=jnp.full(shape, jnp.nan))
+        packer = BatchPacker(shapes, tiles=attention == "ragged")
+        if any(ctx for ctx, _ in second):  # cache the context the second step continues from (checked too)
+            first = [(0, ctx or 1) for ctx, _ in second]
+            got, cache = run_step(weights, graphdef, attention, packer, cache, first, seqs, pages)
+            for i, (ctx, n) in enumerate(first):
+                want = dense_last(seqs[i][: ctx + n])
+                np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5, err_msg=f"{name} setup row {i}")
+        got, cache = run_step(weights, graphdef, attention, packer, cache, second, seqs, pages)
+        for i, (ctx, n) in enumerate(second):
+            want = dense_last(seqs[i][: ctx + n])
+            np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5, err_msg=f"{name} row {i} ({ctx}+{n})")
+
+
+def test_inconsistent_batch_shapes_name_them():
+    cfg = ModelConfig(max_model_len=16)
+    graphdef, weights = split_model(Llama(cfg, seed=0).fused())
+    shapes = plan_shapes(2, 16, PAGE_SIZE, 8, token_buckets=[8])
+    batch = to_device(BatchPacker(shapes, tiles=False).empty(8))
+    bad = type(batch)(batch.tokens, batch.positions[:4], batch.write_idx, batch.md, batch.logits_idx, batch.sampling)
+    shape = (cfg.num_layers, cfg.num_kv_heads, 8, PAGE_SIZE, cfg.head_dim)
+    cache = KVCache(k=jnp.zeros(shape), v=jnp.zeros(shape))
+    with pytest.raises(ValueError, match=r"inconsistent batch shapes: tokens \(8,\), positions \(4,\)"):
+        model_step(weights, cache, bad, graphdef=graphdef, attention="reference")
