@@ -12,13 +12,14 @@ from typing import Any, Optional
 
 POLICIES = ("static", "fcfs", "priority", "sjf", "mlfq", "vtc")
 PREDICTORS = ("oracle", "mean", "learned")
-ALLOCATIONS = ("paged", "reserve_max")
+ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
 ATTENTION_IMPLS = ("auto", "pallas", "ragged", "reference", "triton")
 COST_MODELS = ("unit", "roofline")
 ARRIVALS = ("all_at_once", "poisson", "gamma")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
+TRUNCATIONS = ("clip", "resample")
 WORKLOADS = ("synthetic", "trace")
 DTYPES = ("float32", "bfloat16")
 MLP_KINDS = ("gated", "plain")
@@ -44,6 +45,12 @@ class SchedulerConfig:
     preemption: str = "recompute"
     # Split prompts into chunks under max_num_batched_tokens, mixed with decodes (Sarathi-Serve).
     chunked_prefill: bool = False
+    # Mix prefills and decodes in one iteration (Orca, Sarathi-Serve). False: an iteration with
+    # prefill work runs only prefills, and decodes wait (vLLM's original scheduler).
+    hybrid_batching: bool = True
+    # static only: charge compute as a padded `generate` batch does: prompts padded to the
+    # batch's longest, finished rows computed until the whole batch ends (Schedule.cost_rows).
+    static_padding: bool = False
     # Policy knobs; each policy reads only its own (see cbjax/scheduler/policies/).
     priority_preempt: bool = False  # priority: a waiting request may evict a lower-priority one
     predictor: str = "oracle"  # sjf: oracle | mean | learned
@@ -65,6 +72,13 @@ class SchedulerConfig:
                 "is required for predictor=learned",
                 self.predictor_path,
             )
+        if self.static_padding:
+            _require(self.name == "static", "scheduler.static_padding", "needs scheduler=static", self.name)
+            if self.chunked_prefill:
+                raise ValueError(
+                    "scheduler.static_padding=true cannot combine with scheduler.chunked_prefill=true: "
+                    "a padded batch prefills every prompt whole"
+                )
         _require(self.mlfq_num_queues >= 1, "scheduler.mlfq_num_queues", "must be >= 1", self.mlfq_num_queues)
         _require(self.mlfq_base_quantum >= 1, "scheduler.mlfq_base_quantum", "must be >= 1", self.mlfq_base_quantum)
         for key in ("vtc_input_weight", "vtc_output_weight"):
@@ -82,7 +96,13 @@ class SchedulerConfig:
 @dataclass
 class CacheConfig:
     page_size: int = 16
-    num_pages: int = 4096
+    # An int, or "auto": sized as vLLM does from hardware.mem_bytes x memory_utilization minus
+    # the weights (resolved by `cbjax.run.resolve`, reported in summary.json's num_pages).
+    num_pages: Any = 4096
+    memory_utilization: float = 0.9
+    # paged: pages on demand. reserve_max | reserve_pow2 | reserve_oracle: Orca-style contiguous
+    # runs reserved at admission for the maximum length, prompt + next power of two of the
+    # output, or prompt + output (see cbjax.cache.reservation).
     allocation: str = "paged"
     # Share full pages with an identical token prefix between requests, and keep released ones
     # cached (evicted LRU once the free list is empty) for later requests.
@@ -93,13 +113,29 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _one_of("cache.allocation", self.allocation, ALLOCATIONS)
         _require(self.page_size >= 1, "cache.page_size", "must be >= 1", self.page_size)
-        _require(self.num_pages >= 2, "cache.num_pages", "must be >= 2 (page 0 is the null page)", self.num_pages)
+        if self.num_pages != "auto":
+            _require(
+                isinstance(self.num_pages, int) and not isinstance(self.num_pages, bool) and self.num_pages >= 2,
+                "cache.num_pages",
+                "must be an int >= 2 (page 0 is the null page) or auto",
+                self.num_pages,
+            )
+        _require(
+            0 < self.memory_utilization <= 1, "cache.memory_utilization", "must be in (0, 1]", self.memory_utilization
+        )
+        if self.allocation != "paged" and self.prefix_caching:
+            raise ValueError(
+                f"cache.allocation={self.allocation} cannot combine with cache.prefix_caching=true: a "
+                "reservation is one contiguous run, a shared prefix page lies elsewhere"
+            )
         if self.num_swap_pages is not None:
             _require(self.num_swap_pages >= 0, "cache.num_swap_pages", "must be >= 0", self.num_swap_pages)
 
     @property
     def swap_capacity(self) -> int:
         """Host pages available to swap preemption."""
+        if self.num_pages == "auto" and self.num_swap_pages is None:
+            raise ValueError("cache.num_pages=auto must be resolved (cbjax.run.resolve) before use")
         return self.num_pages if self.num_swap_pages is None else self.num_swap_pages
 
 
@@ -151,7 +187,9 @@ class ExecutorConfig:
 
 @dataclass
 class LengthConfig:
-    """A length distribution. Draws are rounded, then clipped to [min, max]."""
+    """A length distribution. Draws are rounded, then brought into [min, max]: clipped to the
+    bound (`truncation=clip`) or redrawn until inside (`truncation=resample`, a truncated
+    distribution; its mean then differs from `mean`, the untruncated one's)."""
 
     dist: str = "fixed"
     value: int = 128  # fixed
@@ -161,9 +199,11 @@ class LengthConfig:
     sigma: float = 1.0  # lognormal: std of the underlying normal
     min: int = 1
     max: int = 4096
+    truncation: str = "clip"
 
     def check(self, key: str) -> None:
         _one_of(f"{key}.dist", self.dist, LENGTH_DISTS)
+        _one_of(f"{key}.truncation", self.truncation, TRUNCATIONS)
         _require(self.min >= 1, f"{key}.min", "must be >= 1", self.min)
         _require(self.max >= self.min, f"{key}.max", f"must be >= {key}.min ({self.min})", self.max)
         if self.dist == "fixed":
@@ -291,9 +331,19 @@ class HardwareConfig:
     # Host<->device bytes/s for swap preemption. PCIe 4.0 x16 carries 31.5 GB/s each way
     # (16 GT/s x 16 lanes, 128b/130b encoding; PCI-SIG PCIe 4.0 spec); pinned copies reach ~25.
     host_bw: float = 25e9
+    # Fixed cost of one host<->device copy call. Swapping copies each page's K and V per layer
+    # separately (vLLM's per-block cudaMemcpyAsync), so small pages pay it often.
+    host_copy_latency_s: float = 0.0
+    # Tensor parallelism over num_devices identical devices (the figures above are per device):
+    # weights, KV and FLOPs split evenly; two ring all-reduces of the activations per layer
+    # over interconnect_bw (bytes/s each way per device, e.g. NVLink).
+    num_devices: int = 1
+    interconnect_bw: float = 300e9
 
     def __post_init__(self) -> None:
-        for key in ("peak_flops", "mem_bw", "mem_bytes", "host_bw"):
+        _require(self.num_devices >= 1, "hardware.num_devices", "must be >= 1", self.num_devices)
+        _require(self.host_copy_latency_s >= 0, "hardware.host_copy_latency_s", "must be >= 0", self.host_copy_latency_s)
+        for key in ("peak_flops", "mem_bw", "mem_bytes", "host_bw", "interconnect_bw"):
             value = getattr(self, key)
             _require(value > 0, f"hardware.{key}", "must be > 0", value)
         for key in ("flops_efficiency", "bw_efficiency"):
@@ -310,6 +360,7 @@ class ExperimentConfig:
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Each table: {title: str, arms: [name, ...], metrics: [key, ...]}; ratios are vs the first arm.
     tables: list[dict[str, Any]] = field(default_factory=list)
+    reproduction: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

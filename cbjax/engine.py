@@ -23,6 +23,9 @@ class IterationStats:
     pages_used_sum: int = 0
     pages_used_peak: int = 0
     kv_util_sum: float = 0.0
+    # per-iteration shares of the KV pool (Scheduler.kv_breakdown), summed: token states,
+    # reserved, internal fragmentation, external fragmentation, free
+    kv_share_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
     batch_peak: int = 0
     # host wall time of the scheduler's two calls, summed over iterations
     schedule_s: float = 0.0
@@ -56,6 +59,7 @@ def serve(
     stats = IterationStats()
     bar = _progress_bar(len(requests)) if progress else None
     alloc = scheduler.allocator
+    pool_slots = alloc.num_usable_pages * alloc.page_size
     finish_iteration = stats.finish_iteration
     virtual = executor.virtual_clock
     wall0 = time.perf_counter()
@@ -104,6 +108,9 @@ def serve(
         if used > stats.pages_used_peak:
             stats.pages_used_peak = used
         stats.kv_util_sum += alloc.token_utilization()
+        sums = stats.kv_share_sums
+        for i, slots in enumerate(scheduler.kv_breakdown()):
+            sums[i] += slots / pool_slots
         if n > stats.batch_peak:
             stats.batch_peak = n
         t_post = time.perf_counter()

@@ -6,7 +6,9 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from cbjax.cache.allocator import PageAllocator
+from collections import Counter
+
+from cbjax.cache import make_allocator
 from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.request import FinishReason, Request, Status
@@ -90,7 +92,11 @@ class Scheduler:
         self.token_budget = cfg.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy if policy is not None else make_policy(cfg)  # an empty queue is falsy
-        self.allocator = PageAllocator(cache.num_pages, cache.page_size, cache.allocation, cache.prefix_caching)
+        self.allocation = cache.allocation
+        self.allocator = make_allocator(cache.num_pages, cache.page_size, cache.allocation, cache.prefix_caching)
+        # reservations only: pages each waiting request would reserve -> how many wait, so the
+        # smallest (for external fragmentation) costs no scan of the queue
+        self._waiting_pages: Counter[int] = Counter()
         self.prefix = PrefixCache(self.allocator) if cache.prefix_caching else None
         self.swap = cfg.preemption == "swap"
         self.swap_capacity = cache.swap_capacity
@@ -130,7 +136,7 @@ class Scheduler:
                 f"scheduler.max_num_batched_tokens={self.token_budget}"
             )
         peak = req.prompt_len + req.max_output_len - 1
-        need = self.allocator.admission_pages(peak, self.max_len_tokens(req))
+        need = self.allocator.admission_pages(peak, self.reserve_tokens(req))
         if need > self.allocator.num_usable_pages:
             return (
                 f"needs {need} KV pages at its maximum length, the cache has "
@@ -144,6 +150,37 @@ class Scheduler:
         """Tokens stored at the request's maximum length: what `reserve_max` reserves."""
         return min(req.prompt_len + req.sampling.max_tokens, self.max_model_len) - 1
 
+    def reserve_tokens(self, req: Request) -> int:
+        """Tokens a reservation covers (the last token's K/V is never stored, hence the -1):
+        the maximum length (`reserve_max`), the prompt plus the next power of two of the output
+        length (`reserve_pow2`), or the prompt plus the output length (`reserve_oracle`; a
+        request stopping at EOS has only its stopping bound known), capped by max_model_len.
+        Under `paged`, the maximum length (unused: pages come on demand)."""
+        out = req.max_output_len
+        if self.allocation == "reserve_oracle":
+            return req.prompt_len + out - 1
+        if self.allocation == "reserve_pow2":
+            return min(req.prompt_len + (1 << max(0, out - 1).bit_length()), self.max_model_len) - 1
+        return self.max_len_tokens(req)
+
+    def final_tokens(self, req: Request) -> int:
+        """Tokens the request will store at its final length (its stopping length as known)."""
+        return req.prompt_len + req.max_output_len - 1
+
+    def kv_breakdown(self) -> tuple[int, int, int, int, int]:
+        """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
+        fragmentation is judged against the smallest reservation among waiting requests."""
+        final = {r.request_id: self.final_tokens(r) for r in self.running}
+        need = min(self._waiting_pages) if self._waiting_pages else 0
+        return self.allocator.slot_breakdown(final, need)
+
+    def _track_waiting(self, req: Request, delta: int) -> None:
+        if self.allocator.reserve:
+            pages = self.allocator.pages_for(self.reserve_tokens(req))
+            self._waiting_pages[pages] += delta
+            if not self._waiting_pages[pages]:
+                del self._waiting_pages[pages]
+
     def add(self, req: Request, now: float) -> None:
         """Accept a newly arrived request, or reject it with a reason."""
         req.max_output_len = max(0, min(req.stop_length(), self.max_model_len - req.prompt_len))
@@ -156,6 +193,7 @@ class Scheduler:
             self.finished.append(req)
             return
         req.status = Status.WAITING
+        self._track_waiting(req, 1)
         self.policy.push(req)
 
     def has_work(self) -> bool:
@@ -208,7 +246,7 @@ class Scheduler:
                     if n <= self.token_budget and not self.cfg.chunked_prefill:
                         break
                     n = budget
-                if not self._free_slots or not alloc.can_allocate(done + n, self.max_len_tokens(req), cached):
+                if not self._free_slots or not alloc.can_allocate(done + n, self.reserve_tokens(req), cached):
                     # The policy may evict a running request the head outranks (priority, mlfq).
                     victim = self.policy.preempt_for(req, self)
                     if victim is None:
@@ -216,7 +254,8 @@ class Scheduler:
                     budget += self._preempt(victim, plan)
                     continue
                 self.policy.pop()
-                table = alloc.allocate(req.request_id, done + n, self.max_len_tokens(req), cached)
+                self._track_waiting(req, -1)
+                table = alloc.allocate(req.request_id, done + n, self.reserve_tokens(req), cached)
                 budget -= n
                 if swapped:
                     del self._swapped[req]
@@ -289,6 +328,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         plan.preempted.append(req)
+        self._track_waiting(req, 1)
         self.policy.requeue(req)
         return planned
 
@@ -345,6 +385,7 @@ class Scheduler:
         leftovers = self.running + list(self.policy)
         self.running = []
         self._swapped.clear()
+        self._waiting_pages.clear()
         self.swap_used = 0
         if self.prefix is not None:
             self.prefix.clear()
