@@ -29,8 +29,21 @@ def resolve_model(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=load_config(cfg.model))
 
 
-def build_executor(cfg: RunConfig):
+def resolve(cfg: RunConfig) -> RunConfig:
+    """`cfg` with what depends on the model and hardware resolved: the checkpoint's fields
+    (`resolve_model`) and `cache.num_pages=auto` sized from memory (`auto_num_pages`)."""
     cfg = resolve_model(cfg)
+    if cfg.cache.num_pages != "auto":
+        return cfg
+    from cbjax.cache.sizing import auto_num_pages
+
+    cache = cfg.cache
+    num_pages = auto_num_pages(cfg.model, cfg.hardware, cache.page_size, cache.memory_utilization)
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cache, num_pages=num_pages))
+
+
+def build_executor(cfg: RunConfig):
+    cfg = resolve(cfg)
     if cfg.executor.name == "sim":
         from cbjax.sim import SimExecutor, make_cost_model
 
@@ -49,7 +62,7 @@ def build_executor(cfg: RunConfig):
 
 def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
     """Serve the configured workload once; write summary.json, requests.jsonl, config.yaml."""
-    cfg = resolve_model(cfg)
+    cfg = resolve(cfg)
     requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
     if cfg.model.path:
@@ -76,6 +89,8 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
             "executor": cfg.executor.name,
             "cost_model": cfg.executor.cost_model if cfg.executor.name == "sim" else None,
             "allocation": cfg.cache.allocation,
+            "num_pages": cfg.cache.num_pages,
+            "page_size": cfg.cache.page_size,
             "model": cfg.model.name,
             "hardware": cfg.hardware.name,
             "seed": cfg.seed,

@@ -39,6 +39,19 @@ class Schedule:
     swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
     page_size: int = 1
+    # The rows the step computes, as (num_new_tokens, num_context_tokens, is_decode), when
+    # they differ from `requests` as planned: a padded static batch computes every row of its
+    # batch at the batch's padded length, finished rows included. None: exactly `requests`.
+    padded_rows: Optional[list[tuple[int, int, bool]]] = None
+
+    def cost_rows(self) -> list[tuple[int, int, bool]]:
+        """(num_new_tokens, num_context_tokens, is_decode) per row the step computes, for cost
+        models: each request's tokens after its `num_computed` cached ones, or `padded_rows`."""
+        if self.padded_rows is not None:
+            return self.padded_rows
+        rows = [(1, r.num_computed, True) for r in self.decodes]
+        rows.extend((r.num_new_tokens, r.num_computed, False) for r in self.prefills)
+        return rows
 
     @property
     def num_swapped_pages(self) -> int:
@@ -112,6 +125,10 @@ class Scheduler:
         self.num_swap_preemptions = 0
         self.num_swapped_out_pages = 0
         self._admit_counter = 0
+        # scheduler.static_padding: the current batch's rows, padded prompt length, decode steps
+        self._pad_rows = 0
+        self._pad_len = 0
+        self._pad_step = 0
 
     # ---- intake ----
     def rejection_reason(self, req: Request) -> Optional[str]:
@@ -208,67 +225,103 @@ class Scheduler:
         budget = self.token_budget
         # Running requests first: decodes (one token left to process), then unfinished
         # prefills, then new prefills: Sarathi-Serve's stall-free order. A request processes
-        # tokens[num_computed : num_computed + num_new_tokens].
-        for decoding in (True, False):
-            for req in list(self.running):
-                if req.status is not Status.RUNNING or req.num_new_tokens:
-                    continue  # preempted earlier in this loop, or already planned
-                remaining = req.num_tokens - req.num_computed
-                if (remaining == 1) != decoding:
-                    continue
-                n = min(remaining, budget)
-                if n == 0:
-                    continue
-                while not alloc.can_append(req.request_id, req.num_computed + n):
-                    victim = self.policy.choose_victim(self.running)
-                    budget += self._preempt(victim, plan)
-                    if victim is req:
-                        break
-                if req.status is Status.RUNNING:
-                    alloc.append(req.request_id, req.num_computed + n)
-                    req.num_new_tokens = n
-                    budget -= n
-                    (plan.decodes if decoding else plan.prefills).append(req)
-        if self.policy.admission_open(self):
-            # Nothing preempted this iteration is readmitted in it.
-            while len(self.policy) and budget > 0:
-                req = self.policy.peek()
-                if req in plan.preempted:
-                    break
-                swapped = self._swapped.get(req, 0)
-                cached = [] if swapped or self.prefix is None else self.prefix.match(req)
-                done = req.num_computed if swapped else len(cached) * alloc.page_size
-                n = req.num_tokens - done
-                if n > budget:
-                    # Chunked prefill (Sarathi-Serve) fills the budget's remainder with the
-                    # head's first chunk. Without it, only a recomputed request can outgrow the
-                    # whole budget (longer prompts are rejected): it is chunked the same way.
-                    if n <= self.token_budget and not self.cfg.chunked_prefill:
-                        break
-                    n = budget
-                if not self._free_slots or not alloc.can_allocate(done + n, self.reserve_tokens(req), cached):
-                    # The policy may evict a running request the head outranks (priority, mlfq).
-                    victim = self.policy.preempt_for(req, self)
-                    if victim is None:
-                        break
-                    budget += self._preempt(victim, plan)
-                    continue
-                self.policy.pop()
-                self._track_waiting(req, -1)
-                table = alloc.allocate(req.request_id, done + n, self.reserve_tokens(req), cached)
-                budget -= n
-                if swapped:
-                    del self._swapped[req]
-                    self.swap_used -= swapped
-                    plan.swap_in.append((req, table[:swapped]))
-                else:
-                    if self.prefix is not None:
-                        self.prefix.admitted(req, done)
-                    req.num_computed = done
-                self._admit(req, now)
-                req.num_new_tokens = n
-                plan.prefills.append(req)
+        # tokens[num_computed : num_computed + num_new_tokens]. Without hybrid batching an
+        # iteration with prefill work runs only that, and decodes wait for one without.
+        if self.cfg.hybrid_batching:
+            budget = self._plan_running(plan, True, budget)
+        budget = self._plan_running(plan, False, budget)
+        new_batch = not self.running
+        budget = self._admit_waiting(plan, budget, now)
+        if not self.cfg.hybrid_batching and not plan.prefills:
+            self._plan_running(plan, True, budget)
+        if self.cfg.static_padding:
+            self._pad(plan, new_batch)
         return plan
+
+    def _plan_running(self, plan: Schedule, decoding: bool, budget: int) -> int:
+        """Plan the running requests' decodes (`decoding`) or unfinished prefills, preempting
+        when pages run out. Returns the budget left."""
+        alloc = self.allocator
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or req.num_new_tokens:
+                continue  # preempted earlier in this loop, or already planned
+            remaining = req.num_tokens - req.num_computed
+            if (remaining == 1) != decoding:
+                continue
+            n = min(remaining, budget)
+            if n == 0:
+                continue
+            while not alloc.can_append(req.request_id, req.num_computed + n):
+                victim = self.policy.choose_victim(self.running)
+                budget += self._preempt(victim, plan)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                alloc.append(req.request_id, req.num_computed + n)
+                req.num_new_tokens = n
+                budget -= n
+                (plan.decodes if decoding else plan.prefills).append(req)
+        return budget
+
+    def _admit_waiting(self, plan: Schedule, budget: int, now: float) -> int:
+        """Admit waiting requests as the policy, slots, budget and pages allow; their prefills
+        join the plan. Returns the budget left."""
+        alloc = self.allocator
+        if not self.policy.admission_open(self):
+            return budget
+        # Nothing preempted this iteration is readmitted in it.
+        while len(self.policy) and budget > 0:
+            req = self.policy.peek()
+            if req in plan.preempted:
+                break
+            swapped = self._swapped.get(req, 0)
+            cached = [] if swapped or self.prefix is None else self.prefix.match(req)
+            done = req.num_computed if swapped else len(cached) * alloc.page_size
+            n = req.num_tokens - done
+            if n > budget:
+                # Chunked prefill (Sarathi-Serve) fills the budget's remainder with the
+                # head's first chunk. Without it, only a recomputed request can outgrow the
+                # whole budget (longer prompts are rejected): it is chunked the same way.
+                if n <= self.token_budget and not self.cfg.chunked_prefill:
+                    break
+                n = budget
+            if not self._free_slots or not alloc.can_allocate(done + n, self.reserve_tokens(req), cached):
+                # The policy may evict a running request the head outranks (priority, mlfq).
+                victim = self.policy.preempt_for(req, self)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, plan)
+                continue
+            self.policy.pop()
+            self._track_waiting(req, -1)
+            table = alloc.allocate(req.request_id, done + n, self.reserve_tokens(req), cached)
+            budget -= n
+            if swapped:
+                del self._swapped[req]
+                self.swap_used -= swapped
+                plan.swap_in.append((req, table[:swapped]))
+            else:
+                if self.prefix is not None:
+                    self.prefix.admitted(req, done)
+                req.num_computed = done
+            self._admit(req, now)
+            req.num_new_tokens = n
+            plan.prefills.append(req)
+        return budget
+
+    def _pad(self, plan: Schedule, new_batch: bool) -> None:
+        """`scheduler.static_padding`: charge the plan as a padded `generate` batch runs. The
+        iteration that forms a batch prefills every row padded to the batch's longest prompt;
+        each later one decodes every row of the batch, finished rows included, at the padded
+        length, until the last row finishes (the next batch then forms)."""
+        if new_batch and plan.prefills:
+            self._pad_rows = len(plan.prefills)
+            self._pad_len = max(r.num_tokens for r in plan.prefills)
+            self._pad_step = 0
+            plan.padded_rows = [(self._pad_len, 0, False)] * self._pad_rows
+            return
+        self._pad_step += 1
+        plan.padded_rows = [(1, self._pad_len + self._pad_step - 1, True)] * self._pad_rows
 
     def cache_stats(self) -> dict:
         """Prefix-cache and swap counters for summary.json (hit rate: `PrefixCache.hit_rate`)."""

@@ -39,8 +39,8 @@ def arrival_times(arrival: str, num: int, rate: float, cv: float, rng: np.random
     return np.cumsum(gaps)
 
 
-def sample_lengths(cfg: LengthConfig, num: int, rng: np.random.Generator) -> np.ndarray:
-    """Token lengths, i64[num]: draws rounded to the nearest integer, then clipped to [min, max]."""
+def _draw(cfg: LengthConfig, num: int, rng: np.random.Generator) -> np.ndarray:
+    """`num` draws of the untruncated distribution, rounded, f64[num]."""
     if cfg.dist == "fixed":
         draws = np.full(num, float(cfg.value))
     elif cfg.dist == "uniform":
@@ -53,7 +53,30 @@ def sample_lengths(cfg: LengthConfig, num: int, rng: np.random.Generator) -> np.
         draws = rng.lognormal(mu, cfg.sigma, size=num)
     else:
         raise ValueError(f"length dist: unknown value {cfg.dist!r}")
-    return np.clip(np.rint(draws), cfg.min, cfg.max).astype(np.int64)
+    return np.rint(draws)
+
+
+# resample: rounds of redraws before a distribution that almost never lands in range is an error
+_MAX_RESAMPLE_ROUNDS = 1000
+
+
+def sample_lengths(cfg: LengthConfig, num: int, rng: np.random.Generator) -> np.ndarray:
+    """Token lengths, i64[num]: draws rounded to the nearest integer, then clipped to [min, max]
+    (`truncation=clip`), or the out-of-range ones redrawn until every one is inside
+    (`truncation=resample`: the distribution conditioned on [min, max])."""
+    draws = _draw(cfg, num, rng)
+    if cfg.truncation == "resample":
+        for _ in range(_MAX_RESAMPLE_ROUNDS):
+            out = (draws < cfg.min) | (draws > cfg.max)
+            if not out.any():
+                break
+            draws[out] = _draw(cfg, int(out.sum()), rng)
+        else:
+            raise ValueError(
+                f"length truncation=resample: draws of {cfg.dist} (mean {cfg.mean}) almost never fall "
+                f"in [{cfg.min}, {cfg.max}]"
+            )
+    return np.clip(draws, cfg.min, cfg.max).astype(np.int64)
 
 
 def prompt_seeds(num: int, rng: np.random.Generator) -> list[int]:
