@@ -104,6 +104,9 @@ class CacheConfig:
     # runs reserved at admission for the maximum length, prompt + next power of two of the
     # output, or prompt + output (see cbjax.cache.reservation).
     allocation: str = "paged"
+    # reserve_*: where a run goes. first_fit: the lowest free run that holds it. buddy: rounded
+    # up to a power of two of pages at an aligned place, as a buddy allocator does.
+    reservation_fit: str = "first_fit"
     # Share full pages with an identical token prefix between requests, and keep released ones
     # cached (evicted LRU once the free list is empty) for later requests.
     prefix_caching: bool = False
@@ -112,6 +115,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _one_of("cache.allocation", self.allocation, ALLOCATIONS)
+        _one_of("cache.reservation_fit", self.reservation_fit, ("first_fit", "buddy"))
         _require(self.page_size >= 1, "cache.page_size", "must be >= 1", self.page_size)
         if self.num_pages != "auto":
             _require(
@@ -328,6 +332,11 @@ class HardwareConfig:
     flops_efficiency: float = 0.6  # achievable fraction of peak_flops
     bw_efficiency: float = 0.8  # achievable fraction of mem_bw
     overhead_s: float = 0.002  # fixed per-iteration cost: launch, scheduling, sampling
+    # host cost per scheduled sequence per iteration (per-sequence sampling and bookkeeping)
+    overhead_s_per_seq: float = 0.0
+    # paged attention's fixed cost per KV page a sequence reads in an iteration, all layers
+    # together (a page's loop step, table lookup and partial-result merge): small pages pay it often
+    page_overhead_s: float = 0.0
     # Host<->device bytes/s for swap preemption. PCIe 4.0 x16 carries 31.5 GB/s each way
     # (16 GT/s x 16 lanes, 128b/130b encoding; PCI-SIG PCIe 4.0 spec); pinned copies reach ~25.
     host_bw: float = 25e9
@@ -350,6 +359,8 @@ class HardwareConfig:
             value = getattr(self, key)
             _require(0 < value <= 1, f"hardware.{key}", "must be in (0, 1]", value)
         _require(self.overhead_s >= 0, "hardware.overhead_s", "must be >= 0", self.overhead_s)
+        _require(self.page_overhead_s >= 0, "hardware.page_overhead_s", "must be >= 0", self.page_overhead_s)
+        _require(self.overhead_s_per_seq >= 0, "hardware.overhead_s_per_seq", "must be >= 0", self.overhead_s_per_seq)
 
 
 @dataclass

@@ -44,6 +44,7 @@ class RunResult:
     wall_s: float
     warmup_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    tbt_s: list[float] = field(default_factory=list)  # gaps between consecutive tokens of a request
 
 
 def serve(
@@ -136,6 +137,7 @@ def serve(
         preemptions=scheduler.num_preemptions,
         wall_s=time.perf_counter() - wall0,
         extra=scheduler.cache_stats(),
+        tbt_s=scheduler.tbt_s,
     )
 
 

@@ -102,6 +102,9 @@ def summarize(
     lat = [request_latencies(r) for r in served]
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
         _percentiles(key, [x[key] for x in lat if x[key] is not None], summary)
+    # time between tokens: every gap between consecutive tokens of a request (a decode stalled
+    # by a prefill or a preemption shows here; tpot averages it away)
+    _percentiles("tbt_s", result.tbt_s, summary)
     good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in reqs)
     summary.update(
         {

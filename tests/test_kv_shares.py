@@ -47,14 +47,15 @@ def test_reservation_never_grows_past_itself():
 @given(
     ops=st.lists(st.tuples(st.booleans(), st.integers(0, 9), st.integers(1, 40)), max_size=100),
     allocation=st.sampled_from(RESERVATIONS),
+    fit=st.sampled_from(["first_fit", "buddy"]),
 )
-def test_runs_never_overlap_and_all_return(ops, allocation):
-    alloc = make_allocator(num_pages=25, page_size=4, allocation=allocation)
+def test_runs_never_overlap_and_all_return(ops, allocation, fit):
+    alloc = make_allocator(num_pages=25, page_size=4, allocation=allocation, fit=fit)
     for take, rid, n in ops:
         rid = str(rid)
         if take and rid not in alloc.page_tables and alloc.can_allocate(1, n):
             table = alloc.allocate(rid, 1, n)
-            assert len(table) == alloc.pages_for(n)
+            assert len(table) == alloc.admission_pages(1, n) >= alloc.pages_for(n)
         elif not take and rid in alloc.page_tables:
             alloc.free(rid)
         pages = [p for t in alloc.page_tables.values() for p in t]
@@ -113,7 +114,7 @@ class ShareCheckingExecutor(CheckingExecutor):
         assert token == alloc.num_stored_tokens
         if not alloc.reserve:
             assert external == 0
-        if sched.allocation in ("paged", "reserve_oracle"):
+        if sched.allocation == "paged" or (sched.allocation == "reserve_oracle" and not alloc.buddy):
             assert internal < max(1, len(sched.running)) * alloc.page_size  # page tails only
         return super().execute(plan)
 
@@ -128,15 +129,16 @@ class ShareCheckingExecutor(CheckingExecutor):
     chunked=st.booleans(),
     preemption=st.sampled_from(["recompute", "swap"]),
     max_tokens=st.sampled_from([None, 40]),
+    fit=st.sampled_from(["first_fit", "buddy"]),
 )
 def test_the_five_shares_sum_to_one_on_random_workloads(
-    reqs, allocation, policy, num_pages, page_size, chunked, preemption, max_tokens
+    reqs, allocation, policy, num_pages, page_size, chunked, preemption, max_tokens, fit
 ):
     sched = Scheduler(
         SchedulerConfig(
             name=policy, max_num_seqs=5, max_num_batched_tokens=48, chunked_prefill=chunked, preemption=preemption
         ),
-        CacheConfig(num_pages=num_pages, page_size=page_size, allocation=allocation),
+        CacheConfig(num_pages=num_pages, page_size=page_size, allocation=allocation, reservation_fit=fit),
         max_model_len=64,
     )
     requests = make_requests([r[2] for r in reqs], [r[1] for r in reqs], [r[0] for r in reqs], max_tokens)
@@ -152,3 +154,17 @@ def test_the_five_shares_sum_to_one_on_random_workloads(
 def test_reservations_reject_prefix_caching_naming_both_keys():
     with pytest.raises(ValueError, match="cache.allocation=reserve_pow2.*cache.prefix_caching"):
         CacheConfig(allocation="reserve_pow2", prefix_caching=True)
+
+
+def test_buddy_rounds_to_powers_of_two_at_aligned_places():
+    alloc = make_allocator(num_pages=17, page_size=4, allocation="reserve_oracle", fit="buddy")  # pages 1..16
+    assert alloc.allocate("a", 4, 4) == [1]
+    assert alloc.allocate("b", 5, 12) == [5, 6, 7, 8]  # 3 pages round to 4, placed at 1 + 4k
+    assert alloc.allocate("c", 5, 8) == [3, 4]  # 2 pages at 1 + 2k: page 2 alone is too small
+    assert alloc.allocate("d", 1, 1) == [2]
+    assert not alloc.can_allocate(1, 40)  # 10 pages round to 16: 8 free pages, no place
+    assert alloc.allocate("e", 1, 20) == list(range(9, 17))  # 5 pages round to 8, at 9
+    for rid in "abcde":
+        alloc.free(rid)
+        alloc.check_invariants()
+    assert alloc.free_runs() == [16]

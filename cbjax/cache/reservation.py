@@ -15,14 +15,21 @@ class ReservationAllocator(PageAllocator):
     of consecutive pages, the lowest run that fits (first fit), as Orca's contiguous per-request
     buffers are. Growth never takes pages: the reservation already covers the request's tokens.
 
+    `fit="buddy"` places reservations as a binary buddy allocator does (the vLLM paper's Orca
+    baselines use one): a reservation is rounded up to a power-of-two number of pages and
+    starts at a multiple of its size (counting from page 1), the lowest such place that is free.
+
     Because runs must be contiguous, free pages can be stranded between reservations:
     external fragmentation (`slot_breakdown`). Free pages are kept as maximal runs, so freeing
     a reservation merges it with its free neighbours. No prefix caching (config rejects it).
     """
 
-    def __init__(self, num_pages: int, page_size: int, allocation: str = "reserve_max"):
+    def __init__(self, num_pages: int, page_size: int, allocation: str = "reserve_max", fit: str = "first_fit"):
         super().__init__(num_pages, page_size, "paged")
+        if fit not in ("first_fit", "buddy"):
+            raise ValueError(f"cache.reservation_fit: unknown value {fit!r}; choose first_fit or buddy")
         self.allocation = allocation
+        self.buddy = fit == "buddy"
         self.reserve = True
         self._free = []  # unused: free pages live in the runs below
         self._run_starts: list[int] = [1]  # sorted starts of the maximal free runs
@@ -47,7 +54,8 @@ class ReservationAllocator(PageAllocator):
 
     # ---- admission ----
     def admission_pages(self, num_tokens: int, max_tokens: int) -> int:
-        return self.pages_for(max(num_tokens, max_tokens))
+        pages = self.pages_for(max(num_tokens, max_tokens))
+        return 1 << (pages - 1).bit_length() if self.buddy else pages
 
     def can_allocate(self, num_tokens: int, max_tokens: int, cached: Sequence[int] = ()) -> bool:
         return not cached and self._first_fit(self.admission_pages(num_tokens, max_tokens)) is not None
@@ -64,13 +72,18 @@ class ReservationAllocator(PageAllocator):
                 f"request {request_id}: needs a run of {need} pages, the largest free run has "
                 f"{self.largest_free_run()}"
             )
-        length = self._run_len.pop(start)
-        i = bisect.bisect_left(self._run_starts, start)
-        if length > need:
-            self._run_starts[i] = start + need
-            self._run_len[start + need] = length - need
+        run = self._run_of(start)
+        end = run + self._run_len[run]
+        i = bisect.bisect_left(self._run_starts, run)
+        if start > run:
+            self._run_len[run] = start - run
+            i += 1
         else:
             del self._run_starts[i]
+            del self._run_len[run]
+        if start + need < end:
+            self._run_starts.insert(i, start + need)
+            self._run_len[start + need] = end - start - need
         self._num_free -= need
         table = list(range(start, start + need))
         self.page_tables[request_id] = table
@@ -80,10 +93,19 @@ class ReservationAllocator(PageAllocator):
         return table
 
     def _first_fit(self, need: int):
+        """The lowest start of `need` free pages (aligned to `need` under buddy), or None."""
         for start in self._run_starts:
-            if self._run_len[start] >= need:
-                return start
+            length = self._run_len[start]
+            at = start
+            if self.buddy:
+                at = -(-(start - 1) // need) * need + 1
+            if at + need <= start + length:
+                return at
         return None
+
+    def _run_of(self, page: int) -> int:
+        """The start of the free run holding `page`."""
+        return self._run_starts[bisect.bisect_right(self._run_starts, page) - 1]
 
     # ---- growth: inside the reservation only ----
     def can_append(self, request_id: str, num_tokens: int) -> bool:

@@ -106,7 +106,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy = policy if policy is not None else make_policy(cfg)  # an empty queue is falsy
         self.allocation = cache.allocation
-        self.allocator = make_allocator(cache.num_pages, cache.page_size, cache.allocation, cache.prefix_caching)
+        self.allocator = make_allocator(
+            cache.num_pages, cache.page_size, cache.allocation, cache.prefix_caching, cache.reservation_fit
+        )
         # reservations only: pages each waiting request would reserve -> how many wait, so the
         # smallest (for external fragmentation) costs no scan of the queue
         self._waiting_pages: Counter[int] = Counter()
@@ -121,6 +123,7 @@ class Scheduler:
         self.slots: list[Optional[Request]] = [None] * cfg.max_num_seqs
         self._free_slots = list(range(cfg.max_num_seqs))  # a min-heap
         self.finished: list[Request] = []
+        self.tbt_s: list[float] = []  # every gap between a request's consecutive tokens
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self.num_swapped_out_pages = 0
@@ -401,6 +404,9 @@ class Scheduler:
             req.num_generated += 1
             if req.first_token_s is None:
                 req.first_token_s = now
+            else:
+                self.tbt_s.append(now - req.last_token_s)
+            req.last_token_s = now
             reason = None
             if token_ids is not None:
                 tok = int(token_ids[i])

@@ -16,7 +16,8 @@ class UnitCost:
 
 
 class RooflineCost:
-    """Iteration time = max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + overhead.
+    """Iteration time = max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + overhead
+    (`hardware.overhead_s`, plus `hardware.overhead_s_per_seq` per scheduled sequence).
 
     FLOPs: 2 per weight per processed token in the transformer body, the LM head once per
     sequence (only the last position is sampled), and attention scores and mixing over each
@@ -24,6 +25,9 @@ class RooflineCost:
     and writes. One forward serves every prefill and decode of the iteration, as in Orca.
     A prefill after a prefix-cache hit counts only its new tokens (the hit is its context).
     The rows charged are `Schedule.cost_rows`: a padded static batch charges its padding.
+
+    `hardware.page_overhead_s` adds a fixed cost per KV page each row reads (its context and
+    new tokens, in pages of `plan.page_size`).
 
     Tensor parallelism over `hardware.num_devices` devices splits FLOPs, weights and K/V
     evenly and adds, serially, two ring all-reduces of the iteration's activations per layer
@@ -40,6 +44,8 @@ class RooflineCost:
     def __init__(self, model: ModelConfig, hw: HardwareConfig):
         n = hw.num_devices
         self.overhead_s = hw.overhead_s
+        self.overhead_s_per_seq = hw.overhead_s_per_seq
+        self.page_overhead_s = hw.page_overhead_s
         self.flops_per_s = hw.peak_flops * hw.flops_efficiency * n
         self.bytes_per_s = hw.mem_bw * hw.bw_efficiency * n
         head = model.vocab_size * model.d_model
@@ -69,17 +75,22 @@ class RooflineCost:
         seqs = 0
         pairs = 0.0
         kv_tokens = 0
+        pages = 0
+        ps = plan.page_size
         for n, ctx, decode in plan.cost_rows():
             seqs += 1
             tokens += n
             pairs += n * ctx + n * (n + 1) / 2  # a decode: its context plus the new token
             kv_tokens += ctx + n + (1 if decode else 0)  # a decode reads its context, writes one
+            pages += -(-(ctx + n) // ps)
         flops = tokens * self.body_flops_per_token + seqs * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
         bytes_moved = self.weight_bytes + kv_tokens * self.kv_bytes_per_token
         swapped = plan.num_swapped_pages
         swap_s = swapped * (plan.page_size * self.kv_bytes_per_token / self.host_bytes_per_s + self.copy_s_per_page)
         compute_s = max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
-        return compute_s + tokens * self.allreduce_s_per_token + self.overhead_s + swap_s
+        host_s = self.overhead_s + plan.num_scheduled * self.overhead_s_per_seq
+        attn_pages_s = pages * self.page_overhead_s
+        return compute_s + attn_pages_s + tokens * self.allreduce_s_per_token + host_s + swap_s
 
 
 COST_MODELS = ("unit", "roofline")
