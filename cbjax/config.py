@@ -6,6 +6,7 @@ so a misspelled key or a wrong type fails at startup with the key's name.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -17,7 +18,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
 ATTENTION_IMPLS = ("auto", "pallas", "ragged", "reference", "triton")
 COST_MODELS = ("unit", "roofline")
-ARRIVALS = ("all_at_once", "poisson", "gamma")
+ARRIVALS = ("all_at_once", "poisson", "gamma", "uniform")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
 TRUNCATIONS = ("clip", "resample")
 WORKLOADS = ("synthetic", "trace")
@@ -221,11 +222,28 @@ class LengthConfig:
 
 
 @dataclass
+class ClientConfig:
+    """One client of a multi-client synthetic workload; unset fields take the workload's.
+
+    Checked by WorkloadConfig, which knows the entry's index for its error messages.
+    """
+
+    client_id: str = ""
+    rate: float = 1.0  # requests per second
+    arrival: Optional[str] = None
+    cv: Optional[float] = None
+    prompt_len: Optional[LengthConfig] = None
+    output_len: Optional[LengthConfig] = None
+    # How many requests it sends. None: those that arrive before workload.duration_s.
+    num_requests: Optional[int] = None
+
+
+@dataclass
 class WorkloadConfig:
     name: str = "synthetic"
     num_requests: int = 256
     arrival: str = "all_at_once"
-    rate: float = 4.0  # requests per second, poisson and gamma
+    rate: float = 4.0  # requests per second, poisson, gamma and uniform (evenly spaced)
     cv: float = 1.0  # gamma: coefficient of variation of inter-arrival times
     prompt_len: LengthConfig = field(default_factory=lambda: LengthConfig(dist="uniform", low=16, high=512))
     output_len: LengthConfig = field(
@@ -234,6 +252,11 @@ class WorkloadConfig:
     # The client's sampling cap. None: each request's own output length.
     max_tokens: Optional[int] = None
     vocab_size: int = 32000  # range of synthetic prompt token ids
+    # Multi-client synthetic workload: each client's requests carry its client_id (read by
+    # scheduler=vtc and metrics' client_service); num_requests and the top-level lengths and
+    # arrival process are then per-client defaults. duration_s: how long clients send.
+    clients: list[ClientConfig] = field(default_factory=list)
+    duration_s: Optional[float] = None
     # trace replay
     path: Optional[str] = None
     format: str = "auto"  # auto | azure | csv | jsonl
@@ -257,6 +280,50 @@ class WorkloadConfig:
             _require(bool(self.path), "workload.path", "is required for workload=trace", self.path)
         self.prompt_len.check("workload.prompt_len")
         self.output_len.check("workload.output_len")
+        if self.duration_s is not None:
+            _require(self.duration_s > 0, "workload.duration_s", "must be > 0", self.duration_s)
+            _require(bool(self.clients), "workload.duration_s", "applies only with workload.clients", self.duration_s)
+        if self.clients:
+            _require(self.name == "synthetic", "workload.clients", "needs workload=synthetic", self.name)
+            self.clients = [_check_client(self, i, c) for i, c in enumerate(self.clients)]
+            seen: dict[str, int] = {}
+            for i, c in enumerate(self.clients):
+                if c.client_id in seen:
+                    raise ValueError(
+                        f"workload.clients[{i}].client_id: duplicate {c.client_id!r} "
+                        f"(also workload.clients[{seen[c.client_id]}])"
+                    )
+                seen[c.client_id] = i
+
+
+def _check_client(workload: WorkloadConfig, i: int, entry: Any) -> ClientConfig:
+    """Entry i of workload.clients as a checked ClientConfig (a plain dict after with_overrides)."""
+    key = f"workload.clients[{i}]"
+    if isinstance(entry, dict):
+        entry = dict(entry)
+        unknown = sorted(set(entry) - {f.name for f in dataclasses.fields(ClientConfig)})
+        if unknown:
+            raise ValueError(f"{key}: unknown keys {unknown}")
+        for name in ("prompt_len", "output_len"):
+            if isinstance(entry.get(name), dict):
+                entry[name] = LengthConfig(**entry[name])
+        entry = ClientConfig(**entry)
+    c = entry
+    c.client_id = str(c.client_id)
+    _require(bool(c.client_id), f"{key}.client_id", "must be a non-empty string", c.client_id)
+    _require(c.rate > 0 and math.isfinite(c.rate), f"{key}.rate", "must be > 0", c.rate)
+    arrival = c.arrival or workload.arrival
+    _one_of(f"{key}.arrival", arrival, ARRIVALS)
+    if c.cv is not None:
+        _require(c.cv > 0 and math.isfinite(c.cv), f"{key}.cv", "must be > 0", c.cv)
+    if c.num_requests is not None:
+        _require(c.num_requests >= 1, f"{key}.num_requests", "must be >= 1", c.num_requests)
+    elif arrival == "all_at_once" or workload.duration_s is None:
+        raise ValueError(f"{key}: set num_requests (or workload.duration_s, with an arrival process)")
+    for name in ("prompt_len", "output_len"):
+        if getattr(c, name) is not None:
+            getattr(c, name).check(f"{key}.{name}")
+    return c
 
 
 @dataclass
@@ -371,7 +438,42 @@ class ExperimentConfig:
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Each table: {title: str, arms: [name, ...], metrics: [key, ...]}; ratios are vs the first arm.
     tables: list[dict[str, Any]] = field(default_factory=list)
+    # Published numbers to check against the arms' summaries (schema: cbjax.reproduction).
     reproduction: list[dict[str, Any]] = field(default_factory=list)
+    # Where ours differs from the paper, the modelling difference that explains it (for
+    # docs/REPRODUCTIONS.md, written by experiments/reproduce.py).
+    notes: str = ""
+
+
+@dataclass
+class ServiceWeights:
+    """VTC's service cost per token (Sheng et al., OSDI'24 use input 1, output 2)."""
+
+    input: float = 1.0
+    output: float = 2.0
+
+
+@dataclass
+class MetricsConfig:
+    """What summary.json measures beyond the defaults (see cbjax.service)."""
+
+    # client_service in summary.json and client_service.csv weigh tokens with these.
+    service_weights: ServiceWeights = field(default_factory=ServiceWeights)
+    # [start, end] in seconds: restrict the summary to this window (rules in cbjax.service).
+    window_s: Optional[list[float]] = None
+    # Bin width of client_service.csv. None: a hundredth of the run (or window).
+    series_bin_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for key in ("input", "output"):
+            value = getattr(self.service_weights, key)
+            _require(value >= 0 and math.isfinite(value), f"metrics.service_weights.{key}", "must be >= 0", value)
+        if self.window_s is not None:
+            ok = len(self.window_s) == 2 and 0 <= self.window_s[0] < self.window_s[1] < math.inf
+            _require(ok, "metrics.window_s", "must be [start, end] with 0 <= start < end", self.window_s)
+            self.window_s = [float(x) for x in self.window_s]
+        if self.series_bin_s is not None:
+            _require(self.series_bin_s > 0, "metrics.series_bin_s", "must be > 0", self.series_bin_s)
 
 
 @dataclass
@@ -398,6 +500,7 @@ class RunConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     seed: int = 0
     progress: bool = True
     # "requests completed in N iterations", the seeds' throughput measure
