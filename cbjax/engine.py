@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from cbjax.executor import Executor
 from cbjax.request import Request
-from cbjax.scheduler.core import Scheduler
+from cbjax.scheduler.core import Schedule, Scheduler
 
 
 @dataclass
@@ -54,8 +54,12 @@ def serve(
     *,
     progress: bool = False,
     max_iterations: Optional[int] = None,
+    on_step: Optional[Callable[[Schedule, float, int], None]] = None,
 ) -> RunResult:
-    """Serve `requests` (any order) to completion; every request ends with a finish reason."""
+    """Serve `requests` (any order) to completion; every request ends with a finish reason.
+
+    `on_step(plan, end_s, num_batched_tokens)` runs after each iteration's postprocess.
+    """
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     stats = IterationStats()
     bar = _progress_bar(len(requests)) if progress else None
@@ -103,7 +107,8 @@ def serve(
         stats.iterations += 1
         stats.busy_s += out.duration_s
         stats.occupied_slot_iterations += n
-        stats.batched_tokens += plan.num_batched_tokens
+        batched = plan.num_batched_tokens
+        stats.batched_tokens += batched
         used = alloc.num_used_pages
         stats.pages_used_sum += used
         if used > stats.pages_used_peak:
@@ -119,6 +124,8 @@ def serve(
         stats.postprocess_s += time.perf_counter() - t_post
         for req in done:
             finish_iteration[req.request_id] = stats.iterations
+        if on_step is not None:
+            on_step(plan, now, batched)
         if bar is not None and len(scheduler.finished) != num_done_reported:
             bar.update(len(scheduler.finished) - num_done_reported)
             num_done_reported = len(scheduler.finished)

@@ -15,6 +15,7 @@ from cbjax.metrics import summarize
 from cbjax.plots import plot_comparison
 from cbjax.report import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
+from cbjax.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
 from cbjax.workload import build_workload
 from cbjax.workload.trace import encode_text_prompts
 
@@ -79,10 +80,12 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         eos_token_id=cfg.model.eos_token_id,
     )
     executor.warmup()
-    result = serve(requests, scheduler, executor, progress=cfg.progress)
+    log = ServiceLog()
+    result = serve(requests, scheduler, executor, progress=cfg.progress, on_step=log.on_step)
     summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
     if hasattr(executor, "metrics"):
         summary.update(executor.metrics())
+    summary.update(service_summary(result, log, cfg.metrics, cfg.slo))
     summary.update(
         {
             "scheduler": cfg.scheduler.name,
@@ -99,6 +102,8 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
     if out_dir is not None:
         extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
         write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
+        clients = client_ids(result.requests)
+        write_service_series(out_dir, service_series(log, clients, cfg.metrics, result.makespan_s))
     if verbose:
         print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
     return summary
