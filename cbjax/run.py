@@ -13,6 +13,7 @@ from cbjax.config import RunConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.plots import plot_comparison
+from cbjax.reproduction import check_entries, evaluate, format_rows, write_reproduction
 from cbjax.report import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
 from cbjax.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
@@ -82,6 +83,19 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
     executor.warmup()
     log = ServiceLog()
     result = serve(requests, scheduler, executor, progress=cfg.progress, on_step=log.on_step)
+    summary = build_summary(cfg, result, log, executor)
+    if out_dir is not None:
+        extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
+        write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
+        clients = client_ids(result.requests)
+        write_service_series(out_dir, service_series(log, clients, cfg.metrics, result.makespan_s))
+    if verbose:
+        print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
+    return summary
+
+
+def build_summary(cfg: RunConfig, result, log: ServiceLog, executor) -> dict[str, Any]:
+    """summary.json's fields for a finished run."""
     summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
     if hasattr(executor, "metrics"):
         summary.update(executor.metrics())
@@ -99,14 +113,20 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
             "seed": cfg.seed,
         }
     )
-    if out_dir is not None:
-        extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
-        write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
-        clients = client_ids(result.requests)
-        write_service_series(out_dir, service_series(log, clients, cfg.metrics, result.makespan_s))
-    if verbose:
-        print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
     return summary
+
+
+def summary_keys(cfg: RunConfig) -> set[str]:
+    """The keys summary.json has for `cfg` in the simulator: those of a run of no requests."""
+    from cbjax.sim import SimExecutor
+    from cbjax.sim.cost import UnitCost
+
+    cfg = resolve_model(cfg)
+    executor = SimExecutor(UnitCost())
+    scheduler = Scheduler(cfg.scheduler, cfg.cache, cfg.model.max_model_len, validate=executor.validate)
+    log = ServiceLog()
+    result = serve([], scheduler, executor, on_step=log.on_step)
+    return set(build_summary(cfg, result, log, executor))
 
 
 def _output_row(req, tokenizer) -> dict[str, Any]:
@@ -121,9 +141,12 @@ def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: b
     arms = cfg.experiment.arms
     if not arms:
         return run_single(cfg, out_dir, verbose=verbose)
+    arm_cfgs = {name: with_overrides(cfg, o, where=f"experiment.arms.{name}") for name, o in arms.items()}
+    entries = cfg.experiment.reproduction
+    if entries:
+        check_entries(entries, {name: summary_keys(arm_cfg) for name, arm_cfg in arm_cfgs.items()})
     summaries: dict[str, dict[str, Any]] = {}
-    for name, overrides in arms.items():
-        arm_cfg = with_overrides(cfg, overrides, where=f"experiment.arms.{name}")
+    for name, arm_cfg in arm_cfgs.items():
         if verbose:
             print(f"\n== arm {name} ==")
         summaries[name] = run_single(arm_cfg, out_dir / name if out_dir else None, verbose=False)
@@ -133,6 +156,9 @@ def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: b
         if missing:
             raise ValueError(f"experiment.tables[{i}]: unknown arms {missing}; arms are {list(summaries)}")
         tables.append(comparison_table(table["title"], list(table["arms"]), list(table["metrics"]), summaries))
+    rows = evaluate(entries, summaries)
+    if rows:
+        tables.append("### Reproduction: paper vs ours\n\n" + format_rows(rows))
     text = "\n\n".join(tables)
     if verbose:
         print("\n" + text)
@@ -141,6 +167,8 @@ def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: b
         (out_dir / "comparison.md").write_text(text + "\n")
         (out_dir / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n")
         plot_comparison(out_dir, summaries)
+        if rows:
+            write_reproduction(out_dir, rows)
     return summaries
 
 
