@@ -35,7 +35,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from cbjax.report import format_number, markdown_table
+from cbjax.report import format_number, markdown_table, summary_value
 
 KINDS = ("value", "exact", "ordering", "argmin_in")
 COMMON_KEYS = ("figure", "setting", "metric", "kind")
@@ -96,11 +96,7 @@ def check_entries(entries: list[dict[str, Any]], arm_metrics: dict[str, set[str]
 
 def lookup(summary: dict[str, Any], metric: str) -> Optional[float]:
     """summary[metric], following dots into nested mappings; None when absent."""
-    value: Any = summary
-    for part in metric.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
+    value = summary_value(summary, metric)
     return value if _is_number(value) else None
 
 
