@@ -123,7 +123,8 @@ def summary_keys(cfg: RunConfig) -> set[str]:
 
     cfg = resolve_model(cfg)
     executor = SimExecutor(UnitCost())
-    scheduler = Scheduler(cfg.scheduler, cfg.cache, cfg.model.max_model_len, validate=executor.validate)
+    cache = dataclasses.replace(cfg.cache, num_pages=16, num_swap_pages=None)  # no request needs a page
+    scheduler = Scheduler(cfg.scheduler, cache, cfg.model.max_model_len, validate=executor.validate)
     log = ServiceLog()
     result = serve([], scheduler, executor, on_step=log.on_step)
     return set(build_summary(cfg, result, log, executor))

@@ -3,6 +3,8 @@
 import csv
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import make_requests
 from cbjax.config import CacheConfig, MetricsConfig, SchedulerConfig, ServiceWeights, SLOConfig
@@ -85,3 +87,44 @@ def test_recompute_does_not_count_the_prompt_twice():
     span = result.makespan_s
     total = {k: v * span for k, v in client_service(log, ["a", "b"], MetricsConfig(), 0.0, span).items()}
     assert total == pytest.approx({"a": 2 + 2 * 3, "b": 2 + 2 * 3})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 6), st.sampled_from("xyz")),
+        min_size=1, max_size=12,
+    ),
+    num_pages=st.integers(6, 20),
+    preemption=st.sampled_from(["recompute", "swap"]),
+    chunked=st.booleans(),
+    policy=st.sampled_from(["fcfs", "vtc"]),
+)  # fmt: skip
+def test_service_totals_equal_each_clients_tokens(reqs, num_pages, preemption, chunked, policy):
+    """Whatever preempts or chunks, a client's service over the run is its requests' prompt
+    tokens plus twice their generated tokens; the series and a whole-run window agree."""
+    requests = make_requests([r[1] for r in reqs], [r[0] for r in reqs], [r[2] for r in reqs])
+    for req, r in zip(requests, reqs):
+        req.client_id = r[3]
+    sched = Scheduler(
+        SchedulerConfig(name=policy, max_num_seqs=3, max_num_batched_tokens=16, preemption=preemption,
+                        chunked_prefill=chunked),
+        CacheConfig(num_pages=num_pages, page_size=2), max_model_len=64,
+    )  # fmt: skip
+    log = ServiceLog()
+    result = serve(requests, sched, SimExecutor(UnitCost()), on_step=log.on_step)
+    expected = {c: 0.0 for c in "xyz"}
+    for req in requests:
+        if req.num_generated:
+            expected[req.client_id] += req.prompt_len + 2 * req.num_generated
+    span = result.makespan_s
+    metrics = MetricsConfig(series_bin_s=1.5)
+    got = client_service(log, list("xyz"), metrics, 0.0, span) if span else dict.fromkeys("xyz", 0.0)
+    assert {c: v * span for c, v in got.items()} == pytest.approx(expected)
+    series = service_series(log, list("xyz"), metrics, span)
+    for c in "xyz":
+        assert sum(r["service"] for r in series if r["client_id"] == c) == pytest.approx(expected[c])
+    if span:
+        window = service_summary(result, log, MetricsConfig(window_s=[0.0, span]), SLOConfig())
+        assert window["output_tokens"] == sum(r.num_generated for r in requests)
+        assert window["num_requests"] == len([r for r in requests if r.arrival_s < span])
