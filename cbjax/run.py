@@ -141,6 +141,8 @@ def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: b
     """Run a single configuration, or every arm of `cfg.experiment` and compare them."""
     arms = cfg.experiment.arms
     if not arms:
+        if cfg.experiment.reproduction:
+            raise ValueError("experiment.reproduction: compares arms, and experiment.arms is empty")
         return run_single(cfg, out_dir, verbose=verbose)
     arm_cfgs = {name: with_overrides(cfg, o, where=f"experiment.arms.{name}") for name, o in arms.items()}
     entries = cfg.experiment.reproduction

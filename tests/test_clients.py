@@ -96,3 +96,14 @@ def test_clients_survive_with_overrides():
     assert [(c.client_id, c.rate) for c in out.workload.clients] == [("a", 2.0), ("b", 1.0)]
     with pytest.raises(ValueError, match=r"workload.clients\[1\].rate must be > 0"):
         with_overrides(cfg, {"workload.clients": [{"client_id": "a"}, {"client_id": "b", "rate": -1}]})
+
+
+def test_bad_client_from_the_command_line_names_the_entry():
+    from test_cli import composed
+
+    with pytest.raises(ValueError, match=r"workload.clients\[1\].rate must be > 0"):
+        composed("workload.arrival=uniform", "workload.duration_s=5",
+                 "workload.clients=[{client_id: a, rate: 1.5}, {client_id: b, rate: 0}]")  # fmt: skip
+    with pytest.raises(ValueError, match=r"workload.clients\[1\].client_id: duplicate 'a'"):
+        composed("workload.arrival=uniform", "workload.duration_s=5",
+                 "workload.clients=[{client_id: a, rate: 1.5}, {client_id: a, rate: 2}]")  # fmt: skip

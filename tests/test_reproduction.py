@@ -139,3 +139,9 @@ def test_experiment_writes_reproduction_json(tmp_path):
     (row,) = json.loads((tmp_path / "reproduction.json").read_text())
     assert (row["ours"], row["verdict"]) == (1.0, "pass")
     assert "Reproduction: paper vs ours" in (tmp_path / "comparison.md").read_text()
+
+
+def test_reproduction_without_arms_fails(tmp_path):
+    cfg = RunConfig(experiment=ExperimentConfig(reproduction=[{"metric": "x", "arm": "a", "paper": 1.0}]))
+    with pytest.raises(ValueError, match="experiment.reproduction: compares arms"):
+        run_experiment(cfg, tmp_path, verbose=False)
