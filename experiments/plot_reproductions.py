@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict[str, list[dict[str, Any]]]) -> Path:
+def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict[str, dict[str, list]]) -> Path:
     """Write `path` (PNG) for the rows of one figure (records from experiments/reproduce.py)."""
     import matplotlib
 
@@ -25,8 +25,8 @@ def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict
     for row in ranked:
         _arms(axes.pop(0), row)
     if show_series:
-        for arm, points in series.items():
-            _series(axes.pop(0), arm, points)
+        for arm, clients in series.items():
+            _series(axes.pop(0), arm, clients)
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,12 +66,10 @@ def _arms(ax, row: dict[str, Any]) -> None:
     ax.tick_params(axis="x", labelrotation=30, labelsize=7)
 
 
-def _series(ax, arm: str, points: list[dict[str, Any]]) -> None:
+def _series(ax, arm: str, clients: dict[str, list[list[float]]]) -> None:
     """Per-client service rate over time for one arm (client_service.csv)."""
-    clients = list(dict.fromkeys(p["client_id"] for p in points))
-    for client in clients:
-        pts = [p for p in points if p["client_id"] == client]
-        ax.plot([p["t"] for p in pts], [p["rate"] for p in pts], label=client)
+    for client, points in clients.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=client)
     ax.set_title(f"{arm}: service over time", fontsize=9)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("weighted tokens / s")

@@ -115,20 +115,26 @@ def run_one(name: str, out_root: Path, overrides: list[str], progress: bool) -> 
     }
 
 
-def _client_series(out_dir: Path, cfg) -> dict[str, list[dict[str, Any]]]:
-    """Per arm, client_service.csv's rows when the workload has several clients."""
-    if len(cfg.workload.clients) < 2:
+def _client_series(out_dir: Path, cfg) -> dict[str, dict[str, list[list[float]]]]:
+    """Per arm and client, [bin end, service per second] from client_service.csv, when a row
+    compares client service."""
+    if not any(str(e.get("metric", "")).startswith("client_service.") for e in cfg.experiment.reproduction):
         return {}
     import csv
 
-    series = {}
+    series: dict[str, dict[str, list[list[float]]]] = {}
     for arm in cfg.experiment.arms:
         with open(out_dir / arm / "client_service.csv") as f:
-            series[arm] = [
-                {"t": float(r["t_end_s"]), "client_id": r["client_id"], "rate": float(r["service_per_s"])}
-                for r in csv.DictReader(f)
-            ]
+            for r in csv.DictReader(f):
+                point = [float(r["t_end_s"]), round(float(r["service_per_s"]), 3)]
+                series.setdefault(arm, {}).setdefault(r["client_id"], []).append(point)
     return series
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    """Indented JSON with each [t, rate] point of a series on one line."""
+    text = json.dumps(record, indent=2)
+    return re.sub(r"\[\s+([-\d.e+]+),\s+([-\d.e+]+)\s+\]", r"[\1, \2]", text) + "\n"
 
 
 def slug(text: str) -> str:
@@ -192,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[{i}/{len(names)}] {name} ...", flush=True)
         t0 = time.perf_counter()
         record = run_one(name, args.out, args.overrides, progress=not args.no_progress and sys.stderr.isatty())
-        (store / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+        (store / f"{name}.json").write_text(_dumps(record))
         passed = sum(r["verdict"] == "pass" for r in record["rows"])
         print(f"[{i}/{len(names)}] {name}: {passed}/{len(record['rows'])} pass in {time.perf_counter() - t0:.1f} s",
               flush=True)  # fmt: skip
