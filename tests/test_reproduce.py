@@ -1,4 +1,4 @@
-"""Cut-down runs of the reproduction experiments, and experiments/reproduce.py end to end."""
+"""experiments/reproduce.py end to end, and cut-down ltr_toy, vtc_overload and static_vs_continuous."""
 
 import json
 import sys
