@@ -6,19 +6,21 @@ so a misspelled key or a wrong type fails at startup with the key's name.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 POLICIES = ("static", "fcfs", "priority", "sjf", "mlfq", "vtc")
 PREDICTORS = ("oracle", "mean", "learned")
-ALLOCATIONS = ("paged", "reserve_max")
+ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
 ATTENTION_IMPLS = ("auto", "pallas", "ragged", "reference", "triton")
 COST_MODELS = ("unit", "roofline")
-ARRIVALS = ("all_at_once", "poisson", "gamma")
+ARRIVALS = ("all_at_once", "poisson", "gamma", "uniform")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
+TRUNCATIONS = ("clip", "resample")
 WORKLOADS = ("synthetic", "trace")
 DTYPES = ("float32", "bfloat16")
 MLP_KINDS = ("gated", "plain")
@@ -44,6 +46,12 @@ class SchedulerConfig:
     preemption: str = "recompute"
     # Split prompts into chunks under max_num_batched_tokens, mixed with decodes (Sarathi-Serve).
     chunked_prefill: bool = False
+    # Mix prefills and decodes in one iteration (Orca, Sarathi-Serve). False: an iteration with
+    # prefill work runs only prefills, and decodes wait (vLLM's original scheduler).
+    hybrid_batching: bool = True
+    # static only: charge compute as a padded `generate` batch does: prompts padded to the
+    # batch's longest, finished rows computed until the whole batch ends (Schedule.cost_rows).
+    static_padding: bool = False
     # Policy knobs; each policy reads only its own (see cbjax/scheduler/policies/).
     priority_preempt: bool = False  # priority: a waiting request may evict a lower-priority one
     predictor: str = "oracle"  # sjf: oracle | mean | learned
@@ -65,6 +73,13 @@ class SchedulerConfig:
                 "is required for predictor=learned",
                 self.predictor_path,
             )
+        if self.static_padding:
+            _require(self.name == "static", "scheduler.static_padding", "needs scheduler=static", self.name)
+            if self.chunked_prefill:
+                raise ValueError(
+                    "scheduler.static_padding=true cannot combine with scheduler.chunked_prefill=true: "
+                    "a padded batch prefills every prompt whole"
+                )
         _require(self.mlfq_num_queues >= 1, "scheduler.mlfq_num_queues", "must be >= 1", self.mlfq_num_queues)
         _require(self.mlfq_base_quantum >= 1, "scheduler.mlfq_base_quantum", "must be >= 1", self.mlfq_base_quantum)
         for key in ("vtc_input_weight", "vtc_output_weight"):
@@ -82,8 +97,17 @@ class SchedulerConfig:
 @dataclass
 class CacheConfig:
     page_size: int = 16
-    num_pages: int = 4096
+    # An int, or "auto": sized as vLLM does from hardware.mem_bytes x memory_utilization minus
+    # the weights (resolved by `cbjax.run.resolve`, reported in summary.json's num_pages).
+    num_pages: Any = 4096
+    memory_utilization: float = 0.9
+    # paged: pages on demand. reserve_max | reserve_pow2 | reserve_oracle: Orca-style contiguous
+    # runs reserved at admission for the maximum length, prompt + next power of two of the
+    # output, or prompt + output (see cbjax.cache.reservation).
     allocation: str = "paged"
+    # reserve_*: where a run goes. first_fit: the lowest free run that holds it. buddy: rounded
+    # up to a power of two of pages at an aligned place, as a buddy allocator does.
+    reservation_fit: str = "first_fit"
     # Share full pages with an identical token prefix between requests, and keep released ones
     # cached (evicted LRU once the free list is empty) for later requests.
     prefix_caching: bool = False
@@ -92,14 +116,31 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _one_of("cache.allocation", self.allocation, ALLOCATIONS)
+        _one_of("cache.reservation_fit", self.reservation_fit, ("first_fit", "buddy"))
         _require(self.page_size >= 1, "cache.page_size", "must be >= 1", self.page_size)
-        _require(self.num_pages >= 2, "cache.num_pages", "must be >= 2 (page 0 is the null page)", self.num_pages)
+        if self.num_pages != "auto":
+            _require(
+                isinstance(self.num_pages, int) and not isinstance(self.num_pages, bool) and self.num_pages >= 2,
+                "cache.num_pages",
+                "must be an int >= 2 (page 0 is the null page) or auto",
+                self.num_pages,
+            )
+        _require(
+            0 < self.memory_utilization <= 1, "cache.memory_utilization", "must be in (0, 1]", self.memory_utilization
+        )
+        if self.allocation != "paged" and self.prefix_caching:
+            raise ValueError(
+                f"cache.allocation={self.allocation} cannot combine with cache.prefix_caching=true: a "
+                "reservation is one contiguous run, a shared prefix page lies elsewhere"
+            )
         if self.num_swap_pages is not None:
             _require(self.num_swap_pages >= 0, "cache.num_swap_pages", "must be >= 0", self.num_swap_pages)
 
     @property
     def swap_capacity(self) -> int:
         """Host pages available to swap preemption."""
+        if self.num_pages == "auto" and self.num_swap_pages is None:
+            raise ValueError("cache.num_pages=auto must be resolved (cbjax.run.resolve) before use")
         return self.num_pages if self.num_swap_pages is None else self.num_swap_pages
 
 
@@ -135,7 +176,9 @@ class ExecutorConfig:
 
 @dataclass
 class LengthConfig:
-    """A length distribution. Draws are rounded, then clipped to [min, max]."""
+    """A length distribution. Draws are rounded, then brought into [min, max]: clipped to the
+    bound (`truncation=clip`) or redrawn until inside (`truncation=resample`, a truncated
+    distribution; its mean then differs from `mean`, the untruncated one's)."""
 
     dist: str = "fixed"
     value: int = 128  # fixed
@@ -145,9 +188,11 @@ class LengthConfig:
     sigma: float = 1.0  # lognormal: std of the underlying normal
     min: int = 1
     max: int = 4096
+    truncation: str = "clip"
 
     def check(self, key: str) -> None:
         _one_of(f"{key}.dist", self.dist, LENGTH_DISTS)
+        _one_of(f"{key}.truncation", self.truncation, TRUNCATIONS)
         _require(self.min >= 1, f"{key}.min", "must be >= 1", self.min)
         _require(self.max >= self.min, f"{key}.max", f"must be >= {key}.min ({self.min})", self.max)
         if self.dist == "fixed":
@@ -161,11 +206,28 @@ class LengthConfig:
 
 
 @dataclass
+class ClientConfig:
+    """One client of a multi-client synthetic workload; unset fields take the workload's.
+
+    Checked by WorkloadConfig, which knows the entry's index for its error messages.
+    """
+
+    client_id: str = ""
+    rate: float = 1.0  # requests per second
+    arrival: Optional[str] = None
+    cv: Optional[float] = None
+    prompt_len: Optional[LengthConfig] = None
+    output_len: Optional[LengthConfig] = None
+    # How many requests it sends. None: those that arrive before workload.duration_s.
+    num_requests: Optional[int] = None
+
+
+@dataclass
 class WorkloadConfig:
     name: str = "synthetic"
     num_requests: int = 256
     arrival: str = "all_at_once"
-    rate: float = 4.0  # requests per second, poisson and gamma
+    rate: float = 4.0  # requests per second, poisson, gamma and uniform (evenly spaced)
     cv: float = 1.0  # gamma: coefficient of variation of inter-arrival times
     prompt_len: LengthConfig = field(default_factory=lambda: LengthConfig(dist="uniform", low=16, high=512))
     output_len: LengthConfig = field(
@@ -174,6 +236,11 @@ class WorkloadConfig:
     # The client's sampling cap. None: each request's own output length.
     max_tokens: Optional[int] = None
     vocab_size: int = 32000  # range of synthetic prompt token ids
+    # Multi-client synthetic workload: each client's requests carry its client_id (read by
+    # scheduler=vtc and metrics' client_service); num_requests and the top-level lengths and
+    # arrival process are then per-client defaults. duration_s: how long clients send.
+    clients: list[ClientConfig] = field(default_factory=list)
+    duration_s: Optional[float] = None
     # trace replay
     path: Optional[str] = None
     format: str = "auto"  # auto | azure | csv | jsonl
@@ -197,6 +264,50 @@ class WorkloadConfig:
             _require(bool(self.path), "workload.path", "is required for workload=trace", self.path)
         self.prompt_len.check("workload.prompt_len")
         self.output_len.check("workload.output_len")
+        if self.duration_s is not None:
+            _require(self.duration_s > 0, "workload.duration_s", "must be > 0", self.duration_s)
+            _require(bool(self.clients), "workload.duration_s", "applies only with workload.clients", self.duration_s)
+        if self.clients:
+            _require(self.name == "synthetic", "workload.clients", "needs workload=synthetic", self.name)
+            self.clients = [_check_client(self, i, c) for i, c in enumerate(self.clients)]
+            seen: dict[str, int] = {}
+            for i, c in enumerate(self.clients):
+                if c.client_id in seen:
+                    raise ValueError(
+                        f"workload.clients[{i}].client_id: duplicate {c.client_id!r} "
+                        f"(also workload.clients[{seen[c.client_id]}])"
+                    )
+                seen[c.client_id] = i
+
+
+def _check_client(workload: WorkloadConfig, i: int, entry: Any) -> ClientConfig:
+    """Entry i of workload.clients as a checked ClientConfig (a plain dict after with_overrides)."""
+    key = f"workload.clients[{i}]"
+    if isinstance(entry, dict):
+        entry = dict(entry)
+        unknown = sorted(set(entry) - {f.name for f in dataclasses.fields(ClientConfig)})
+        if unknown:
+            raise ValueError(f"{key}: unknown keys {unknown}")
+        for name in ("prompt_len", "output_len"):
+            if isinstance(entry.get(name), dict):
+                entry[name] = LengthConfig(**entry[name])
+        entry = ClientConfig(**entry)
+    c = entry
+    c.client_id = str(c.client_id)
+    _require(bool(c.client_id), f"{key}.client_id", "must be a non-empty string", c.client_id)
+    _require(c.rate > 0 and math.isfinite(c.rate), f"{key}.rate", "must be > 0", c.rate)
+    arrival = c.arrival or workload.arrival
+    _one_of(f"{key}.arrival", arrival, ARRIVALS)
+    if c.cv is not None:
+        _require(c.cv > 0 and math.isfinite(c.cv), f"{key}.cv", "must be > 0", c.cv)
+    if c.num_requests is not None:
+        _require(c.num_requests >= 1, f"{key}.num_requests", "must be >= 1", c.num_requests)
+    elif arrival == "all_at_once" or workload.duration_s is None:
+        raise ValueError(f"{key}: set num_requests (or workload.duration_s, with an arrival process)")
+    for name in ("prompt_len", "output_len"):
+        if getattr(c, name) is not None:
+            getattr(c, name).check(f"{key}.{name}")
+    return c
 
 
 @dataclass
@@ -274,18 +385,35 @@ class HardwareConfig:
     flops_efficiency: float = 0.6  # achievable fraction of peak_flops
     bw_efficiency: float = 0.8  # achievable fraction of mem_bw
     overhead_s: float = 0.002  # fixed per-iteration cost: launch, scheduling, sampling
+    # host cost per scheduled sequence per iteration (per-sequence sampling and bookkeeping)
+    overhead_s_per_seq: float = 0.0
+    # paged attention's fixed cost per KV page a sequence reads in an iteration, all layers
+    # together (a page's loop step, table lookup and partial-result merge): small pages pay it often
+    page_overhead_s: float = 0.0
     # Host<->device bytes/s for swap preemption. PCIe 4.0 x16 carries 31.5 GB/s each way
     # (16 GT/s x 16 lanes, 128b/130b encoding; PCI-SIG PCIe 4.0 spec); pinned copies reach ~25.
     host_bw: float = 25e9
+    # Fixed cost of one host<->device copy call. Swapping copies each page's K and V per layer
+    # separately (vLLM's per-block cudaMemcpyAsync), so small pages pay it often.
+    host_copy_latency_s: float = 0.0
+    # Tensor parallelism over num_devices identical devices (the figures above are per device):
+    # weights, KV and FLOPs split evenly; two ring all-reduces of the activations per layer
+    # over interconnect_bw (bytes/s each way per device, e.g. NVLink).
+    num_devices: int = 1
+    interconnect_bw: float = 300e9
 
     def __post_init__(self) -> None:
-        for key in ("peak_flops", "mem_bw", "mem_bytes", "host_bw"):
+        _require(self.num_devices >= 1, "hardware.num_devices", "must be >= 1", self.num_devices)
+        _require(self.host_copy_latency_s >= 0, "hardware.host_copy_latency_s", "must be >= 0", self.host_copy_latency_s)
+        for key in ("peak_flops", "mem_bw", "mem_bytes", "host_bw", "interconnect_bw"):
             value = getattr(self, key)
             _require(value > 0, f"hardware.{key}", "must be > 0", value)
         for key in ("flops_efficiency", "bw_efficiency"):
             value = getattr(self, key)
             _require(0 < value <= 1, f"hardware.{key}", "must be in (0, 1]", value)
         _require(self.overhead_s >= 0, "hardware.overhead_s", "must be >= 0", self.overhead_s)
+        _require(self.page_overhead_s >= 0, "hardware.page_overhead_s", "must be >= 0", self.page_overhead_s)
+        _require(self.overhead_s_per_seq >= 0, "hardware.overhead_s_per_seq", "must be >= 0", self.overhead_s_per_seq)
 
 
 @dataclass
@@ -296,6 +424,42 @@ class ExperimentConfig:
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Each table: {title: str, arms: [name, ...], metrics: [key, ...]}; ratios are vs the first arm.
     tables: list[dict[str, Any]] = field(default_factory=list)
+    # Published numbers to check against the arms' summaries (schema: cbjax.reproduction).
+    reproduction: list[dict[str, Any]] = field(default_factory=list)
+    # Where ours differs from the paper, the modelling difference that explains it (for
+    # docs/REPRODUCTIONS.md, written by experiments/reproduce.py).
+    notes: str = ""
+
+
+@dataclass
+class ServiceWeights:
+    """VTC's service cost per token (Sheng et al., OSDI'24 use input 1, output 2)."""
+
+    input: float = 1.0
+    output: float = 2.0
+
+
+@dataclass
+class MetricsConfig:
+    """What summary.json measures beyond the defaults (see cbjax.service)."""
+
+    # client_service in summary.json and client_service.csv weigh tokens with these.
+    service_weights: ServiceWeights = field(default_factory=ServiceWeights)
+    # [start, end] in seconds: restrict the summary to this window (rules in cbjax.service).
+    window_s: Optional[list[float]] = None
+    # Bin width of client_service.csv. None: a hundredth of the run (or window).
+    series_bin_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for key in ("input", "output"):
+            value = getattr(self.service_weights, key)
+            _require(value >= 0 and math.isfinite(value), f"metrics.service_weights.{key}", "must be >= 0", value)
+        if self.window_s is not None:
+            ok = len(self.window_s) == 2 and 0 <= self.window_s[0] < self.window_s[1] < math.inf
+            _require(ok, "metrics.window_s", "must be [start, end] with 0 <= start < end", self.window_s)
+            self.window_s = [float(x) for x in self.window_s]
+        if self.series_bin_s is not None:
+            _require(self.series_bin_s > 0, "metrics.series_bin_s", "must be > 0", self.series_bin_s)
 
 
 @dataclass
@@ -322,6 +486,7 @@ class RunConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     seed: int = 0
     progress: bool = True
     # "requests completed in N iterations", the seeds' throughput measure

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from cbjax.executor import Executor
 from cbjax.request import Request
-from cbjax.scheduler.core import Scheduler
+from cbjax.scheduler.core import Schedule, Scheduler
 
 
 @dataclass
@@ -23,6 +23,9 @@ class IterationStats:
     pages_used_sum: int = 0
     pages_used_peak: int = 0
     kv_util_sum: float = 0.0
+    # per-iteration shares of the KV pool (Scheduler.kv_breakdown), summed: token states,
+    # reserved, internal fragmentation, external fragmentation, free
+    kv_share_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
     batch_peak: int = 0
     # host wall time of the scheduler's two calls, summed over iterations
     schedule_s: float = 0.0
@@ -41,6 +44,7 @@ class RunResult:
     wall_s: float
     warmup_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    tbt_s: list[float] = field(default_factory=list)  # gaps between consecutive tokens of a request
 
 
 def serve(
@@ -50,12 +54,17 @@ def serve(
     *,
     progress: bool = False,
     max_iterations: Optional[int] = None,
+    on_step: Optional[Callable[[Schedule, float, int], None]] = None,
 ) -> RunResult:
-    """Serve `requests` (any order) to completion; every request ends with a finish reason."""
+    """Serve `requests` (any order) to completion; every request ends with a finish reason.
+
+    `on_step(plan, end_s, num_batched_tokens)` runs after each iteration's postprocess.
+    """
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     stats = IterationStats()
     bar = _progress_bar(len(requests)) if progress else None
     alloc = scheduler.allocator
+    pool_slots = alloc.num_usable_pages * alloc.page_size
     finish_iteration = stats.finish_iteration
     virtual = executor.virtual_clock
     wall0 = time.perf_counter()
@@ -98,12 +107,16 @@ def serve(
         stats.iterations += 1
         stats.busy_s += out.duration_s
         stats.occupied_slot_iterations += n
-        stats.batched_tokens += plan.num_batched_tokens
+        batched = plan.num_batched_tokens
+        stats.batched_tokens += batched
         used = alloc.num_used_pages
         stats.pages_used_sum += used
         if used > stats.pages_used_peak:
             stats.pages_used_peak = used
         stats.kv_util_sum += alloc.token_utilization()
+        sums = stats.kv_share_sums
+        for i, slots in enumerate(scheduler.kv_breakdown()):
+            sums[i] += slots / pool_slots
         if n > stats.batch_peak:
             stats.batch_peak = n
         t_post = time.perf_counter()
@@ -111,6 +124,8 @@ def serve(
         stats.postprocess_s += time.perf_counter() - t_post
         for req in done:
             finish_iteration[req.request_id] = stats.iterations
+        if on_step is not None:
+            on_step(plan, now, batched)
         if bar is not None and len(scheduler.finished) != num_done_reported:
             bar.update(len(scheduler.finished) - num_done_reported)
             num_done_reported = len(scheduler.finished)
@@ -129,6 +144,7 @@ def serve(
         preemptions=scheduler.num_preemptions,
         wall_s=time.perf_counter() - wall0,
         extra=scheduler.cache_stats(),
+        tbt_s=scheduler.tbt_s,
     )
 
 

@@ -11,6 +11,13 @@ from cbjax.engine import RunResult
 from cbjax.request import FinishReason, Request
 
 PERCENTILES = (50, 90, 99)
+KV_SHARES = (
+    "kv_share_token_states",
+    "kv_share_reserved",
+    "kv_share_internal_frag",
+    "kv_share_external_frag",
+    "kv_share_free",
+)
 SERVED = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)
 
 
@@ -95,6 +102,9 @@ def summarize(
     lat = [request_latencies(r) for r in served]
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
         _percentiles(key, [x[key] for x in lat if x[key] is not None], summary)
+    # time between tokens: every gap between consecutive tokens of a request (a decode stalled
+    # by a prefill or a preemption shows here; tpot averages it away)
+    _percentiles("tbt_s", result.tbt_s, summary)
     good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in reqs)
     summary.update(
         {
@@ -115,5 +125,24 @@ def summarize(
             "scheduler_host_s": stats.schedule_s + stats.postprocess_s,
         }
     )
+    summary.update(kv_shares(result))
+    summary["normalized_latency_s_per_token"] = normalized_latency(served)
     summary.update(result.extra)
     return summary
+
+
+def kv_shares(result: RunResult) -> dict[str, float]:
+    """Shares of the whole KV pool (usable pages x page_size slots), each averaged over
+    iterations, as `PageAllocator.slot_breakdown` defines them; they sum to 1. A run of no
+    iterations had its whole pool free."""
+    iters = result.stats.iterations
+    if not iters:
+        return {key: float(key == "kv_share_free") for key in KV_SHARES}
+    return {key: total / iters for key, total in zip(KV_SHARES, result.stats.kv_share_sums)}
+
+
+def normalized_latency(served: list[Request]) -> Optional[float]:
+    """Mean over served requests of end-to-end latency / output length (Orca's and vLLM's
+    normalized latency, s/token); None when nothing was served."""
+    values = [request_latencies(r)["e2e_s"] / r.num_generated for r in served if r.num_generated]
+    return float(np.mean(values)) if values else None

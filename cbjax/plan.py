@@ -35,6 +35,19 @@ class Schedule:
     swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
     page_size: int = 1
+    # The rows the step computes, as (num_new_tokens, num_context_tokens, is_decode), when
+    # they differ from `requests` as planned: a padded static batch computes every row of its
+    # batch at the batch's padded length, finished rows included. None: exactly `requests`.
+    padded_rows: Optional[list[tuple[int, int, bool]]] = None
+
+    def cost_rows(self) -> list[tuple[int, int, bool]]:
+        """(num_new_tokens, num_context_tokens, is_decode) per row the step computes, for cost
+        models: each request's tokens after its `num_computed` cached ones, or `padded_rows`."""
+        if self.padded_rows is not None:
+            return self.padded_rows
+        rows = [(1, r.num_computed, True) for r in self.decodes]
+        rows.extend((r.num_new_tokens, r.num_computed, False) for r in self.prefills)
+        return rows
 
     @property
     def num_swapped_pages(self) -> int:

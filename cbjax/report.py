@@ -57,13 +57,25 @@ def comparison_table(title: str, arms: list[str], metrics: list[str], summaries:
     header = ["metric", *arms, *(f"{a} / {base}" for a in arms[1:])]
     rows = []
     for m in metrics:
-        vals = [summaries[a].get(m) for a in arms]
+        vals = [summary_value(summaries[a], m) for a in arms]
         cells = [m, *(format_number(v) for v in vals)]
         for v in vals[1:]:
             b = vals[0]
             cells.append(f"{v / b:.2f}x" if isinstance(v, (int, float)) and isinstance(b, (int, float)) and b else "-")
         rows.append(cells)
     return f"### {title}\n\n" + markdown_table(header, rows)
+
+
+def summary_value(summary: dict[str, Any], key: str) -> Any:
+    """summary[key]; a dotted key reads nested mappings (client_service.<client_id>)."""
+    if key in summary:
+        return summary[key]
+    value: Any = summary
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def format_number(v: Any) -> str:

@@ -84,6 +84,7 @@ class Request:
     reject_reason: Optional[str] = None
     scheduled_s: Optional[float] = None  # start of its first iteration
     first_token_s: Optional[float] = None
+    last_token_s: Optional[float] = None  # when its latest token came (time-between-tokens)
     finish_s: Optional[float] = None
     num_preemptions: int = 0
     admit_seq: int = 0  # admission order, for victim choice

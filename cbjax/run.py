@@ -13,8 +13,10 @@ from cbjax.config import RunConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.plots import plot_comparison
+from cbjax.reproduction import check_entries, evaluate, format_rows, write_reproduction
 from cbjax.report import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
+from cbjax.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
 from cbjax.workload import build_workload
 from cbjax.workload.trace import encode_text_prompts
 
@@ -29,8 +31,21 @@ def resolve_model(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=load_config(cfg.model))
 
 
-def build_executor(cfg: RunConfig):
+def resolve(cfg: RunConfig) -> RunConfig:
+    """`cfg` with what depends on the model and hardware resolved: the checkpoint's fields
+    (`resolve_model`) and `cache.num_pages=auto` sized from memory (`auto_num_pages`)."""
     cfg = resolve_model(cfg)
+    if cfg.cache.num_pages != "auto":
+        return cfg
+    from cbjax.cache.sizing import auto_num_pages
+
+    cache = cfg.cache
+    num_pages = auto_num_pages(cfg.model, cfg.hardware, cache.page_size, cache.memory_utilization)
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cache, num_pages=num_pages))
+
+
+def build_executor(cfg: RunConfig):
+    cfg = resolve(cfg)
     if cfg.executor.name == "sim":
         from cbjax.sim import SimExecutor, make_cost_model
 
@@ -51,7 +66,7 @@ def build_executor(cfg: RunConfig):
 
 def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
     """Serve the configured workload once; write summary.json, requests.jsonl, config.yaml."""
-    cfg = resolve_model(cfg)
+    cfg = resolve(cfg)
     requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
     if cfg.model.path:
@@ -68,27 +83,53 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         eos_token_id=cfg.model.eos_token_id,
     )
     executor.warmup()
-    result = serve(requests, scheduler, executor, progress=cfg.progress)
+    log = ServiceLog()
+    result = serve(requests, scheduler, executor, progress=cfg.progress, on_step=log.on_step)
+    summary = build_summary(cfg, result, log, executor)
+    if out_dir is not None:
+        extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
+        write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
+        clients = client_ids(result.requests)
+        write_service_series(out_dir, service_series(log, clients, cfg.metrics, result.makespan_s))
+    if verbose:
+        print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
+    return summary
+
+
+def build_summary(cfg: RunConfig, result, log: ServiceLog, executor) -> dict[str, Any]:
+    """summary.json's fields for a finished run."""
     summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
     if hasattr(executor, "metrics"):
         summary.update(executor.metrics())
+    summary.update(service_summary(result, log, cfg.metrics, cfg.slo))
     summary.update(
         {
             "scheduler": cfg.scheduler.name,
             "executor": cfg.executor.name,
             "cost_model": cfg.executor.cost_model if cfg.executor.name == "sim" else None,
             "allocation": cfg.cache.allocation,
+            "num_pages": cfg.cache.num_pages,
+            "page_size": cfg.cache.page_size,
             "model": cfg.model.name,
             "hardware": cfg.hardware.name,
             "seed": cfg.seed,
         }
     )
-    if out_dir is not None:
-        extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
-        write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
-    if verbose:
-        print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
     return summary
+
+
+def summary_keys(cfg: RunConfig) -> set[str]:
+    """The keys summary.json has for `cfg` in the simulator: those of a run of no requests."""
+    from cbjax.sim import SimExecutor
+    from cbjax.sim.cost import UnitCost
+
+    cfg = resolve_model(cfg)
+    executor = SimExecutor(UnitCost())
+    cache = dataclasses.replace(cfg.cache, num_pages=16, num_swap_pages=None)  # no request needs a page
+    scheduler = Scheduler(cfg.scheduler, cache, cfg.model.max_model_len, validate=executor.validate)
+    log = ServiceLog()
+    result = serve([], scheduler, executor, on_step=log.on_step)
+    return set(build_summary(cfg, result, log, executor))
 
 
 def _output_row(req, tokenizer) -> dict[str, Any]:
@@ -102,10 +143,15 @@ def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: b
     """Run a single configuration, or every arm of `cfg.experiment` and compare them."""
     arms = cfg.experiment.arms
     if not arms:
+        if cfg.experiment.reproduction:
+            raise ValueError("experiment.reproduction: compares arms, and experiment.arms is empty")
         return run_single(cfg, out_dir, verbose=verbose)
+    arm_cfgs = {name: with_overrides(cfg, o, where=f"experiment.arms.{name}") for name, o in arms.items()}
+    entries = cfg.experiment.reproduction
+    if entries:
+        check_entries(entries, {name: summary_keys(arm_cfg) for name, arm_cfg in arm_cfgs.items()})
     summaries: dict[str, dict[str, Any]] = {}
-    for name, overrides in arms.items():
-        arm_cfg = with_overrides(cfg, overrides, where=f"experiment.arms.{name}")
+    for name, arm_cfg in arm_cfgs.items():
         if verbose:
             print(f"\n== arm {name} ==")
         summaries[name] = run_single(arm_cfg, out_dir / name if out_dir else None, verbose=False)
@@ -115,6 +161,9 @@ def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: b
         if missing:
             raise ValueError(f"experiment.tables[{i}]: unknown arms {missing}; arms are {list(summaries)}")
         tables.append(comparison_table(table["title"], list(table["arms"]), list(table["metrics"]), summaries))
+    rows = evaluate(entries, summaries)
+    if rows:
+        tables.append("### Reproduction: paper vs ours\n\n" + format_rows(rows))
     text = "\n\n".join(tables)
     if verbose:
         print("\n" + text)
@@ -123,6 +172,8 @@ def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: b
         (out_dir / "comparison.md").write_text(text + "\n")
         (out_dir / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n")
         plot_comparison(out_dir, summaries)
+        if rows:
+            write_reproduction(out_dir, rows)
     return summaries
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import CheckingExecutor, assert_every_request_ends_once, make_requests
 from cbjax.config import POLICIES as CONFIG_POLICIES
-from cbjax.config import CacheConfig, SchedulerConfig
+from cbjax.config import ALLOCATIONS, CacheConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.request import Status
 from cbjax.scheduler import POLICIES, Scheduler
@@ -95,7 +95,7 @@ workloads = st.lists(
 )
 # Slots, token budget and KV pages small enough to bind: preemptions and chunked recomputes.
 binding_limits = dict(
-    allocation=st.sampled_from(["paged", "reserve_max"]),
+    allocation=st.sampled_from(ALLOCATIONS),
     num_slots=st.integers(1, 6),
     budget=st.integers(6, 120),
     num_pages=st.integers(6, 40),

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CheckingExecutor, ContentCheckingExecutor, assert_every_request_ends_once, make_requests
-from cbjax.config import CacheConfig, SchedulerConfig
+from cbjax.config import ALLOCATIONS, CacheConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.request import FinishReason, Request, SamplingParams
@@ -99,7 +99,7 @@ def shared_prefix_ids(i, prompt_len, shared, group):
 @given(
     reqs=workloads,
     policy=st.sampled_from(sorted(POLICIES)),
-    allocation=st.sampled_from(["paged", "reserve_max"]),
+    allocation=st.sampled_from(ALLOCATIONS),
     num_slots=st.integers(1, 6),
     budget=st.integers(6, 120),
     num_pages=st.integers(6, 30),
@@ -117,6 +117,7 @@ def test_invariants_under_binding_limits(
     # Every policy (with its preemption on where it has one), both preemption modes, prefix
     # caching, and a cache model that checks each request reads back exactly its own tokens.
     budget = max(budget, num_slots)
+    prefix_caching = prefix_caching and allocation == "paged"  # reservations share no pages
     sched = Scheduler(
         SchedulerConfig(
             name=policy, max_num_seqs=num_slots, max_num_batched_tokens=budget, chunked_prefill=chunked,

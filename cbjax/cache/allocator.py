@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Mapping, Sequence
 
 # The parent hash of a sequence's first page. A fixed int: hash(None) varies between runs
 # before Python 3.12, and runs must be reproducible.
@@ -26,9 +26,9 @@ def chain_hashes(parent: int, token_ids: Sequence[int], page_size: int) -> list[
 class PageAllocator:
     """Hands out fixed-size pages; page 0 is the null page that padded slots point at.
 
-    `paged` grows a request's page table on demand as tokens are appended. `reserve_max`
-    reserves pages for the request's maximum length at admission: the contiguous,
-    Orca(Max)-style baseline of the vLLM paper.
+    `paged`: a request's page table grows on demand as tokens are appended. The Orca-style
+    reservations (`reserve_*`) are `cbjax.cache.reservation.ReservationAllocator`; build
+    either with `make_allocator`.
 
     Every page is in exactly one state: free (on the free list), cached (holds a registered
     full page of tokens, referenced by nobody, evictable in LRU order), or owned (its refcount
@@ -47,11 +47,11 @@ class PageAllocator:
             raise ValueError(f"cache.num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         if page_size < 1:
             raise ValueError(f"cache.page_size must be >= 1, got {page_size}")
-        if allocation not in ("paged", "reserve_max"):
-            raise ValueError(f"cache.allocation: unknown value {allocation!r}; choose paged or reserve_max")
+        if allocation != "paged":
+            raise ValueError(f"cache.allocation: PageAllocator is paged, got {allocation!r}; use make_allocator")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.reserve_max = allocation == "reserve_max"
+        self.reserve = False
         self.prefix_caching = prefix_caching
         # Popping from the end hands out low page numbers first.
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
@@ -125,8 +125,9 @@ class PageAllocator:
 
     # ---- admission ----
     def admission_pages(self, num_tokens: int, max_tokens: int) -> int:
-        """Pages a request needs at admission: for its tokens now, or its maximum under reserve_max."""
-        return self.pages_for(max_tokens if self.reserve_max else num_tokens)
+        """Pages a request needs at admission: for its `num_tokens` tokens now (`max_tokens`, the
+        tokens a reservation would cover, matters only to reserving allocators)."""
+        return self.pages_for(num_tokens)
 
     def can_allocate(self, num_tokens: int, max_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Whether `allocate` would succeed. Cached pages are reused; those nobody holds leave
@@ -218,6 +219,39 @@ class PageAllocator:
         if self.prefix_caching:
             self._refs.update(dict.fromkeys(pages, 1))
         return pages
+
+    # ---- the pool's five shares ----
+    def slot_breakdown(self, final_tokens: Mapping[str, int], min_waiting_pages: int) -> tuple[int, int, int, int, int]:
+        """The pool's slots (`num_usable_pages * page_size`; a slot holds one token's K/V) split
+        into (token states, reserved, internal fragmentation, external fragmentation, free),
+        which sum to the pool. For each request holding pages, with s its stored tokens, c the
+        slots of its pages and f = `final_tokens[id]` the tokens it will store at its final
+        length (never fewer than s):
+
+        - token states: s, the slots holding a real token's K/V (a prefix page shared by
+          several requests counts once);
+        - reserved: min(c, f) - s, held slots its future tokens will fill;
+        - internal fragmentation: c - min(c, f), held slots it will never fill (a reservation
+          beyond its final length, the unused tail of its final page);
+        - external fragmentation: free slots no waiting request can use because they are not
+          contiguous enough; always 0 here, where any free page serves any request;
+        - free: the rest (free pages, and unreferenced prefix-cache pages, which are evictable).
+        """
+        ps = self.page_size
+        token = reserved = internal = 0
+        stored = self._stored
+        for rid, table in self.page_tables.items():
+            s = stored[rid]
+            c = len(table) * ps
+            f = min(c, max(final_tokens.get(rid, s), s))
+            token += s
+            reserved += f - s
+            internal += c - f
+        if self.prefix_caching:
+            # each extra holder of a shared page counted its page_size (full, computed) tokens again
+            token -= (sum(len(t) for t in self.page_tables.values()) - self.num_used_pages) * ps
+        free = self.num_usable_pages * ps - token - reserved - internal
+        return token, reserved, internal, 0, free
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every page is exactly one of free, cached or owned, with

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from typing import Callable, Optional, Sequence
 
-from cbjax.cache.allocator import PageAllocator
+from cbjax.cache import make_allocator
 from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.plan import Schedule
@@ -46,7 +47,13 @@ class Scheduler:
         self.token_budget = cfg.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy if policy is not None else make_policy(cfg)  # an empty queue is falsy
-        self.allocator = PageAllocator(cache.num_pages, cache.page_size, cache.allocation, cache.prefix_caching)
+        self.allocation = cache.allocation
+        self.allocator = make_allocator(
+            cache.num_pages, cache.page_size, cache.allocation, cache.prefix_caching, cache.reservation_fit
+        )
+        # reservations only: pages each waiting request would reserve -> how many wait, so the
+        # smallest (for external fragmentation) costs no scan of the queue
+        self._waiting_pages: Counter[int] = Counter()
         self.prefix = PrefixCache(self.allocator) if cache.prefix_caching else None
         self.swap = cfg.preemption == "swap"
         self.swap_capacity = cache.swap_capacity
@@ -58,10 +65,15 @@ class Scheduler:
         self.slots: list[Optional[Request]] = [None] * cfg.max_num_seqs
         self._free_slots = list(range(cfg.max_num_seqs))  # a min-heap
         self.finished: list[Request] = []
+        self.tbt_s: list[float] = []  # every gap between a request's consecutive tokens
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self.num_swapped_out_pages = 0
         self._admit_counter = 0
+        # scheduler.static_padding: the current batch's rows, padded prompt length, decode steps
+        self._pad_rows = 0
+        self._pad_len = 0
+        self._pad_step = 0
 
     # ---- intake ----
     def rejection_reason(self, req: Request) -> Optional[str]:
@@ -86,7 +98,7 @@ class Scheduler:
                 f"scheduler.max_num_batched_tokens={self.token_budget}"
             )
         peak = req.prompt_len + req.max_output_len - 1
-        need = self.allocator.admission_pages(peak, self.max_len_tokens(req))
+        need = self.allocator.admission_pages(peak, self.reserve_tokens(req))
         if need > self.allocator.num_usable_pages:
             return (
                 f"needs {need} KV pages at its maximum length, the cache has "
@@ -100,6 +112,37 @@ class Scheduler:
         """Tokens stored at the request's maximum length: what `reserve_max` reserves."""
         return min(req.prompt_len + req.sampling.max_tokens, self.max_model_len) - 1
 
+    def reserve_tokens(self, req: Request) -> int:
+        """Tokens a reservation covers (the last token's K/V is never stored, hence the -1):
+        the maximum length (`reserve_max`), the prompt plus the next power of two of the output
+        length (`reserve_pow2`), or the prompt plus the output length (`reserve_oracle`; a
+        request stopping at EOS has only its stopping bound known), capped by max_model_len.
+        Under `paged`, the maximum length (unused: pages come on demand)."""
+        out = req.max_output_len
+        if self.allocation == "reserve_oracle":
+            return req.prompt_len + out - 1
+        if self.allocation == "reserve_pow2":
+            return min(req.prompt_len + (1 << max(0, out - 1).bit_length()), self.max_model_len) - 1
+        return self.max_len_tokens(req)
+
+    def final_tokens(self, req: Request) -> int:
+        """Tokens the request will store at its final length (its stopping length as known)."""
+        return req.prompt_len + req.max_output_len - 1
+
+    def kv_breakdown(self) -> tuple[int, int, int, int, int]:
+        """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
+        fragmentation is judged against the smallest reservation among waiting requests."""
+        final = {r.request_id: self.final_tokens(r) for r in self.running}
+        need = min(self._waiting_pages) if self._waiting_pages else 0
+        return self.allocator.slot_breakdown(final, need)
+
+    def _track_waiting(self, req: Request, delta: int) -> None:
+        if self.allocator.reserve:
+            pages = self.allocator.pages_for(self.reserve_tokens(req))
+            self._waiting_pages[pages] += delta
+            if not self._waiting_pages[pages]:
+                del self._waiting_pages[pages]
+
     def add(self, req: Request, now: float) -> None:
         """Accept a newly arrived request, or reject it with a reason."""
         req.max_output_len = max(0, min(req.stop_length(), self.max_model_len - req.prompt_len))
@@ -112,6 +155,7 @@ class Scheduler:
             self.finished.append(req)
             return
         req.status = Status.WAITING
+        self._track_waiting(req, 1)
         self.policy.push(req)
 
     def has_work(self) -> bool:
@@ -126,66 +170,103 @@ class Scheduler:
         budget = self.token_budget
         # Running requests first: decodes (one token left to process), then unfinished
         # prefills, then new prefills: Sarathi-Serve's stall-free order. A request processes
-        # tokens[num_computed : num_computed + num_new_tokens].
-        for decoding in (True, False):
-            for req in list(self.running):
-                if req.status is not Status.RUNNING or req.num_new_tokens:
-                    continue  # preempted earlier in this loop, or already planned
-                remaining = req.num_tokens - req.num_computed
-                if (remaining == 1) != decoding:
-                    continue
-                n = min(remaining, budget)
-                if n == 0:
-                    continue
-                while not alloc.can_append(req.request_id, req.num_computed + n):
-                    victim = self.policy.choose_victim(self.running)
-                    budget += self._preempt(victim, plan)
-                    if victim is req:
-                        break
-                if req.status is Status.RUNNING:
-                    alloc.append(req.request_id, req.num_computed + n)
-                    req.num_new_tokens = n
-                    budget -= n
-                    (plan.decodes if decoding else plan.prefills).append(req)
-        if self.policy.admission_open(self):
-            # Nothing preempted this iteration is readmitted in it.
-            while len(self.policy) and budget > 0:
-                req = self.policy.peek()
-                if req in plan.preempted:
-                    break
-                swapped = self._swapped.get(req, 0)
-                cached = [] if swapped or self.prefix is None else self.prefix.match(req)
-                done = req.num_computed if swapped else len(cached) * alloc.page_size
-                n = req.num_tokens - done
-                if n > budget:
-                    # Chunked prefill (Sarathi-Serve) fills the budget's remainder with the
-                    # head's first chunk. Without it, only a recomputed request can outgrow the
-                    # whole budget (longer prompts are rejected): it is chunked the same way.
-                    if n <= self.token_budget and not self.cfg.chunked_prefill:
-                        break
-                    n = budget
-                if not self._free_slots or not alloc.can_allocate(done + n, self.max_len_tokens(req), cached):
-                    # The policy may evict a running request the head outranks (priority, mlfq).
-                    victim = self.policy.preempt_for(req, self)
-                    if victim is None:
-                        break
-                    budget += self._preempt(victim, plan)
-                    continue
-                self.policy.pop()
-                table = alloc.allocate(req.request_id, done + n, self.max_len_tokens(req), cached)
-                budget -= n
-                if swapped:
-                    del self._swapped[req]
-                    self.swap_used -= swapped
-                    plan.swap_in.append((req, table[:swapped]))
-                else:
-                    if self.prefix is not None:
-                        self.prefix.admitted(req, done)
-                    req.num_computed = done
-                self._admit(req, now)
-                req.num_new_tokens = n
-                plan.prefills.append(req)
+        # tokens[num_computed : num_computed + num_new_tokens]. Without hybrid batching an
+        # iteration with prefill work runs only that, and decodes wait for one without.
+        if self.cfg.hybrid_batching:
+            budget = self._plan_running(plan, True, budget)
+        budget = self._plan_running(plan, False, budget)
+        new_batch = not self.running
+        budget = self._admit_waiting(plan, budget, now)
+        if not self.cfg.hybrid_batching and not plan.prefills:
+            self._plan_running(plan, True, budget)
+        if self.cfg.static_padding:
+            self._pad(plan, new_batch)
         return plan
+
+    def _plan_running(self, plan: Schedule, decoding: bool, budget: int) -> int:
+        """Plan the running requests' decodes (`decoding`) or unfinished prefills, preempting
+        when pages run out. Returns the budget left."""
+        alloc = self.allocator
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or req.num_new_tokens:
+                continue  # preempted earlier in this loop, or already planned
+            remaining = req.num_tokens - req.num_computed
+            if (remaining == 1) != decoding:
+                continue
+            n = min(remaining, budget)
+            if n == 0:
+                continue
+            while not alloc.can_append(req.request_id, req.num_computed + n):
+                victim = self.policy.choose_victim(self.running)
+                budget += self._preempt(victim, plan)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                alloc.append(req.request_id, req.num_computed + n)
+                req.num_new_tokens = n
+                budget -= n
+                (plan.decodes if decoding else plan.prefills).append(req)
+        return budget
+
+    def _admit_waiting(self, plan: Schedule, budget: int, now: float) -> int:
+        """Admit waiting requests as the policy, slots, budget and pages allow; their prefills
+        join the plan. Returns the budget left."""
+        alloc = self.allocator
+        if not self.policy.admission_open(self):
+            return budget
+        # Nothing preempted this iteration is readmitted in it.
+        while len(self.policy) and budget > 0:
+            req = self.policy.peek()
+            if req in plan.preempted:
+                break
+            swapped = self._swapped.get(req, 0)
+            cached = [] if swapped or self.prefix is None else self.prefix.match(req)
+            done = req.num_computed if swapped else len(cached) * alloc.page_size
+            n = req.num_tokens - done
+            if n > budget:
+                # Chunked prefill (Sarathi-Serve) fills the budget's remainder with the
+                # head's first chunk. Without it, only a recomputed request can outgrow the
+                # whole budget (longer prompts are rejected): it is chunked the same way.
+                if n <= self.token_budget and not self.cfg.chunked_prefill:
+                    break
+                n = budget
+            if not self._free_slots or not alloc.can_allocate(done + n, self.reserve_tokens(req), cached):
+                # The policy may evict a running request the head outranks (priority, mlfq).
+                victim = self.policy.preempt_for(req, self)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, plan)
+                continue
+            self.policy.pop()
+            self._track_waiting(req, -1)
+            table = alloc.allocate(req.request_id, done + n, self.reserve_tokens(req), cached)
+            budget -= n
+            if swapped:
+                del self._swapped[req]
+                self.swap_used -= swapped
+                plan.swap_in.append((req, table[:swapped]))
+            else:
+                if self.prefix is not None:
+                    self.prefix.admitted(req, done)
+                req.num_computed = done
+            self._admit(req, now)
+            req.num_new_tokens = n
+            plan.prefills.append(req)
+        return budget
+
+    def _pad(self, plan: Schedule, new_batch: bool) -> None:
+        """`scheduler.static_padding`: charge the plan as a padded `generate` batch runs. The
+        iteration that forms a batch prefills every row padded to the batch's longest prompt;
+        each later one decodes every row of the batch, finished rows included, at the padded
+        length, until the last row finishes (the next batch then forms)."""
+        if new_batch and plan.prefills:
+            self._pad_rows = len(plan.prefills)
+            self._pad_len = max(r.num_tokens for r in plan.prefills)
+            self._pad_step = 0
+            plan.padded_rows = [(self._pad_len, 0, False)] * self._pad_rows
+            return
+        self._pad_step += 1
+        plan.padded_rows = [(1, self._pad_len + self._pad_step - 1, True)] * self._pad_rows
 
     def cache_stats(self) -> dict:
         """Prefix-cache and swap counters for summary.json (hit rate: `PrefixCache.hit_rate`)."""
@@ -245,6 +326,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         plan.preempted.append(req)
+        self._track_waiting(req, 1)
         self.policy.requeue(req)
         return planned
 
@@ -264,6 +346,9 @@ class Scheduler:
             req.num_generated += 1
             if req.first_token_s is None:
                 req.first_token_s = now
+            else:
+                self.tbt_s.append(now - req.last_token_s)
+            req.last_token_s = now
             reason = None
             if token_ids is not None:
                 tok = int(token_ids[i])
@@ -301,6 +386,7 @@ class Scheduler:
         leftovers = self.running + list(self.policy)
         self.running = []
         self._swapped.clear()
+        self._waiting_pages.clear()
         self.swap_used = 0
         if self.prefix is not None:
             self.prefix.clear()

@@ -138,7 +138,7 @@ class _Victims:
         # Evict nothing unless evicting every outranked request would make room for the head.
         sched = self.scheduler
         alloc = sched.allocator
-        need = alloc.admission_pages(waiting.num_tokens, sched.max_len_tokens(waiting))
+        need = alloc.admission_pages(waiting.num_tokens, sched.reserve_tokens(waiting))
         if need > alloc.num_free_pages + self.held[end] - self.held[self.next]:
             return None
         victim = self.order[self.next]

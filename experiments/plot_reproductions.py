@@ -1,0 +1,76 @@
+"""One plot per reproduced figure: ours against the paper, the arms behind each ordering, and
+per-client service over time where the figure is about client service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict[str, dict[str, list]]) -> Path:
+    """Write `path` (PNG) for the rows of one figure (records from experiments/reproduce.py)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = [r for r in rows if r["kind"] in ("value", "exact")]
+    ranked = [r for r in rows if r["kind"] in ("ordering", "argmin_in")]
+    show_series = bool(series) and any(r["metric"].startswith("client_service.") for r in rows)
+    panels = (1 if values else 0) + len(ranked) + (len(series) if show_series else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8), squeeze=False)
+    axes = list(axes[0])
+    if values:
+        _agreement(axes.pop(0), values)
+    for row in ranked:
+        _arms(axes.pop(0), row)
+    if show_series:
+        for arm, clients in series.items():
+            _series(axes.pop(0), arm, clients)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _agreement(ax, rows: list[dict[str, Any]]) -> None:
+    """Ours / paper per setting, with the tolerance band around 1."""
+    labels = [r["setting"] or r["metric"] for r in rows]
+    ratios = [r["ours"] / r["paper"] if r["ours"] is not None and r["paper"] else 0.0 for r in rows]
+    colors = ["tab:green" if r["verdict"] == "pass" else "tab:red" for r in rows]
+    y = range(len(rows))
+    ax.barh(list(y), ratios, color=colors)
+    for i, r in enumerate(rows):
+        tol = r["tolerance"] or 0.0
+        ax.fill_betweenx([i - 0.45, i + 0.45], 1 - tol, 1 + tol, color="grey", alpha=0.25, lw=0)
+        ours = "-" if r["ours"] is None else f"{r['ours']:.4g}"
+        ax.text(0.02, i, f"ours {ours} / paper {r['paper']:.4g}", va="center", fontsize=7, transform=ax.get_yaxis_transform())
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ours / paper (band: tolerance)")
+
+
+def _arms(ax, row: dict[str, Any]) -> None:
+    """The metric per arm, in the paper's order (ordering) or with the paper's set marked."""
+    arms = list(row["arm_values"])
+    vals = [row["arm_values"][a] or 0.0 for a in arms]
+    colors = ["tab:blue"] * len(arms)
+    if row["kind"] == "argmin_in":
+        colors = ["tab:green" if a in str(row["paper"]) else "tab:blue" for a in arms]
+    ax.bar(arms, vals, color=colors)
+    ax.set_title(f"{row['setting']}: {row['verdict']}", fontsize=9)
+    ax.set_ylabel(row["metric"], fontsize=8)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+
+
+def _series(ax, arm: str, clients: dict[str, list[list[float]]]) -> None:
+    """Per-client service rate over time for one arm (client_service.csv)."""
+    for client, points in clients.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=client)
+    ax.set_title(f"{arm}: service over time", fontsize=9)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("weighted tokens / s")
+    ax.legend(fontsize=7)

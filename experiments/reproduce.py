@@ -1,0 +1,214 @@
+"""Run every experiment with a `reproduction` section in the simulator; write docs/REPRODUCTIONS.md.
+
+    python experiments/reproduce.py                  # all of configs/experiment/
+    python experiments/reproduce.py --only ltr_toy   # one (others' sections are kept)
+
+Each experiment's outputs go to outputs/reproductions/NAME/ (summary.json per arm,
+comparison.md, reproduction.json). Its rows, setup and notes are kept in
+docs/reproductions/NAME.json, from which docs/REPRODUCTIONS.md is rebuilt, with one plot per
+figure in docs/reproductions/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cbjax.reproduction import evaluate  # noqa: E402
+from cbjax.report import format_number, markdown_table, summary_value  # noqa: E402
+from plot_reproductions import plot_figure  # noqa: E402
+
+CONFIG_DIR = REPO / "configs"
+
+
+def discover(config_dir: Path = CONFIG_DIR) -> list[str]:
+    """Names of the experiment configs that have a non-empty experiment.reproduction."""
+    names = []
+    for path in sorted((config_dir / "experiment").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        if (data.get("experiment") or {}).get("reproduction"):
+            names.append(path.stem)
+    return names
+
+
+def compose(name: str, overrides: list[str], config_dir: Path = CONFIG_DIR):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from cbjax.cli import to_run_config
+
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return to_run_config(hydra_compose(config_name="config", overrides=[f"experiment={name}", *overrides]))
+
+
+def setup_text(name: str, cfg, config_dir: Path = CONFIG_DIR) -> str:
+    """The experiment file's leading comment, then the resolved setup in one paragraph."""
+    lines = (config_dir / "experiment" / f"{name}.yaml").read_text().splitlines()
+    comment = []
+    for line in lines:
+        if not line.startswith("#"):
+            break
+        if "@package" not in line:
+            comment.append(line.lstrip("#").strip())
+    w, c, s = cfg.workload, cfg.cache, cfg.scheduler
+    sim = f"simulator, {cfg.executor.cost_model} cost model" if cfg.executor.name == "sim" else cfg.executor.name
+    arms = "; ".join(f"`{a}`: {_flat(o)}" for a, o in cfg.experiment.arms.items())
+    resolved = (
+        f"Model `{cfg.model.name}` on `{cfg.hardware.name}` ({sim}); up to {s.max_num_seqs} sequences, "
+        f"{s.max_num_batched_tokens} batched tokens; KV pool {c.num_pages} pages of {c.page_size} "
+        f"({c.allocation}); workload: {_workload(w)}. Arms: {arms}."
+    )
+    return " ".join(comment) + ("\n\n" if comment else "") + resolved
+
+
+def _flat(overrides: dict[str, Any], prefix: str = "") -> str:
+    parts = []
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            parts.append(_flat(value, f"{prefix}{key}."))
+        else:
+            parts.append(f"{prefix}{key}={value}")
+    return ", ".join(parts)
+
+
+def _workload(w) -> str:
+    if w.name == "trace":
+        return f"trace {w.path}"
+    if w.clients:
+        clients = ", ".join(f"{c.client_id} at {c.rate:g} req/s" for c in w.clients)
+        span = f" for {w.duration_s:g} s" if w.duration_s else ""
+        return f"clients {clients} ({w.arrival}){span}"
+    rate = "" if w.arrival == "all_at_once" else f" at {w.rate:g} req/s"
+    return f"{w.num_requests} requests, {w.arrival}{rate}"
+
+
+def run_one(name: str, out_root: Path, overrides: list[str], progress: bool) -> dict[str, Any]:
+    """Run experiment `name`; return its record for docs/reproductions/NAME.json."""
+    from cbjax.run import run_experiment
+
+    cfg = compose(name, [f"progress={str(progress).lower()}", *overrides])
+    summaries = run_experiment(cfg, out_root / name, verbose=False)
+    entries = cfg.experiment.reproduction
+    rows = evaluate(entries, summaries)
+    for row, entry in zip(rows, entries):
+        arms = entry.get("arms") or [a for a in (entry.get("arm"), entry.get("ratio_to")) if a]
+        row["kind"] = entry.get("kind") or "value"
+        row["arm_values"] = {a: summary_value(summaries[a], row["metric"]) for a in arms}
+    return {
+        "name": name,
+        "command": f"cbjax experiment={name}",
+        "setup": setup_text(name, cfg),
+        "notes": cfg.experiment.notes.strip(),
+        "rows": rows,
+        "series": _client_series(out_root / name, cfg),
+    }
+
+
+def _client_series(out_dir: Path, cfg) -> dict[str, dict[str, list[list[float]]]]:
+    """Per arm and client, [bin end, service per second] from client_service.csv, when a row
+    compares client service."""
+    if not any(str(e.get("metric", "")).startswith("client_service.") for e in cfg.experiment.reproduction):
+        return {}
+    import csv
+
+    series: dict[str, dict[str, list[list[float]]]] = {}
+    for arm in cfg.experiment.arms:
+        with open(out_dir / arm / "client_service.csv") as f:
+            for r in csv.DictReader(f):
+                point = [float(r["t_end_s"]), round(float(r["service_per_s"]), 3)]
+                series.setdefault(arm, {}).setdefault(r["client_id"], []).append(point)
+    return series
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    """Indented JSON with each [t, rate] point of a series on one line."""
+    text = json.dumps(record, indent=2)
+    return re.sub(r"\[\s+([-\d.e+]+),\s+([-\d.e+]+)\s+\]", r"[\1, \2]", text) + "\n"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") or "figure"
+
+
+def render(records: list[dict[str, Any]], docs_dir: Path) -> str:
+    """docs/REPRODUCTIONS.md's text; writes one plot per figure under docs_dir/reproductions."""
+    plots_dir = docs_dir / "reproductions"
+    lines = [
+        "# Paper reproductions",
+        "",
+        "Generated by `python experiments/reproduce.py` (all in the simulator); rerun one with",
+        "`--only NAME`. Each experiment is also `cbjax experiment=NAME`, which writes",
+        "`reproduction.json` beside its arms' outputs. A value passes within its relative",
+        "tolerance of the paper's number; `exact` means equal at the paper's printed precision;",
+        "an ordering passes when ours is strictly ascending in the paper's order; `argmin_in`",
+        "when our lowest arm is among the paper's best.",
+        "",
+    ]
+    overview = [[f"[{r['name']}](#{slug(r['name'])})", sum(x["verdict"] == "pass" for x in r["rows"]), len(r["rows"])]
+                for r in records]  # fmt: skip
+    lines += [markdown_table(["experiment", "pass", "rows"], overview), ""]
+    for rec in records:
+        lines += [f"## {rec['name']}", "", f"`{rec['command']}`", "", "**Setup.** " + rec["setup"], ""]
+        cells = [
+            [r["figure"], r["setting"], r["metric"], format_number(r["paper"]), format_number(r["ours"]),
+             "-" if r["tolerance"] is None else f"±{r['tolerance']:.0%}", r["verdict"]]
+            for r in rec["rows"]
+        ]  # fmt: skip
+        lines += [markdown_table(["figure", "setting", "metric", "paper", "ours", "tolerance", "verdict"], cells), ""]
+        figures = list(dict.fromkeys(r["figure"] for r in rec["rows"]))
+        for figure in figures:
+            rows = [r for r in rec["rows"] if r["figure"] == figure]
+            path = plots_dir / f"{slug(rec['name'])}__{slug(figure)}.png"
+            plot_figure(path, f"{figure} ({rec['name']})", rows, rec.get("series") or {})
+            lines += [f"![{figure}](reproductions/{path.name})", ""]
+        if rec["notes"]:
+            lines += ["**Modelling differences and notes.** " + " ".join(rec["notes"].split()), ""]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this experiment (repeatable)")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "reproductions", help="run outputs")
+    parser.add_argument("--docs", type=Path, default=REPO / "docs", help="where REPRODUCTIONS.md goes")
+    parser.add_argument("--no-progress", action="store_true", help="no per-run progress bars")
+    parser.add_argument("overrides", nargs="*", help="extra overrides for every experiment (e.g. seed=1)")
+    args = parser.parse_args(argv)
+    names = discover()
+    if args.only:
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            parser.error(f"--only: {unknown} have no reproduction section; choose from {names}")
+        names = [n for n in names if n in args.only]
+    store = args.docs / "reproductions"
+    store.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        record = run_one(name, args.out, args.overrides, progress=not args.no_progress and sys.stderr.isatty())
+        (store / f"{name}.json").write_text(_dumps(record))
+        passed = sum(r["verdict"] == "pass" for r in record["rows"])
+        print(f"[{i}/{len(names)}] {name}: {passed}/{len(record['rows'])} pass in {time.perf_counter() - t0:.1f} s",
+              flush=True)  # fmt: skip
+    records = [json.loads(p.read_text()) for p in sorted(store.glob("*.json")) if p.stem in discover()]
+    (args.docs / "REPRODUCTIONS.md").write_text(render(records, args.docs))
+    total = sum(len(r["rows"]) for r in records)
+    passed = sum(x["verdict"] == "pass" for r in records for x in r["rows"])
+    print(f"{passed}/{total} rows pass; wrote {args.docs / 'REPRODUCTIONS.md'} in {time.perf_counter() - t_all:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

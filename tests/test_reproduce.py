@@ -1,0 +1,61 @@
+"""experiments/reproduce.py end to end, and cut-down ltr_toy, vtc_overload and static_vs_continuous."""
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+from test_cli import composed
+from cbjax.run import run_experiment
+
+sys.path.insert(0, str(REPO / "experiments"))
+import reproduce  # noqa: E402
+
+
+def _rows(out_dir):
+    return {r["setting"]: r for r in json.loads((out_dir / "reproduction.json").read_text())}
+
+
+def test_ltr_toy_is_exact(tmp_path):
+    summaries = run_experiment(composed("experiment=ltr_toy", "progress=false"), tmp_path, verbose=False)
+    # hand computation in the config's notes: FCFS (10/10 + 12/2 + 13/1) / 3, SJF (1/1 + 3/2 + 13/10) / 3
+    assert summaries["fcfs"]["normalized_latency_s_per_token"] == pytest.approx(20 / 3)
+    assert summaries["sjf"]["normalized_latency_s_per_token"] == pytest.approx(3.8 / 3)
+    rows = _rows(tmp_path)
+    assert {k: (r["paper"], r["verdict"]) for k, r in rows.items()} == {"FCFS": (6.67, "pass"), "SJF": (1.27, "pass")}
+
+
+def test_vtc_overload_cut_down_keeps_the_shape(tmp_path):
+    # 40 s of arrivals instead of 360, service measured over them
+    cfg = composed("experiment=vtc_overload", "progress=false", "workload.duration_s=40", "metrics.window_s=[0,40]")
+    summaries = run_experiment(cfg, tmp_path, verbose=False)
+    fcfs, vtc = summaries["fcfs"]["client_service"], summaries["vtc"]["client_service"]
+    assert fcfs["client2"] / fcfs["client1"] == pytest.approx(2.0, rel=0.15)  # arrival order: 1:2
+    assert vtc["client2"] / vtc["client1"] == pytest.approx(1.0, rel=0.15)  # fair share: 1:1
+    assert summaries["vtc"]["window_s"] == [0.0, 40.0]
+    assert summaries["fcfs"]["preemptions"] == 0  # reserve_oracle admits only what fits
+    assert len(_rows(tmp_path)) == 6
+    header = (tmp_path / "vtc" / "client_service.csv").read_text().splitlines()[0]
+    assert header == "t_start_s,t_end_s,client_id,prompt_tokens,output_tokens,service,service_per_s"
+
+
+def test_static_vs_continuous_reports_its_ratio(tmp_path):
+    cfg = composed("experiment=static_vs_continuous", "progress=false", "workload.num_requests=200")
+    summaries = run_experiment(cfg, tmp_path, verbose=False)
+    (row,) = _rows(tmp_path).values()
+    ratio = summaries["continuous"]["throughput_tok_s"] / summaries["static"]["throughput_tok_s"]
+    assert row["ours"] == pytest.approx(ratio) and ratio > 2
+
+
+def test_reproduce_script_writes_the_doc_and_plots(tmp_path, capsys):
+    assert {"ltr_toy", "vtc_overload", "static_vs_continuous"} <= set(reproduce.discover())
+    docs = tmp_path / "docs"
+    assert reproduce.main(["--only", "ltr_toy", "--out", str(tmp_path / "out"), "--docs", str(docs)]) == 0
+    text = (docs / "REPRODUCTIONS.md").read_text()
+    assert "## ltr_toy" in text and "| LTR Fig 1 | FCFS" in text and "20/3 = 6.67" in text
+    assert (docs / "reproductions" / "ltr_toy__ltr_fig_1.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "out" / "ltr_toy" / "reproduction.json").is_file()
+    assert "[1/1] ltr_toy: 2/2 pass" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        reproduce.main(["--only", "no_such", "--docs", str(docs)])
