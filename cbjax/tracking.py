@@ -157,7 +157,7 @@ def _wandb(cfg, root, out_dir, name, params, metrics, files) -> None:
         images = {rel.as_posix(): wandb.Image(str(out_dir / rel)) for rel in files if rel.suffix == ".png"}
         if images:
             run.log(images)
-        for rel in files:
-            run.save(str(out_dir / rel), base_path=str(out_dir), policy="now")
+        for rel in files:  # under the run dir's name: W&B keeps its own config.yaml in files/
+            run.save(str(out_dir / rel), base_path=str(out_dir.parent), policy="now")
     finally:
         run.finish()
