@@ -182,3 +182,41 @@ def test_optuna_search_of_8_trials_reports_the_best_config(tmp_path):
     assert text.startswith(f"optuna best: {collect_sweep.format_number(best)} at scheduler.mlfq_base_quantum=")
     header = next(line for line in text.splitlines() if line.startswith("| scheduler."))
     assert header.index("goodput_req_s") < header.index("throughput_tok_s")  # the objective comes first
+
+
+def _compose_with_hydra(*overrides):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from cbjax.cli import CONFIG_DIR, to_run_config
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    hydra_cfg = cfg.hydra
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return to_run_config(cfg), hydra_cfg
+
+
+def test_launcher_search_and_logger_configs_compose():
+    _, hydra_cfg = _compose_with_hydra("hydra/launcher=joblib")
+    assert hydra_cfg.launcher._target_.endswith("JoblibLauncher")
+    _, hydra_cfg = _compose_with_hydra("hydra/launcher=slurm", "hydra.launcher.partition=gpu")
+    assert hydra_cfg.launcher._target_.endswith("SlurmLauncher")
+    assert (hydra_cfg.launcher.partition, hydra_cfg.launcher.timeout_min) == ("gpu", 120)
+    cfg, hydra_cfg = _compose_with_hydra("hparams_search=mlfq_goodput")
+    assert cfg.scheduler.name == "mlfq" and cfg.optimized_metric == "goodput_req_s" and cfg.slo.ttft_s == 0.5
+    assert hydra_cfg.sweeper._target_.endswith("OptunaSweeper") and hydra_cfg.sweeper.direction == "maximize"
+    assert set(hydra_cfg.sweeper.params) == {f"scheduler.mlfq_{k}" for k in ("base_quantum", "num_queues", "preempt")}
+    cfg, hydra_cfg = _compose_with_hydra("hparams_search=chunked_prefill_goodput")
+    assert cfg.scheduler.chunked_prefill and cfg.model.name == "llama2_7b"
+    assert "scheduler.max_num_batched_tokens" in hydra_cfg.sweeper.params
+    for name in ("none", "mlflow", "tensorboard", "wandb"):
+        assert _compose_with_hydra(f"logger={name}")[0].logger.name == name
+    assert _compose_with_hydra()[0].logger.name == "none" and not _compose_with_hydra()[0].overwrite
+
+
+def test_ray_cluster_launcher_config_composes():
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="hydra-ray-launcher is in the sweeps extra")
+    _, hydra_cfg = _compose_with_hydra("hydra/launcher=ray_cluster")
+    assert hydra_cfg.launcher._target_.endswith("RayLauncher") and hydra_cfg.launcher.ray.init.address == "auto"
