@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -19,9 +19,14 @@ from cbjax.sweep import clear_skipped, comparable_config, count_skipped, run_job
 log = logging.getLogger(__name__)
 
 
-def run_hydra_job(cfg: RunConfig, out_dir: Path, hydra_cfg: DictConfig) -> Optional[float]:
-    """Run (or, in a multirun, resume) one job and log it to the configured tracker."""
-    from cbjax.run import run_experiment
+def run_hydra_job(
+    cfg: RunConfig, out_dir: Path, hydra_cfg: DictConfig, run: Optional[Callable[..., dict[str, Any]]] = None
+) -> Optional[float]:
+    """Run (or, in a multirun, resume) one job and log it to the configured tracker.
+
+    `run(cfg, out_dir)` serves and writes the outputs; default cbjax.run.run_experiment."""
+    if run is None:
+        from cbjax.run import run_experiment as run
 
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     track = None
@@ -40,7 +45,7 @@ def run_hydra_job(cfg: RunConfig, out_dir: Path, hydra_cfg: DictConfig) -> Optio
             summaries=summaries,
             arms=bool(cfg.experiment.arms),
         )
-    return run_job(cfg, out_dir, run_experiment, resume=multirun, track=track)
+    return run_job(cfg, out_dir, run, resume=multirun, track=track)
 
 
 class ResumeCallback(Callback):

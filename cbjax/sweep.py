@@ -1,7 +1,7 @@
 """Sweep jobs that resume: a job skips a dir that already holds a complete run of its config.
 
 A run is complete once `complete.json` exists, parses, records the same config, and the run's
-summary (summary.json, or comparison.json for an experiment) parses. The job writes
+summary (summary.json, or comparison.json for an experiment) parses and was not interrupted. The job writes
 complete.json last, after every output and the tracking upload, and deletes it before it
 starts, so a run killed at any point (or rerun with overwrite=true and killed) never counts.
 """
@@ -42,6 +42,14 @@ def read_summaries(out_dir: Path, cfg: RunConfig) -> Optional[dict[str, Any]]:
     return data if isinstance(data, dict) else None
 
 
+def interrupted(summaries: dict[str, Any], cfg: RunConfig) -> bool:
+    """Whether a run stopped early: its summary says so, or an experiment lacks an arm."""
+    if not cfg.experiment.arms:
+        return bool(summaries.get("interrupted"))
+    arms = [summaries.get(name) for name in cfg.experiment.arms]
+    return any(not isinstance(s, dict) or s.get("interrupted") for s in arms)
+
+
 def completed(out_dir: Path, cfg: RunConfig) -> Optional[dict[str, Any]]:
     """The summaries of a complete run of `cfg` in `out_dir`; None if there is none."""
     try:
@@ -50,7 +58,8 @@ def completed(out_dir: Path, cfg: RunConfig) -> Optional[dict[str, Any]]:
         return None
     if not isinstance(record, dict) or record.get("config") != comparable_config(cfg):
         return None
-    return read_summaries(out_dir, cfg)
+    summaries = read_summaries(out_dir, cfg)
+    return None if summaries is None or interrupted(summaries, cfg) else summaries
 
 
 def mark_complete(out_dir: Path, cfg: RunConfig, started_at: float) -> None:
@@ -98,6 +107,8 @@ def run_job(
         (out_dir / name).unlink(missing_ok=True)
     started_at = time.time()
     summaries = run(cfg, out_dir)
+    if interrupted(summaries, cfg):  # saved, but not complete: the next sweep reruns it
+        return None
     if track is not None:
         track(summaries)
     mark_complete(out_dir, cfg, started_at)

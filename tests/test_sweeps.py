@@ -16,7 +16,7 @@ import yaml
 from conftest import REPO, cbjax_cmd
 from test_cli import composed
 from cbjax.run import run_experiment, with_overrides
-from cbjax.sweep import COMPLETE, SKIPPED, objective, run_job
+from cbjax.sweep import COMPLETE, SKIPPED, interrupted, objective, run_job
 
 _spec = importlib.util.spec_from_file_location("collect_sweep", REPO / "experiments" / "collect_sweep.py")
 collect_sweep = sys.modules["collect_sweep"] = importlib.util.module_from_spec(_spec)
@@ -142,6 +142,21 @@ def test_a_run_killed_before_its_record_is_rerun(tmp_path):
     (tmp_path / "summary.json").write_text('{"num_requests": 1')  # torn: not a complete run
     run_job(cfg, tmp_path, lambda c, d: calls.append(2) or run_experiment(c, d, verbose=False), resume=True)
     assert calls == [1, 2]
+
+
+def test_an_interrupted_run_is_saved_but_not_complete(tmp_path):
+    cfg = composed(*TINY, "optimized_metric=throughput_tok_s")
+
+    def stopped(cfg, out_dir):  # a run stopped by a signal saves its outputs, marked interrupted
+        return {**run_experiment(cfg, out_dir, verbose=False), "interrupted": True}
+
+    assert run_job(cfg, tmp_path, stopped, resume=True) is None
+    assert (tmp_path / "summary.json").is_file() and not (tmp_path / COMPLETE).exists()
+    exp = composed("experiment=static_vs_continuous", *TINY)
+    arm = {"throughput_tok_s": 1.0}
+    assert interrupted({"static": arm, "continuous": arm}, exp)  # an arm is missing
+    assert interrupted({"static": arm, "continuous": arm, "continuous_reserve_max": {"interrupted": True}}, exp)
+    assert not interrupted({"static": arm, "continuous": arm, "continuous_reserve_max": arm}, exp)
 
 
 def test_optimized_metric_is_the_jobs_return_value_and_fails_naming_the_key(tmp_path):
