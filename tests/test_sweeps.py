@@ -167,7 +167,9 @@ def test_optimized_metric_is_the_jobs_return_value_and_fails_naming_the_key(tmp_
     assert run_job(cfg, tmp_path, None, resume=True) == value  # skipped: read back from summary.json
     with pytest.raises(ValueError, match="optimized_metric: 'goodput' is not in summary.json"):
         objective(with_overrides(cfg, {"optimized_metric": "goodput"}), summary)
-    with pytest.raises(ValueError, match="optimized_metric needs a single run, but experiment 'static_vs_continuous' has arms"):
+    with pytest.raises(
+        ValueError, match="optimized_metric needs a single run, but experiment 'static_vs_continuous' has arms"
+    ):
         composed("experiment=static_vs_continuous", "optimized_metric=goodput_req_s")
 
 
