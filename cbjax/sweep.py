@@ -1,9 +1,10 @@
 """Sweep jobs that resume: a job skips a dir that already holds a complete run of its config.
 
 A run is complete once `complete.json` exists, parses, records the same config, and the run's
-summary (summary.json, or comparison.json for an experiment) parses and was not interrupted. The job writes
-complete.json last, after every output and the tracking upload, and deletes it before it
-starts, so a run killed at any point (or rerun with overwrite=true and killed) never counts.
+summary (summary.json, or comparison.json for an experiment) parses and was not interrupted.
+The job writes complete.json last, after every output and the tracking upload, and deletes it
+before it starts, so a run killed at any point (or rerun with overwrite=true and killed) never
+counts.
 """
 
 from __future__ import annotations
