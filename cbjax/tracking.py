@@ -84,7 +84,7 @@ def log_run(
     if cfg.name == "none":
         return
     name = cfg.run_name or run_name
-    params = {k: v for k, v in flatten(config).items() if not k.startswith("logger.")}
+    params = flatten(config)
     metrics = numeric_metrics(summaries, arms)
     files = run_files(out_dir)
     backend = {"mlflow": _mlflow, "tensorboard": _tensorboard, "wandb": _wandb}[cfg.name]
