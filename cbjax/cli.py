@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -24,17 +25,18 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
-def _app(cfg: DictConfig) -> None:
-    from cbjax.run import run_experiment
+def _app(cfg: DictConfig) -> Optional[float]:
+    from cbjax.hydra_job import run_hydra_job
 
     try:
         run_cfg = to_run_config(cfg)
         out_dir = Path(HydraConfig.get().runtime.output_dir)
-        run_experiment(run_cfg, out_dir)
+        objective = run_hydra_job(run_cfg, out_dir, HydraConfig.get())
     except ValueError as err:
         print(f"cbjax: error: {err}", file=sys.stderr)
         sys.exit(2)
     print(f"\noutputs: {out_dir}")
+    return objective  # a sweeper's objective (optimized_metric); None otherwise
 
 
 def main() -> None:

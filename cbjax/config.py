@@ -24,6 +24,8 @@ TRUNCATIONS = ("clip", "resample")
 WORKLOADS = ("synthetic", "trace")
 DTYPES = ("float32", "bfloat16")
 MLP_KINDS = ("gated", "plain")
+LOGGERS = ("none", "mlflow", "tensorboard", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _require(cond: bool, key: str, msg: str, value: Any) -> None:
@@ -477,6 +479,25 @@ class SLOConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Experiment tracking of the `cbjax` command (cbjax.tracking); each backend reads its own knobs."""
+
+    name: str = "none"
+    experiment_name: str = "cbjax"  # MLflow experiment, W&B project
+    run_name: Optional[str] = None  # None: the job's overrides in a sweep, else the run dir's name
+    # mlflow. None: a file store, mlruns/ in the sweep dir (multirun) or the run dir (no server)
+    tracking_uri: Optional[str] = None
+    # tensorboard and wandb. None: tensorboard/ or wandb/ beside that mlruns/
+    save_dir: Optional[str] = None
+    wandb_mode: str = "offline"  # offline needs no account; `wandb sync` uploads later
+
+    def __post_init__(self) -> None:
+        _one_of("logger.name", self.name, LOGGERS)
+        _one_of("logger.wandb_mode", self.wandb_mode, WANDB_MODES)
+        _require(bool(self.experiment_name), "logger.experiment_name", "must be non-empty", self.experiment_name)
+
+
+@dataclass
 class RunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -491,6 +512,18 @@ class RunConfig:
     progress: bool = True
     # "requests completed in N iterations", the seeds' throughput measure
     window_iterations: int = 1000
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # A multirun skips a job whose dir holds a complete run of the same config; true reruns all.
+    overwrite: bool = False
+    # A summary.json key the job returns to a Hydra sweeper (optuna maximizes or minimizes it).
+    optimized_metric: Optional[str] = None
 
     def __post_init__(self) -> None:
         _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)
+        if self.optimized_metric is not None:
+            _require(
+                not self.experiment.arms,
+                "optimized_metric",
+                f"needs a single run, but experiment {self.experiment.name!r} has arms",
+                self.optimized_metric,
+            )
