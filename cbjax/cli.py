@@ -9,18 +9,14 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from cbjax.config import RunConfig
+from cbjax.config_merge import to_run_config
 
 CONFIG_DIR = Path(os.environ.get("CBJAX_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
 
 ConfigStore.instance().store(name="base_config", node=RunConfig)
-
-
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Resolve a composed Hydra config into the checked dataclasses."""
-    return OmegaConf.to_object(cfg)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
-POLICIES = ("static", "fcfs", "priority", "sjf", "mlfq", "vtc")
 PREDICTORS = ("oracle", "mean", "learned")
-ALLOCATIONS = ("paged", "reserve_max")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
 ATTENTION_IMPLS = ("auto", "pallas", "ragged", "reference", "triton")
-COST_MODELS = ("unit", "roofline")
 ARRIVALS = ("all_at_once", "poisson", "gamma")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
 WORKLOADS = ("synthetic", "trace")
@@ -29,9 +26,29 @@ def _require(cond: bool, key: str, msg: str, value: Any) -> None:
         raise ValueError(f"{key} {msg}, got {value!r}")
 
 
-def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+def _one_of(key: str, value: Any, allowed: Iterable[str]) -> None:
     if value not in allowed:
         raise ValueError(f"{key}: unknown value {value!r}; choose one of {', '.join(allowed)}")
+
+
+# Choice lists that have a registry are read from it, so a registered addition is selectable.
+# Imported when a config is checked: the registries' modules import this one.
+def policy_names() -> list[str]:
+    from cbjax.scheduler.policy import POLICIES
+
+    return list(POLICIES)
+
+
+def allocation_names() -> list[str]:
+    from cbjax.cache.allocator import ALLOCATIONS
+
+    return list(ALLOCATIONS)
+
+
+def cost_model_names() -> list[str]:
+    from cbjax.sim.cost import COST_MODELS
+
+    return list(COST_MODELS)
 
 
 @dataclass
@@ -55,7 +72,7 @@ class SchedulerConfig:
     vtc_output_weight: float = 2.0  # service cost per generated token
 
     def __post_init__(self) -> None:
-        _one_of("scheduler.name", self.name, POLICIES)
+        _one_of("scheduler.name", self.name, policy_names())
         _one_of("scheduler.preemption", self.preemption, PREEMPTION_MODES)
         _one_of("scheduler.predictor", self.predictor, PREDICTORS)
         if self.name == "sjf" and self.predictor == "learned":
@@ -91,7 +108,7 @@ class CacheConfig:
     num_swap_pages: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _one_of("cache.allocation", self.allocation, ALLOCATIONS)
+        _one_of("cache.allocation", self.allocation, allocation_names())
         _require(self.page_size >= 1, "cache.page_size", "must be >= 1", self.page_size)
         _require(self.num_pages >= 2, "cache.num_pages", "must be >= 2 (page 0 is the null page)", self.num_pages)
         if self.num_swap_pages is not None:
@@ -127,7 +144,7 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         _one_of("executor.name", self.name, EXECUTORS)
-        _one_of("executor.cost_model", self.cost_model, COST_MODELS)
+        _one_of("executor.cost_model", self.cost_model, cost_model_names())
         _one_of("executor.attention", self.attention, ATTENTION_IMPLS)
         _require(self.max_prefill_batch >= 1, "executor.max_prefill_batch", "must be >= 1", self.max_prefill_batch)
         _require(self.pages_per_block >= 1, "executor.pages_per_block", "must be >= 1", self.pages_per_block)

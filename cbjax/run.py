@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import typing
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cbjax.config import RunConfig
+from cbjax.config_merge import merge_overrides
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.plots import plot_comparison
@@ -125,27 +125,8 @@ def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: b
 
 
 def with_overrides(cfg: RunConfig, overrides: dict[str, Any], where: str = "overrides") -> RunConfig:
-    """A copy of `cfg` with a nested partial config merged in, validated anew.
-
-    Keys may be nested dicts (`{scheduler: {name: static}}`) or dotted (`scheduler.name`).
-    """
-    tree = dataclasses.asdict(cfg)
-    tree["experiment"] = dataclasses.asdict(type(cfg.experiment)())
-    _merge(tree, overrides, where)
-    return from_dict(RunConfig, tree)
-
-
-def _merge(node: dict[str, Any], patch: dict[str, Any], where: str, prefix: str = "") -> None:
-    for key, value in patch.items():
-        head, _, rest = str(key).partition(".")
-        if rest:
-            value, key = {rest: value}, head
-        if key not in node:
-            raise ValueError(f"{where}: unknown key {prefix + key!r}")
-        if isinstance(value, dict) and isinstance(node[key], dict):
-            _merge(node[key], value, where, f"{prefix}{key}.")
-        else:
-            node[key] = copy.deepcopy(value)
+    """A copy of `cfg` with a nested partial config typed-merged in (see `merge_overrides`)."""
+    return merge_overrides(cfg, overrides, where)
 
 
 def from_dict(cls, data: dict[str, Any]):

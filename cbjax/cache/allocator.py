@@ -9,6 +9,9 @@ from typing import Sequence
 # before Python 3.12, and runs must be reproducible.
 ROOT_HASH = 0
 
+# cache.allocation modes, the one list the config checks against.
+ALLOCATIONS = ("paged", "reserve_max")
+
 
 def chain_hashes(parent: int, token_ids: Sequence[int], page_size: int) -> list[int]:
     """Chained hashes of the full pages of `token_ids`: page i hashes (hash of page i-1, its ids).
@@ -47,8 +50,8 @@ class PageAllocator:
             raise ValueError(f"cache.num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         if page_size < 1:
             raise ValueError(f"cache.page_size must be >= 1, got {page_size}")
-        if allocation not in ("paged", "reserve_max"):
-            raise ValueError(f"cache.allocation: unknown value {allocation!r}; choose paged or reserve_max")
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"cache.allocation: unknown value {allocation!r}; choose one of {', '.join(ALLOCATIONS)}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.reserve_max = allocation == "reserve_max"
