@@ -212,6 +212,9 @@ class WorkloadConfig:
     format: str = "auto"  # auto | azure | csv | jsonl
     limit: Optional[int] = None  # replay only the first N requests
     time_scale: float = 1.0  # arrival times are divided by this (2.0 replays twice as fast)
+    # A request arriving later (after time_scale) is rejected with its reason: an absurd time
+    # would zero its latencies in float64 and make the real engine wait for it. 1e7 s: ~116 days.
+    max_arrival_s: float = 1e7
 
     def __post_init__(self) -> None:
         _one_of("workload.name", self.name, WORKLOADS)
@@ -221,6 +224,7 @@ class WorkloadConfig:
         _require(self.rate > 0 and math.isfinite(self.rate), "workload.rate", "must be > 0", self.rate)
         _require(self.cv > 0 and math.isfinite(self.cv), "workload.cv", "must be > 0", self.cv)
         _require(self.time_scale > 0, "workload.time_scale", "must be > 0", self.time_scale)
+        _require(self.max_arrival_s > 0, "workload.max_arrival_s", "must be > 0", self.max_arrival_s)
         _require(self.vocab_size >= 2, "workload.vocab_size", "must be >= 2", self.vocab_size)
         if self.max_tokens is not None:
             _require(self.max_tokens >= 1, "workload.max_tokens", "must be >= 1", self.max_tokens)

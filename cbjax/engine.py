@@ -107,7 +107,7 @@ def serve(
         if n > stats.batch_peak:
             stats.batch_peak = n
         t_post = time.perf_counter()
-        done = scheduler.postprocess(plan, out.token_ids, now)
+        done = scheduler.postprocess(plan, out.token_ids, now, out.errors)
         stats.postprocess_s += time.perf_counter() - t_post
         for req in done:
             finish_iteration[req.request_id] = stats.iterations

@@ -12,10 +12,15 @@ from cbjax.scheduler.core import Schedule
 @dataclass
 class StepOutput:
     """One iteration's result: a token per scheduled request (`Schedule.requests` order), or
-    None when tokens are simulated, and the iteration's duration on the executor's clock."""
+    None when tokens are simulated, and the iteration's duration on the executor's clock.
+
+    `errors` maps an index into `plan.requests` to why that request's step failed (e.g. its
+    logits were not finite): the scheduler ends it with finish_reason `error` and its token
+    is discarded; the others go on."""
 
     token_ids: Optional[Sequence[int]]
     duration_s: float
+    errors: Optional[dict[int, str]] = None
 
 
 class Executor(Protocol):

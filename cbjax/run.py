@@ -64,6 +64,7 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         cfg.model.max_model_len,
         validate=executor.validate,
         eos_token_id=cfg.model.eos_token_id,
+        vocab_size=cfg.model.vocab_size,
     )
     executor.warmup()
     result = serve(requests, scheduler, executor, progress=cfg.progress)

@@ -247,6 +247,7 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
     pseeds = prompt_seeds(len(rows), rngs["token_ids"])
     seeds = sampling_seeds(len(rows), rngs["sampling_seed"])
 
+    given_ids = {row.request_id if row.request_id is not None else str(i) for i, row in enumerate(rows)}
     requests, seen, prev_arrival = [], {}, 0.0
     for index, (row, default_seed, pseed) in enumerate(zip(rows, seeds, pseeds)):
         arrival = prev_arrival
@@ -256,11 +257,10 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
             else:
                 row.errors.append(f"arrival_s must be a finite number >= 0, got {row.arrival_s}")
                 arrival = 0.0
-        rid = row.request_id if row.request_id is not None else str(index)
+        rid = original = row.request_id if row.request_id is not None else str(index)
         if rid in seen:
             row.errors.append(f"duplicate request_id {rid!r} (first on line {seen[rid]})")
-            while rid in seen:  # keep ids unique in the outputs
-                rid = f"{rid}@line{row.line}"
+            rid = _unique_id(original, row.line, given_ids, seen)
         seen[rid] = row.line
         has_prompt = row.prompt_token_ids is not None or row.prompt_text is not None
         requests.append(
@@ -276,9 +276,19 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
                 priority=row.priority,
                 client_id=row.client_id,
                 input_error=f"{name} line {row.line}: {'; '.join(row.errors)}" if row.errors else None,
+                original_request_id=original if rid != original else None,
             )
         )
     return requests
+
+
+def _unique_id(rid: str, line: int, given: set[str], taken: dict[str, int]) -> str:
+    """A new id for a duplicate of `rid` that no request of the file has or will take."""
+    candidate, n = f"{rid}@line{line}", 1
+    while candidate in given or candidate in taken:
+        n += 1
+        candidate = f"{rid}@line{line}#{n}"
+    return candidate
 
 
 def encode_text_prompts(requests: list[Request], tokenizer: Optional[Any], where: str = "the model") -> None:
