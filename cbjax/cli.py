@@ -34,6 +34,9 @@ def _app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    # A plug-in policy (scheduler.policy_class) is found in the working directory, as with `python -m`.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if not (CONFIG_DIR / "config.yaml").is_file():
         sys.exit(f"cbjax: error: no configs at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
     _app()

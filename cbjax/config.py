@@ -70,9 +70,22 @@ class SchedulerConfig:
     mlfq_preempt: bool = True  # FastServe preempts lower-queue requests at iteration level
     vtc_input_weight: float = 1.0  # service cost per prompt token
     vtc_output_weight: float = 2.0  # service cost per generated token
+    # A policy from the user's own code, "package.module:ClassName" (a cbjax Policy subclass,
+    # importable from the working directory or PYTHONPATH); it replaces `name`'s policy.
+    policy_class: Optional[str] = None
+    # Keyword arguments for the policy's constructor, after the config: its own knobs.
+    policy_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _one_of("scheduler.name", self.name, policy_names())
+        if self.policy_class is not None:
+            module, _, cls = self.policy_class.partition(":")
+            _require(
+                bool(module and cls and all(part.isidentifier() for part in module.split(".") + cls.split("."))),
+                "scheduler.policy_class",
+                'must look like "package.module:ClassName"',
+                self.policy_class,
+            )
         _one_of("scheduler.preemption", self.preemption, PREEMPTION_MODES)
         _one_of("scheduler.predictor", self.predictor, PREDICTORS)
         if self.name == "sjf" and self.predictor == "learned":

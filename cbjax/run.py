@@ -73,7 +73,7 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         summary.update(executor.metrics())
     summary.update(
         {
-            "scheduler": cfg.scheduler.name,
+            "scheduler": cfg.scheduler.policy_class or cfg.scheduler.name,
             "executor": cfg.executor.name,
             "cost_model": cfg.executor.cost_model if cfg.executor.name == "sim" else None,
             "allocation": cfg.cache.allocation,
@@ -86,7 +86,7 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
         write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
     if verbose:
-        print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
+        print(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
     return summary
 
 
