@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from cbjax.executor import Executor
+from cbjax.outputs import StopFlag
 from cbjax.request import Request
 from cbjax.scheduler.core import Scheduler
 
@@ -41,6 +42,7 @@ class RunResult:
     wall_s: float
     warmup_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    interrupted: bool = False  # stopped early by `stop`: unfinished requests were aborted
 
 
 def serve(
@@ -50,8 +52,15 @@ def serve(
     *,
     progress: bool = False,
     max_iterations: Optional[int] = None,
+    stop: Optional[StopFlag] = None,
+    on_finish: Optional[Callable[[Request], None]] = None,
+    tick: Optional[Callable[[], None]] = None,
 ) -> RunResult:
-    """Serve `requests` (any order) to completion; every request ends with a finish reason."""
+    """Serve `requests` (any order) to completion; every request ends with a finish reason.
+
+    `stop` is checked at each iteration boundary (and while idle): once set, the loop ends
+    and everything unfinished is aborted. `on_finish` sees each request once, as it ends
+    (rejections included); `tick` is called every loop turn (e.g. to flush a log)."""
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     stats = IterationStats()
     bar = _progress_bar(len(requests)) if progress else None
@@ -63,7 +72,18 @@ def serve(
     now = 0.0
     last_end = 0.0
     num_done_reported = 0
+    num_seen = 0  # scheduler.finished[:num_seen] went to on_finish
+    interrupted = False
     while True:
+        if on_finish is not None and len(scheduler.finished) > num_seen:
+            for req in scheduler.finished[num_seen:]:
+                on_finish(req)
+            num_seen = len(scheduler.finished)
+        if tick is not None:
+            tick()
+        if stop is not None and stop.is_set():
+            interrupted = True
+            break
         if not virtual:
             now = time.perf_counter() - t0
         while pending and pending[0].arrival_s <= now:
@@ -75,7 +95,8 @@ def serve(
             if virtual:
                 now = pending[0].arrival_s
             else:
-                time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - t0)))
+                # short naps, so a stop request or a due flush is not kept waiting
+                time.sleep(min(0.1, max(0.0, pending[0].arrival_s - (time.perf_counter() - t0))))
             continue
         if max_iterations is not None and stats.iterations >= max_iterations:
             break
@@ -118,6 +139,9 @@ def serve(
         for req in pending:
             scheduler.add(req, now)
         scheduler.abort_all(now)
+    if on_finish is not None:
+        for req in scheduler.finished[num_seen:]:
+            on_finish(req)
     if bar is not None:
         bar.update(len(scheduler.finished) - num_done_reported)
         bar.close()
@@ -129,6 +153,7 @@ def serve(
         preemptions=scheduler.num_preemptions,
         wall_s=time.perf_counter() - wall0,
         extra=scheduler.cache_stats(),
+        interrupted=interrupted,
     )
 
 

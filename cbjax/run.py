@@ -5,18 +5,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
 from cbjax.config import RunConfig
 from cbjax.config_merge import merge_overrides
 from cbjax.engine import serve
-from cbjax.metrics import summarize
+from cbjax.metrics import request_row, summarize
+from cbjax.outputs import RequestLog, StopFlag, atomic_write_text
 from cbjax.plots import plot_comparison
 from cbjax.report import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
 from cbjax.workload import build_workload
 from cbjax.workload.trace import encode_text_prompts
+
+log = logging.getLogger("cbjax")
 
 
 def resolve_model(cfg: RunConfig) -> RunConfig:
@@ -47,8 +51,13 @@ def build_executor(cfg: RunConfig):
     raise ValueError(f"executor.name: unknown executor {cfg.executor.name!r}")
 
 
-def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
-    """Serve the configured workload once; write summary.json, requests.jsonl, config.yaml."""
+def run_single(
+    cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True, stop: Optional[StopFlag] = None
+) -> dict[str, Any]:
+    """Serve the configured workload once; write summary.json, requests.jsonl, config.yaml.
+
+    Rows stream to requests.jsonl.partial as requests finish. Once `stop` is set the run
+    aborts what is unfinished and still writes all three files, with `interrupted: true`."""
     cfg = resolve_model(cfg)
     requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
@@ -66,9 +75,22 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         eos_token_id=cfg.model.eos_token_id,
         vocab_size=cfg.model.vocab_size,
     )
+    extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
+    live = None
+    if out_dir is not None:
+        live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **(extra(r) if extra else {})})
     executor.warmup()
-    result = serve(requests, scheduler, executor, progress=cfg.progress)
+    result = serve(
+        requests,
+        scheduler,
+        executor,
+        progress=cfg.progress,
+        stop=stop,
+        on_finish=live.write if live else None,
+        tick=live.tick if live else None,
+    )
     summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
+    summary["interrupted"] = result.interrupted
     if hasattr(executor, "metrics"):
         summary.update(executor.metrics())
     summary.update(
@@ -83,10 +105,11 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         }
     )
     if out_dir is not None:
-        extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
+        log.info("writing %s", out_dir)
         write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
+        live.close()
     if verbose:
-        print(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
+        log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
     return summary
 
 
@@ -97,31 +120,45 @@ def _output_row(req, tokenizer) -> dict[str, Any]:
     return row
 
 
-def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
-    """Run a single configuration, or every arm of `cfg.experiment` and compare them."""
+def run_experiment(
+    cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True, stop: Optional[StopFlag] = None
+) -> dict[str, Any]:
+    """Run a single configuration, or every arm of `cfg.experiment` and compare them.
+
+    Once `stop` is set, the arm being served saves its partial run and no further arm starts;
+    the comparison covers the arms that finished and names the missing ones."""
     arms = cfg.experiment.arms
     if not arms:
-        return run_single(cfg, out_dir, verbose=verbose)
+        return run_single(cfg, out_dir, verbose=verbose, stop=stop)
     summaries: dict[str, dict[str, Any]] = {}
-    for name, overrides in arms.items():
-        arm_cfg = with_overrides(cfg, overrides, where=f"experiment.arms.{name}")
+    arm_cfgs = {name: with_overrides(cfg, overrides, where=f"experiment.arms.{name}") for name, overrides in arms.items()}
+    for name, arm_cfg in arm_cfgs.items():
+        if stop is not None and stop.is_set():
+            break
         if verbose:
-            print(f"\n== arm {name} ==")
-        summaries[name] = run_single(arm_cfg, out_dir / name if out_dir else None, verbose=False)
+            log.info("\n== arm %s ==", name)
+        summary = run_single(arm_cfg, out_dir / name if out_dir else None, verbose=False, stop=stop)
+        if not summary["interrupted"]:
+            summaries[name] = summary
+    missing = [name for name in arms if name not in summaries]
     tables = []
     for i, table in enumerate(cfg.experiment.tables):
-        missing = [a for a in table["arms"] if a not in summaries]
-        if missing:
-            raise ValueError(f"experiment.tables[{i}]: unknown arms {missing}; arms are {list(summaries)}")
-        tables.append(comparison_table(table["title"], list(table["arms"]), list(table["metrics"]), summaries))
+        unknown = [a for a in table["arms"] if a not in arms]
+        if unknown:
+            raise ValueError(f"experiment.tables[{i}]: unknown arms {unknown}; arms are {list(arms)}")
+        if all(a in summaries for a in table["arms"]):
+            tables.append(comparison_table(table["title"], list(table["arms"]), list(table["metrics"]), summaries))
+    if missing:
+        tables.append(f"Interrupted: arms {', '.join(missing)} are missing (finished: {', '.join(summaries) or 'none'}).")
     text = "\n\n".join(tables)
     if verbose:
-        print("\n" + text)
+        log.info("\n" + text)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "comparison.md").write_text(text + "\n")
-        (out_dir / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n")
-        plot_comparison(out_dir, summaries)
+        atomic_write_text(out_dir / "comparison.md", text + "\n")
+        atomic_write_text(out_dir / "comparison.json", json.dumps(summaries, indent=2) + "\n")
+        if summaries:
+            plot_comparison(out_dir, summaries)
     return summaries
 
 
