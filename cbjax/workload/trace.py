@@ -11,6 +11,7 @@ token ids with the model's tokenizer before the run.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import math
 import re
@@ -60,7 +61,7 @@ class _Row:
 
 def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
     """The requests of `cfg.path` in file order; arrival times are divided by `cfg.time_scale`."""
-    path = Path(cfg.path) if cfg.path else None
+    path = resolve_path(cfg.path) if cfg.path else None
     if path is None or not path.is_file():
         where = f" (resolved to {path.resolve()})" if path is not None else ""
         raise ValueError(f"trace file {cfg.path!r}{where} does not exist or is not a file")
@@ -85,6 +86,19 @@ def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
         first = rows[0]
         raise ValueError(f"trace file {path}: no line is valid JSON (line {first.line}: {first.errors[0]})")
     return _to_requests(rows, path.name, cfg, seed)
+
+
+def resolve_path(path: str) -> Path:
+    """A file path, or `pkg://PACKAGE/FILE` for a file shipped inside an installed package
+    (e.g. pkg://cbjax.data/AzureLLMInferenceTrace_code_sample.csv)."""
+    if not path.startswith("pkg://"):
+        return Path(path)
+    package, _, name = path[len("pkg://") :].partition("/")
+    try:
+        root = importlib.resources.files(package)
+    except (ImportError, TypeError) as e:
+        raise ValueError(f"workload.path {path!r}: no package {package!r} ({e})") from None
+    return Path(str(root.joinpath(name)))
 
 
 def detect_format(path: Path, first_line: str) -> str:
