@@ -105,7 +105,6 @@ def run_single(
         }
     )
     if out_dir is not None:
-        log.info("writing %s", out_dir)
         write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
         live.close()
     if verbose:
