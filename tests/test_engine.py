@@ -75,6 +75,7 @@ def run_engine(
         CacheConfig(num_pages=num_pages, page_size=page_size, **(cache_kw or {})),
         MODEL.max_model_len,
         validate=ex.validate,
+        vocab_size=MODEL.vocab_size,
     )
     ex.warmup()
     result = serve([fresh(r) for r in reqs], sched, ex)

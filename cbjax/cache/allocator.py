@@ -9,6 +9,9 @@ from typing import Mapping, Sequence
 # before Python 3.12, and runs must be reproducible.
 ROOT_HASH = 0
 
+# cache.allocation modes, the one list the config checks against.
+ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
+
 
 def chain_hashes(parent: int, token_ids: Sequence[int], page_size: int) -> list[int]:
     """Chained hashes of the full pages of `token_ids`: page i hashes (hash of page i-1, its ids).
