@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from conftest import CheckingExecutor, assert_every_request_ends_once, make_requests
 from cbjax.cache import make_allocator
-from cbjax.config import ALLOCATIONS, CacheConfig, SchedulerConfig
+from cbjax.cache import ALLOCATIONS
+from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import KV_SHARES, summarize
 from cbjax.scheduler import Scheduler

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import CheckingExecutor, make_requests
 from cbjax.cache.sizing import auto_num_pages
-from cbjax.config import CacheConfig, HardwareConfig, LengthConfig, ModelConfig, RunConfig, SchedulerConfig
+from cbjax.config import CacheConfig, HardwareConfig, LengthConfig, RunConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.run import resolve

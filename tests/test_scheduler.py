@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CheckingExecutor, ContentCheckingExecutor, assert_every_request_ends_once, make_requests
-from cbjax.config import ALLOCATIONS, CacheConfig, SchedulerConfig
+from cbjax.cache import ALLOCATIONS
+from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.request import FinishReason, Request, SamplingParams
