@@ -150,3 +150,13 @@ def test_time_between_tokens_counts_every_gap_stalls_included():
         assert sorted(sched.tbt_s) == sorted(gaps)
         assert s["tbt_s_p50"] == pytest.approx(float(np.percentile(gaps, 50)))
         assert s["tbt_s_mean"] == pytest.approx(np.mean(gaps))
+
+
+@pytest.mark.parametrize("alternate, a_finish, c_finish", [(False, 5.0, 3.0), (True, 4.0, 5.0)])
+def test_alternating_phases_interleave_decodes_with_waiting_prefills(alternate, a_finish, c_finish):
+    # budget 4 = one prompt of 4 per iteration; B and C (output 1) wait while A (output 3) runs
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4, hybrid_batching=False, alternate_phases=alternate)
+    sched = Scheduler(cfg, BIG_CACHE, 1000)
+    a, b, c = make_requests([3, 1, 1], prompt_lens=[4, 4, 4], arrivals=[0.0, 0.5, 0.5])
+    serve([a, b, c], sched, CheckingExecutor(sched))
+    assert (a.finish_s, c.finish_s) == (a_finish, c_finish)
