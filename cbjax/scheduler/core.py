@@ -191,7 +191,7 @@ class Scheduler:
     def kv_breakdown(self) -> tuple[int, int, int, int, int]:
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
         fragmentation is judged against the smallest reservation among waiting requests."""
-        final = {r.request_id: self.final_tokens(r) for r in self.running}
+        final = ((r.request_id, r.prompt_len + r.max_output_len - 1) for r in self.running)  # final_tokens
         need = min(self._waiting_pages) if self._waiting_pages else 0
         return self.allocator.slot_breakdown(final, need)
 
