@@ -68,6 +68,9 @@ class SchedulerConfig:
     # Mix prefills and decodes in one iteration (Orca, Sarathi-Serve). False: an iteration with
     # prefill work runs only prefills, and decodes wait (vLLM's original scheduler).
     hybrid_batching: bool = True
+    # Without hybrid batching, when both wait: false, prefill work goes first (vLLM's original
+    # order); true, prefill and decode iterations alternate, so neither starves the other.
+    alternate_phases: bool = False
     # static only: charge compute as a padded `generate` batch does: prompts padded to the
     # batch's longest, finished rows computed until the whole batch ends (Schedule.cost_rows).
     static_padding: bool = False

@@ -72,6 +72,7 @@ class Scheduler:
         self.num_swap_preemptions = 0
         self.num_swapped_out_pages = 0
         self._admit_counter = 0
+        self._prefilled_last = False  # scheduler.alternate_phases: the last plan had prefill work
         # scheduler.static_padding: the current batch's rows, padded prompt length, decode steps
         self._pad_rows = 0
         self._pad_len = 0
@@ -150,7 +151,7 @@ class Scheduler:
     def kv_breakdown(self) -> tuple[int, int, int, int, int]:
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
         fragmentation is judged against the smallest reservation among waiting requests."""
-        final = {r.request_id: self.final_tokens(r) for r in self.running}
+        final = ((r.request_id, r.prompt_len + r.max_output_len - 1) for r in self.running)  # final_tokens
         need = min(self._waiting_pages) if self._waiting_pages else 0
         return self.allocator.slot_breakdown(final, need)
 
@@ -189,14 +190,20 @@ class Scheduler:
         # Running requests first: decodes (one token left to process), then unfinished
         # prefills, then new prefills: Sarathi-Serve's stall-free order. A request processes
         # tokens[num_computed : num_computed + num_new_tokens]. Without hybrid batching an
-        # iteration with prefill work runs only that, and decodes wait for one without.
-        if self.cfg.hybrid_batching:
+        # iteration with prefill work runs only that, and decodes wait for one without (or,
+        # with alternate_phases, run in every other iteration while prefill work waits).
+        hybrid = self.cfg.hybrid_batching
+        if hybrid or (self.cfg.alternate_phases and self._prefilled_last):
             budget = self._plan_running(plan, True, budget)
-        budget = self._plan_running(plan, False, budget)
-        new_batch = not self.running
-        budget = self._admit_waiting(plan, budget, now)
-        if not self.cfg.hybrid_batching and not plan.prefills:
+        if hybrid or not plan.decodes:
+            budget = self._plan_running(plan, False, budget)
+            new_batch = not self.running
+            budget = self._admit_waiting(plan, budget, now)
+        else:
+            new_batch = False
+        if not hybrid and not plan.prefills and not plan.decodes:
             self._plan_running(plan, True, budget)
+        self._prefilled_last = bool(plan.prefills)
         if self.cfg.static_padding:
             self._pad(plan, new_batch)
         return plan
