@@ -31,10 +31,12 @@ def composed(*overrides):
 
 
 def leaves(node, prefix=""):
-    """(dotted key, value) for every leaf of a plain nested dict; dicts under experiment are leaves."""
-    for key, value in node.items():
+    """(dotted key, value) for every leaf of a plain nested dict, list items by index (`a.0.b`);
+    dicts under experiment are leaves."""
+    items = enumerate(node) if isinstance(node, list) else node.items()
+    for key, value in items:
         path = f"{prefix}{key}"
-        if isinstance(value, dict) and not path.startswith("experiment."):
+        if isinstance(value, (dict, list)) and value and not path.startswith("experiment."):
             yield from leaves(value, path + ".")
         else:
             yield path, value
@@ -42,7 +44,10 @@ def leaves(node, prefix=""):
 
 def lookup(cfg, dotted):
     for key in dotted.split("."):
-        cfg = cfg[key] if isinstance(cfg, dict) else getattr(cfg, key)
+        if isinstance(cfg, (list, tuple)):
+            cfg = cfg[int(key)]
+        else:
+            cfg = cfg[key] if isinstance(cfg, dict) else getattr(cfg, key)
     return cfg
 
 
