@@ -89,7 +89,7 @@ def test_sim_and_jax_reject_the_same_requests_for_the_same_reasons(tmp_path):
     ])  # fmt: skip
     common = ["progress=false", "workload=trace", f"workload.path={trace}", "model.max_model_len=32",
               "scheduler.max_num_seqs=2", "scheduler.max_num_batched_tokens=32", "cache.num_pages=32",
-              "executor.prefill_buckets=[32]", "executor.attention=reference", "executor.decode_page_buckets=[2]"]  # fmt: skip
+              "executor.token_buckets=[8,32]", "executor.attention=reference"]  # fmt: skip
     fates = {}
     for name in ("sim", "jax"):
         summary = run_experiment(composed(*common, f"executor={name}"), tmp_path / name, verbose=False)
