@@ -96,6 +96,8 @@ def run_single(
     live = None
     if out_dir is not None:
         live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **(extra(r) if extra else {})})
+    if not executor.virtual_clock:  # the engine compiles its sampler only if a request samples
+        executor.sampling = any(r.sampling.temperature > 0 for r in requests)
     executor.warmup()
     service_log = ServiceLog()
     result = serve(

@@ -1,24 +1,52 @@
-"""Counts XLA backend compiles through jax.monitoring, to prove none happen after warmup."""
+"""Counts XLA compiles through jax.monitoring, to prove none happen after warmup.
+
+jax records a backend-compile event for a program loaded from the persistent compilation
+cache too, so `cache_hit_count` counts those loads and `fresh_compile_count` subtracts them.
+"""
 
 from __future__ import annotations
 
 import jax
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _count = 0
+_hits = 0
 _registered = False
 
 
-def _listener(event: str, duration_s: float, **kwargs) -> None:
+def _duration_listener(event: str, duration_s: float, **kwargs) -> None:
     global _count
     if event == _BACKEND_COMPILE_EVENT:
         _count += 1
 
 
-def compile_count() -> int:
-    """XLA compiles in this process since the counter was first read."""
+def _event_listener(event: str, **kwargs) -> None:
+    global _hits
+    if event == _CACHE_HIT_EVENT:
+        _hits += 1
+
+
+def _register() -> None:
     global _registered
     if not _registered:
-        jax.monitoring.register_event_duration_secs_listener(_listener)
+        jax.monitoring.register_event_duration_secs_listener(_duration_listener)
+        jax.monitoring.register_event_listener(_event_listener)
         _registered = True
+
+
+def compile_count() -> int:
+    """XLA compiles (or cache loads) in this process since the counter was first read."""
+    _register()
     return _count
+
+
+def cache_hit_count() -> int:
+    """Programs loaded from the persistent compilation cache since the counter was first read."""
+    _register()
+    return _hits
+
+
+def fresh_compile_count() -> int:
+    """Programs really compiled: compiles minus persistent-cache loads."""
+    return compile_count() - cache_hit_count()

@@ -26,7 +26,7 @@ from cbjax.model.llama import Llama
 from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker, HostBatch
-from cbjax.runtime.compiles import compile_count
+from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count
 from cbjax.runtime.kv_cache import init_cache
 from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.step import DeviceBatch, model_step, sample_step, split_model
@@ -108,6 +108,8 @@ class JaxExecutor:
         self._swap = HostSwap(widths + [self.shapes.max_pages])
         self._swap_at_warmup = scheduler.preemption == "swap"
         self.progress = True
+        # False when no request will sample (all greedy): warmup skips compiling the sampler.
+        self.sampling = True
         self.swap_s = 0.0
         self.host_pack_s = 0.0
         self.device_s = 0.0
@@ -116,7 +118,8 @@ class JaxExecutor:
         self.num_sampler_calls = 0
         self.warmup_s = 0.0
         self.compiled_programs = 0
-        self.warmup_compiles = 0  # XLA compiles warmup ran: 0 when every program came from the cache
+        self.warmup_compiles = 0  # programs warmup compiled: 0 when every one came from the cache
+        self.warmup_cache_hits = 0  # programs warmup loaded from the persistent compilation cache
         self._compiles_at_warmup: Optional[int] = None
         self.bucket_calls: dict[int, int] = {}
         self.mixed_iterations = 0  # decodes and prefills in the same step
@@ -146,7 +149,7 @@ class JaxExecutor:
     def warmup(self) -> None:
         """Compile the step for every token bucket (and the swap copies) before the clock starts."""
         t0 = time.perf_counter()
-        compiles_before = compile_count()  # also starts the counter before the first compile
+        compiles_before, hits_before = fresh_compile_count(), cache_hit_count()  # counting starts here
         buckets = self.shapes.token_buckets
         bar = _progress_bar(len(buckets) + 1 + (1 if self._swap_at_warmup else 0)) if self.progress else None
 
@@ -169,8 +172,10 @@ class JaxExecutor:
                     bar.update(1)
         for bucket in buckets:  # run each once: first calls allocate, and the cache is donated through them
             jax.block_until_ready(self._step(self.packer.empty(bucket)))
-        empty = self.packer.empty(buckets[0])
-        jax.block_until_ready(sample_step(jnp.zeros((self.shapes.num_rows, self.model_cfg.vocab_size)), empty.sampling))
+        if self.sampling:  # random keys and the top-k/top-p sort take seconds to compile on CPU
+            empty = self.packer.empty(buckets[0])
+            logits = jnp.zeros((self.shapes.num_rows, self.model_cfg.vocab_size))
+            jax.block_until_ready(sample_step(logits, empty.sampling))
         if bar is not None:
             bar.update(1)
         if self._swap_at_warmup:
@@ -179,9 +184,10 @@ class JaxExecutor:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        self.compiled_programs = len(buckets) + 1 + (len(self._swap.widths) * 2 if self._swap_at_warmup else 0)
+        self.compiled_programs = len(buckets) + int(self.sampling) + (len(self._swap.widths) * 2 if self._swap_at_warmup else 0)
         self._compiles_at_warmup = compile_count()
-        self.warmup_compiles = self._compiles_at_warmup - compiles_before
+        self.warmup_compiles = fresh_compile_count() - compiles_before
+        self.warmup_cache_hits = cache_hit_count() - hits_before
         self.num_step_calls = self.num_sampler_calls = 0
         self.warmup_s = time.perf_counter() - t0
 
@@ -217,6 +223,7 @@ class JaxExecutor:
             "warmup_s": self.warmup_s,
             "compiled_programs": self.compiled_programs,
             "warmup_compiles": self.warmup_compiles,
+            "warmup_cache_hits": self.warmup_cache_hits,
             # model-step calls per iteration (swap copies and the sampler excluded)
             "device_calls_per_iteration": self.num_step_calls / self.num_steps if self.num_steps else 0.0,
             "sampler_calls": self.num_sampler_calls,
