@@ -20,7 +20,10 @@ they are never trusted. Attention functions have the signature
     v_pages: [num_kv_heads, num_pages, page_size, head_dim]
     out:     [T, num_heads, head_dim], q.dtype
 
-with query head h reading kv head h // (num_heads // num_kv_heads).
+with query head h reading kv head h // (num_heads // num_kv_heads). The XLA and reference
+backends also take `layer=`: then k_pages and v_pages are the whole cache, [num_layers,
+num_kv_heads, num_pages, page_size, head_dim], and they read that layer's pages by gathering
+from it directly, so a step that scans over layers never copies a layer's page pool out.
 """
 
 from __future__ import annotations
@@ -61,6 +64,19 @@ class AttentionMetadata:
 
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+
+
+def layer_view(k_pages: jax.Array, v_pages: jax.Array, layer) -> tuple:
+    """The one-layer shapes `check_shapes` checks: the pages themselves, or with `layer` the
+    shape of one layer of the whole cache."""
+    if layer is None:
+        return k_pages, v_pages
+    if k_pages.ndim != 5 or v_pages.ndim != 5:
+        raise ValueError(
+            f"with layer=, k_pages and v_pages must be the whole cache [num_layers, num_kv_heads, num_pages, "
+            f"page_size, head_dim]; got {k_pages.shape}, {v_pages.shape}"
+        )
+    return (jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype))
 
 
 def check_shapes(where: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata) -> None:

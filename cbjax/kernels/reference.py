@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cbjax.kernels.metadata import AttentionMetadata, check_shapes
+from cbjax.kernels.metadata import AttentionMetadata, check_shapes, layer_view
 
 
 def ragged_attention_reference(
@@ -22,12 +22,13 @@ def ragged_attention_reference(
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     md: AttentionMetadata,
     *,
+    layer: Optional[jax.Array] = None,
     scale: Optional[float] = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
-    """See `cbjax.kernels.metadata` for the contract."""
-    check_shapes("ragged_attention_reference", q, k_pages, v_pages, md)
+    """See `cbjax.kernels.metadata` for the contract (and `layer`)."""
+    check_shapes("ragged_attention_reference", q, *layer_view(k_pages, v_pages, layer), md)
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
     max_pages = md.page_table.shape[1]
     group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -36,8 +37,11 @@ def ragged_attention_reference(
     table = md.page_table[md.token_row]  # i32[T, max_pages]
 
     def gather(pages):  # -> f32[T, num_kv_heads, max_len, head_dim]
-        x = jnp.take(pages, table, axis=1, mode="clip")  # [kv, T, max_pages, page_size, d]
-        return x.transpose(1, 0, 2, 3, 4).reshape(num_tokens, num_kv_heads, max_len, head_dim).astype(jnp.float32)
+        if layer is None:
+            x = jnp.take(pages, table, axis=1, mode="clip").transpose(1, 0, 2, 3, 4)  # [T, kv, max_pages, ps, d]
+        else:
+            x = pages.at[layer, :, table].get(mode="clip").transpose(0, 2, 1, 3, 4)  # [T, kv, max_pages, ps, d]
+        return x.reshape(num_tokens, num_kv_heads, max_len, head_dim).astype(jnp.float32)
 
     key_pos = jnp.arange(max_len)
     valid = (md.token_pos[:, None] >= 0) & (key_pos[None, :] <= md.token_pos[:, None])  # bool[T, max_len]

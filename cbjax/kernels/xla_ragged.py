@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cbjax.kernels.metadata import AttentionMetadata, check_shapes
+from cbjax.kernels.metadata import AttentionMetadata, check_shapes, layer_view
 
 # Finite, so a fully masked tile never computes inf - inf.
 MASK_VALUE = -1e30
@@ -49,10 +49,18 @@ class RaggedWork:
     block: Tiles  # several tokens per tile: prefill and chunk tokens
 
 
-def _tile_pass(tiles: Tiles, chunk: int, q_ext, pos_ext, k_pages, v_pages, carry, scale):
+def _pages(pages: jax.Array, layer, page: jax.Array) -> jax.Array:
+    """f32[len(page), num_kv_heads, page_size, head_dim]: the pages `page` of one layer, read by
+    one gather from the whole cache when `layer` is given (no copy of the layer's pool)."""
+    if layer is None:
+        return jnp.take(pages, page, axis=1, mode="clip").transpose(1, 0, 2, 3).astype(jnp.float32)
+    return pages.at[layer, :, page].get(mode="clip").astype(jnp.float32)
+
+
+def _tile_pass(tiles: Tiles, chunk: int, q_ext, pos_ext, k_pages, v_pages, layer, carry, scale):
     """Merge every tile of `tiles` into the accumulators `carry`, `chunk` tiles per loop step."""
     _, block = tiles.q_idx.shape
-    num_kv_heads, _, page_size, head_dim = k_pages.shape
+    page_size = k_pages.shape[-2]
     key_off = jnp.arange(page_size, dtype=jnp.int32)
 
     def body(c, carry):
@@ -66,21 +74,21 @@ def _tile_pass(tiles: Tiles, chunk: int, q_ext, pos_ext, k_pages, v_pages, carry
         key_pos = page_pos[:, None] * page_size + key_off[None, :]  # i32[chunk, page_size]
         valid = key_pos[:, None, :] <= q_pos[:, :, None]  # bool[chunk, block, page_size]
         last = jnp.max(q_pos, axis=1)  # keys at or before the tile's last query hold real values
-        k = jnp.take(k_pages, page, axis=1, mode="clip").astype(jnp.float32)  # [kv, chunk, page_size, d]
-        v = jnp.take(v_pages, page, axis=1, mode="clip").astype(jnp.float32)
-        v = jnp.where((key_pos <= last[:, None])[None, :, :, None], v, 0.0)
+        k = _pages(k_pages, layer, page)  # f32[chunk, kv, page_size, d]
+        v = _pages(v_pages, layer, page)
+        v = jnp.where((key_pos <= last[:, None])[:, None, :, None], v, 0.0)
         if block == 1:  # tiny contractions run faster as fused multiply-reduce than as batched dots
-            scores = jnp.sum(q[:, 0, :, :, None, :] * k.transpose(1, 0, 2, 3)[:, :, None], axis=-1)[:, None]
+            scores = jnp.sum(q[:, 0, :, :, None, :] * k[:, :, None], axis=-1)[:, None]
         else:
-            scores = jnp.einsum("cbkgd,kcsd->cbkgs", q, k)
+            scores = jnp.einsum("cbkgd,cksd->cbkgs", q, k)
         scores = jnp.where(valid[:, :, None, None, :], scores * scale, MASK_VALUE)  # f32[chunk, block, kv, g, s]
         m = jnp.max(scores, axis=-1)  # f32[chunk, block, kv, g]
         p = jnp.where(valid[:, :, None, None, :], jnp.exp(scores - m[..., None]), 0.0)
         l = jnp.sum(p, axis=-1)
         if block == 1:
-            o = jnp.sum(p[:, 0, :, :, :, None] * v.transpose(1, 0, 2, 3)[:, :, None], axis=-2)[:, None]
+            o = jnp.sum(p[:, 0, :, :, :, None] * v[:, :, None], axis=-2)[:, None]
         else:
-            o = jnp.einsum("cbkgs,kcsd->cbkgd", p, v)  # f32[chunk, block, kv, g, d]
+            o = jnp.einsum("cbkgs,cksd->cbkgd", p, v)  # f32[chunk, block, kv, g, d]
         m_new = m_acc.at[q_idx].max(m)
         rescale = jnp.exp(m_acc - m_new)
         w = jnp.exp(m - m_new[q_idx])  # f32[chunk, block, kv, g]
@@ -98,16 +106,20 @@ def ragged_attention_xla(
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     md: AttentionMetadata,  # md.work: RaggedWork
     *,
+    layer: Optional[jax.Array] = None,
     scale: Optional[float] = None,
     chunk_single: int = 128,
     chunk_block: int = 32,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
-    """See `cbjax.kernels.metadata` for the contract and the module docstring for the method."""
-    check_shapes("ragged_attention_xla", q, k_pages, v_pages, md)
+    """See `cbjax.kernels.metadata` for the contract and the module docstring for the method.
+
+    With `layer`, k_pages and v_pages are the whole cache [num_layers, num_kv_heads, ...] and
+    each tile's page is gathered from that layer directly."""
+    check_shapes("ragged_attention_xla", q, *layer_view(k_pages, v_pages, layer), md)
     if not isinstance(md.work, RaggedWork):
         raise ValueError("ragged_attention_xla: md.work must hold the RaggedWork tiles the packer builds")
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
+    num_kv_heads = k_pages.shape[-4]
     group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     for name, tiles, chunk in (("single", md.work.single, chunk_single), ("block", md.work.block, chunk_block)):
@@ -123,8 +135,8 @@ def ragged_attention_xla(
         jnp.zeros((num_tokens + 1, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens + 1, num_kv_heads, group, head_dim), jnp.float32),
     )
-    carry = _tile_pass(md.work.single, chunk_single, q_ext, pos_ext, k_pages, v_pages, carry, scale)
-    carry = _tile_pass(md.work.block, chunk_block, q_ext, pos_ext, k_pages, v_pages, carry, scale)
+    carry = _tile_pass(md.work.single, chunk_single, q_ext, pos_ext, k_pages, v_pages, layer, carry, scale)
+    carry = _tile_pass(md.work.block, chunk_block, q_ext, pos_ext, k_pages, v_pages, layer, carry, scale)
     _, l_acc, o_acc = carry
     out = o_acc / jnp.where(l_acc > 0, l_acc, 1.0)[..., None]
     return out[:num_tokens].reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

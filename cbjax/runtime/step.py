@@ -73,6 +73,10 @@ def split_model(model) -> tuple[tuple, tuple]:
     return (outer_def, layer_def), (outer_state, stacked)
 
 
+# Backends that index the layer inside their own gathers (see cbjax.kernels.metadata).
+LAYER_INDEXED = ("ragged", "reference")
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "attention"), donate_argnames=("cache",))
 def model_step(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str):
     check_batch(batch)
@@ -89,7 +93,11 @@ def model_step(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attenti
         q, k, v = layer.qkv(x, batch.positions)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
         k_pages = write_layer(k_pages, layer_idx, batch.write_idx, k)
         v_pages = write_layer(v_pages, layer_idx, batch.write_idx, v)
-        x = layer.finish(x, attn_fn(q, k_pages[layer_idx], v_pages[layer_idx], batch.md))
+        if attention in LAYER_INDEXED:  # gathers pages from the whole cache: no per-layer copy
+            attn = attn_fn(q, k_pages, v_pages, batch.md, layer=layer_idx)
+        else:  # the Pallas kernel reads one layer's pages (a slice of the scan's carry)
+            attn = attn_fn(q, k_pages[layer_idx], v_pages[layer_idx], batch.md)
+        x = layer.finish(x, attn)
         return (x, k_pages, v_pages), None
 
     x = model.embed(batch.tokens)  # [T, d_model]

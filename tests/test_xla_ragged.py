@@ -1,0 +1,61 @@
+"""The XLA ragged attention and the jnp reference against the float64 oracle, per layer or
+gathered from the whole cache."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ragged_cases import CASES, make_case, oracle
+from cbjax.kernels.metadata import AttentionMetadata
+from cbjax.kernels.reference import ragged_attention_reference
+from cbjax.kernels.xla_ragged import RaggedWork, Tiles, ragged_attention_xla
+from cbjax.runtime.tiles import build_tiles, tile_capacity
+
+FIELDS = ("page_table", "query_start", "kv_lens", "token_row", "token_pos")
+
+
+def metadata(case, block, chunk):
+    num_tokens, num_rows = case["q"].shape[0], case["kv_lens"].shape[0]
+    cap = tile_capacity(num_tokens, num_rows, case["page_table"].shape[1], block, (chunk, chunk))
+    page_size = case["k_pages"].shape[2]
+    single, multi = build_tiles(case["query_start"], case["kv_lens"], case["page_table"], num_tokens, page_size, block, cap)
+    work = RaggedWork(Tiles(*map(jnp.asarray, single)), Tiles(*map(jnp.asarray, multi)))
+    return AttentionMetadata(*(jnp.asarray(case[f]) for f in FIELDS), work=work)
+
+
+@pytest.mark.parametrize("num_kv_heads, group", [(2, 1), (2, 2), (1, 4)])
+@pytest.mark.parametrize("whole_cache", [False, True])
+def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache):
+    for name, rows in CASES.items():
+        # two idle rows and three padding tokens; blocks of 4 cut the longer rows
+        case = make_case(rows, num_kv_heads=num_kv_heads, group=group, num_tokens=sum(n for _, n in rows) + 3,
+                         num_rows=len(rows) + 2, seed=len(name))  # fmt: skip
+        md = metadata(case, block=4, chunk=4)  # several loop steps per list
+        q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
+        kw = {}
+        if whole_cache:  # the layer under test is 1; layer 0 holds other values
+            k, v = jnp.stack([k + 3.0, k]), jnp.stack([v - 3.0, v])
+            kw = dict(layer=jnp.int32(1))
+        want = oracle(case)
+        got = np.asarray(ragged_attention_xla(q, k, v, md, chunk_single=4, chunk_block=4, **kw))
+        ref = np.asarray(ragged_attention_reference(q, k, v, md, **kw))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(ref, want, atol=1e-5, rtol=1e-5, err_msg=name)
+        assert not np.abs(got[case["num_real_tokens"] :]).any(), f"{name}: padding tokens must give zeros"
+
+
+def test_bad_shapes_and_missing_tiles_name_the_problem():
+    case = make_case(CASES["mixed"], num_kv_heads=2, group=2)
+    md = metadata(case, block=4, chunk=4)
+    q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
+    with pytest.raises(ValueError, match="whole cache"):
+        ragged_attention_xla(q, k, v, md, layer=jnp.int32(0), chunk_single=4, chunk_block=4)
+    with pytest.raises(ValueError, match="q head_dim"):
+        ragged_attention_xla(q[..., :8], k, v, md, chunk_single=4, chunk_block=4)
+    bare = AttentionMetadata(*(jnp.asarray(case[f]) for f in FIELDS))
+    with pytest.raises(ValueError, match="RaggedWork"):
+        ragged_attention_xla(q, k, v, bare)
+    with pytest.raises(ValueError, match="not a multiple of its chunk"):
+        ragged_attention_xla(q, k, v, md, chunk_single=3, chunk_block=4)
