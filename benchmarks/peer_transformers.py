@@ -14,9 +14,9 @@ Workload: prompts of uniform 16-200 random token ids, output lengths exponential
 Systems, each timed from the first request handed in to the last token out, warmup excluded,
 run one after another within each repeat (cbjax, transformers CB, transformers static):
 - cbjax: JaxExecutor + fcfs scheduler (`serve`) at default executor and scheduler settings;
-  only the slot count (`--slots`, scheduler.max_num_seqs) and the workload are set, and the
-  page pool (`--pages`, default: enough for every request at once, so no preemption).
-  Compilation happens in `warmup()`, untimed.
+  only the slot count (`--slots`, scheduler.max_num_seqs) and the workload are set (the
+  default page pool holds every request at once, so nothing is preempted). Compilation
+  happens in `warmup()`, untimed.
 - transformers CB: `init_continuous_batching` manager (its default config, sized by workload
   hints as `generate_batch` does), per-request `max_new_tokens`, EOS disabled; one untimed
   warmup round of a few requests first.
@@ -65,7 +65,6 @@ SHAPES = {
 }  # fmt: skip
 DEFAULT_REQUESTS = {"tiny": 48, "smollm": 24}
 INIT_STD = 0.05  # wider than HF's 0.02 so greedy argmaxes are rarely near-ties
-PAGE_SIZE = CacheConfig().page_size
 
 
 def make_checkpoint(model_dir: str, shape: str, seed: int):
@@ -89,11 +88,6 @@ def make_workload(num: int, seed: int, vocab: int) -> list[tuple[list[int], int]
     prompt_lens = rng.integers(16, 201, num)
     output_lens = np.clip(np.rint(rng.exponential(64.0, num)), 1, 256).astype(int)
     return [(rng.integers(3, vocab, int(p)).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
-
-
-def pages_for(workload) -> int:
-    """Pages holding every request's prompt and output at once, plus the null page."""
-    return 1 + sum(-(-(len(p) + o) // PAGE_SIZE) for p, o in workload)
 
 
 # ---- cbjax ----
@@ -315,7 +309,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="default: 48 (tiny), 24 (smollm)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--slots", type=int, default=32, help="cbjax scheduler.max_num_seqs")
-    ap.add_argument("--pages", type=int, default=None, help="cbjax cache.num_pages (default: the workload at once)")
+    ap.add_argument("--pages", type=int, default=CacheConfig().num_pages, help="cbjax cache.num_pages (its default)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-static", action="store_true")
@@ -329,7 +323,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     num = args.requests or DEFAULT_REQUESTS[args.shape]
     workload = make_workload(num, args.seed, SHAPES[args.shape]["vocab_size"])
-    args.pages = args.pages or pages_for(workload)
     systems = ["cbjax", "transformers CB"] + ([] if args.skip_static else ["transformers static"])
     runs = {name: [] for name in systems}
     outs, warm = {}, {}
