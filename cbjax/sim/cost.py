@@ -93,12 +93,14 @@ class RooflineCost:
         return compute_s + attn_pages_s + tokens * self.allreduce_s_per_token + host_s + swap_s
 
 
-COST_MODELS = ("unit", "roofline")
+# executor.cost_model names -> factories of (model, hardware); the one list the config checks.
+COST_MODELS = {
+    "unit": lambda model, hw: UnitCost(),
+    "roofline": RooflineCost,
+}
 
 
 def make_cost_model(name: str, model: ModelConfig, hw: HardwareConfig):
-    if name == "unit":
-        return UnitCost()
-    if name == "roofline":
-        return RooflineCost(model, hw)
+    if name in COST_MODELS:
+        return COST_MODELS[name](model, hw)
     raise ValueError(f"executor.cost_model: unknown value {name!r}; choose one of {', '.join(COST_MODELS)}")
