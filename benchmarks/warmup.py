@@ -5,7 +5,9 @@
 Each repeat makes a fresh, empty `executor.compilation_cache_dir` and runs the CLI twice in
 fresh subprocesses with it: the first run compiles every program (cold), the second finds them
 in JAX's persistent cache (warm). Prints warmup_s from each run's summary.json, cold and warm
-side by side, with medians over repeats, plus compiled_programs and the cache's size. Extra
+side by side, with medians over repeats, plus compiled_programs, warmup_compiles (XLA
+compiles warmup ran: 0 on the warm run when every program came from the cache) and the
+cache's size. Extra
 arguments are passed to both runs as Hydra overrides (e.g. workload.num_requests=8 to shorten
 the serving that follows warmup; it does not change what warmup compiles).
 """
@@ -55,11 +57,13 @@ def main() -> None:
         cold.append(first["warmup_s"])
         warm.append(second["warmup_s"])
         rows.append((i + 1, f"{first['warmup_s']:.2f}", f"{second['warmup_s']:.2f}", first["compiled_programs"],
-                     f"{cache_mb:.1f}", f"{first['process_s']:.1f}", f"{second['process_s']:.1f}"))  # fmt: skip
-    rows.append(("median", f"{statistics.median(cold):.2f}", f"{statistics.median(warm):.2f}", "", "", "", ""))
+                     f"{first.get('warmup_compiles', '')} / {second.get('warmup_compiles', '')}", f"{cache_mb:.1f}",
+                     f"{first['process_s']:.1f}", f"{second['process_s']:.1f}"))  # fmt: skip
+    rows.append(("median", f"{statistics.median(cold):.2f}", f"{statistics.median(warm):.2f}", "", "", "", "", ""))
     extra = f" {' '.join(args.overrides)}" if args.overrides else ""
     print(f"cbjax executor=jax{extra} (tiny model, defaults), fresh processes, a fresh compilation cache per repeat")
-    print(markdown_table(["repeat", "warmup_s cold", "warmup_s warm cache", "compiled_programs", "cache MB",
+    print(markdown_table(["repeat", "warmup_s cold", "warmup_s warm cache", "compiled_programs",
+                          "warmup_compiles cold / warm", "cache MB",
                           "process s cold", "process s warm"], rows))  # fmt: skip
     print(f"\nmedian warmup: {statistics.median(cold):.2f} s cold, {statistics.median(warm):.2f} s with a warm cache "
           f"(targets: <= 15 s cold, <= 3 s warm)")  # fmt: skip
