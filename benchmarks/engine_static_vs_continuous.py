@@ -3,9 +3,10 @@
     python benchmarks/engine_static_vs_continuous.py [--slots 32] [--requests 256] [--repeats 3]
 
 Both policies serve the same workload (all requests at t=0, exponential output lengths) on the
-tiny model. Prints medians over repeats: tokens/s, iterations, step time and host time per
-iteration (schedule + pack + postprocess), and the fcfs/static wall-clock ratio beside the
-ideal ratio from iteration counts.
+tiny model at default executor settings, one run of each per repeat, side by side. Prints
+medians over repeats: tokens/s, iterations, step time and host time per iteration (schedule +
+pack + postprocess), model-step calls per iteration, and the fcfs/static wall-clock ratio
+beside the ideal ratio from iteration counts.
 """
 
 from __future__ import annotations
@@ -19,35 +20,30 @@ import numpy as np
 from cbjax.config import CacheConfig, ExecutorConfig, LengthConfig, ModelConfig, SchedulerConfig, WorkloadConfig
 from cbjax.engine import serve
 from cbjax.report import markdown_table
-from cbjax.runtime.executor import JaxExecutor, SamplingArrays
+from cbjax.runtime.executor import JaxExecutor
 from cbjax.scheduler import Scheduler
 from cbjax.workload import build_workload
 
 
 def fixed_step_s(ex: JaxExecutor, calls: int = 50) -> float:
-    """Median time of the cheapest full decode step: every slot active at position 0, so the
-    step does its per-iteration work (every row's matmuls, dispatch, read-back) with almost
-    no attention."""
-    rows = ex.num_slots
-    width, entries = ex.decode_shapes[rows][0]
-    table = np.zeros((rows, width), np.int32)
-    table[:, 0] = np.arange(1, rows + 1)  # one page each
-    args = (np.zeros(rows, np.int32), np.zeros(rows, np.int32), table, np.ones(rows, bool),
-            SamplingArrays(rows).arrays())  # fmt: skip
-    step = ex._decode(entries)
+    """Median time of the cheapest full decode step: one padded token per slot and no row
+    attending, so the step does its per-iteration work (every slot token's matmuls, dispatch,
+    read-back) with almost no attention."""
+    batch = ex.packer.empty(ex.shapes.bucket(ex.shapes.num_rows))
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        toks, ex.cache = step(ex.params, ex.cache, *args)
-        np.asarray(toks)
+        np.asarray(ex._step(batch))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def run_once(policy: str, args, model: ModelConfig) -> dict:
-    sched_cfg = SchedulerConfig(name=policy, max_num_seqs=args.slots, max_num_batched_tokens=args.budget)
+    budget = {} if args.budget is None else {"max_num_batched_tokens": args.budget}
+    sched_cfg = SchedulerConfig(name=policy, max_num_seqs=args.slots, **budget)
     cache = CacheConfig(page_size=16, num_pages=args.pages)
-    ex = JaxExecutor(model, cache, sched_cfg, ExecutorConfig(name="jax", attention=args.attention, prefill_buckets=args.buckets), seed=0)
+    ex = JaxExecutor(model, cache, sched_cfg, ExecutorConfig(name="jax", attention=args.attention), seed=0)
+    ex.progress = False
     ex.warmup()
     wl = WorkloadConfig(
         num_requests=args.requests,
@@ -61,6 +57,7 @@ def run_once(policy: str, args, model: ModelConfig) -> dict:
     stats = result.stats
     tokens = sum(r.num_generated for r in result.requests)
     host = stats.schedule_s + stats.postprocess_s + ex.host_pack_s
+    m = ex.metrics()  # before fixed_step_s adds calls of its own
     return {
         "makespan_s": result.makespan_s,
         "fixed_ms": 1e3 * fixed_step_s(ex) + 1e3 * host / stats.iterations,
@@ -69,7 +66,8 @@ def run_once(policy: str, args, model: ModelConfig) -> dict:
         "step_ms": 1e3 * result.makespan_s / stats.iterations,
         "host_ms": 1e3 * host / stats.iterations,
         "host_frac": host / result.makespan_s,
-        "compiles_after_warmup": ex.metrics()["compiles_after_warmup"],
+        "calls_per_iter": m["device_calls_per_iteration"],
+        "compiles_after_warmup": m["compiles_after_warmup"],
     }
 
 
@@ -81,23 +79,26 @@ def main() -> None:
     ap.add_argument("--mean-output", type=float, default=64.0)
     ap.add_argument("--max-output", type=int, default=384)
     ap.add_argument("--max-prompt", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=None, help="scheduler.max_num_batched_tokens (default: its default)")
     ap.add_argument("--pages", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention", default="auto", help="executor.attention (auto: ragged on CPU)")
     args = ap.parse_args()
     model = ModelConfig(max_model_len=512)
-    args.buckets = [16, 32, 64, 128, 512]
-    runs = {p: [run_once(p, args, model) for _ in range(args.repeats)] for p in ("static", "fcfs")}
+    runs = {"static": [], "fcfs": []}
+    for _ in range(args.repeats):  # the two policies side by side, under the same load
+        for policy, rs in runs.items():
+            rs.append(run_once(policy, args, model))
     med = {p: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for p, rs in runs.items()}
     rows = [
         (p, f"{m['tok_s']:.0f}", int(m["iterations"]), f"{m['step_ms']:.2f}", f"{m['host_ms']:.3f}",
-         f"{m['host_frac']:.1%}", int(m["compiles_after_warmup"]))
+         f"{m['host_frac']:.1%}", f"{m['calls_per_iter']:.2f}", int(m["compiles_after_warmup"]))
         for p, m in med.items()
     ]  # fmt: skip
     print(f"tiny model, {args.slots} slots, {args.requests} requests, exponential outputs (mean {args.mean_output:g}), "
           f"medians of {args.repeats}")  # fmt: skip
-    print(markdown_table(["policy", "tok/s (wall)", "iterations", "ms/iter", "host ms/iter", "host share", "compiles after warmup"], rows))
+    print(markdown_table(["policy", "tok/s (wall)", "iterations", "ms/iter", "host ms/iter", "host share",
+                          "model-step calls/iter", "compiles after warmup"], rows))  # fmt: skip
     wall = med["fcfs"]["tok_s"] / med["static"]["tok_s"]
     ideal = med["static"]["iterations"] / med["fcfs"]["iterations"]
     print(f"\nfcfs / static wall-clock throughput: {wall:.2f}x; ideal from iteration counts: {ideal:.2f}x; "

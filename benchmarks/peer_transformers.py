@@ -1,28 +1,37 @@
-"""Peer benchmark: cbjax vs transformers' continuous batching and static `generate`, same weights.
+"""Peer benchmark: cbjax at default settings vs transformers' continuous batching and static `generate`.
 
-    python benchmarks/peer_transformers.py [--requests 48] [--repeats 3] [--slots 48]
+    python benchmarks/peer_transformers.py [--shape tiny|smollm] [--requests N] [--repeats 3] [--slots 32]
 
-A random-weight Llama (hidden 256, 4 layers, 8 heads / 4 KV heads, head_dim 32, ffn 768,
-vocab 4096, f32) is built with transformers, saved with `save_pretrained` and loaded into
-cbjax with `model=hf`'s loader, so both sides run the same weights. Workload: prompts of
-uniform 16-200 random token ids, output lengths exponential with mean 64 (clipped to
-[1, 256]), greedy, EOS ignored, all requests queued at t=0.
+A random-weight Llama is built with transformers, saved with `save_pretrained` and loaded into
+cbjax with `model=hf`'s loader (`load_model`), so every system runs the same f32 weights:
+- `--shape tiny` (default, 48 requests): hidden 256, 4 layers, 8/4 heads, head_dim 32, ffn 768,
+  vocab 4096, context 512;
+- `--shape smollm` (24 requests): SmolLM-135M's shape, 30 layers, hidden 576, 9/3 heads,
+  head_dim 64, ffn 1536, vocab 49,152, tied embeddings, context 2048.
+Workload: prompts of uniform 16-200 random token ids, output lengths exponential with mean 64
+(clipped to [1, 256]), greedy, EOS ignored, all requests queued at t=0.
 
-Systems, each timed from the first request handed in to the last token out, warmup excluded:
-- cbjax: JaxExecutor + fcfs scheduler (`serve`), 48 slots, 256 tokens per iteration, prefill
-  buckets every 32 tokens up to 256 (up to 4 same-bucket prompts per call), decode compiled
-  for 1/2/4/8/16/24/32/48 rows (active slots packed into the smallest) and, with the default
-  ragged attention on CPU, a few page-entry counts per row count; compilation happens in
-  `warmup()`, untimed.
+Systems, each timed from the first request handed in to the last token out, warmup excluded,
+run one after another within each repeat (cbjax, transformers CB, transformers static):
+- cbjax: JaxExecutor + fcfs scheduler (`serve`) at default executor and scheduler settings;
+  only the slot count (`--slots`, scheduler.max_num_seqs) and the workload are set (the
+  default page pool holds every request at once, so nothing is preempted). Compilation
+  happens in `warmup()`, untimed.
 - transformers CB: `init_continuous_batching` manager (its default config, sized by workload
   hints as `generate_batch` does), per-request `max_new_tokens`, EOS disabled; one untimed
   warmup round of a few requests first.
 - transformers static: one left-padded `generate` over all requests with the longest
   `max_new_tokens`; only each request's own tokens count. One untimed small warmup call.
 
-Prints medians over repeats: tokens/s per system, ratios, and how many outputs are
-token-for-token identical to cbjax's. `--profile` adds one more (untimed) cbjax run that
-times every jitted call: where cbjax's time goes, by step kind and shape.
+Prints medians and ranges over repeats of tokens/s, each system's ratio to transformers CB,
+the per-repeat paired ratios, and how many outputs are token-for-token identical to cbjax's.
+Then two bounds measured on this machine: the weight-streaming floor (f32 weight bytes read
+per decode step at this machine's streaming bandwidth, the best of an XLA sum, a numpy sum
+and an XLA matrix-vector product over `--stream-mb` MB, times cbjax's iteration count) with
+the fraction of it cbjax reached; and the f32 matmul peak (XLA, 1024^3) with cbjax's model
+FLOP/s (2 x non-embedding params x tokens processed + attention FLOPs, over its serving
+time) as a fraction of it. `--profile` times every model-step call of one more (untimed)
+cbjax run by token bucket: where cbjax's time goes.
 """
 
 from __future__ import annotations
@@ -37,25 +46,33 @@ import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.engine import serve
-from cbjax.model.hf import load_config, load_params
+from cbjax.model.hf import load_config, load_model
 from cbjax.report import markdown_table
 from cbjax.request import Request, SamplingParams
 from cbjax.runtime.executor import JaxExecutor
 from cbjax.scheduler import Scheduler
 
-MODEL_KW = dict(
-    vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=32, max_position_embeddings=512, rope_theta=10000.0, eos_token_id=2,
-)  # fmt: skip
+SHAPES = {
+    "tiny": dict(
+        vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, max_position_embeddings=512, rope_theta=10000.0, eos_token_id=2,
+    ),
+    "smollm": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0, eos_token_id=2,
+        tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+DEFAULT_REQUESTS = {"tiny": 48, "smollm": 24}
 INIT_STD = 0.05  # wider than HF's 0.02 so greedy argmaxes are rarely near-ties
 
 
-def make_checkpoint(model_dir: str, seed: int):
+def make_checkpoint(model_dir: str, shape: str, seed: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL_KW)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -75,18 +92,12 @@ def make_workload(num: int, seed: int, vocab: int) -> list[tuple[list[int], int]
 
 # ---- cbjax ----
 def cbjax_runner(model_dir: str, args):
-    model = load_config(ModelConfig(name="peer", path=model_dir, dtype="float32", max_model_len=512))
-    sched_cfg = SchedulerConfig(max_num_seqs=args.slots, max_num_batched_tokens=args.budget)
-    cache = CacheConfig(page_size=16, num_pages=args.pages)
-    buckets = [b for b in range(32, 513, 32) if b < args.budget] + [args.budget]
-    ex_cfg = ExecutorConfig(
-        name="jax", attention=args.attention, prefill_buckets=buckets, max_prefill_batch=args.prefill_batch,
-        decode_page_buckets=[8, 16, 32], decode_row_buckets=args.decode_rows,
-    )  # fmt: skip
-    ex = JaxExecutor(model, cache, sched_cfg, ex_cfg, params=load_params(model))
-    t0 = time.perf_counter()
+    model = load_config(ModelConfig(name="peer", path=model_dir, dtype="float32", max_model_len=0))
+    sched_cfg = SchedulerConfig(max_num_seqs=args.slots)
+    cache = CacheConfig(num_pages=args.pages)
+    ex = JaxExecutor(model, cache, sched_cfg, ExecutorConfig(name="jax"), llama=load_model(model))
+    ex.progress = False
     ex.warmup()
-    warmup_s = time.perf_counter() - t0
 
     def run(workload):
         reqs = [
@@ -97,60 +108,54 @@ def cbjax_runner(model_dir: str, args):
             sched_cfg, cache, model.max_model_len, validate=ex.validate, eos_token_id=model.eos_token_id,
             vocab_size=model.vocab_size,
         )
+        before = ex.metrics()
         result = serve(reqs, sched, ex)
+        after = ex.metrics()
         outs = [r.output_token_ids for r in result.requests]
+        result.host_pack_s = after["host_pack_s"] - before["host_pack_s"]
+        result.device_wait_s = after["device_wait_s"] - before["device_wait_s"]
         return sum(map(len, outs)) / result.makespan_s, outs, result
 
-    return run, warmup_s, ex
+    return run, ex.warmup_s, ex, model
 
 
 def profile_cbjax(run, ex, workload) -> str:
-    """One more cbjax run with each jitted call timed to completion, summed by kind and shape."""
+    """One more cbjax run with each model-step call timed to completion, summed by token bucket."""
     import jax
 
-    totals: dict[tuple, list] = {}
+    totals: dict[int, list] = {}
 
-    def timed(kind, fn, shape_of):
+    def timed(bucket, fn):
         def call(*a):
             t0 = time.perf_counter()
             out = fn(*a)
             jax.block_until_ready(out[0])
-            entry = totals.setdefault((kind, shape_of(a)), [0, 0.0])
+            entry = totals.setdefault(bucket, [0, 0.0])
             entry[0] += 1
             entry[1] += time.perf_counter() - t0
             return out
 
         return call
 
-    steps = ex._decode, ex._prefill, ex._prefill_ctx
-    decode_for = ex._decode
-
-    def decode(entries):
-        def shape_of(a):
-            work = f"{entries} page entries" if entries is not None else f"{a[4].shape[1]} pages"
-            return f"{a[2].shape[0]} rows x {work}"
-
-        return timed("decode", decode_for(entries), shape_of)
-
-    ex._decode = decode
-    ex._prefill = timed("prefill", ex._prefill, lambda a: f"{a[2].shape[0]} rows x {a[2].shape[1]} tokens")
-    ex._prefill_ctx = timed("context prefill", ex._prefill_ctx, lambda a: f"{a[2].shape[1]} tokens")
+    compiled = dict(ex._compiled)
+    ex._compiled.update({b: timed(b, fn) for b, fn in compiled.items()})
     try:
         _, _, result = run(workload)
     finally:
-        ex._decode, ex._prefill, ex._prefill_ctx = steps
+        ex._compiled.update(compiled)
     device = sum(t for _, t in totals.values())
+    span = result.makespan_s
     rows = [
-        (kind, shape, n, f"{t:.2f}", f"{1e3 * t / n:.1f}", f"{t / result.makespan_s:.0%}")
-        for (kind, shape), (n, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])
+        (f"{b} tokens", n, f"{t:.2f}", f"{1e3 * t / n:.1f}", f"{t / span:.0%}")
+        for b, (n, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])
     ]
-    rows.append(("host (schedule, pack, postprocess)", "", result.stats.iterations,
-                 f"{result.makespan_s - device:.2f}", "", f"{1 - device / result.makespan_s:.0%}"))  # fmt: skip
-    return markdown_table(["cbjax step", "shape", "calls", "total s", "ms/call", "share"], rows)
+    rows.append(("host (schedule, pack, postprocess)", result.stats.iterations, f"{span - device:.2f}", "",
+                 f"{1 - device / span:.0%}"))  # fmt: skip
+    return markdown_table(["cbjax model step", "calls", "total s", "ms/call", "share"], rows)
 
 
 # ---- transformers continuous batching ----
-def hf_cb_runner(model, workload, args):
+def hf_cb_runner(model, workload):
     import torch
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.initialization import WorkloadHints
@@ -171,9 +176,9 @@ def hf_cb_runner(model, workload, args):
             ids = [manager.add_request(list(p), max_new_tokens=o, eos_token_id=-1) for p, o in reqs]
             results = {}
             while len(results) < len(ids):
-                out = manager.get_result(timeout=60)
+                out = manager.get_result(timeout=120)
                 if out is None:
-                    raise RuntimeError("transformers CB: no result within 60 s")
+                    raise RuntimeError("transformers CB: no result within 120 s")
                 if out.is_finished():
                     results[out.request_id] = out
             elapsed = time.perf_counter() - t0
@@ -214,52 +219,140 @@ def hf_static_runner(model, workload):
     return generate, time.perf_counter() - t0
 
 
+# ---- this machine's bounds ----
+def _median_time(fn, repeats: int) -> float:
+    fn()  # compile / first touch
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def streaming_gb_s(mb: int) -> dict[str, float]:
+    """Read bandwidth (GB/s) over an `mb` MB f32 array, medians of 5: XLA and numpy sums, and an
+    XLA matrix-vector product (how a decode step streams a weight matrix, on every core)."""
+    import jax
+    import jax.numpy as jnp
+
+    n = mb * 2**20 // 4
+    host = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    dev = jax.device_put(host)
+    matrix = dev.reshape(-1, 1024)
+    vector = jnp.ones(1024, jnp.float32)
+    reduce, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
+    return {
+        "XLA sum": 4 * n / _median_time(lambda: reduce(dev).block_until_ready(), 5) / 1e9,
+        "numpy sum": 4 * n / _median_time(host.sum, 5) / 1e9,
+        "XLA matvec": 4 * n / _median_time(lambda: matvec(matrix, vector).block_until_ready(), 5) / 1e9,
+    }
+
+
+def matmul_gflop_s(n: int = 1024, repeats: int = 10) -> float:
+    """XLA f32 matmul at n^3, GFLOP/s: median of `repeats` calls."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.device_put(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32))
+    b = jax.device_put(np.random.default_rng(1).standard_normal((n, n), dtype=np.float32))
+    mm = jax.jit(jnp.matmul)
+    return 2 * n**3 / _median_time(lambda: mm(a, b).block_until_ready(), repeats) / 1e9
+
+
+def model_counts(torch_model, model: ModelConfig, workload) -> dict[str, float]:
+    """Parameter counts and the work of the workload (no preemption: each request processes
+    its prompt and all but its last output token, each at its position's causal context)."""
+    embed = model.vocab_size * model.d_model
+    total = sum(p.numel() for p in torch_model.parameters())  # tied weights counted once
+    non_embed = total - embed * (1 if model.tie_embeddings else 2)
+    tokens = sum(len(p) + o - 1 for p, o in workload)
+    contexts = sum((n := len(p) + o - 1) * (n + 1) // 2 for p, o in workload)  # sum of (pos + 1)
+    attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim * contexts  # QK^T and PV
+    return {
+        "non_embed": non_embed,
+        # a decode step reads every layer's weights and the whole output projection
+        "decode_weight_bytes": 4 * (non_embed + embed),
+        "tokens": tokens,
+        "flops": 2 * non_embed * tokens + attn_flops,
+        "attn_share": attn_flops / (2 * non_embed * tokens + attn_flops),
+    }
+
+
+def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload) -> str:
+    outputs = sum(o for _, o in workload)
+    gb_s = max(bandwidth.values())
+    step_s = counts["decode_weight_bytes"] / (gb_s * 1e9)
+    iters = result.stats.iterations
+    floor_tok_s = outputs / (iters * step_s)
+    min_iters = max(o for _, o in workload)
+    flop_s = counts["flops"] / cb_span_s
+    lines = [
+        f"Weight-streaming floor: a decode step reads {counts['decode_weight_bytes'] / 1e6:.0f} MB of f32 weights; "
+        f"this machine streams {', '.join(f'{v:.1f} GB/s ({k})' for k, v in bandwidth.items())}; at the best, "
+        f"{gb_s:.1f} GB/s, a step takes at least {1e3 * step_s:.1f} ms.",
+        f"  cbjax ran {iters} iterations for {outputs} output tokens: floor {floor_tok_s:.0f} tok/s; cbjax "
+        f"{cb_tok_s:.0f} tok/s = {cb_tok_s / floor_tok_s:.0%} of it. (At the fewest possible iterations, "
+        f"{min_iters} = the longest output: floor {outputs / (min_iters * step_s):.0f} tok/s, "
+        f"cbjax at {cb_tok_s * min_iters * step_s / outputs:.0%}.)",
+        f"Compute: this machine's XLA f32 matmul at 1024^3 runs {peak:.0f} GFLOP/s (median). cbjax's model work: "
+        f"{counts['tokens']} tokens processed x 2 x {counts['non_embed'] / 1e6:.1f} M non-embedding params + "
+        f"attention ({counts['attn_share']:.0%}) = {counts['flops'] / 1e9:.1f} GFLOP in {cb_span_s:.2f} s = "
+        f"{flop_s / 1e9:.1f} GFLOP/s, {flop_s / 1e9 / peak:.0%} of the matmul peak.",
+    ]
+    if result.stats.batched_tokens != counts["tokens"]:
+        lines.append(f"  note: cbjax scheduled {result.stats.batched_tokens} tokens, not {counts['tokens']} "
+                     f"(preemption recomputes?): the FLOP count assumes none")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--requests", type=int, default=None, help="default: 48 (tiny), 24 (smollm)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--slots", type=int, default=48)
-    ap.add_argument("--budget", type=int, default=256, help="cbjax tokens per iteration (the largest prefill bucket)")
-    ap.add_argument("--pages", type=int, default=2048)
-    ap.add_argument("--prefill-batch", type=int, default=4)
-    ap.add_argument("--decode-rows", type=int, nargs="*", default=[1, 2, 4, 8, 16, 24, 32], help="cbjax decode row buckets")
-    ap.add_argument("--attention", default="auto", help="cbjax executor.attention (auto: ragged on CPU)")
-    ap.add_argument("--static-repeats", type=int, default=1, help="static generate is slow: fewer repeats")
+    ap.add_argument("--slots", type=int, default=32, help="cbjax scheduler.max_num_seqs")
+    ap.add_argument("--pages", type=int, default=CacheConfig().num_pages, help="cbjax cache.num_pages (its default)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-static", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="time cbjax's jitted calls in one extra run")
+    ap.add_argument("--stream-mb", type=int, default=1024, help="array size for the bandwidth measurement")
+    ap.add_argument("--profile", action="store_true", help="time cbjax's model-step calls in one extra run")
     args = ap.parse_args()
 
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    workload = make_workload(args.requests, args.seed, MODEL_KW["vocab_size"])
+    num = args.requests or DEFAULT_REQUESTS[args.shape]
+    workload = make_workload(num, args.seed, SHAPES[args.shape]["vocab_size"])
+    systems = ["cbjax", "transformers CB"] + ([] if args.skip_static else ["transformers static"])
+    runs = {name: [] for name in systems}
+    outs, warm = {}, {}
     with tempfile.TemporaryDirectory() as model_dir:
-        model = make_checkpoint(model_dir, args.seed)
-        cb_run, cb_warm, ex = cbjax_runner(model_dir, args)
-        hf_run, hf_warm, manager = hf_cb_runner(model, workload, args)
+        torch_model = make_checkpoint(model_dir, args.shape, args.seed)
+        cb_run, warm["cbjax"], ex, model = cbjax_runner(model_dir, args)
+        hf_run, warm["transformers CB"], manager = hf_cb_runner(torch_model, workload)
         try:
-            runs = {"cbjax": [], "transformers CB": []}
-            paired = []  # cbjax / transformers CB per repeat: the two run back to back, under the same load
-            outs = {}
-            for _ in range(args.repeats):
+            if not args.skip_static:
+                st_run, warm["transformers static"] = hf_static_runner(torch_model, workload)
+            spans, results = [], []
+            for _ in range(args.repeats):  # the systems side by side, under the same load
                 tok_s, outs["cbjax"], result = cb_run(workload)
                 runs["cbjax"].append(tok_s)
+                spans.append(result.makespan_s)
+                results.append(result)
                 tok_s, outs["transformers CB"] = hf_run(workload)
                 runs["transformers CB"].append(tok_s)
-                paired.append(runs["cbjax"][-1] / tok_s)
+                if not args.skip_static:
+                    tok_s, outs["transformers static"] = st_run(workload)
+                    runs["transformers static"].append(tok_s)
             profile = profile_cbjax(cb_run, ex, workload) if args.profile else None
+            m = ex.metrics()  # before the bounds below compile their own programs
         finally:
             manager.stop(block=True, timeout=10)
-        warm = {"cbjax": cb_warm, "transformers CB": hf_warm}
-        if not args.skip_static:
-            st_run, warm["transformers static"] = hf_static_runner(model, workload)
-            runs["transformers static"] = []
-            for _ in range(args.static_repeats):
-                tok_s, outs["transformers static"] = st_run(workload)
-                runs["transformers static"].append(tok_s)
+    bandwidth = streaming_gb_s(args.stream_mb)
+    peak = matmul_gflop_s()
 
     ref = outs["cbjax"]
     base = statistics.median(runs["transformers CB"])
@@ -271,23 +364,30 @@ def main() -> None:
                      f"{same}/{len(ref)}", f"{warm[name]:.1f}"))  # fmt: skip
     total = sum(o for _, o in workload)
     prompts = [len(p) for p, _ in workload]
-    print(f"{args.requests} requests (prompts {min(prompts)}-{max(prompts)} tokens, {total} output tokens, "
+    print(f"--shape {args.shape}: {num} requests (prompts {min(prompts)}-{max(prompts)} tokens, {total} output tokens, "
           f"exponential mean 64), greedy, ignore_eos; torch {torch.__version__} on {torch.get_num_threads()} "
-          f"threads, {os.cpu_count()} CPUs; cbjax {args.slots} slots, budget {args.budget}; "
-          f"medians of {args.repeats}, warmup excluded")  # fmt: skip
+          f"threads, {os.cpu_count()} CPUs; cbjax {args.slots} slots, {args.pages} pages, default executor "
+          f"(token buckets {list(ex.shapes.token_buckets)}); medians of {args.repeats}, warmup excluded")  # fmt: skip
     print(markdown_table(
         ["system", "tok/s (median)", "range", "vs transformers CB", "outputs identical to cbjax", "warmup s"], rows
     ))  # fmt: skip
-    print(f"\ncbjax / transformers CB per repeat (back to back): "
-          f"{', '.join(f'{r:.2f}x' for r in paired)}; median {statistics.median(paired):.2f}x")  # fmt: skip
+    for name in systems[1:]:
+        paired = [a / b for a, b in zip(runs["cbjax"], runs[name])]
+        print(f"cbjax / {name} per repeat: {', '.join(f'{r:.2f}x' for r in paired)}; "
+              f"median {statistics.median(paired):.2f}x")  # fmt: skip
+
+    mid = sorted(range(len(spans)), key=spans.__getitem__)[len(spans) // 2]  # the median cbjax run
+    result = results[mid]
     stats = result.stats
-    m = ex.metrics()
-    sched_ms = 1e3 * (stats.schedule_s + stats.postprocess_s)
-    print(f"\ncbjax last run: {stats.iterations} iterations, host {sched_ms:.0f} ms "
-          f"scheduler, {1e3 * m['host_pack_s']:.0f} ms packing (all runs), compiles after warmup "
-          f"{m['compiles_after_warmup']}")  # fmt: skip
+    print(f"\ncbjax median run: {stats.iterations} iterations, {m['device_calls_per_iteration']:.2f} model-step calls "
+          f"per iteration, {result.makespan_s:.2f} s serving: device wait {result.device_wait_s:.2f} s, host "
+          f"{stats.schedule_s + stats.postprocess_s:.2f} s scheduler + {result.host_pack_s:.2f} s packing; warmup "
+          f"{m['warmup_s']:.1f} s for {m['compiled_programs']} programs; compiles after warmup "
+          f"{m['compiles_after_warmup']}; step calls by bucket (all runs) {m['bucket_calls']}")  # fmt: skip
+    counts = model_counts(torch_model, model, workload)
+    print("\n" + bounds_report(counts, bandwidth, peak, runs["cbjax"][mid], result.makespan_s, result, workload))
     if profile:
-        print("\nWhere cbjax's time goes (one extra run, each call timed to completion):\n" + profile)
+        print("\nWhere cbjax's time goes (one extra run, each model step timed to completion):\n" + profile)
 
 
 if __name__ == "__main__":
