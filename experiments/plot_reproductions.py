@@ -6,6 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# A row's setting names its knob after this marker; plots print "(calibrated)" instead.
+KNOB_MARKER = ", with the modelling-difference knob"
+
+
+def short_label(setting: str) -> str:
+    """The setting without its knob's details, which would overflow a plot's labels."""
+    head, knob, _ = setting.partition(KNOB_MARKER)
+    return head + (" (calibrated)" if knob else "")
+
 
 def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict[str, dict[str, list]]) -> Path:
     """Write `path` (PNG) for the rows of one figure (records from experiments/reproduce.py)."""
@@ -37,7 +46,7 @@ def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict
 
 def _agreement(ax, rows: list[dict[str, Any]]) -> None:
     """Ours / paper per setting, with the tolerance band around 1."""
-    labels = [r["setting"] or r["metric"] for r in rows]
+    labels = [short_label(r["setting"]) or r["metric"] for r in rows]
     ratios = [r["ours"] / r["paper"] if r["ours"] is not None and r["paper"] else 0.0 for r in rows]
     colors = ["tab:green" if r["verdict"] == "pass" else "tab:red" for r in rows]
     y = range(len(rows))
@@ -61,7 +70,7 @@ def _arms(ax, row: dict[str, Any]) -> None:
     if row["kind"] == "argmin_in":
         colors = ["tab:green" if a in str(row["paper"]) else "tab:blue" for a in arms]
     ax.bar(arms, vals, color=colors)
-    ax.set_title(f"{row['setting']}: {row['verdict']}", fontsize=9)
+    ax.set_title(f"{short_label(row['setting'])}: {row['verdict']}", fontsize=9)
     ax.set_ylabel(row["metric"], fontsize=8)
     ax.tick_params(axis="x", labelrotation=30, labelsize=7)
 
