@@ -1,0 +1,160 @@
+"""Time an executor over the grid, time swap copies, fit the cost model, write profile.json and a plot.
+
+`measure_steps` needs only the executor interface (`execute(plan) -> StepOutput`), so a synthetic
+executor with hand-set costs checks the fit; the swap timing needs the JAX engine's `HostSwap`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from cbjax.config import RunConfig
+from cbjax.profile.grid import GridPoint, build_schedule
+from cbjax.request import Request
+from cbjax.runtime.shapes import ShapePlan
+from cbjax.sim.fit import fit_costs, relative_errors
+from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, profile_key, step_features
+
+
+def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan, num_pages: int, vocab_size: int,
+                  repeats: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Per grid point: its features and the median (and range) of `repeats` step durations. Each
+    plan runs once untimed first (a new shape refreshes the packer's slot buffers); the timed
+    rounds then walk the whole grid, so a drift in machine load spreads over every point."""
+    plans = [build_schedule(p, shapes, num_pages, vocab_size) for p in points]
+    times: list[list[float]] = [[] for _ in plans]
+    for plan in plans:
+        execute(plan)
+    for _ in range(repeats):
+        for i, plan in enumerate(plans):
+            execute(plan)  # the packer's slots now hold this plan, as in a steady run
+            times[i].append(execute(plan).duration_s)
+    out = []
+    for point, plan, ts in zip(points, plans, times):
+        tokens = sum(n for n, _ in point.rows)
+        out.append({
+            "kind": point.kind, "rows": len(point.rows), "tokens": tokens, "bucket": shapes.bucket(tokens),
+            "features": step_features(plan.cost_rows(), shapes),
+            "measured_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
+        })  # fmt: skip
+    return out
+
+
+def measure_swaps(executor, repeats: int) -> list[dict[str, Any]]:
+    """Median seconds of a swap-out and of a swap-in of a few page counts on the JAX engine: the
+    smallest, a middle and the largest of its swap widths (copies of exactly a width: no padding)."""
+    from cbjax.runtime.swap import HostSwap
+
+    widths = executor._swap.widths
+    counts = sorted({widths[0], widths[len(widths) // 2], widths[-1]})
+    swap = HostSwap(counts)
+    executor.cache = swap.warmup(executor.cache)
+    out = []
+    for count in counts:
+        pages = [1 + i for i in range(count)]
+        for direction in ("out", "in"):
+            times = []
+            for _ in range(repeats):
+                req = Request("swap", 0.0, 1)
+                t0 = time.perf_counter()
+                swap.swap_out(executor.cache, [(req, pages)])
+                if direction == "in":
+                    t0 = time.perf_counter()
+                    executor.cache = swap.swap_in(executor.cache, [(req, pages)])
+                    executor.cache.k.block_until_ready()
+                else:
+                    swap._host.clear()
+                times.append(time.perf_counter() - t0)
+            out.append({"direction": direction, "pages": count, "measured_s": statistics.median(times)})
+    return out
+
+
+def fit_profile(steps: list[dict], swaps: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+    """(coefficients, residuals) of the step fit and the swap fit."""
+    x = [s["features"] for s in steps]
+    y = [s["measured_s"] for s in steps]
+    coef = fit_costs(x, y)
+    err = relative_errors(x, y, coef)
+    for s, e in zip(steps, err):
+        s["predicted_s"] = float(np.dot(coef, s["features"]))
+        s["rel_error"] = float(e)
+    coefficients = {k: float(c) for k, c in zip(STEP_TERMS, coef)}
+    swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
+    coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
+    residuals = {"median_rel_error": float(np.median(err)), "max_rel_error": float(np.max(err)), "num_points": len(y)}
+    return coefficients, residuals
+
+
+def machine() -> dict[str, Any]:
+    """The machine and software the profile was measured on."""
+    import jax
+    import jaxlib
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind, "load_average": list(os.getloadavg()),
+    }  # fmt: skip
+
+
+def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients, residuals, extra) -> dict[str, Any]:
+    return {
+        "made_for": profile_key(cfg.model, cfg.cache.page_size, cfg.scheduler.max_num_seqs),
+        "model": cfg.model.name,
+        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+        "token_buckets": list(shapes.token_buckets),
+        "formula": "iter_s + bucket_token_s*bucket + token_s*tokens + seq_s*rows + single_chunk_s*single_chunks"
+        " + block_chunk_s*block_chunks (+ swap_iter_s + swap_page_s*pages when the step swaps)",
+        "coefficients": coefficients,
+        "residuals": residuals,
+        "steps": steps,
+        "swaps": swaps,
+        **extra,
+    }
+
+
+def plot_profile(path: Path, steps: list[dict]) -> Path:
+    """Predicted against measured step time, one colour per batch kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    for kind in sorted({s["kind"] for s in steps}):
+        pts = [s for s in steps if s["kind"] == kind]
+        ax.scatter([1e3 * s["measured_s"] for s in pts], [1e3 * s["predicted_s"] for s in pts], label=kind, s=18)
+    lo = 1e3 * min(min(s["measured_s"], s["predicted_s"]) for s in steps)
+    hi = 1e3 * max(max(s["measured_s"], s["predicted_s"]) for s in steps)
+    ax.plot([lo, hi], [lo, hi], color="gray", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step (ms)")
+    ax.set_ylabel("predicted step (ms)")
+    ax.set_title("profiled cost model")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_profile(out_dir: Path, profile: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "profile.json"
+    path.write_text(json.dumps(profile, indent=2) + "\n")
+    plot_profile(out_dir / "profile.png", profile["steps"])
+    return path
