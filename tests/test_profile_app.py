@@ -37,10 +37,10 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert (tmp_path / "profile.png").stat().st_size > 0
     assert profile["made_for"]["model.max_model_len"] == 128 and profile["made_for"]["cache.page_size"] == 4
-    assert set(profile["coefficients"]) == set(STEP_TERMS + SWAP_TERMS)
-    assert all(v >= 0 for v in profile["coefficients"].values())
-    buckets = {s["bucket"] for s in profile["steps"]}
-    assert buckets == {4, 16, 64} and all(s["measured_s"] > 0 for s in profile["steps"])
+    coef = profile["coefficients"]
+    assert set(coef) == {"bucket_s", *STEP_TERMS, *SWAP_TERMS} and set(coef["bucket_s"]) == {"4", "16", "64"}
+    assert all(v >= 0 for v in [*coef["bucket_s"].values(), *(coef[k] for k in STEP_TERMS + SWAP_TERMS)])
+    assert {s["bucket"] for s in profile["steps"]} == {4, 16, 64} and all(s["measured_s"] > 0 for s in profile["steps"])
     assert {s["direction"] for s in profile["swaps"]} == {"out", "in"}
     assert profile["machine"]["backend"] == "cpu" and profile["machine"]["jax"]
     assert 0 <= profile["residuals"]["median_rel_error"] <= profile["residuals"]["max_rel_error"]

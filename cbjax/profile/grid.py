@@ -49,6 +49,16 @@ def profile_grid(shapes: ShapePlan, max_model_len: int, grid: str = "full") -> l
         points.append(GridPoint("mixed", [(1, length // 2)] * decodes + [(min(quarter, most - decodes), 0)]))
         if not small:
             points.append(GridPoint("mixed", [(1, length // 4)] * (r // 2) + [(min(quarter, most - r // 2), length // 2)]))
+    if not small:  # one more point in each bucket no point landed in: every program is timed
+        timed = {shapes.bucket(sum(n for n, _ in p.rows)) for p in points}
+        for b in shapes.token_buckets:
+            if b in timed:
+                continue
+            if b <= r:
+                points.append(GridPoint("decode", [(1, length // 4)] * b))
+            else:
+                each = min(length, b)
+                points.append(GridPoint("prefill", [(each, 0)] * min(r, b // each)))
     return points
 
 

@@ -26,23 +26,19 @@ from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, profile_key, step_feature
 
 def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan, num_pages: int, vocab_size: int,
                   repeats: int) -> list[dict[str, Any]]:  # fmt: skip
-    """Per grid point: its features and the median (and range) of `repeats` step durations. Each
-    plan runs once untimed first (a new shape refreshes the packer's slot buffers); the timed
-    rounds then walk the whole grid, so a drift in machine load spreads over every point."""
+    """Per grid point: its features and the median (and range) of `repeats` step durations, after
+    one untimed call (a new batch rewrites the packer's per-slot buffers; a steady run does not)."""
     plans = [build_schedule(p, shapes, num_pages, vocab_size) for p in points]
-    times: list[list[float]] = [[] for _ in plans]
+    times: list[list[float]] = []
     for plan in plans:
         execute(plan)
-    for _ in range(repeats):
-        for i, plan in enumerate(plans):
-            execute(plan)  # the packer's slots now hold this plan, as in a steady run
-            times[i].append(execute(plan).duration_s)
+        times.append([execute(plan).duration_s for _ in range(repeats)])
     out = []
     for point, plan, ts in zip(points, plans, times):
         tokens = sum(n for n, _ in point.rows)
         out.append({
             "kind": point.kind, "rows": len(point.rows), "tokens": tokens, "bucket": shapes.bucket(tokens),
-            "features": step_features(plan.cost_rows(), shapes),
+            "features": step_features(plan.cost_rows(), shapes)[1],
             "measured_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
         })  # fmt: skip
     return out
@@ -77,16 +73,19 @@ def measure_swaps(executor, repeats: int) -> list[dict[str, Any]]:
     return out
 
 
-def fit_profile(steps: list[dict], swaps: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
-    """(coefficients, residuals) of the step fit and the swap fit."""
-    x = [s["features"] for s in steps]
+def fit_profile(steps: list[dict], swaps: list[dict]) -> tuple[dict[str, Any], dict[str, float]]:
+    """(coefficients, residuals): one intercept per token bucket timed plus the STEP_TERMS, and
+    the swap terms, each fitted non-negative on relative error."""
+    buckets = sorted({s["bucket"] for s in steps})
+    x = [[float(s["bucket"] == b) for b in buckets] + list(s["features"]) for s in steps]
     y = [s["measured_s"] for s in steps]
     coef = fit_costs(x, y)
     err = relative_errors(x, y, coef)
-    for s, e in zip(steps, err):
-        s["predicted_s"] = float(np.dot(coef, s["features"]))
+    for s, row, e in zip(steps, x, err):
+        s["predicted_s"] = float(np.dot(coef, row))
         s["rel_error"] = float(e)
-    coefficients = {k: float(c) for k, c in zip(STEP_TERMS, coef)}
+    coefficients: dict[str, Any] = {"bucket_s": {str(b): float(c) for b, c in zip(buckets, coef)}}
+    coefficients.update({k: float(c) for k, c in zip(STEP_TERMS, coef[len(buckets) :])})
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
     residuals = {"median_rel_error": float(np.median(err)), "max_rel_error": float(np.max(err)), "num_points": len(y)}
@@ -116,8 +115,8 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
         "model": cfg.model.name,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "token_buckets": list(shapes.token_buckets),
-        "formula": "iter_s + bucket_token_s*bucket + token_s*tokens + seq_s*rows + single_chunk_s*single_chunks"
-        " + block_chunk_s*block_chunks (+ swap_iter_s + swap_page_s*pages when the step swaps)",
+        "formula": "bucket_s[bucket] + seq_s*rows + single_chunk_s*ceil(single_tiles/128)"
+        " + block_chunk_s*ceil(block_tiles/32) (+ swap_iter_s + swap_page_s*pages when the step swaps)",
         "coefficients": coefficients,
         "residuals": residuals,
         "steps": steps,

@@ -1,12 +1,15 @@
 """The `profiled` cost model: a step's time fitted on this machine's engine (`python -m cbjax.profile`).
 
 An iteration is charged for what `cbjax.runtime.executor.JaxExecutor` would run: its token
-bucket (the padded flat buffer), its rows, and the XLA ragged attention's loop chunks, each
-counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, plus its swap copies:
+bucket (the padded flat buffer: one compiled program each, with its own fixed cost), its rows,
+and the XLA ragged attention's loop chunks, each counted exactly as
+`cbjax.runtime.tiles.build_tiles` lays them out, plus its swap copies:
 
-    time = iter_s + bucket_token_s * bucket + token_s * tokens + seq_s * rows
+    time = bucket_s[bucket] + seq_s * rows
            + single_chunk_s * ceil(single_tiles / CHUNK_SINGLE) + block_chunk_s * ceil(block_tiles / CHUNK_BLOCK)
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
+
+A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
 
 Pure numpy: no jax import.
 """
@@ -18,13 +21,15 @@ import math
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
+
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.plan import Schedule
 from cbjax.runtime.shapes import ShapePlan, plan_shapes
 from cbjax.runtime.tiles import BLOCK_Q, CHUNK_BLOCK, CHUNK_SINGLE
 
-# The step terms of the fit, in column order, and the swap terms.
-STEP_TERMS = ("iter_s", "bucket_token_s", "token_s", "seq_s", "single_chunk_s", "block_chunk_s")
+# The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
+STEP_TERMS = ("seq_s", "single_chunk_s", "block_chunk_s")
 SWAP_TERMS = ("swap_iter_s", "swap_page_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -48,17 +53,25 @@ def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int) -> tuple[
     return single, block
 
 
-def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> list[float]:
-    """The STEP_TERMS multipliers of one step over `rows`, under the engine's shape plan."""
+def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> tuple[int, list[float]]:
+    """(token bucket, the STEP_TERMS multipliers) of one step over `rows`, under the engine's shape plan."""
     tokens = sum(n for n, _, _ in rows)
-    largest = shapes.token_buckets[-1]
     # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
-    bucket = shapes.bucket(max(tokens, 1)) if tokens <= largest else tokens
+    bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
     single, block = count_tiles(rows, shapes.page_size)
-    return [
-        1.0, float(bucket), float(tokens), float(len(rows)),
-        float(math.ceil(single / CHUNK_SINGLE)), float(math.ceil(block / CHUNK_BLOCK)),
-    ]  # fmt: skip
+    return bucket, [float(len(rows)), float(math.ceil(single / CHUNK_SINGLE)), float(math.ceil(block / CHUNK_BLOCK))]
+
+
+def bucket_intercept(bucket_s: dict[int, float], bucket: int) -> float:
+    """A bucket's fixed cost: timed, or linear between the nearest timed buckets (beyond the
+    largest, along the last two; below the smallest, the smallest's)."""
+    if bucket in bucket_s:
+        return bucket_s[bucket]
+    xs = sorted(bucket_s)
+    if len(xs) >= 2 and bucket > xs[-1]:
+        x0, x1 = xs[-2], xs[-1]
+        return bucket_s[x1] + (bucket - x1) * (bucket_s[x1] - bucket_s[x0]) / (x1 - x0)
+    return float(np.interp(bucket, xs, [bucket_s[x] for x in xs]))
 
 
 def profile_key(model: ModelConfig, page_size: int, num_slots: int) -> dict:
@@ -78,6 +91,9 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
         profile = json.loads(p.read_text())
         made_for = dict(profile["made_for"])
         coef = {k: float(profile["coefficients"][k]) for k in STEP_TERMS + SWAP_TERMS}
+        coef["bucket_s"] = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
+        if not coef["bucket_s"]:
+            raise ValueError("coefficients.bucket_s is empty")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"executor.profile: {p} is not a cbjax profile ({type(err).__name__}: {err})") from None
     for key, ours in profile_key(model, page_size, num_slots).items():
@@ -94,14 +110,15 @@ class ProfiledCost:
     name = "profiled"
 
     def __init__(self, coefficients: dict, shapes: ShapePlan):
+        self.bucket_s = coefficients["bucket_s"]
         self.step = [coefficients[k] for k in STEP_TERMS]
         self.swap_iter_s = coefficients["swap_iter_s"]
         self.swap_page_s = coefficients["swap_page_s"]
         self.shapes = shapes
 
     def __call__(self, plan: Schedule) -> float:
-        x = step_features(plan.cost_rows(), self.shapes)
-        t = sum(c * v for c, v in zip(self.step, x))
+        bucket, x = step_features(plan.cost_rows(), self.shapes)
+        t = bucket_intercept(self.bucket_s, bucket) + sum(c * v for c, v in zip(self.step, x))
         pages = plan.num_swapped_pages
         if pages:
             t += self.swap_iter_s + self.swap_page_s * pages
@@ -117,9 +134,10 @@ def make_profiled_cost(
     return ProfiledCost(profile["coefficients"], shapes_for(model, scheduler, cache, executor))
 
 
-def predict(coefficients: dict, features: Sequence[float]) -> float:
-    """A step's predicted time from its STEP_TERMS features."""
-    return sum(coefficients[k] * v for k, v in zip(STEP_TERMS, features))
+def predict(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
+    """A step's predicted time from its bucket and STEP_TERMS features."""
+    step = sum(coefficients[k] * v for k, v in zip(STEP_TERMS, features))
+    return bucket_intercept(coefficients["bucket_s"], bucket) + step
 
 
 def shapes_for(
