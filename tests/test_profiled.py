@@ -13,7 +13,7 @@ import pytest
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig
 from cbjax.plan import Schedule, StepOutput
 from cbjax.profile.grid import GridPoint, build_schedule, profile_grid
-from cbjax.profile.measure import fit_profile, measure_steps
+from cbjax.profile.measure import fit_profile, measure_buckets, measure_steps
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.shapes import plan_shapes
@@ -60,11 +60,12 @@ def test_nnls_matches_a_hand_solved_problem():
 # Hand-set costs for the synthetic executor: a fixed cost per token bucket (bucket 1 oddly slow,
 # as the CPU engine's is), per row, per loop chunk of single tiles and of block tiles.
 BUCKET_S = {1: 9e-3, 2: 2.0e-3, 4: 2.1e-3, 8: 2.2e-3, 16: 2.5e-3, 24: 2.8e-3, 32: 3e-3, 64: 4e-3, 128: 6e-3, 256: 1e-2, 512: 2e-2}
-TRUE = {"seq_s": 5e-5, "single_chunk_s": 3e-4, "block_chunk_s": 2e-4}
+TRUE = {"iter_s": 4e-4, "seq_s": 5e-5, "single_chunk_s": 3e-4, "block_chunk_s": 2e-4}
 
 
 class SyntheticExecutor:
-    """Step time set by hand from TRUE over what the real packer builds, times 1 +- 0.5 % noise."""
+    """Step time set by hand from BUCKET_S and TRUE over what the real packer builds, times 1 +- 0.5 %
+    noise; `run_empty` is a bucket's all-padding step (its BUCKET_S alone)."""
 
     def __init__(self, shapes, seed=0):
         self.packer = BatchPacker(shapes, tiles=True)
@@ -74,18 +75,23 @@ class SyntheticExecutor:
         b = self.packer.pack(plan)
         single, block = b.tiles
         t = (
-            BUCKET_S[b.tokens.shape[0]] + TRUE["seq_s"] * b.num_rows_used
+            BUCKET_S[b.tokens.shape[0]] + TRUE["iter_s"] + TRUE["seq_s"] * b.num_rows_used
             + TRUE["single_chunk_s"] * math.ceil(int(single[3]) / 128) + TRUE["block_chunk_s"] * math.ceil(int(block[3]) / 32)
         )  # fmt: skip
         return StepOutput(token_ids=None, duration_s=t * (1 + self.rng.uniform(-0.005, 0.005)))
+
+    def run_empty(self, bucket: int) -> float:
+        return BUCKET_S[bucket] * (1 + self.rng.uniform(-0.005, 0.005))
 
 
 def test_fit_recovers_hand_set_coefficients_from_a_synthetic_executor():
     shapes = plan_shapes(num_rows=32, max_model_len=256, page_size=8, max_num_batched_tokens=512)
     assert shapes.token_buckets == (1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512)
     points = profile_grid(shapes, 256, "full")
-    steps = measure_steps(SyntheticExecutor(shapes).execute, points, shapes, 2048, 512, repeats=3)
-    coef, residuals = fit_profile(steps, [])
+    synthetic = SyntheticExecutor(shapes)
+    steps = measure_steps(synthetic.execute, points, shapes, 2048, 512, repeats=3)
+    bucket_s = measure_buckets(synthetic.run_empty, shapes.token_buckets, repeats=3)
+    coef, residuals = fit_profile(steps, [], bucket_s)
     for key, value in TRUE.items():
         assert coef[key] == pytest.approx(value, rel=0.15), key
     for bucket, value in BUCKET_S.items():
@@ -108,7 +114,7 @@ def configs(profile, **sched):
 
 
 def test_profiled_cost_by_hand(tmp_path):
-    coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
+    coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.5, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
             "swap_iter_s": 1000.0, "swap_page_s": 10000.0}  # fmt: skip
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))
@@ -118,11 +124,11 @@ def test_profiled_cost_by_hand(tmp_path):
     p.num_computed, p.num_new_tokens = 0, 20
     plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4, swap_in=[(d, [7, 8])])
     # 21 tokens -> bucket 64; 2 rows; 2 single tiles (1 chunk), 9 block tiles (1 chunk); 2 pages swapped
-    assert cost(plan) == pytest.approx(7.0 + 0.002 + 10.0 + 100.0 + 1000.0 + 20000.0)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.0 + 0.001 + 10.0)
+    assert cost(plan) == pytest.approx(7.0 + 0.5 + 0.002 + 10.0 + 100.0 + 1000.0 + 20000.0)
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.0 + 0.5 + 0.001 + 10.0)
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12
-    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(2.2 + 0.001 + 100.0)
+    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(2.2 + 0.5 + 0.001 + 100.0)
 
 
 def test_a_profile_for_another_model_page_size_or_slot_count_is_refused(tmp_path):

@@ -29,7 +29,8 @@ def _app(cfg: DictConfig) -> None:
         print(f"cbjax.profile: error: {err}", file=sys.stderr)
         sys.exit(2)
     c, r = profile["coefficients"], profile["residuals"]
-    print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in c.items()))
+    print("bucket_s: " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["bucket_s"].items()))
+    print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in c.items() if k != "bucket_s"))
     print(f"fit: median relative error {r['median_rel_error']:.1%}, max {r['max_rel_error']:.1%} over {r['num_points']} steps")
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")

@@ -12,7 +12,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs, relative_errors
-from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, profile_key, step_features
+from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, bucket_intercept, predict, profile_key, step_features
 
 
 def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan, num_pages: int, vocab_size: int,
@@ -73,19 +73,43 @@ def measure_swaps(executor, repeats: int) -> list[dict[str, Any]]:
     return out
 
 
-def fit_profile(steps: list[dict], swaps: list[dict]) -> tuple[dict[str, Any], dict[str, float]]:
-    """(coefficients, residuals): one intercept per token bucket timed plus the STEP_TERMS, and
+def measure_buckets(run_empty: Callable[[int], float], buckets: Sequence[int], repeats: int) -> dict[int, float]:
+    """Each bucket's fixed cost: the median seconds of `run_empty(bucket)`, its program run on an
+    all-padding batch (no rows, no tiles), after one untimed call."""
+    out = {}
+    for b in buckets:
+        run_empty(b)
+        out[b] = statistics.median(run_empty(b) for _ in range(repeats))
+    return out
+
+
+def engine_empty_step(executor) -> Callable[[int], float]:
+    """`run_empty` for the JAX engine: one step on `packer.empty(bucket)`, read back to the host."""
+
+    def run(bucket: int) -> float:
+        batch = executor.packer.empty(bucket)
+        t0 = time.perf_counter()
+        np.asarray(executor._step(batch))
+        return time.perf_counter() - t0
+
+    return run
+
+
+def fit_profile(
+    steps: list[dict], swaps: list[dict], bucket_s: dict[int, float]
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """(coefficients, residuals): the timed bucket costs, the STEP_TERMS fitted on top of them and
     the swap terms, each fitted non-negative on relative error."""
-    buckets = sorted({s["bucket"] for s in steps})
-    x = [[float(s["bucket"] == b) for b in buckets] + list(s["features"]) for s in steps]
+    x = [s["features"] for s in steps]
     y = [s["measured_s"] for s in steps]
-    coef = fit_costs(x, y)
-    err = relative_errors(x, y, coef)
-    for s, row, e in zip(steps, x, err):
-        s["predicted_s"] = float(np.dot(coef, row))
+    coef = fit_costs(x, y, offsets=[bucket_intercept(bucket_s, s["bucket"]) for s in steps])
+    coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
+    coefficients.update({k: float(c) for k, c in zip(STEP_TERMS, coef)})
+    predicted = [predict({**coefficients, "bucket_s": bucket_s}, s["bucket"], s["features"]) for s in steps]
+    err = relative_errors(predicted, y)
+    for s, p, e in zip(steps, predicted, err):
+        s["predicted_s"] = float(p)
         s["rel_error"] = float(e)
-    coefficients: dict[str, Any] = {"bucket_s": {str(b): float(c) for b, c in zip(buckets, coef)}}
-    coefficients.update({k: float(c) for k, c in zip(STEP_TERMS, coef[len(buckets) :])})
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
     residuals = {"median_rel_error": float(np.median(err)), "max_rel_error": float(np.max(err)), "num_points": len(y)}
@@ -115,7 +139,7 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
         "model": cfg.model.name,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "token_buckets": list(shapes.token_buckets),
-        "formula": "bucket_s[bucket] + seq_s*rows + single_chunk_s*ceil(single_tiles/128)"
+        "formula": "bucket_s[bucket] + iter_s + seq_s*rows + single_chunk_s*ceil(single_tiles/128)"
         " + block_chunk_s*ceil(block_tiles/32) (+ swap_iter_s + swap_page_s*pages when the step swaps)",
         "coefficients": coefficients,
         "residuals": residuals,

@@ -31,7 +31,9 @@ class ProfileRunConfig(RunConfig):
 
 def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     """Profile the engine `cfg` describes; writes profile.json and profile.png to `out_dir`."""
-    from cbjax.profile.measure import build_profile, fit_profile, machine, measure_steps, measure_swaps, write_profile
+    from cbjax.profile.measure import (
+        build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_steps, measure_swaps, write_profile,
+    )  # fmt: skip
     from cbjax.run import build_executor, resolve
 
     t0 = time.perf_counter()
@@ -43,8 +45,9 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     shapes = executor.shapes
     points = profile_grid(shapes, cfg.model.max_model_len, cfg.grid)
     steps = measure_steps(executor.execute, points, shapes, cfg.cache.num_pages, cfg.model.vocab_size, cfg.repeats)
+    bucket_s = measure_buckets(engine_empty_step(executor), shapes.token_buckets, cfg.repeats)
     swaps = measure_swaps(executor, cfg.repeats)
-    coefficients, residuals = fit_profile(steps, swaps)
+    coefficients, residuals = fit_profile(steps, swaps, bucket_s)
     extra = {
         "attention": executor.attention,
         "machine": machine(),

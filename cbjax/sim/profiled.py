@@ -1,11 +1,11 @@
 """The `profiled` cost model: a step's time fitted on this machine's engine (`python -m cbjax.profile`).
 
 An iteration is charged for what `cbjax.runtime.executor.JaxExecutor` would run: its token
-bucket (the padded flat buffer: one compiled program each, with its own fixed cost), its rows,
-and the XLA ragged attention's loop chunks, each counted exactly as
-`cbjax.runtime.tiles.build_tiles` lays them out, plus its swap copies:
+bucket (the padded flat buffer: one compiled program each, whose fixed cost `bucket_s` the
+profile times on an all-padding batch), its rows, and the XLA ragged attention's loop chunks,
+each counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, plus its swap copies:
 
-    time = bucket_s[bucket] + seq_s * rows
+    time = bucket_s[bucket] + iter_s + seq_s * rows
            + single_chunk_s * ceil(single_tiles / CHUNK_SINGLE) + block_chunk_s * ceil(block_tiles / CHUNK_BLOCK)
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
 
@@ -29,7 +29,7 @@ from cbjax.runtime.shapes import ShapePlan, plan_shapes
 from cbjax.runtime.tiles import BLOCK_Q, CHUNK_BLOCK, CHUNK_SINGLE
 
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
-STEP_TERMS = ("seq_s", "single_chunk_s", "block_chunk_s")
+STEP_TERMS = ("iter_s", "seq_s", "single_chunk_s", "block_chunk_s")
 SWAP_TERMS = ("swap_iter_s", "swap_page_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -59,7 +59,7 @@ def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> t
     # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
     bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
     single, block = count_tiles(rows, shapes.page_size)
-    return bucket, [float(len(rows)), float(math.ceil(single / CHUNK_SINGLE)), float(math.ceil(block / CHUNK_BLOCK))]
+    return bucket, [1.0, float(len(rows)), float(math.ceil(single / CHUNK_SINGLE)), float(math.ceil(block / CHUNK_BLOCK))]
 
 
 def bucket_intercept(bucket_s: dict[int, float], bucket: int) -> float:
