@@ -48,7 +48,7 @@ def base_config(profile: dict, requests: int) -> RunConfig:
         model=model,
         scheduler=SchedulerConfig(max_num_seqs=made["scheduler.max_num_seqs"],
                                   max_num_batched_tokens=profile["max_num_batched_tokens"]),  # fmt: skip
-        cache=CacheConfig(page_size=made["cache.page_size"]),
+        cache=CacheConfig(page_size=made["cache.page_size"], num_pages=made["cache.num_pages"]),
         executor=ExecutorConfig(name="jax", token_buckets=profile["token_buckets"]),
         workload=WorkloadConfig(num_requests=requests, vocab_size=model.vocab_size, **lengths),
         progress=False,

@@ -36,7 +36,8 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     run_profile(cfg, tmp_path)
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert (tmp_path / "profile.png").stat().st_size > 0
-    assert profile["made_for"]["model.max_model_len"] == 128 and profile["made_for"]["cache.page_size"] == 4
+    made = profile["made_for"]
+    assert (made["model.max_model_len"], made["cache.page_size"], made["cache.num_pages"], made["scheduler.max_num_seqs"]) == (128, 4, 512, 4)
     coef = profile["coefficients"]
     assert set(coef) == {"bucket_s", *STEP_TERMS, *SWAP_TERMS} and set(coef["bucket_s"]) == {"4", "16", "64"}
     assert all(v >= 0 for v in [*coef["bucket_s"].values(), *(coef[k] for k in STEP_TERMS + SWAP_TERMS)])

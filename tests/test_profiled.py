@@ -99,9 +99,9 @@ def test_fit_recovers_hand_set_coefficients_from_a_synthetic_executor():
     assert residuals["max_rel_error"] < 0.02 and residuals["num_points"] == len(points)
 
 
-def write_profile(path, coefficients=None, model=MODEL, page_size=16, num_slots=32):
+def write_profile(path, coefficients=None, model=MODEL, page_size=16, num_slots=32, num_pages=4096):
     coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "swap_iter_s": 1e-3, "swap_page_s": 1e-4}
-    path.write_text(json.dumps({"made_for": profile_key(model, page_size, num_slots), "coefficients": coef}))
+    path.write_text(json.dumps({"made_for": profile_key(model, page_size, num_slots, num_pages), "coefficients": coef}))
     return str(path)
 
 
@@ -131,12 +131,13 @@ def test_profiled_cost_by_hand(tmp_path):
     assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(2.2 + 0.5 + 0.001 + 100.0)
 
 
-def test_a_profile_for_another_model_page_size_or_slot_count_is_refused(tmp_path):
+def test_a_profile_for_another_model_page_size_page_pool_or_slot_count_is_refused(tmp_path):
     big = dataclasses.replace(MODEL, d_model=256)
     cases = [
         (write_profile(tmp_path / "a.json", model=big, page_size=4, num_slots=4), "made for model.d_model=256, this run has 64"),
         (write_profile(tmp_path / "b.json", page_size=8, num_slots=4), "made for cache.page_size=8, this run has 4"),
         (write_profile(tmp_path / "c.json", page_size=4, num_slots=2), "made for scheduler.max_num_seqs=2, this run has 4"),
+        (write_profile(tmp_path / "d.json", page_size=4, num_slots=4, num_pages=512), "made for cache.num_pages=512, this run has 4096"),
     ]  # fmt: skip
     for path, message in cases:
         with pytest.raises(ValueError, match=f"executor.profile: {message}"):

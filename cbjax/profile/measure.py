@@ -135,7 +135,7 @@ def machine() -> dict[str, Any]:
 
 def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients, residuals, extra) -> dict[str, Any]:
     return {
-        "made_for": profile_key(cfg.model, cfg.cache.page_size, cfg.scheduler.max_num_seqs),
+        "made_for": profile_key(cfg.model, cfg.cache.page_size, cfg.scheduler.max_num_seqs, cfg.cache.num_pages),
         "model": cfg.model.name,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "token_buckets": list(shapes.token_buckets),

@@ -74,15 +74,17 @@ def bucket_intercept(bucket_s: dict[int, float], bucket: int) -> float:
     return float(np.interp(bucket, xs, [bucket_s[x] for x in xs]))
 
 
-def profile_key(model: ModelConfig, page_size: int, num_slots: int) -> dict:
-    """What a profile must match: the model's architecture, the page size and the slot count."""
+def profile_key(model: ModelConfig, page_size: int, num_slots: int, num_pages: int) -> dict:
+    """What a profile must match: the model's architecture, the page size, the page pool (the
+    engine's step time grows with the cache it carries) and the slot count."""
     key = {f"model.{f}": getattr(model, f) for f in ARCH_FIELDS}
     key["cache.page_size"] = page_size
+    key["cache.num_pages"] = num_pages
     key["scheduler.max_num_seqs"] = num_slots
     return key
 
 
-def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) -> dict:
+def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int, num_pages: int) -> dict:
     """Read and check `profile.json`; a missing, malformed or mismatched file is a one-line ValueError."""
     p = Path(path).expanduser()
     if not p.is_file():
@@ -96,7 +98,7 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
             raise ValueError("coefficients.bucket_s is empty")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"executor.profile: {p} is not a cbjax profile ({type(err).__name__}: {err})") from None
-    for key, ours in profile_key(model, page_size, num_slots).items():
+    for key, ours in profile_key(model, page_size, num_slots, num_pages).items():
         theirs = made_for.get(key)
         if theirs != ours:
             raise ValueError(f"executor.profile: made for {key}={theirs}, this run has {ours} ({p})")
@@ -130,7 +132,7 @@ def make_profiled_cost(
 ) -> ProfiledCost:
     if not executor.profile:
         raise ValueError("executor.profile: cost_model=profiled needs a profile.json path (executor.profile=PATH)")
-    profile = load_profile(executor.profile, model, cache.page_size, scheduler.max_num_seqs)
+    profile = load_profile(executor.profile, model, cache.page_size, scheduler.max_num_seqs, cache.num_pages)
     return ProfiledCost(profile["coefficients"], shapes_for(model, scheduler, cache, executor))
 
 
