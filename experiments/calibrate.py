@@ -55,10 +55,12 @@ def base_config(profile: dict, requests: int) -> RunConfig:
     )
 
 
-def azure_slice(out: Path, requests: int, rate: float, max_model_len: int) -> Path:
+def azure_slice(trace: Path, out: Path, requests: int, rate: float, max_model_len: int) -> Path:
     """The first `requests` rows of the Azure code trace as a plain CSV: prompts divided by 16 (the
     trace's are ~2k tokens, the tiny model's context is ~1k), outputs clipped, arrivals rescaled to `rate`."""
-    with open(AZURE_CODE) as f:
+    if not trace.is_file():
+        sys.exit(f"calibrate: error: no Azure code trace at {trace} (--trace PATH)")
+    with open(trace) as f:
         rows = list(csv.DictReader(f))[:requests]
     from cbjax.workload.trace import parse_timestamp
 
@@ -75,7 +77,7 @@ def azure_slice(out: Path, requests: int, rate: float, max_model_len: int) -> Pa
     return path
 
 
-def workloads(base: RunConfig, out: Path, sim_profile: str) -> dict[str, WorkloadConfig]:
+def workloads(base: RunConfig, out: Path, sim_profile: str, trace: Path) -> dict[str, WorkloadConfig]:
     """The four workloads; Poisson rates from the simulator's saturated request rate."""
     saturated = run_single(sim_config(base, sim_profile), None, verbose=False)["throughput_req_s"]
     wl = base.workload
@@ -84,7 +86,7 @@ def workloads(base: RunConfig, out: Path, sim_profile: str) -> dict[str, Workloa
         "poisson_high": dataclasses.replace(wl, arrival="poisson", rate=0.9 * saturated),
         "all_at_t0": wl,
         "azure_code": WorkloadConfig(name="trace", format="csv", vocab_size=wl.vocab_size,
-                                     path=str(azure_slice(out, wl.num_requests, 0.7 * saturated, base.model.max_model_len))),  # fmt: skip
+                                     path=str(azure_slice(trace, out, wl.num_requests, 0.7 * saturated, base.model.max_model_len))),  # fmt: skip
     }
 
 
@@ -103,7 +105,7 @@ def run_all(args) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     base = base_config(profile, args.requests)
     rows = []
-    for wname, wl in workloads(base, out, args.profile).items():
+    for wname, wl in workloads(base, out, args.profile, Path(args.trace)).items():
         if args.workloads and wname not in args.workloads:
             continue
         for policy in args.policies:
@@ -200,6 +202,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--workloads", nargs="*", help="a subset of poisson_low poisson_high all_at_t0 azure_code")
+    ap.add_argument("--trace", default=str(AZURE_CODE), help="the Azure LLM inference code trace CSV")
     ap.add_argument("--out-dir", default=str(REPO / "outputs" / "calibration"))
     ap.add_argument("--doc", default=str(REPO / "docs" / "CALIBRATION.md"))
     args = ap.parse_args()

@@ -43,6 +43,8 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     assert all(v >= 0 for v in [*coef["bucket_s"].values(), *(coef[k] for k in STEP_TERMS + SWAP_TERMS)])
     assert {s["bucket"] for s in profile["steps"]} == {4, 16, 64} and all(s["measured_s"] > 0 for s in profile["steps"])
     assert {s["direction"] for s in profile["swaps"]} == {"out", "in"}
+    loop = profile["loop"]
+    assert loop["iterations"] > 0 and loop["makespan_s"] >= loop["execute_s"] > 0 and coef["loop_s"] == loop["loop_s"]
     assert profile["machine"]["backend"] == "cpu" and profile["machine"]["jax"]
     assert 0 <= profile["residuals"]["median_rel_error"] <= profile["residuals"]["max_rel_error"]
     sim = ExecutorConfig(cost_model="profiled", profile=str(tmp_path / "profile.json"), token_buckets=[4, 16, 64])

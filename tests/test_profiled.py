@@ -100,7 +100,7 @@ def test_fit_recovers_hand_set_coefficients_from_a_synthetic_executor():
 
 
 def write_profile(path, coefficients=None, model=MODEL, page_size=16, num_slots=32, num_pages=4096):
-    coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "swap_iter_s": 1e-3, "swap_page_s": 1e-4}
+    coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "swap_iter_s": 1e-3, "swap_page_s": 1e-4, "loop_s": 2e-4}
     path.write_text(json.dumps({"made_for": profile_key(model, page_size, num_slots, num_pages), "coefficients": coef}))
     return str(path)
 
@@ -115,7 +115,7 @@ def configs(profile, **sched):
 
 def test_profiled_cost_by_hand(tmp_path):
     coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.5, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
-            "swap_iter_s": 1000.0, "swap_page_s": 10000.0}  # fmt: skip
+            "swap_iter_s": 1000.0, "swap_page_s": 10000.0, "loop_s": 0.25}  # fmt: skip
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))
     d = Request("d", 0.0, 5)
@@ -124,11 +124,11 @@ def test_profiled_cost_by_hand(tmp_path):
     p.num_computed, p.num_new_tokens = 0, 20
     plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4, swap_in=[(d, [7, 8])])
     # 21 tokens -> bucket 64; 2 rows; 2 single tiles (1 chunk), 9 block tiles (1 chunk); 2 pages swapped
-    assert cost(plan) == pytest.approx(7.0 + 0.5 + 0.002 + 10.0 + 100.0 + 1000.0 + 20000.0)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.0 + 0.5 + 0.001 + 10.0)
+    assert cost(plan) == pytest.approx(0.25 + 7.0 + 0.5 + 0.002 + 10.0 + 100.0 + 1000.0 + 20000.0)
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.25 + 1.0 + 0.5 + 0.001 + 10.0)
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12
-    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(2.2 + 0.5 + 0.001 + 100.0)
+    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(0.25 + 2.2 + 0.5 + 0.001 + 100.0)
 
 
 def test_a_profile_for_another_model_page_size_page_pool_or_slot_count_is_refused(tmp_path):

@@ -6,6 +6,7 @@ executor with hand-set costs checks the fit; the swap timing needs the JAX engin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -95,8 +96,31 @@ def engine_empty_step(executor) -> Callable[[int], float]:
     return run
 
 
+def measure_loop(executor, cfg: RunConfig) -> dict[str, Any]:
+    """The serving loop's time per iteration outside `execute` (scheduling, postprocess, stats),
+    which the engine's wall clock pays and a simulated step does not: fcfs serves 2 x slots short
+    requests, all at t=0, on the engine; (makespan - time in execute) / iterations."""
+    from cbjax.config import LengthConfig, WorkloadConfig
+    from cbjax.engine import serve
+    from cbjax.scheduler import Scheduler
+    from cbjax.workload import build_workload
+
+    length = cfg.model.max_model_len
+    wl = WorkloadConfig(
+        num_requests=2 * cfg.scheduler.max_num_seqs, vocab_size=cfg.model.vocab_size,
+        prompt_len=LengthConfig(dist="uniform", low=4, high=max(4, length // 8)),
+        output_len=LengthConfig(dist="uniform", low=4, high=max(4, min(64, length // 4))),
+    )  # fmt: skip
+    sched = dataclasses.replace(cfg.scheduler, name="fcfs")
+    scheduler = Scheduler(sched, cfg.cache, length, validate=executor.validate)
+    result = serve(build_workload(wl, cfg.seed), scheduler, executor)
+    iters = result.stats.iterations
+    loop_s = max(0.0, (result.makespan_s - result.stats.busy_s) / iters) if iters else 0.0
+    return {"iterations": iters, "makespan_s": result.makespan_s, "execute_s": result.stats.busy_s, "loop_s": loop_s}
+
+
 def fit_profile(
-    steps: list[dict], swaps: list[dict], bucket_s: dict[int, float]
+    steps: list[dict], swaps: list[dict], bucket_s: dict[int, float], loop_s: float = 0.0
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """(coefficients, residuals): the timed bucket costs, the STEP_TERMS fitted on top of them and
     the swap terms, each fitted non-negative on relative error."""
@@ -112,6 +136,7 @@ def fit_profile(
         s["rel_error"] = float(e)
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
+    coefficients["loop_s"] = float(loop_s)
     residuals = {"median_rel_error": float(np.median(err)), "max_rel_error": float(np.max(err)), "num_points": len(y)}
     return coefficients, residuals
 
@@ -140,7 +165,7 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "token_buckets": list(shapes.token_buckets),
         "formula": "bucket_s[bucket] + iter_s + seq_s*rows + single_chunk_s*ceil(single_tiles/128)"
-        " + block_chunk_s*ceil(block_tiles/32) (+ swap_iter_s + swap_page_s*pages when the step swaps)",
+        " + block_chunk_s*ceil(block_tiles/32) (+ swap_iter_s + swap_page_s*pages when the step swaps) + loop_s",
         "coefficients": coefficients,
         "residuals": residuals,
         "steps": steps,

@@ -32,7 +32,8 @@ class ProfileRunConfig(RunConfig):
 def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     """Profile the engine `cfg` describes; writes profile.json and profile.png to `out_dir`."""
     from cbjax.profile.measure import (
-        build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_steps, measure_swaps, write_profile,
+        build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_loop, measure_steps,
+        measure_swaps, write_profile,
     )  # fmt: skip
     from cbjax.run import build_executor, resolve
 
@@ -47,10 +48,12 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     steps = measure_steps(executor.execute, points, shapes, cfg.cache.num_pages, cfg.model.vocab_size, cfg.repeats)
     bucket_s = measure_buckets(engine_empty_step(executor), shapes.token_buckets, cfg.repeats)
     swaps = measure_swaps(executor, cfg.repeats)
-    coefficients, residuals = fit_profile(steps, swaps, bucket_s)
+    loop = measure_loop(executor, cfg)
+    coefficients, residuals = fit_profile(steps, swaps, bucket_s, loop["loop_s"])
     extra = {
         "attention": executor.attention,
         "machine": machine(),
+        "loop": loop,
         "grid": cfg.grid,
         "repeats": cfg.repeats,
         "warmup_s": warmup_s,

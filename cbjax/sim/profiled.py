@@ -8,6 +8,7 @@ each counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, plus it
     time = bucket_s[bucket] + iter_s + seq_s * rows
            + single_chunk_s * ceil(single_tiles / CHUNK_SINGLE) + block_chunk_s * ceil(block_tiles / CHUNK_BLOCK)
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
+           + loop_s  (the serving loop's own time around the step: scheduling, postprocess, stats)
 
 A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
 
@@ -30,7 +31,7 @@ from cbjax.runtime.tiles import BLOCK_Q, CHUNK_BLOCK, CHUNK_SINGLE
 
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
 STEP_TERMS = ("iter_s", "seq_s", "single_chunk_s", "block_chunk_s")
-SWAP_TERMS = ("swap_iter_s", "swap_page_s")
+SWAP_TERMS = ("swap_iter_s", "swap_page_s", "loop_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
     "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
@@ -116,11 +117,12 @@ class ProfiledCost:
         self.step = [coefficients[k] for k in STEP_TERMS]
         self.swap_iter_s = coefficients["swap_iter_s"]
         self.swap_page_s = coefficients["swap_page_s"]
+        self.loop_s = coefficients["loop_s"]
         self.shapes = shapes
 
     def __call__(self, plan: Schedule) -> float:
         bucket, x = step_features(plan.cost_rows(), self.shapes)
-        t = bucket_intercept(self.bucket_s, bucket) + sum(c * v for c, v in zip(self.step, x))
+        t = self.loop_s + bucket_intercept(self.bucket_s, bucket) + sum(c * v for c, v in zip(self.step, x))
         pages = plan.num_swapped_pages
         if pages:
             t += self.swap_iter_s + self.swap_page_s * pages
