@@ -113,8 +113,7 @@ class ProfiledCost:
     name = "profiled"
 
     def __init__(self, coefficients: dict, shapes: ShapePlan):
-        self.bucket_s = coefficients["bucket_s"]
-        self.step = [coefficients[k] for k in STEP_TERMS]
+        self.coefficients = coefficients
         self.swap_iter_s = coefficients["swap_iter_s"]
         self.swap_page_s = coefficients["swap_page_s"]
         self.loop_s = coefficients["loop_s"]
@@ -122,7 +121,7 @@ class ProfiledCost:
 
     def __call__(self, plan: Schedule) -> float:
         bucket, x = step_features(plan.cost_rows(), self.shapes)
-        t = self.loop_s + bucket_intercept(self.bucket_s, bucket) + sum(c * v for c, v in zip(self.step, x))
+        t = self.loop_s + predict(self.coefficients, bucket, x)
         pages = plan.num_swapped_pages
         if pages:
             t += self.swap_iter_s + self.swap_page_s * pages
