@@ -56,7 +56,7 @@ def run_once(policy: str, args, model: ModelConfig) -> dict:
         vocab_size=model.vocab_size,
     )
     requests = build_workload(wl, seed=args.seed)
-    sched = Scheduler(sched_cfg, cache, model.max_model_len, validate=ex.validate)
+    sched = Scheduler(sched_cfg, cache, model.max_model_len, validate=ex.validate, vocab_size=model.vocab_size)
     result = serve(requests, sched, ex)
     stats = result.stats
     tokens = sum(r.num_generated for r in result.requests)

@@ -94,7 +94,7 @@ def check_kernel(out: Path) -> dict:
             got = np.asarray(got.astype(jnp.float32))
             ref = np.asarray(reference(q, k, v, md).astype(jnp.float32))
             # The oracle sees the same rounded inputs as the kernel.
-            rnd = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # noqa: E731
+            rnd = lambda x, dtype=dtype: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # noqa: E731
             exact = oracle(dict(case, q=rnd(case["q"]), dense_k=[rnd(x) for x in case["dense_k"]],
                                 dense_v=[rnd(x) for x in case["dense_v"]]))  # fmt: skip
             tol = TOLERANCE[dtype]

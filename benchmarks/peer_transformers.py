@@ -93,7 +93,10 @@ def cbjax_runner(model_dir: str, args):
             Request(str(i), 0.0, len(p), list(p), SamplingParams(max_tokens=o, ignore_eos=True))
             for i, (p, o) in enumerate(workload)
         ]
-        sched = Scheduler(sched_cfg, cache, model.max_model_len, validate=ex.validate, eos_token_id=model.eos_token_id)
+        sched = Scheduler(
+            sched_cfg, cache, model.max_model_len, validate=ex.validate, eos_token_id=model.eos_token_id,
+            vocab_size=model.vocab_size,
+        )
         result = serve(reqs, sched, ex)
         outs = [r.output_token_ids for r in result.requests]
         return sum(map(len, outs)) / result.makespan_s, outs, result

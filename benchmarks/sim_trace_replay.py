@@ -29,7 +29,7 @@ def model_config(name: str):
 
     from cbjax.config import ModelConfig
 
-    return from_dict(ModelConfig, yaml.safe_load((REPO / "configs" / "model" / f"{name}.yaml").read_text()))
+    return from_dict(ModelConfig, yaml.safe_load((REPO / "configs" / "model" / f"{name}.yaml").read_text()) or {})
 
 
 def main() -> None:

@@ -2,42 +2,75 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from cbjax.config import RunConfig
+from cbjax.config_merge import to_run_config
+from cbjax.outputs import StopFlag
 
-CONFIG_DIR = Path(os.environ.get("CBJAX_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
+# configs/ sits at the repository's top level and ships in the package as `cbjax.configs`.
+# A source checkout (PYTHONPATH or editable) reads its own configs/; an installed wheel reads
+# the package's. CBJAX_CONFIG_DIR overrides both.
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = Path(os.environ.get("CBJAX_CONFIG_DIR", SOURCE_ROOT / "configs"))
+IN_SOURCE_TREE = "CBJAX_CONFIG_DIR" in os.environ or (
+    (SOURCE_ROOT / "pyproject.toml").is_file() and (CONFIG_DIR / "config.yaml").is_file()
+)
+CONFIG_PATH = str(CONFIG_DIR) if IN_SOURCE_TREE else "pkg://cbjax.configs"
 
 ConfigStore.instance().store(name="base_config", node=RunConfig)
 
-
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Resolve a composed Hydra config into the checked dataclasses."""
-    return OmegaConf.to_object(cfg)
+log = logging.getLogger("cbjax")
+STOP = StopFlag()  # set by SIGINT/SIGTERM while the app runs
 
 
-@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
-def _app(cfg: DictConfig) -> None:
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+def _app(cfg: DictConfig) -> Optional[float]:
+    from cbjax.hydra_job import run_hydra_job
     from cbjax.run import run_experiment
 
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        run_cfg = to_run_config(cfg)
-        out_dir = Path(HydraConfig.get().runtime.output_dir)
-        run_experiment(run_cfg, out_dir)
+        run = functools.partial(run_experiment, stop=STOP)
+        objective = run_hydra_job(to_run_config(cfg), out_dir, HydraConfig.get(), run=run)
     except ValueError as err:
-        print(f"cbjax: error: {err}", file=sys.stderr)
+        _to_stderr(f"cbjax: error: {err}")
         sys.exit(2)
-    print(f"\noutputs: {out_dir}")
+    if STOP.is_set():
+        _to_stderr(f"cbjax: interrupted by {STOP.name}; what finished is saved in {out_dir}")
+        sys.exit(130)
+    log.info(f"\noutputs: {out_dir}")
+    return objective  # a sweeper's objective (optimized_metric); None otherwise
+
+
+def _to_stderr(line: str) -> None:
+    """One line on stderr, and in cli.log too (the console handler writes to stdout)."""
+    print(line, file=sys.stderr)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def main() -> None:
-    if not (CONFIG_DIR / "config.yaml").is_file():
+    # A plug-in policy (scheduler.policy_class) is found in the working directory, as with `python -m`.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if IN_SOURCE_TREE and not (CONFIG_DIR / "config.yaml").is_file():
         sys.exit(f"cbjax: error: no configs at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
-    _app()
+    try:
+        with STOP.catching():
+            _app()
+    except KeyboardInterrupt:  # a signal before the handlers were installed
+        print("cbjax: interrupted before the run started", file=sys.stderr)
+        sys.exit(130)

@@ -9,21 +9,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
-POLICIES = ("static", "fcfs", "priority", "sjf", "mlfq", "vtc")
 PREDICTORS = ("oracle", "mean", "learned")
-ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
 ATTENTION_IMPLS = ("auto", "pallas", "ragged", "reference", "triton")
-COST_MODELS = ("unit", "roofline", "profiled")
 ARRIVALS = ("all_at_once", "poisson", "gamma", "uniform")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
 TRUNCATIONS = ("clip", "resample")
 WORKLOADS = ("synthetic", "trace")
 DTYPES = ("float32", "bfloat16")
 MLP_KINDS = ("gated", "plain")
+LOGGERS = ("none", "mlflow", "tensorboard", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _require(cond: bool, key: str, msg: str, value: Any) -> None:
@@ -31,9 +30,29 @@ def _require(cond: bool, key: str, msg: str, value: Any) -> None:
         raise ValueError(f"{key} {msg}, got {value!r}")
 
 
-def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+def _one_of(key: str, value: Any, allowed: Iterable[str]) -> None:
     if value not in allowed:
         raise ValueError(f"{key}: unknown value {value!r}; choose one of {', '.join(allowed)}")
+
+
+# Choice lists that have a registry are read from it, so a registered addition is selectable.
+# Imported when a config is checked: the registries' modules import this one.
+def policy_names() -> list[str]:
+    from cbjax.scheduler.policy import POLICIES
+
+    return list(POLICIES)
+
+
+def allocation_names() -> list[str]:
+    from cbjax.cache.allocator import ALLOCATIONS
+
+    return list(ALLOCATIONS)
+
+
+def cost_model_names() -> list[str]:
+    from cbjax.sim.cost import COST_MODELS
+
+    return list(COST_MODELS)
 
 
 @dataclass
@@ -49,6 +68,9 @@ class SchedulerConfig:
     # Mix prefills and decodes in one iteration (Orca, Sarathi-Serve). False: an iteration with
     # prefill work runs only prefills, and decodes wait (vLLM's original scheduler).
     hybrid_batching: bool = True
+    # Without hybrid batching, when both wait: false, prefill work goes first (vLLM's original
+    # order); true, prefill and decode iterations alternate, so neither starves the other.
+    alternate_phases: bool = False
     # static only: charge compute as a padded `generate` batch does: prompts padded to the
     # batch's longest, finished rows computed until the whole batch ends (Schedule.cost_rows).
     static_padding: bool = False
@@ -61,9 +83,22 @@ class SchedulerConfig:
     mlfq_preempt: bool = True  # FastServe preempts lower-queue requests at iteration level
     vtc_input_weight: float = 1.0  # service cost per prompt token
     vtc_output_weight: float = 2.0  # service cost per generated token
+    # A policy from the user's own code, "package.module:ClassName" (a cbjax Policy subclass,
+    # importable from the working directory or PYTHONPATH); it replaces `name`'s policy.
+    policy_class: Optional[str] = None
+    # Keyword arguments for the policy's constructor, after the config: its own knobs.
+    policy_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _one_of("scheduler.name", self.name, POLICIES)
+        _one_of("scheduler.name", self.name, policy_names())
+        if self.policy_class is not None:
+            module, _, cls = self.policy_class.partition(":")
+            _require(
+                bool(module and cls and all(part.isidentifier() for part in module.split(".") + cls.split("."))),
+                "scheduler.policy_class",
+                'must look like "package.module:ClassName"',
+                self.policy_class,
+            )
         _one_of("scheduler.preemption", self.preemption, PREEMPTION_MODES)
         _one_of("scheduler.predictor", self.predictor, PREDICTORS)
         if self.name == "sjf" and self.predictor == "learned":
@@ -115,7 +150,7 @@ class CacheConfig:
     num_swap_pages: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _one_of("cache.allocation", self.allocation, ALLOCATIONS)
+        _one_of("cache.allocation", self.allocation, allocation_names())
         _one_of("cache.reservation_fit", self.reservation_fit, ("first_fit", "buddy"))
         _require(self.page_size >= 1, "cache.page_size", "must be >= 1", self.page_size)
         if self.num_pages != "auto":
@@ -165,7 +200,7 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         _one_of("executor.name", self.name, EXECUTORS)
-        _one_of("executor.cost_model", self.cost_model, COST_MODELS)
+        _one_of("executor.cost_model", self.cost_model, cost_model_names())
         if self.name == "sim" and self.cost_model == "profiled":
             _require(bool(self.profile), "executor.profile", "is required by cost_model=profiled (a profile.json)", self.profile)
         _one_of("executor.attention", self.attention, ATTENTION_IMPLS)
@@ -239,7 +274,7 @@ class WorkloadConfig:
     )
     # The client's sampling cap. None: each request's own output length.
     max_tokens: Optional[int] = None
-    vocab_size: int = 32000  # range of synthetic prompt token ids
+    vocab_size: int = 512  # range of synthetic prompt token ids (the tiny model's vocabulary)
     # Multi-client synthetic workload: each client's requests carry its client_id (read by
     # scheduler=vtc and metrics' client_service); num_requests and the top-level lengths and
     # arrival process are then per-client defaults. duration_s: how long clients send.
@@ -250,6 +285,9 @@ class WorkloadConfig:
     format: str = "auto"  # auto | azure | csv | jsonl
     limit: Optional[int] = None  # replay only the first N requests
     time_scale: float = 1.0  # arrival times are divided by this (2.0 replays twice as fast)
+    # A request arriving later (after time_scale) is rejected with its reason: an absurd time
+    # would zero its latencies in float64 and make the real engine wait for it. 1e7 s: ~116 days.
+    max_arrival_s: float = 1e7
 
     def __post_init__(self) -> None:
         _one_of("workload.name", self.name, WORKLOADS)
@@ -259,6 +297,7 @@ class WorkloadConfig:
         _require(self.rate > 0 and math.isfinite(self.rate), "workload.rate", "must be > 0", self.rate)
         _require(self.cv > 0 and math.isfinite(self.cv), "workload.cv", "must be > 0", self.cv)
         _require(self.time_scale > 0, "workload.time_scale", "must be > 0", self.time_scale)
+        _require(self.max_arrival_s > 0, "workload.max_arrival_s", "must be > 0", self.max_arrival_s)
         _require(self.vocab_size >= 2, "workload.vocab_size", "must be >= 2", self.vocab_size)
         if self.max_tokens is not None:
             _require(self.max_tokens >= 1, "workload.max_tokens", "must be >= 1", self.max_tokens)
@@ -481,6 +520,25 @@ class SLOConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Experiment tracking of the `cbjax` command (cbjax.tracking); each backend reads its own knobs."""
+
+    name: str = "none"
+    experiment_name: str = "cbjax"  # MLflow experiment, W&B project
+    run_name: Optional[str] = None  # None: the job's overrides in a sweep, else the run dir's name
+    # mlflow. None: a file store, mlruns/ in the sweep dir (multirun) or the run dir (no server)
+    tracking_uri: Optional[str] = None
+    # tensorboard and wandb. None: tensorboard/ or wandb/ beside that mlruns/
+    save_dir: Optional[str] = None
+    wandb_mode: str = "offline"  # offline needs no account; `wandb sync` uploads later
+
+    def __post_init__(self) -> None:
+        _one_of("logger.name", self.name, LOGGERS)
+        _one_of("logger.wandb_mode", self.wandb_mode, WANDB_MODES)
+        _require(bool(self.experiment_name), "logger.experiment_name", "must be non-empty", self.experiment_name)
+
+
+@dataclass
 class RunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -495,6 +553,18 @@ class RunConfig:
     progress: bool = True
     # "requests completed in N iterations", the seeds' throughput measure
     window_iterations: int = 1000
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # A multirun skips a job whose dir holds a complete run of the same config; true reruns all.
+    overwrite: bool = False
+    # A summary.json key the job returns to a Hydra sweeper (optuna maximizes or minimizes it).
+    optimized_metric: Optional[str] = None
 
     def __post_init__(self) -> None:
         _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)
+        if self.optimized_metric is not None:
+            _require(
+                not self.experiment.arms,
+                "optimized_metric",
+                f"needs a single run, but experiment {self.experiment.name!r} has arms",
+                self.optimized_metric,
+            )

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from cbjax.executor import Executor
+from cbjax.outputs import StopFlag
 from cbjax.request import Request
-from cbjax.scheduler.core import Schedule, Scheduler
+from cbjax.plan import Schedule
+from cbjax.scheduler.core import Scheduler
 
 
 @dataclass
@@ -45,6 +47,7 @@ class RunResult:
     warmup_s: float = 0.0
     extra: dict = field(default_factory=dict)
     tbt_s: list[float] = field(default_factory=list)  # gaps between consecutive tokens of a request
+    interrupted: bool = False  # stopped early by `stop`: unfinished requests were aborted
 
 
 def serve(
@@ -55,11 +58,16 @@ def serve(
     progress: bool = False,
     max_iterations: Optional[int] = None,
     on_step: Optional[Callable[[Schedule, float, int], None]] = None,
+    stop: Optional[StopFlag] = None,
+    on_finish: Optional[Callable[[Request], None]] = None,
+    tick: Optional[Callable[[], None]] = None,
 ) -> RunResult:
     """Serve `requests` (any order) to completion; every request ends with a finish reason.
 
     `on_step(plan, end_s, num_batched_tokens)` runs after each iteration's postprocess.
-    """
+    `stop` is checked at each iteration boundary (and while idle): once set, the loop ends
+    and everything unfinished is aborted. `on_finish` sees each request once, as it ends
+    (rejections included); `tick` is called every loop turn (e.g. to flush a log)."""
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     stats = IterationStats()
     bar = _progress_bar(len(requests)) if progress else None
@@ -72,7 +80,18 @@ def serve(
     now = 0.0
     last_end = 0.0
     num_done_reported = 0
+    num_seen = 0  # scheduler.finished[:num_seen] went to on_finish
+    interrupted = False
     while True:
+        if on_finish is not None and len(scheduler.finished) > num_seen:
+            for req in scheduler.finished[num_seen:]:
+                on_finish(req)
+            num_seen = len(scheduler.finished)
+        if tick is not None:
+            tick()
+        if stop is not None and stop.is_set():
+            interrupted = True
+            break
         if not virtual:
             now = time.perf_counter() - t0
         while pending and pending[0].arrival_s <= now:
@@ -84,7 +103,8 @@ def serve(
             if virtual:
                 now = pending[0].arrival_s
             else:
-                time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - t0)))
+                # short naps, so a stop request or a due flush is not kept waiting
+                time.sleep(min(0.1, max(0.0, pending[0].arrival_s - (time.perf_counter() - t0))))
             continue
         if max_iterations is not None and stats.iterations >= max_iterations:
             break
@@ -120,7 +140,7 @@ def serve(
         if n > stats.batch_peak:
             stats.batch_peak = n
         t_post = time.perf_counter()
-        done = scheduler.postprocess(plan, out.token_ids, now)
+        done = scheduler.postprocess(plan, out.token_ids, now, out.errors)
         stats.postprocess_s += time.perf_counter() - t_post
         for req in done:
             finish_iteration[req.request_id] = stats.iterations
@@ -133,6 +153,9 @@ def serve(
         for req in pending:
             scheduler.add(req, now)
         scheduler.abort_all(now)
+    if on_finish is not None:
+        for req in scheduler.finished[num_seen:]:
+            on_finish(req)
     if bar is not None:
         bar.update(len(scheduler.finished) - num_done_reported)
         bar.close()
@@ -145,6 +168,7 @@ def serve(
         wall_s=time.perf_counter() - wall0,
         extra=scheduler.cache_stats(),
         tbt_s=scheduler.tbt_s,
+        interrupted=interrupted,
     )
 
 

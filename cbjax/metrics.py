@@ -18,7 +18,7 @@ KV_SHARES = (
     "kv_share_external_frag",
     "kv_share_free",
 )
-SERVED = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)
+SERVED = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP, FinishReason.MAX_MODEL_LEN)
 
 
 def request_latencies(req: Request) -> dict[str, Any]:
@@ -44,6 +44,8 @@ def request_row(req: Request) -> dict[str, Any]:
         "finish_s": req.finish_s,
         "finish_reason": req.finish_reason.value if req.finish_reason else None,
         "reject_reason": req.reject_reason,
+        "error": req.error,
+        "original_request_id": req.original_request_id,
         "preemptions": req.num_preemptions,
         "target_output_len": req.target_output_len,
         "max_tokens": req.sampling.max_tokens,
@@ -93,6 +95,8 @@ def summarize(
         "num_finished": len(served),
         "num_rejected": sum(r.finish_reason is FinishReason.REJECTED for r in reqs),
         "num_aborted": sum(r.finish_reason is FinishReason.ABORTED for r in reqs),
+        "num_errors": sum(r.finish_reason is FinishReason.ERROR for r in reqs),
+        "num_max_model_len": sum(r.finish_reason is FinishReason.MAX_MODEL_LEN for r in reqs),
         "iterations": iters,
         "makespan_s": makespan,
         "output_tokens": out_tokens,

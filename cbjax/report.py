@@ -10,6 +10,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from cbjax.metrics import request_row
+from cbjax.outputs import atomic_write_text
 from cbjax.request import Request
 
 SUMMARY_ROWS = (
@@ -88,14 +89,17 @@ def format_number(v: Any) -> str:
 
 
 def write_run(out_dir: Path, config: Any, summary: dict[str, Any], requests: list[Request], extra_rows=None) -> None:
-    """Write the three files of a run: summary.json, requests.jsonl and the resolved config.yaml."""
+    """Write the three files of a run, each to a temporary name renamed into place: the
+    resolved config.yaml, requests.jsonl (one row per request, in submission order), and
+    summary.json last, so a summary.json on disk means the other two are complete."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
-    with open(out_dir / "requests.jsonl", "w") as f:
-        for req in requests:
-            row = request_row(req)
-            if extra_rows is not None:
-                row.update(extra_rows(req))
-            f.write(json.dumps(row) + "\n")
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+    lines = []
+    for req in requests:
+        row = request_row(req)
+        if extra_rows is not None:
+            row.update(extra_rows(req))
+        lines.append(json.dumps(row) + "\n")
+    atomic_write_text(out_dir / "requests.jsonl", "".join(lines))
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2, sort_keys=False) + "\n")

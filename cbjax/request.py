@@ -20,8 +20,10 @@ class FinishReason(str, enum.Enum):
     EOS = "eos"
     LENGTH = "length"
     STOP = "stop"
+    MAX_MODEL_LEN = "max_model_len"  # cut at the model's context before its own limit
     REJECTED = "rejected"
     ABORTED = "aborted"
+    ERROR = "error"  # the executor failed on it (e.g. non-finite logits); the run went on
 
 
 @dataclass
@@ -71,6 +73,8 @@ class Request:
     synthetic_prompt: Optional[tuple[int, int]] = None
     # A text prompt (JSONL `prompt`): the runner tokenizes it into prompt_token_ids before serving.
     prompt_text: Optional[str] = None
+    # The id the input gave, when it had to be renamed (a duplicate): request_id is then unique.
+    original_request_id: Optional[str] = None
 
     # ---- scheduler-owned state ----
     status: Status = Status.WAITING
@@ -82,6 +86,7 @@ class Request:
     max_output_len: int = 0  # the stopping length, set at admission checks
     finish_reason: Optional[FinishReason] = None
     reject_reason: Optional[str] = None
+    error: Optional[str] = None  # why the executor failed on it (finish_reason error)
     scheduled_s: Optional[float] = None  # start of its first iteration
     first_token_s: Optional[float] = None
     last_token_s: Optional[float] = None  # when its latest token came (time-between-tokens)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
+import logging
 import typing
 from pathlib import Path
 from typing import Any, Optional
 
 from cbjax.config import RunConfig
+from cbjax.config_merge import merge_overrides
 from cbjax.engine import serve
-from cbjax.metrics import summarize
+from cbjax.metrics import request_row, summarize
+from cbjax.outputs import RequestLog, StopFlag, atomic_write_text
 from cbjax.plots import plot_comparison
 from cbjax.reproduction import check_entries, evaluate, format_rows, write_reproduction
 from cbjax.report import comparison_table, format_summary, write_run
@@ -19,6 +21,8 @@ from cbjax.scheduler.core import Scheduler
 from cbjax.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
 from cbjax.workload import build_workload
 from cbjax.workload.trace import encode_text_prompts
+
+log = logging.getLogger("cbjax")
 
 
 def resolve_model(cfg: RunConfig) -> RunConfig:
@@ -68,8 +72,13 @@ def build_executor(cfg: RunConfig):
     raise ValueError(f"executor.name: unknown executor {cfg.executor.name!r}")
 
 
-def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
-    """Serve the configured workload once; write summary.json, requests.jsonl, config.yaml."""
+def run_single(
+    cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True, stop: Optional[StopFlag] = None
+) -> dict[str, Any]:
+    """Serve the configured workload once; write summary.json, requests.jsonl, config.yaml.
+
+    Rows stream to requests.jsonl.partial as requests finish. Once `stop` is set the run
+    aborts what is unfinished and still writes all three files, with `interrupted: true`."""
     cfg = resolve(cfg)
     requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
@@ -85,30 +94,45 @@ def run_single(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool 
         cfg.model.max_model_len,
         validate=executor.validate,
         eos_token_id=cfg.model.eos_token_id,
+        vocab_size=cfg.model.vocab_size,
     )
-    executor.warmup()
-    log = ServiceLog()
-    result = serve(requests, scheduler, executor, progress=cfg.progress, on_step=log.on_step)
-    summary = build_summary(cfg, result, log, executor)
+    extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
+    live = None
     if out_dir is not None:
-        extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
-        write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
+        live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **(extra(r) if extra else {})})
+    executor.warmup()
+    service_log = ServiceLog()
+    result = serve(
+        requests,
+        scheduler,
+        executor,
+        progress=cfg.progress,
+        stop=stop,
+        on_finish=live.write if live else None,
+        tick=live.tick if live else None,
+        on_step=service_log.on_step,
+    )
+    summary = build_summary(cfg, result, service_log, executor)
+    if out_dir is not None:
         clients = client_ids(result.requests)
-        write_service_series(out_dir, service_series(log, clients, cfg.metrics, result.makespan_s))
+        write_service_series(out_dir, service_series(service_log, clients, cfg.metrics, result.makespan_s))
+        write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
+        live.close()
     if verbose:
-        print(format_summary(summary, title=f"{cfg.scheduler.name} ({cfg.executor.name})"))
+        log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
     return summary
 
 
-def build_summary(cfg: RunConfig, result, log: ServiceLog, executor) -> dict[str, Any]:
-    """summary.json's fields for a finished run."""
+def build_summary(cfg: RunConfig, result, service_log: ServiceLog, executor) -> dict[str, Any]:
+    """summary.json's fields for a finished (or interrupted) run."""
     summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
+    summary["interrupted"] = result.interrupted
     if hasattr(executor, "metrics"):
         summary.update(executor.metrics())
-    summary.update(service_summary(result, log, cfg.metrics, cfg.slo))
+    summary.update(service_summary(result, service_log, cfg.metrics, cfg.slo))
     summary.update(
         {
-            "scheduler": cfg.scheduler.name,
+            "scheduler": cfg.scheduler.policy_class or cfg.scheduler.name,
             "executor": cfg.executor.name,
             "cost_model": cfg.executor.cost_model if cfg.executor.name == "sim" else None,
             "allocation": cfg.cache.allocation,
@@ -131,9 +155,9 @@ def summary_keys(cfg: RunConfig) -> set[str]:
     executor = SimExecutor(UnitCost())
     cache = dataclasses.replace(cfg.cache, num_pages=16, num_swap_pages=None)  # no request needs a page
     scheduler = Scheduler(cfg.scheduler, cache, cfg.model.max_model_len, validate=executor.validate)
-    log = ServiceLog()
-    result = serve([], scheduler, executor, on_step=log.on_step)
-    return set(build_summary(cfg, result, log, executor))
+    service_log = ServiceLog()
+    result = serve([], scheduler, executor, on_step=service_log.on_step)
+    return set(build_summary(cfg, result, service_log, executor))
 
 
 def _output_row(req, tokenizer) -> dict[str, Any]:
@@ -143,66 +167,61 @@ def _output_row(req, tokenizer) -> dict[str, Any]:
     return row
 
 
-def run_experiment(cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
-    """Run a single configuration, or every arm of `cfg.experiment` and compare them."""
+def run_experiment(
+    cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True, stop: Optional[StopFlag] = None
+) -> dict[str, Any]:
+    """Run a single configuration, or every arm of `cfg.experiment` and compare them.
+
+    Once `stop` is set, the arm being served saves its partial run and no further arm starts;
+    the comparison covers the arms that finished and names the missing ones."""
     arms = cfg.experiment.arms
     if not arms:
         if cfg.experiment.reproduction:
             raise ValueError("experiment.reproduction: compares arms, and experiment.arms is empty")
-        return run_single(cfg, out_dir, verbose=verbose)
+        return run_single(cfg, out_dir, verbose=verbose, stop=stop)
     arm_cfgs = {name: with_overrides(cfg, o, where=f"experiment.arms.{name}") for name, o in arms.items()}
     entries = cfg.experiment.reproduction
     if entries:
         check_entries(entries, {name: summary_keys(arm_cfg) for name, arm_cfg in arm_cfgs.items()})
     summaries: dict[str, dict[str, Any]] = {}
     for name, arm_cfg in arm_cfgs.items():
+        if stop is not None and stop.is_set():
+            break
         if verbose:
-            print(f"\n== arm {name} ==")
-        summaries[name] = run_single(arm_cfg, out_dir / name if out_dir else None, verbose=False)
+            log.info("\n== arm %s ==", name)
+        summary = run_single(arm_cfg, out_dir / name if out_dir else None, verbose=False, stop=stop)
+        if not summary["interrupted"]:
+            summaries[name] = summary
+    missing = [name for name in arms if name not in summaries]
     tables = []
     for i, table in enumerate(cfg.experiment.tables):
-        missing = [a for a in table["arms"] if a not in summaries]
-        if missing:
-            raise ValueError(f"experiment.tables[{i}]: unknown arms {missing}; arms are {list(summaries)}")
-        tables.append(comparison_table(table["title"], list(table["arms"]), list(table["metrics"]), summaries))
-    rows = evaluate(entries, summaries)
+        unknown = [a for a in table["arms"] if a not in arms]
+        if unknown:
+            raise ValueError(f"experiment.tables[{i}]: unknown arms {unknown}; arms are {list(arms)}")
+        if all(a in summaries for a in table["arms"]):
+            tables.append(comparison_table(table["title"], list(table["arms"]), list(table["metrics"]), summaries))
+    if missing:
+        tables.append(f"Interrupted: arms {', '.join(missing)} are missing (finished: {', '.join(summaries) or 'none'}).")
+    rows = evaluate(entries, summaries) if not missing else []
     if rows:
         tables.append("### Reproduction: paper vs ours\n\n" + format_rows(rows))
     text = "\n\n".join(tables)
     if verbose:
-        print("\n" + text)
+        log.info("\n" + text)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "comparison.md").write_text(text + "\n")
-        (out_dir / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n")
-        plot_comparison(out_dir, summaries)
+        atomic_write_text(out_dir / "comparison.md", text + "\n")
+        atomic_write_text(out_dir / "comparison.json", json.dumps(summaries, indent=2) + "\n")
+        if summaries:
+            plot_comparison(out_dir, summaries)
         if rows:
             write_reproduction(out_dir, rows)
     return summaries
 
 
 def with_overrides(cfg: RunConfig, overrides: dict[str, Any], where: str = "overrides") -> RunConfig:
-    """A copy of `cfg` with a nested partial config merged in, validated anew.
-
-    Keys may be nested dicts (`{scheduler: {name: static}}`) or dotted (`scheduler.name`).
-    """
-    tree = dataclasses.asdict(cfg)
-    tree["experiment"] = dataclasses.asdict(type(cfg.experiment)())
-    _merge(tree, overrides, where)
-    return from_dict(RunConfig, tree)
-
-
-def _merge(node: dict[str, Any], patch: dict[str, Any], where: str, prefix: str = "") -> None:
-    for key, value in patch.items():
-        head, _, rest = str(key).partition(".")
-        if rest:
-            value, key = {rest: value}, head
-        if key not in node:
-            raise ValueError(f"{where}: unknown key {prefix + key!r}")
-        if isinstance(value, dict) and isinstance(node[key], dict):
-            _merge(node[key], value, where, f"{prefix}{key}.")
-        else:
-            node[key] = copy.deepcopy(value)
+    """A copy of `cfg` with a nested partial config typed-merged in (see `merge_overrides`)."""
+    return merge_overrides(cfg, overrides, where)
 
 
 def from_dict(cls, data: dict[str, Any]):

@@ -1,4 +1,8 @@
-"""Collect a sweep's summary.json files into one CSV, a markdown table and a plot of one metric."""
+"""Collect a sweep's summary.json files into one CSV, a markdown table and a plot of one metric.
+
+Reads any Hydra sweep dir (basic or joblib launchers, Slurm or Ray jobs, optuna trials: the
+study's best from optimization_results.yaml goes above the table), a run dir or an experiment.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ DEFAULT_METRICS = (
     "mean_batch_size",
     "preemptions",
 )
+# Tracking stores (logger=...) and hidden dirs (.hydra, .submitit) hold copies, not jobs.
+STORE_DIRS = ("mlruns", "tensorboard", "wandb")
 
 
 @dataclass
@@ -78,12 +84,16 @@ def _sort_key(values: list[Optional[str]]) -> tuple:
     )
 
 
+def _in_store(rel: Path) -> bool:
+    return any(part in STORE_DIRS or part.startswith(".") for part in rel.parts[:-1])
+
+
 def find_jobs(root: Path) -> tuple[list[Job], list[str]]:
     """Every dir under `root` (itself included) with a summary.json, sorted by its labels; and the label columns."""
     if not root.is_dir():
         raise ValueError(f"{root}: not a directory")
     root = root.resolve()
-    paths = sorted(root.rglob("summary.json"))
+    paths = sorted(p for p in root.rglob("summary.json") if not _in_store(p.relative_to(root)))
     jobs = [Job(p.parent, job_labels(p.parent, root), json.loads(p.read_text())) for p in paths]
     if not jobs:
         raise ValueError(f"{root}: no summary.json found (expected a sweep dir, a run dir or an experiment dir)")
@@ -97,10 +107,35 @@ def varying(jobs: list[Job], columns: list[str]) -> list[str]:
     return [c for c in columns if len({j.labels.get(c) for j in jobs}) > 1] or columns
 
 
+def optimized_metric(jobs: list[Job]) -> Optional[str]:
+    """The optimized_metric a sweeper's jobs returned, from a job's saved Hydra config."""
+    for job in jobs:
+        path = job.path / ".hydra" / "config.yaml"
+        if path.is_file():
+            return (yaml.safe_load(path.read_text()) or {}).get("optimized_metric")
+    return None
+
+
+def optuna_best(root: Path) -> Optional[str]:
+    """A line on the study's best trial (or Pareto front) from optuna's optimization_results.yaml."""
+    path = root / "optimization_results.yaml"
+    if not path.is_file():
+        return None
+    results = yaml.safe_load(path.read_text()) or {}
+    params = lambda p: ", ".join(f"{k}={v}" for k, v in p.items())  # noqa: E731
+    if "best_params" in results:
+        return f"optuna best: {format_number(results.get('best_value'))} at {params(results['best_params'])}"
+    solutions = results.get("solutions") or []
+    front = "; ".join(f"{s.get('values')} at {params(s.get('params', {}))}" for s in solutions)
+    return f"optuna Pareto front ({len(solutions)}): {front}"
+
+
 def check_metrics(jobs: list[Job], names: Optional[list[str]]) -> list[str]:
     available = sorted(set().union(*(j.summary for j in jobs)))
     if names is None:
-        return [m for m in DEFAULT_METRICS if m in available]
+        target = optimized_metric(jobs)
+        first = [target] if target in available else []
+        return first + [m for m in DEFAULT_METRICS if m in available and m not in first]
     unknown = [m for m in names if m not in available]
     if unknown:
         raise ValueError(f"unknown metric {', '.join(unknown)}; summary.json keys are: {', '.join(available)}")
@@ -187,6 +222,9 @@ def collect(
     out = out or sweep_dir / "sweep"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = format_markdown(jobs, columns, metrics)
+    best = optuna_best(sweep_dir)
+    if best:
+        text = f"{best}\n\n{text}"
     write_csv(Path(f"{out}.csv"), jobs, columns, metrics)
     Path(f"{out}.md").write_text(f"# {sweep_dir}\n\n{text}\n")
     plot(Path(f"{out}.png"), jobs, columns, x, y)

@@ -23,8 +23,9 @@ def req(rid, prompt, outputs, computed, new, slot, temperature=0.0):
 
 
 def test_default_token_buckets_by_hand():
-    assert default_token_buckets(32, 8192) == [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-    assert default_token_buckets(4, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert default_token_buckets(32, 8192) == [4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert default_token_buckets(48, 100) == [4, 8, 16, 24, 40, 48, 96, 100]
+    assert default_token_buckets(4, 100) == [4, 8, 16, 32, 64, 100]
     assert default_token_buckets(1, 16) == [1, 2, 4, 8, 16]
 
 

@@ -75,6 +75,7 @@ def run_engine(
         CacheConfig(num_pages=num_pages, page_size=page_size, **(cache_kw or {})),
         MODEL.max_model_len,
         validate=ex.validate,
+        vocab_size=MODEL.vocab_size,
     )
     ex.warmup()
     result = serve([fresh(r) for r in reqs], sched, ex)
@@ -303,3 +304,23 @@ def test_one_forward_per_iteration_mixes_decodes_fresh_prefills_chunks_and_prefi
     assert ex.mixed_iterations > 0 and ex.context_iterations > 0
     for rid, req in alone.items():
         assert out[rid].output_token_ids == req.output_token_ids, rid
+
+
+def test_a_second_run_loads_its_programs_from_the_compilation_cache(tmp_path, env_cpu):
+    """Two fresh processes, one cache directory: the first compiles, the second compiles nothing."""
+    summaries = []
+    for run in ("cold", "warm"):
+        out = tmp_path / run
+        cmd = cbjax_cmd() + [
+            "executor=jax", "scheduler.max_num_seqs=2", "scheduler.max_num_batched_tokens=16",
+            "model.max_model_len=32", "workload.num_requests=3", "workload.prompt_len.high=8",
+            "workload.output_len.max=4", f"executor.compilation_cache_dir={tmp_path / 'cache'}",
+            "progress=false", f"hydra.run.dir={out}",
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, env=env_cpu, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summaries.append(json.loads((out / "summary.json").read_text()))
+    cold, warm = summaries
+    assert cold["warmup_compiles"] >= cold["compiled_programs"] > 0
+    assert warm["warmup_compiles"] == 0 and warm["compiles_after_warmup"] == 0
+    assert warm["compiled_programs"] == cold["compiled_programs"] and warm["num_finished"] == 3

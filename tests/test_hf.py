@@ -238,7 +238,9 @@ def test_continuous_batching_greedy_equals_transformers_generate(checkpoint, arc
     cache = CacheConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE)
     ex_cfg = ExecutorConfig(name="jax", token_buckets=BUCKETS)
     ex = JaxExecutor(cfg, cache, sched_cfg, ex_cfg, llama=load_model(cfg))
-    sched = Scheduler(sched_cfg, cache, cfg.max_model_len, validate=ex.validate, eos_token_id=cfg.eos_token_id)
+    sched = Scheduler(
+        sched_cfg, cache, cfg.max_model_len, validate=ex.validate, eos_token_id=cfg.eos_token_id, vocab_size=cfg.vocab_size
+    )
     ex.warmup()
     result = serve(reqs, sched, ex)
     assert result.stats.batch_peak == NUM_SLOTS and ex.metrics()["compiles_after_warmup"] == 0

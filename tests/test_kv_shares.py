@@ -6,7 +6,9 @@ from hypothesis import strategies as st
 
 from conftest import CheckingExecutor, assert_every_request_ends_once, make_requests
 from cbjax.cache import make_allocator
-from cbjax.config import ALLOCATIONS, CacheConfig, SchedulerConfig
+from cbjax.cache import ALLOCATIONS
+from cbjax.cache.allocator import ROOT_HASH, chain_hashes
+from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import KV_SHARES, summarize
 from cbjax.scheduler import Scheduler
@@ -23,8 +25,8 @@ def test_first_fit_runs_merge_on_free_and_strand_pages():
     assert alloc.free_runs() == [3, 1]  # pages 4-6 and page 10
     assert alloc.num_free_pages == 4 and not alloc.can_allocate(13, 13)  # 4 free, no run of 4
     # a waiting request needing 4 pages can use neither run: all 4 free pages are stranded
-    assert alloc.slot_breakdown({"a": 12, "c": 12}, min_waiting_pages=4) == (21, 3, 0, 16, 0)
-    assert alloc.slot_breakdown({"a": 12, "c": 12}, min_waiting_pages=3) == (21, 3, 0, 4, 12)
+    assert alloc.slot_breakdown([("a", 12), ("c", 12)], min_waiting_pages=4) == (21, 3, 0, 16, 0)
+    assert alloc.slot_breakdown([("a", 12), ("c", 12)], min_waiting_pages=3) == (21, 3, 0, 4, 12)
     assert alloc.allocate("d", 2, 8) == [4, 5]  # first fit: the lowest run that holds it
     alloc.free("a")
     alloc.free("c")
@@ -32,6 +34,17 @@ def test_first_fit_runs_merge_on_free_and_strand_pages():
     alloc.free("d")
     assert alloc.free_runs() == [10]
     alloc.check_invariants()
+
+
+def test_a_shared_prefix_page_counts_once_as_token_states():
+    alloc = make_allocator(num_pages=9, page_size=4, prefix_caching=True)  # 8 usable pages
+    ids = list(range(8))
+    alloc.allocate("a", 8, 8)
+    alloc.register("a", chain_hashes(ROOT_HASH, ids, 4), 2)
+    cached = alloc.match(chain_hashes(ROOT_HASH, ids[:5], 4))
+    assert alloc.allocate("b", 6, 6, cached) == [1, 3]  # shares a's first page
+    # distinct tokens 4 + 4 + 2; b's second page has 2 slots it never fills; 5 pages free
+    assert alloc.slot_breakdown([("a", 8), ("b", 6)], 0) == (10, 0, 2, 0, 20)
 
 
 def test_reservation_never_grows_past_itself():
@@ -111,7 +124,10 @@ class ShareCheckingExecutor(CheckingExecutor):
         assert all(p >= 0 for p in parts), parts
         assert sum(parts) == alloc.num_usable_pages * alloc.page_size
         token, _, internal, external, _ = parts
-        assert token == alloc.num_stored_tokens
+        if alloc.prefix_caching:  # a shared page's tokens count once
+            assert token <= min(alloc.num_stored_tokens, alloc.num_used_pages * alloc.page_size)
+        else:
+            assert token == alloc.num_stored_tokens
         if not alloc.reserve:
             assert external == 0
         if sched.allocation == "paged" or (sched.allocation == "reserve_oracle" and not alloc.buddy):
@@ -130,18 +146,25 @@ class ShareCheckingExecutor(CheckingExecutor):
     preemption=st.sampled_from(["recompute", "swap"]),
     max_tokens=st.sampled_from([None, 40]),
     fit=st.sampled_from(["first_fit", "buddy"]),
+    prefix_caching=st.booleans(),
 )
 def test_the_five_shares_sum_to_one_on_random_workloads(
-    reqs, allocation, policy, num_pages, page_size, chunked, preemption, max_tokens, fit
+    reqs, allocation, policy, num_pages, page_size, chunked, preemption, max_tokens, fit, prefix_caching
 ):
+    prefix_caching = prefix_caching and allocation == "paged"
     sched = Scheduler(
         SchedulerConfig(
             name=policy, max_num_seqs=5, max_num_batched_tokens=48, chunked_prefill=chunked, preemption=preemption
         ),
-        CacheConfig(num_pages=num_pages, page_size=page_size, allocation=allocation, reservation_fit=fit),
+        CacheConfig(
+            num_pages=num_pages, page_size=page_size, allocation=allocation, reservation_fit=fit,
+            prefix_caching=prefix_caching,
+        ),
         max_model_len=64,
-    )
+    )  # fmt: skip
     requests = make_requests([r[2] for r in reqs], [r[1] for r in reqs], [r[0] for r in reqs], max_tokens)
+    for req in requests:
+        req.prompt_token_ids = list(range(req.prompt_len))  # prompts share their prefixes
     result = serve(requests, sched, ShareCheckingExecutor(sched))
     assert_every_request_ends_once(sched, requests, result, max_model_len=64)
     s = summarize(result)

@@ -12,7 +12,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from llama_fixtures import BIASED, QWEN_LIKE, TINY, dense, dense_logits, numpy_forward, scaled_llama
 
-from cbjax.model import Llama, forward_dense, init_cache, kv_cache_axes
+from cbjax.model import Llama, forward_dense, kv_cache_axes
+from cbjax.runtime.kv_cache import init_cache
 from cbjax.model.llama import LOGICAL_AXES
 from cbjax.runtime.compiles import compile_count
 
@@ -125,7 +126,7 @@ def test_every_parameter_carries_logical_axes(name, fused):
 
 
 def test_kv_cache_axes_name_the_cache_layout():
-    cache = init_cache(BIASED, num_pages=3, page_size=2)  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    cache = init_cache(BIASED.num_layers, BIASED.num_kv_heads, BIASED.head_dim, 3, 2, BIASED.dtype)  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
     assert len(kv_cache_axes) == cache.k.ndim and set(kv_cache_axes) <= set(LOGICAL_AXES) | {None}
     sizes = dict(zip(kv_cache_axes, cache.k.shape))
     assert sizes["kv_heads"] == BIASED.num_kv_heads and sizes["head_dim"] == BIASED.head_dim

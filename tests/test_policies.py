@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CheckingExecutor, assert_every_request_ends_once, make_requests
-from cbjax.config import POLICIES as CONFIG_POLICIES
-from cbjax.config import ALLOCATIONS, CacheConfig, SchedulerConfig
+from cbjax.cache import ALLOCATIONS
+from cbjax.config import CacheConfig, SchedulerConfig, policy_names
 from cbjax.engine import serve
 from cbjax.request import Status
 from cbjax.scheduler import POLICIES, Scheduler
@@ -53,7 +53,7 @@ def finish_times(requests):
 
 
 def test_every_policy_is_registered_and_configurable():
-    assert set(POLICIES) == set(CONFIG_POLICIES) == {"static", "fcfs", "priority", "sjf", "mlfq", "vtc"}
+    assert set(POLICIES) == set(policy_names()) == {"static", "fcfs", "priority", "sjf", "mlfq", "vtc"}
     with pytest.raises(ValueError, match="scheduler.predictor_path"):
         SchedulerConfig(name="sjf", predictor="learned")
     with pytest.raises(ValueError, match="scheduler.predictor: unknown value 'magic'"):

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import CheckingExecutor, make_requests
 from cbjax.cache.sizing import auto_num_pages
-from cbjax.config import CacheConfig, HardwareConfig, LengthConfig, ModelConfig, RunConfig, SchedulerConfig
+from cbjax.config import CacheConfig, HardwareConfig, LengthConfig, RunConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.run import resolve
@@ -130,3 +130,33 @@ def test_normalized_latency_is_the_mean_of_e2e_over_output_length():
     reqs = make_requests([2, 4])
     s = summarize(serve(reqs, sched, CheckingExecutor(sched)))
     assert s["normalized_latency_s_per_token"] == pytest.approx(1.25)
+
+
+def test_per_sequence_and_per_page_overheads_by_hand():
+    base = RooflineCost(MODEL, HW)
+    knobs = RooflineCost(MODEL, dataclasses.replace(HW, overhead_s_per_seq=0.5, page_overhead_s=0.125))
+    plan = Schedule(num_slots=4, decodes=[req(3, 1), req(7, 1)], prefills=[req(0, 5)], page_size=4)
+    # 3 sequences x 0.5 s; pages read: ceil(4/4) + ceil(8/4) + ceil(5/4) = 5, x 0.125 s
+    assert knobs(plan) == pytest.approx(base(plan) + 3 * 0.5 + 5 * 0.125)
+
+
+def test_time_between_tokens_counts_every_gap_stalls_included():
+    # unit cost; A (output 3) decodes at t=1 and t=2; B (prompt 4, output 2) arrives at 0.5 and
+    # prefills at t=1 beside A's decode. Without hybrid batching A's decode waits a step.
+    for hybrid, gaps in [(True, [1.0, 1.0, 1.0]), (False, [2.0, 1.0, 1.0])]:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, hybrid_batching=hybrid, **LOOSE), BIG_CACHE, 1000)
+        a, b = make_requests([3, 2], prompt_lens=[4, 4], arrivals=[0.0, 0.5])
+        s = summarize(serve([a, b], sched, CheckingExecutor(sched)))
+        assert sorted(sched.tbt_s) == sorted(gaps)
+        assert s["tbt_s_p50"] == pytest.approx(float(np.percentile(gaps, 50)))
+        assert s["tbt_s_mean"] == pytest.approx(np.mean(gaps))
+
+
+@pytest.mark.parametrize("alternate, a_finish, c_finish", [(False, 5.0, 3.0), (True, 4.0, 5.0)])
+def test_alternating_phases_interleave_decodes_with_waiting_prefills(alternate, a_finish, c_finish):
+    # budget 4 = one prompt of 4 per iteration; B and C (output 1) wait while A (output 3) runs
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4, hybrid_batching=False, alternate_phases=alternate)
+    sched = Scheduler(cfg, BIG_CACHE, 1000)
+    a, b, c = make_requests([3, 1, 1], prompt_lens=[4, 4, 4], arrivals=[0.0, 0.5, 0.5])
+    serve([a, b, c], sched, CheckingExecutor(sched))
+    assert (a.finish_s, c.finish_s) == (a_finish, c_finish)

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CheckingExecutor, ContentCheckingExecutor, assert_every_request_ends_once, make_requests
-from cbjax.config import ALLOCATIONS, CacheConfig, SchedulerConfig
+from cbjax.cache import ALLOCATIONS
+from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.request import FinishReason, Request, SamplingParams
@@ -375,5 +376,6 @@ def test_a_swap_in_cancelled_by_the_same_plan_keeps_the_host_copy(reqs, num_slot
         req.prompt_token_ids = shared_prefix_ids(i, r[1], r[3], r[4])
     executor = ContentCheckingExecutor(sched)
     serve(requests, sched, executor, max_iterations=5000)
-    assert all(r.finish_reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.REJECTED) for r in requests)
+    served_or_rejected = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.MAX_MODEL_LEN, FinishReason.REJECTED)
+    assert all(r.finish_reason in served_or_rejected for r in requests)
     assert sched.swap_used == 0 and not executor.host

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cbjax.config import LengthConfig, WorkloadConfig
 from cbjax.workload import build_workload
-from cbjax.workload.synthetic import arrival_times, sample_lengths, prompt_seeds
+from cbjax.workload.synthetic import arrival_times, sample_lengths
 from cbjax.workload.trace import load_trace, parse_timestamp
 
 AZURE_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"

@@ -1,10 +1,10 @@
 """Host-side KV cache bookkeeping."""
 
-from cbjax.cache.allocator import PageAllocator
+from cbjax.cache.allocator import ALLOCATIONS, PageAllocator
 from cbjax.cache.prefix import PrefixCache
 from cbjax.cache.reservation import ReservationAllocator
 
-__all__ = ["PageAllocator", "PrefixCache", "ReservationAllocator", "make_allocator"]
+__all__ = ["ALLOCATIONS", "PageAllocator", "PrefixCache", "ReservationAllocator", "make_allocator"]
 
 
 def make_allocator(
@@ -17,6 +17,4 @@ def make_allocator(
         if prefix_caching:
             raise ValueError(f"cache.allocation={allocation} cannot combine with cache.prefix_caching=true")
         return ReservationAllocator(num_pages, page_size, allocation, fit)
-    raise ValueError(
-        f"cache.allocation: unknown value {allocation!r}; choose paged, reserve_max, reserve_pow2 or reserve_oracle"
-    )
+    raise ValueError(f"cache.allocation: unknown value {allocation!r}; choose one of {', '.join(ALLOCATIONS)}")

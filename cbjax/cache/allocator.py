@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from typing import Iterable, Sequence
 
 # The parent hash of a sequence's first page. A fixed int: hash(None) varies between runs
 # before Python 3.12, and runs must be reproducible.
 ROOT_HASH = 0
+
+# cache.allocation modes, the one list the config checks against.
+ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
 
 
 def chain_hashes(parent: int, token_ids: Sequence[int], page_size: int) -> list[int]:
@@ -221,37 +224,35 @@ class PageAllocator:
         return pages
 
     # ---- the pool's five shares ----
-    def slot_breakdown(self, final_tokens: Mapping[str, int], min_waiting_pages: int) -> tuple[int, int, int, int, int]:
+    def slot_breakdown(self, final_tokens: Iterable[tuple[str, int]], min_waiting_pages: int) -> tuple[int, int, int, int, int]:
         """The pool's slots (`num_usable_pages * page_size`; a slot holds one token's K/V) split
         into (token states, reserved, internal fragmentation, external fragmentation, free),
-        which sum to the pool. For each request holding pages, with s its stored tokens, c the
-        slots of its pages and f = `final_tokens[id]` the tokens it will store at its final
-        length (never fewer than s):
+        which sum to the pool. `final_tokens` pairs each request holding pages with f, the
+        tokens it will store at its final length. With s its stored tokens and c the slots of
+        its pages:
 
         - token states: s, the slots holding a real token's K/V (a prefix page shared by
           several requests counts once);
-        - reserved: min(c, f) - s, held slots its future tokens will fill;
-        - internal fragmentation: c - min(c, f), held slots it will never fill (a reservation
-          beyond its final length, the unused tail of its final page);
+        - reserved: min(c, max(f, s)) - s, held slots its future tokens will fill;
+        - internal fragmentation: c - min(c, max(f, s)), held slots it will never fill (a
+          reservation beyond its final length, the unused tail of its final page);
         - external fragmentation: free slots no waiting request can use because they are not
           contiguous enough; always 0 here, where any free page serves any request;
         - free: the rest (free pages, and unreferenced prefix-cache pages, which are evictable).
         """
         ps = self.page_size
-        token = reserved = internal = 0
-        stored = self._stored
-        for rid, table in self.page_tables.items():
-            s = stored[rid]
-            c = len(table) * ps
-            f = min(c, max(final_tokens.get(rid, s), s))
-            token += s
-            reserved += f - s
-            internal += c - f
-        if self.prefix_caching:
-            # each extra holder of a shared page counted its page_size (full, computed) tokens again
-            token -= (sum(len(t) for t in self.page_tables.values()) - self.num_used_pages) * ps
-        free = self.num_usable_pages * ps - token - reserved - internal
-        return token, reserved, internal, 0, free
+        tables, stored = self.page_tables, self._stored
+        filled = 0  # sum of min(c, max(f, s)): slots that hold or will hold a token
+        for rid, f in final_tokens:
+            c = len(tables[rid]) * ps
+            filled += c if f >= c else max(f, stored[rid])
+        used = self.num_used_pages * ps
+        held = sum(len(t) for t in tables.values()) * ps if self.prefix_caching else used
+        # each extra holder of a shared page counted its page_size (full, computed) tokens again
+        token = self.num_stored_tokens - (held - used)
+        reserved = filled - self.num_stored_tokens
+        internal = held - filled
+        return token, reserved, internal, 0, self.num_usable_pages * ps - used
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every page is exactly one of free, cached or owned, with

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import Mapping, Sequence
+from typing import Iterable, Sequence
 
 from cbjax.cache.allocator import PageAllocator
 
@@ -138,12 +138,16 @@ class ReservationAllocator(PageAllocator):
             lens[start] = length
 
     # ---- the pool's five shares ----
-    def slot_breakdown(self, final_tokens: Mapping[str, int], min_waiting_pages: int) -> tuple[int, int, int, int, int]:
+    def slot_breakdown(
+        self, final_tokens: Iterable[tuple[str, int]], min_waiting_pages: int
+    ) -> tuple[int, int, int, int, int]:
         """As `PageAllocator.slot_breakdown`, with external fragmentation: the pages of free runs
         shorter than `min_waiting_pages` (the smallest reservation of any waiting request, 0 if
         none waits), which no waiting request can use however many of them are free."""
         token, reserved, internal, _, free = super().slot_breakdown(final_tokens, 0)
-        external = sum(n for n in self._run_len.values() if n < min_waiting_pages) * self.page_size
+        external = 0
+        if min_waiting_pages > 1:
+            external = sum(n for n in self._run_len.values() if n < min_waiting_pages) * self.page_size
         return token, reserved, internal, external, free - external
 
     def check_invariants(self) -> None:

@@ -53,7 +53,6 @@ def _tile_pass(tiles: Tiles, chunk: int, q_ext, pos_ext, k_pages, v_pages, carry
     """Merge every tile of `tiles` into the accumulators `carry`, `chunk` tiles per loop step."""
     _, block = tiles.q_idx.shape
     num_kv_heads, _, page_size, head_dim = k_pages.shape
-    group = q_ext.shape[2]
     key_off = jnp.arange(page_size, dtype=jnp.int32)
 
     def body(c, carry):

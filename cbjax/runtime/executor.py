@@ -116,6 +116,7 @@ class JaxExecutor:
         self.num_sampler_calls = 0
         self.warmup_s = 0.0
         self.compiled_programs = 0
+        self.warmup_compiles = 0  # XLA compiles warmup ran: 0 when every program came from the cache
         self._compiles_at_warmup: Optional[int] = None
         self.bucket_calls: dict[int, int] = {}
         self.mixed_iterations = 0  # decodes and prefills in the same step
@@ -124,10 +125,7 @@ class JaxExecutor:
 
     # ---- interface ----
     def validate(self, req: Request) -> Optional[str]:
-        vocab = self.model_cfg.vocab_size
-        bad = next((t for t in req.prompt_ids() if not 0 <= t < vocab), None)
-        if bad is not None:
-            return f"request {req.request_id}: prompt token id {bad} is outside the vocabulary (model.vocab_size={vocab})"
+        """Nothing engine-specific: the scheduler checks vocabulary and length for both executors."""
         return None
 
     def _step(self, batch: HostBatch):
@@ -148,7 +146,7 @@ class JaxExecutor:
     def warmup(self) -> None:
         """Compile the step for every token bucket (and the swap copies) before the clock starts."""
         t0 = time.perf_counter()
-        compile_count()  # start counting before the first compile
+        compiles_before = compile_count()  # also starts the counter before the first compile
         buckets = self.shapes.token_buckets
         bar = _progress_bar(len(buckets) + 1 + (1 if self._swap_at_warmup else 0)) if self.progress else None
 
@@ -183,6 +181,7 @@ class JaxExecutor:
             bar.close()
         self.compiled_programs = len(buckets) + 1 + (len(self._swap.widths) * 2 if self._swap_at_warmup else 0)
         self._compiles_at_warmup = compile_count()
+        self.warmup_compiles = self._compiles_at_warmup - compiles_before
         self.num_step_calls = self.num_sampler_calls = 0
         self.warmup_s = time.perf_counter() - t0
 
@@ -217,6 +216,7 @@ class JaxExecutor:
             "compiles_after_warmup": after,
             "warmup_s": self.warmup_s,
             "compiled_programs": self.compiled_programs,
+            "warmup_compiles": self.warmup_compiles,
             # model-step calls per iteration (swap copies and the sampler excluded)
             "device_calls_per_iteration": self.num_step_calls / self.num_steps if self.num_steps else 0.0,
             "sampler_calls": self.num_sampler_calls,

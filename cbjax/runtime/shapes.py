@@ -32,16 +32,19 @@ class ShapePlan:
 
 
 def default_token_buckets(num_rows: int, max_tokens: int) -> list[int]:
-    """1, 2, 4, 8, then steps of about sqrt(2) (multiples of 8) up to `num_rows`, then doubling
-    up to `max_tokens`: at most 41% padding on decode-only steps, at most 2x on prefills."""
-    buckets = [b for b in (1, 2, 4, 8) if b < num_rows]
+    """4, 8, then steps of about sqrt(2) (multiples of 8) up to `num_rows`, then doubling up to
+    `max_tokens`: at most 41% padding on decode-only steps above 8 rows, at most 2x on
+    prefills. Below 4 tokens a step costs what a 4-token step does (the weights are read
+    either way), so 1 and 2 would only add compiles."""
+    buckets = [b for b in (4, 8) if b < num_rows]
     b = 8.0
     while b * math.sqrt(2) < num_rows:
         b *= math.sqrt(2)
         size = 8 * math.ceil(b / 8)
         if size > buckets[-1] and size < num_rows:
             buckets.append(size)
-    buckets.append(num_rows)
+    if not buckets or num_rows > buckets[-1]:
+        buckets.append(num_rows)
     while buckets[-1] < max_tokens:
         buckets.append(min(2 * buckets[-1], max_tokens))
     return buckets

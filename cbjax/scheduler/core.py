@@ -41,6 +41,7 @@ class Scheduler:
         policy: Optional[Policy] = None,
         validate: Optional[Callable[[Request], Optional[str]]] = None,
         eos_token_id: Optional[int] = None,
+        vocab_size: Optional[int] = None,
     ):
         self.cfg = cfg
         self.max_num_seqs = cfg.max_num_seqs
@@ -61,6 +62,7 @@ class Scheduler:
         self._swapped: dict[Request, int] = {}  # waiting request -> its pages held in host memory
         self.validate = validate
         self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size  # model.vocab_size: prompt ids must be below it
         self.running: list[Request] = []
         self.slots: list[Optional[Request]] = [None] * cfg.max_num_seqs
         self._free_slots = list(range(cfg.max_num_seqs))  # a min-heap
@@ -70,6 +72,7 @@ class Scheduler:
         self.num_swap_preemptions = 0
         self.num_swapped_out_pages = 0
         self._admit_counter = 0
+        self._prefilled_last = False  # scheduler.alternate_phases: the last plan had prefill work
         # scheduler.static_padding: the current batch's rows, padded prompt length, decode steps
         self._pad_rows = 0
         self._pad_len = 0
@@ -104,9 +107,25 @@ class Scheduler:
                 f"needs {need} KV pages at its maximum length, the cache has "
                 f"{self.allocator.num_usable_pages} (cache.num_pages - 1)"
             )
+        bad_id = self._token_outside_vocab(req)
+        if bad_id is not None:
+            return (
+                f"request {req.request_id}: prompt token id {bad_id} is outside the vocabulary "
+                f"(model.vocab_size={self.vocab_size})"
+            )
         if self.validate is not None:
             return self.validate(req)
         return None
+
+    def _token_outside_vocab(self, req: Request) -> Optional[int]:
+        """The first prompt id outside [0, vocab_size), or None. Seeded synthetic ids drawn
+        below the vocabulary are not materialized: a simulated trace never reads them."""
+        vocab = self.vocab_size
+        if vocab is None:
+            return None
+        if req.prompt_token_ids is None and req.synthetic_prompt is not None and req.synthetic_prompt[1] <= vocab:
+            return None
+        return next((t for t in req.prompt_ids() if not 0 <= t < vocab), None)
 
     def max_len_tokens(self, req: Request) -> int:
         """Tokens stored at the request's maximum length: what `reserve_max` reserves."""
@@ -132,7 +151,7 @@ class Scheduler:
     def kv_breakdown(self) -> tuple[int, int, int, int, int]:
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
         fragmentation is judged against the smallest reservation among waiting requests."""
-        final = {r.request_id: self.final_tokens(r) for r in self.running}
+        final = ((r.request_id, r.prompt_len + r.max_output_len - 1) for r in self.running)  # final_tokens
         need = min(self._waiting_pages) if self._waiting_pages else 0
         return self.allocator.slot_breakdown(final, need)
 
@@ -171,14 +190,20 @@ class Scheduler:
         # Running requests first: decodes (one token left to process), then unfinished
         # prefills, then new prefills: Sarathi-Serve's stall-free order. A request processes
         # tokens[num_computed : num_computed + num_new_tokens]. Without hybrid batching an
-        # iteration with prefill work runs only that, and decodes wait for one without.
-        if self.cfg.hybrid_batching:
+        # iteration with prefill work runs only that, and decodes wait for one without (or,
+        # with alternate_phases, run in every other iteration while prefill work waits).
+        hybrid = self.cfg.hybrid_batching
+        if hybrid or (self.cfg.alternate_phases and self._prefilled_last):
             budget = self._plan_running(plan, True, budget)
-        budget = self._plan_running(plan, False, budget)
-        new_batch = not self.running
-        budget = self._admit_waiting(plan, budget, now)
-        if not self.cfg.hybrid_batching and not plan.prefills:
+        if hybrid or not plan.decodes:
+            budget = self._plan_running(plan, False, budget)
+            new_batch = not self.running
+            budget = self._admit_waiting(plan, budget, now)
+        else:
+            new_batch = False
+        if not hybrid and not plan.prefills and not plan.decodes:
             self._plan_running(plan, True, budget)
+        self._prefilled_last = bool(plan.prefills)
         if self.cfg.static_padding:
             self._pad(plan, new_batch)
         return plan
@@ -330,13 +355,27 @@ class Scheduler:
         self.policy.requeue(req)
         return planned
 
-    def postprocess(self, plan: Schedule, token_ids: Optional[Sequence[int]], now: float) -> list[Request]:
+    def postprocess(
+        self,
+        plan: Schedule,
+        token_ids: Optional[Sequence[int]],
+        now: float,
+        errors: Optional[dict[int, str]] = None,
+    ) -> list[Request]:
         """Record one new token per scheduled request; retire the finished. Returns them.
 
-        `token_ids` follows `plan.requests` order; None means simulated tokens.
+        `token_ids` follows `plan.requests` order; None means simulated tokens. `errors` maps
+        an index into `plan.requests` to why its step failed: that request ends with reason
+        `error` (its token and this step's K/V are dropped) and the others go on.
         """
         done: list[Request] = []
         for i, req in enumerate(plan.requests):
+            if errors and i in errors:
+                req.num_new_tokens = 0
+                req.error = errors[i]
+                self._finish(req, FinishReason.ERROR, now)
+                done.append(req)
+                continue
             req.num_computed += req.num_new_tokens
             req.num_new_tokens = 0
             if self.prefix is not None:
@@ -359,25 +398,28 @@ class Scheduler:
                     reason = FinishReason.EOS
             if reason is None and req.num_generated >= req.max_output_len:
                 hit_target = req.target_output_len is not None and req.num_generated >= req.target_output_len
-                reason = (
-                    FinishReason.EOS
-                    if hit_target and req.num_generated < req.sampling.max_tokens
-                    and req.num_tokens < self.max_model_len
-                    else FinishReason.LENGTH
-                )
+                if hit_target and req.num_generated < req.sampling.max_tokens and req.num_tokens < self.max_model_len:
+                    reason = FinishReason.EOS
+                elif req.num_generated < req.stop_length():
+                    reason = FinishReason.MAX_MODEL_LEN  # the context is full before its own limit
+                else:
+                    reason = FinishReason.LENGTH
             if reason is not None:
-                req.status = Status.FINISHED
-                req.finish_reason = reason
-                req.finish_s = now
-                self._release(req)
-                if self.prefix is not None:
-                    self.prefix.forget(req)
+                self._finish(req, reason, now)
                 done.append(req)
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
             self.finished.extend(done)
         self.policy.on_step(plan.requests, now)
         return done
+
+    def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finish_s = now
+        self._release(req)
+        if self.prefix is not None:
+            self.prefix.forget(req)
 
     def abort_all(self, now: float) -> None:
         """End every unfinished request with reason `aborted` (e.g. a run cut short)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections import deque
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -107,18 +109,51 @@ class StaticPolicy(FCFSPolicy):
         return not scheduler.running
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FCFSPolicy, StaticPolicy)}
+POLICIES: dict[str, type[Policy]] = {}
 
 
 def register(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a policy selectable as `scheduler=NAME` (see scheduler/policies/)."""
+    """Class decorator: make a policy selectable as `scheduler=NAME` (see scheduler/policies/).
+
+    The built-in policies register this way; a plug-in may too, and is then selectable by name
+    once its module is imported (`scheduler.policy_class` imports it)."""
     POLICIES[cls.name] = cls
     return cls
 
 
-def make_policy(cfg: "SchedulerConfig") -> Policy:
+register(FCFSPolicy)
+register(StaticPolicy)
+
+
+def load_policy_class(path: str) -> type[Policy]:
+    """The Policy subclass named by "package.module:ClassName" (`scheduler.policy_class`)."""
+    module_name, _, attr = path.partition(":")
     try:
+        obj = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"scheduler.policy_class: cannot import module {module_name!r} ({err}); "
+            "is its directory on PYTHONPATH or the working directory?"
+        ) from None
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not (isinstance(obj, type) and issubclass(obj, Policy)):
+        raise ValueError(f"scheduler.policy_class: {path!r} is not a subclass of cbjax.scheduler.Policy")
+    return obj
+
+
+def make_policy(cfg: "SchedulerConfig") -> Policy:
+    """The configured policy: `policy_class` if set, else the registered `name`, built with
+    the config and `policy_args` as keyword arguments."""
+    if cfg.policy_class:
+        cls = load_policy_class(cfg.policy_class)
+    elif cfg.name in POLICIES:
         cls = POLICIES[cfg.name]
-    except KeyError:
-        raise ValueError(f"scheduler.name: unknown policy {cfg.name!r}; choose one of {', '.join(POLICIES)}") from None
-    return cls(cfg)
+    else:
+        raise ValueError(f"scheduler.name: unknown policy {cfg.name!r}; choose one of {', '.join(POLICIES)}")
+    args = dict(cfg.policy_args or {})
+    try:
+        inspect.signature(cls).bind(cfg, **args)
+    except TypeError as err:
+        raise ValueError(f"scheduler.policy_args: {cls.__name__} does not accept {args}: {err}") from None
+    return cls(cfg, **args)

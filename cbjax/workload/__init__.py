@@ -18,4 +18,15 @@ def build_workload(cfg: WorkloadConfig, seed: int) -> list[Request]:
         requests = load_trace(cfg, seed)
     else:
         raise ValueError(f"workload.name: unknown value {cfg.name!r}; choose synthetic or trace")
+    reject_late_arrivals(requests, cfg.max_arrival_s)
     return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def reject_late_arrivals(requests: list[Request], max_arrival_s: float) -> None:
+    """Mark requests arriving after `max_arrival_s` for rejection, in place. Their arrival
+    becomes 0 so that the run meets them at once instead of waiting (the reason keeps it)."""
+    for req in requests:
+        if req.arrival_s > max_arrival_s:
+            late = f"arrival_s {req.arrival_s:g} is beyond workload.max_arrival_s={max_arrival_s:g}"
+            req.input_error = f"{req.input_error}; {late}" if req.input_error else late
+            req.arrival_s = 0.0

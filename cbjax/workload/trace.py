@@ -11,6 +11,7 @@ token ids with the model's tokenizer before the run.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import math
 import re
@@ -60,7 +61,7 @@ class _Row:
 
 def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
     """The requests of `cfg.path` in file order; arrival times are divided by `cfg.time_scale`."""
-    path = Path(cfg.path) if cfg.path else None
+    path = resolve_path(cfg.path) if cfg.path else None
     if path is None or not path.is_file():
         where = f" (resolved to {path.resolve()})" if path is not None else ""
         raise ValueError(f"trace file {cfg.path!r}{where} does not exist or is not a file")
@@ -85,6 +86,19 @@ def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
         first = rows[0]
         raise ValueError(f"trace file {path}: no line is valid JSON (line {first.line}: {first.errors[0]})")
     return _to_requests(rows, path.name, cfg, seed)
+
+
+def resolve_path(path: str) -> Path:
+    """A file path, or `pkg://PACKAGE/FILE` for a file shipped inside an installed package
+    (e.g. pkg://cbjax.data/AzureLLMInferenceTrace_code_sample.csv)."""
+    if not path.startswith("pkg://"):
+        return Path(path)
+    package, _, name = path[len("pkg://") :].partition("/")
+    try:
+        root = importlib.resources.files(package)
+    except (ImportError, TypeError) as e:
+        raise ValueError(f"workload.path {path!r}: no package {package!r} ({e})") from None
+    return Path(str(root.joinpath(name)))
 
 
 def detect_format(path: Path, first_line: str) -> str:
@@ -247,6 +261,7 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
     pseeds = prompt_seeds(len(rows), rngs["token_ids"])
     seeds = sampling_seeds(len(rows), rngs["sampling_seed"])
 
+    given_ids = {row.request_id if row.request_id is not None else str(i) for i, row in enumerate(rows)}
     requests, seen, prev_arrival = [], {}, 0.0
     for index, (row, default_seed, pseed) in enumerate(zip(rows, seeds, pseeds)):
         arrival = prev_arrival
@@ -256,11 +271,10 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
             else:
                 row.errors.append(f"arrival_s must be a finite number >= 0, got {row.arrival_s}")
                 arrival = 0.0
-        rid = row.request_id if row.request_id is not None else str(index)
+        rid = original = row.request_id if row.request_id is not None else str(index)
         if rid in seen:
             row.errors.append(f"duplicate request_id {rid!r} (first on line {seen[rid]})")
-            while rid in seen:  # keep ids unique in the outputs
-                rid = f"{rid}@line{row.line}"
+            rid = _unique_id(original, row.line, given_ids, seen)
         seen[rid] = row.line
         has_prompt = row.prompt_token_ids is not None or row.prompt_text is not None
         requests.append(
@@ -276,9 +290,19 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
                 priority=row.priority,
                 client_id=row.client_id,
                 input_error=f"{name} line {row.line}: {'; '.join(row.errors)}" if row.errors else None,
+                original_request_id=original if rid != original else None,
             )
         )
     return requests
+
+
+def _unique_id(rid: str, line: int, given: set[str], taken: dict[str, int]) -> str:
+    """A new id for a duplicate of `rid` that no request of the file has or will take."""
+    candidate, n = f"{rid}@line{line}", 1
+    while candidate in given or candidate in taken:
+        n += 1
+        candidate = f"{rid}@line{line}#{n}"
+    return candidate
 
 
 def encode_text_prompts(requests: list[Request], tokenizer: Optional[Any], where: str = "the model") -> None:

@@ -1,0 +1,1 @@
+"""Data shipped with the package: a sample of the Azure LLM inference code trace (CC-BY 4.0)."""

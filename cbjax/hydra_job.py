@@ -1,0 +1,69 @@
+"""The Hydra side of a `cbjax` job: sweep resume, tracking and the sweeper's objective.
+
+Imported only by cbjax.cli and by Hydra (the root config names ResumeCallback), like the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from cbjax.config import RunConfig
+from cbjax.sweep import clear_skipped, comparable_config, count_skipped, run_job
+
+log = logging.getLogger(__name__)
+
+
+def run_hydra_job(
+    cfg: RunConfig, out_dir: Path, hydra_cfg: DictConfig, run: Optional[Callable[..., dict[str, Any]]] = None
+) -> Optional[float]:
+    """Run (or, in a multirun, resume) one job and log it to the configured tracker.
+
+    `run(cfg, out_dir)` serves and writes the outputs; default cbjax.run.run_experiment."""
+    if run is None:
+        from cbjax.run import run_experiment as run
+
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    track = None
+    if cfg.logger.name != "none":
+        from cbjax import tracking
+
+        tracking.check_available(cfg.logger)
+        root = Path(hydra_cfg.sweep.dir) if multirun else out_dir
+        name = (hydra_cfg.job.override_dirname if multirun else "") or out_dir.name
+        track = lambda summaries: tracking.log_run(  # noqa: E731
+            cfg.logger,
+            out_dir=out_dir,
+            root=root,
+            run_name=name,
+            config=comparable_config(cfg),
+            summaries=summaries,
+            arms=bool(cfg.experiment.arms),
+        )
+    return run_job(cfg, out_dir, run, resume=multirun, track=track)
+
+
+class ResumeCallback(Callback):
+    """Says how many jobs of a multirun were skipped as already complete (see cbjax.sweep).
+
+    Runs on the launching machine: it clears the previous invocation's skip marks before any
+    job starts and counts the new ones after every job has returned."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        clear_skipped(Path(config.hydra.sweep.dir))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        skipped, complete = count_skipped(sweep_dir)
+        if config.get("overwrite"):
+            log.info(f"sweep: overwrite=true, every job ran; {complete} complete jobs in {sweep_dir}")
+        else:
+            log.info(
+                f"sweep: skipped {skipped} jobs already complete with the same config; "
+                f"{complete} complete jobs in {sweep_dir} (overwrite=true reruns all)"
+            )

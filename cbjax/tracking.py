@@ -1,0 +1,163 @@
+"""Experiment tracking (logger=mlflow|tensorboard|wandb): a run's config, metrics and files.
+
+Each backend's package is imported only when that logger is chosen (`pip install
+'cbjax[tracking]'`). MLflow and TensorBoard write local files by default, so no server is
+needed: `mlflow ui --backend-store-uri DIR/mlruns`, `tensorboard --logdir DIR/tensorboard`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from cbjax.config import LoggerConfig
+
+PACKAGES = {"mlflow": "mlflow", "tensorboard": "tensorboardX", "wandb": "wandb"}
+STORE_DIRS = ("mlruns", "tensorboard", "wandb")  # tracking stores, never logged as run files
+FILE_SUFFIXES = (".json", ".yaml", ".md", ".csv", ".png")  # requests.jsonl can be large: left out
+SKIP_FILES = ("complete.json",)
+PARAMS_PER_BATCH, METRICS_PER_BATCH = 100, 1000  # MLflow's log_batch limits
+
+
+def check_available(cfg: LoggerConfig) -> None:
+    """Fail before a run, not after it, when the chosen logger's package is missing."""
+    if cfg.name == "none":
+        return
+    try:
+        importlib.import_module(PACKAGES[cfg.name])
+    except ImportError as err:
+        raise ValueError(
+            f"logger={cfg.name}: needs the {PACKAGES[cfg.name]} package ({err}); "
+            "pip install 'cbjax[tracking]' or the package itself"
+        ) from None
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as dotted keys: {'scheduler': {'name': 'fcfs'}} -> {'scheduler.name': 'fcfs'}."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def numeric_metrics(summaries: dict[str, Any], arms: bool) -> dict[str, float]:
+    """Numeric summary.json values; an experiment's as `arm/metric`."""
+    by_arm = summaries if arms else {"": summaries}
+    out = {}
+    for arm, summary in by_arm.items():
+        for key, value in summary.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[f"{arm}/{key}" if arm else key] = float(value)
+    return out
+
+
+def run_files(out_dir: Path) -> list[Path]:
+    """The run's config, summaries, tables and plots (arm subdirs included), relative to out_dir."""
+    files = []
+    for path in sorted(out_dir.rglob("*")):
+        rel = path.relative_to(out_dir)
+        if any(part.startswith(".") or part in STORE_DIRS for part in rel.parts):
+            continue
+        if path.is_file() and path.suffix in FILE_SUFFIXES and path.name not in SKIP_FILES:
+            files.append(rel)
+    return files
+
+
+def log_run(
+    cfg: LoggerConfig,
+    *,
+    out_dir: Path,
+    root: Path,
+    run_name: str,
+    config: dict[str, Any],
+    summaries: dict[str, Any],
+    arms: bool,
+) -> None:
+    """Log one finished run to the chosen backend. Default stores live under `root`."""
+    if cfg.name == "none":
+        return
+    name = cfg.run_name or run_name
+    params = flatten(config)
+    metrics = numeric_metrics(summaries, arms)
+    files = run_files(out_dir)
+    backend = {"mlflow": _mlflow, "tensorboard": _tensorboard, "wandb": _wandb}[cfg.name]
+    backend(cfg, Path(root), Path(out_dir), name, params, metrics, files)
+
+
+def _mlflow(cfg, root, out_dir, name, params, metrics, files) -> None:
+    from mlflow.entities import Metric, Param
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri = cfg.tracking_uri or (root / "mlruns").resolve().as_uri()
+    if uri.startswith("file:"):
+        # MLflow 3 refuses a file store unless opted in; it is the no-server default we want.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(cfg.experiment_name)
+    if experiment is None:
+        try:
+            experiment_id = client.create_experiment(cfg.experiment_name)
+        except MlflowException:  # a parallel job created it first
+            experiment_id = client.get_experiment_by_name(cfg.experiment_name).experiment_id
+    else:
+        experiment_id = experiment.experiment_id
+    run = client.create_run(experiment_id, run_name=name, tags={"cbjax.out_dir": str(out_dir.resolve())})
+    run_id = run.info.run_id
+    stamp = int(time.time() * 1000)
+    param_list = [Param(k, str(v)) for k, v in params.items()]
+    metric_list = [Metric(k, v, stamp, 0) for k, v in metrics.items()]
+    for i in range(0, len(param_list), PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=param_list[i : i + PARAMS_PER_BATCH])
+    for i in range(0, len(metric_list), METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=metric_list[i : i + METRICS_PER_BATCH])
+    for rel in files:
+        parent = rel.parent.as_posix()
+        client.log_artifact(run_id, str(out_dir / rel), None if parent == "." else parent)
+    client.set_terminated(run_id)
+
+
+def _safe_dir_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", name)
+
+
+def _tensorboard(cfg, root, out_dir, name, params, metrics, files) -> None:
+    from matplotlib.image import imread
+    from tensorboardX import SummaryWriter
+
+    logdir = Path(cfg.save_dir or root / "tensorboard") / _safe_dir_name(name)
+    with SummaryWriter(str(logdir)) as writer:
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, 0)
+        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in params.items()}
+        writer.add_hparams(hparams, metrics, name="hparams")
+        for rel in files:
+            if rel.suffix == ".png":
+                writer.add_image(rel.as_posix(), imread(out_dir / rel)[..., :3], 0, dataformats="HWC")
+            else:
+                writer.add_text(rel.as_posix(), "    " + (out_dir / rel).read_text().replace("\n", "\n    "), 0)
+
+
+def _wandb(cfg, root, out_dir, name, params, metrics, files) -> None:
+    import wandb
+
+    save_dir = Path(cfg.save_dir or root)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(project=cfg.experiment_name, name=name, dir=str(save_dir), mode=cfg.wandb_mode, config=params)
+    try:
+        run.log(metrics)
+        run.summary.update(metrics)
+        images = {rel.as_posix(): wandb.Image(str(out_dir / rel)) for rel in files if rel.suffix == ".png"}
+        if images:
+            run.log(images)
+        for rel in files:  # under the run dir's name: W&B keeps its own config.yaml in files/
+            run.save(str(out_dir / rel), base_path=str(out_dir.parent), policy="now")
+    finally:
+        run.finish()
