@@ -60,7 +60,8 @@ def test_nnls_matches_a_hand_solved_problem():
 # Hand-set costs for the synthetic executor: a fixed cost per token bucket (not linear in its
 # size: bucket 24 oddly slow), per iteration, per row, per loop chunk of single and block tiles.
 BUCKET_S = {4: 2.1e-3, 8: 2.2e-3, 16: 2.5e-3, 24: 9e-3, 32: 3e-3, 64: 4e-3, 128: 6e-3, 256: 1e-2, 512: 2e-2}
-TRUE = {"iter_s": 4e-4, "seq_s": 5e-5, "single_chunk_s": 3e-4, "block_chunk_s": 2e-4}
+TRUE = {"iter_s": 4e-4, "seq_s": 5e-5, "single_chunk_s": 3e-4, "block_chunk_s": 2e-4,
+        "single_chunk_token_s": 2e-6, "block_chunk_token_s": 1e-6}  # fmt: skip
 
 
 class SyntheticExecutor:
@@ -74,9 +75,11 @@ class SyntheticExecutor:
     def execute(self, plan: Schedule) -> StepOutput:
         b = self.packer.pack(plan)
         single, block = b.tiles
+        bucket = b.tokens.shape[0]
         t = (
-            BUCKET_S[b.tokens.shape[0]] + TRUE["iter_s"] + TRUE["seq_s"] * b.num_rows_used
-            + TRUE["single_chunk_s"] * math.ceil(int(single[3]) / 128) + TRUE["block_chunk_s"] * math.ceil(int(block[3]) / 32)
+            BUCKET_S[bucket] + TRUE["iter_s"] + TRUE["seq_s"] * b.num_rows_used
+            + (TRUE["single_chunk_s"] + TRUE["single_chunk_token_s"] * bucket) * math.ceil(int(single[3]) / 128)
+            + (TRUE["block_chunk_s"] + TRUE["block_chunk_token_s"] * bucket) * math.ceil(int(block[3]) / 32)
         )  # fmt: skip
         return StepOutput(token_ids=None, duration_s=t * (1 + self.rng.uniform(-0.005, 0.005)))
 
@@ -115,6 +118,7 @@ def configs(profile, **sched):
 
 def test_profiled_cost_by_hand(tmp_path):
     coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.5, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
+            "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5,
             "swap_iter_s": 1000.0, "swap_page_s": 10000.0, "loop_s": 0.25}  # fmt: skip
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))
@@ -123,12 +127,12 @@ def test_profiled_cost_by_hand(tmp_path):
     p = Request("p", 0.0, 20)
     p.num_computed, p.num_new_tokens = 0, 20
     plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4, swap_in=[(d, [7, 8])])
-    # 21 tokens -> bucket 64; 2 rows; 2 single tiles (1 chunk), 9 block tiles (1 chunk); 2 pages swapped
-    assert cost(plan) == pytest.approx(0.25 + 7.0 + 0.5 + 0.002 + 10.0 + 100.0 + 1000.0 + 20000.0)
+    # 21 tokens -> bucket 64; 2 rows; 2 single tiles (1 chunk), 9 block tiles (1 chunk, 64 bucket tokens); 2 pages swapped
+    assert cost(plan) == pytest.approx(0.25 + 7.0 + 0.5 + 0.002 + 10.0 + 100.0 + 64e-5 + 1000.0 + 20000.0)
     assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.25 + 1.0 + 0.5 + 0.001 + 10.0)
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12
-    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(0.25 + 2.2 + 0.5 + 0.001 + 100.0)
+    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(0.25 + 2.2 + 0.5 + 0.001 + 100.0 + 16e-5)
 
 
 def test_a_profile_for_another_model_page_size_page_pool_or_slot_count_is_refused(tmp_path):

@@ -6,11 +6,13 @@ profile times on an all-padding batch), its rows, and the XLA ragged attention's
 each counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, plus its swap copies:
 
     time = bucket_s[bucket] + iter_s + seq_s * rows
-           + single_chunk_s * ceil(single_tiles / CHUNK_SINGLE) + block_chunk_s * ceil(block_tiles / CHUNK_BLOCK)
+           + (single_chunk_s + single_chunk_token_s * bucket) * ceil(single_tiles / CHUNK_SINGLE)
+           + (block_chunk_s + block_chunk_token_s * bucket) * ceil(block_tiles / CHUNK_BLOCK)
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
            + loop_s  (the serving loop's own time around the step: scheduling, postprocess, stats)
 
-A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
+A loop chunk also rescales the attention's per-token accumulators, the whole bucket of them:
+hence its cost per bucket token. A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
 
 Pure numpy: no jax import.
 """
@@ -30,7 +32,7 @@ from cbjax.runtime.shapes import ShapePlan, plan_shapes
 from cbjax.runtime.tiles import BLOCK_Q, CHUNK_BLOCK, CHUNK_SINGLE
 
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
-STEP_TERMS = ("iter_s", "seq_s", "single_chunk_s", "block_chunk_s")
+STEP_TERMS = ("iter_s", "seq_s", "single_chunk_s", "block_chunk_s", "single_chunk_token_s", "block_chunk_token_s")
 SWAP_TERMS = ("swap_iter_s", "swap_page_s", "loop_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -60,7 +62,11 @@ def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> t
     # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
     bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
     single, block = count_tiles(rows, shapes.page_size)
-    return bucket, [1.0, float(len(rows)), float(math.ceil(single / CHUNK_SINGLE)), float(math.ceil(block / CHUNK_BLOCK))]
+    single_chunks, block_chunks = math.ceil(single / CHUNK_SINGLE), math.ceil(block / CHUNK_BLOCK)
+    return bucket, [
+        1.0, float(len(rows)), float(single_chunks), float(block_chunks),
+        float(single_chunks * bucket), float(block_chunks * bucket),
+    ]  # fmt: skip
 
 
 def bucket_intercept(bucket_s: dict[int, float], bucket: int) -> float:
