@@ -184,6 +184,8 @@ class ExecutorConfig:
     name: str = "sim"
     # sim
     cost_model: str = "roofline"
+    # profiled: the profile.json that `python -m cbjax.profile` wrote for this model and machine
+    profile: Optional[str] = None
     # jax
     # auto: the Pallas ragged kernel on GPU/TPU; on CPU the XLA formulation `ragged`, whose
     # work follows the pages each token reads. reference: the plain-jnp oracle.
@@ -199,6 +201,8 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         _one_of("executor.name", self.name, EXECUTORS)
         _one_of("executor.cost_model", self.cost_model, cost_model_names())
+        if self.name == "sim" and self.cost_model == "profiled":
+            _require(bool(self.profile), "executor.profile", "is required by cost_model=profiled (a profile.json)", self.profile)
         _one_of("executor.attention", self.attention, ATTENTION_IMPLS)
         if self.token_buckets is not None:
             _require(

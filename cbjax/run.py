@@ -53,7 +53,11 @@ def build_executor(cfg: RunConfig):
     if cfg.executor.name == "sim":
         from cbjax.sim import SimExecutor, make_cost_model
 
-        return SimExecutor(make_cost_model(cfg.executor.cost_model, cfg.model, cfg.hardware))
+        cost = make_cost_model(
+            cfg.executor.cost_model, cfg.model, cfg.hardware,
+            scheduler=cfg.scheduler, cache=cfg.cache, executor=cfg.executor,
+        )  # fmt: skip
+        return SimExecutor(cost)
     if cfg.executor.name == "jax":
         from cbjax.runtime.executor import JaxExecutor
 

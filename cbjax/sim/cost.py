@@ -1,8 +1,11 @@
-"""Iteration cost models for the simulator: `unit` (1 s each) and `roofline` (FLOPs vs bytes)."""
+"""Iteration cost models for the simulator: `unit` (1 s each), `roofline` (FLOPs vs bytes) and
+`profiled` (fitted on the engine, `cbjax.sim.profiled`)."""
 
 from __future__ import annotations
 
-from cbjax.config import HardwareConfig, ModelConfig
+from typing import Optional
+
+from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, SchedulerConfig
 from cbjax.plan import Schedule
 
 
@@ -93,14 +96,46 @@ class RooflineCost:
         return compute_s + attn_pages_s + tokens * self.allreduce_s_per_token + host_s + swap_s
 
 
+def _profiled(
+    model: ModelConfig,
+    hw: HardwareConfig,
+    *,
+    scheduler: Optional[SchedulerConfig] = None,
+    cache: Optional[CacheConfig] = None,
+    executor: Optional[ExecutorConfig] = None,
+):
+    from cbjax.sim.profiled import make_profiled_cost
+
+    if scheduler is None or cache is None or executor is None:
+        raise ValueError("executor.cost_model=profiled: make_cost_model needs scheduler, cache and executor")
+    return make_profiled_cost(model, scheduler, cache, executor)
+
+
+_profiled.needs_run = True  # built from the run's scheduler, cache and executor configs too
+
 # executor.cost_model names -> factories of (model, hardware); the one list the config checks.
+# A factory with `needs_run` also gets the run's scheduler, cache and executor configs.
 COST_MODELS = {
     "unit": lambda model, hw: UnitCost(),
     "roofline": RooflineCost,
+    "profiled": _profiled,
 }
 
 
-def make_cost_model(name: str, model: ModelConfig, hw: HardwareConfig):
+def make_cost_model(
+    name: str,
+    model: ModelConfig,
+    hw: HardwareConfig,
+    *,
+    scheduler: Optional[SchedulerConfig] = None,
+    cache: Optional[CacheConfig] = None,
+    executor: Optional[ExecutorConfig] = None,
+):
+    """The cost model `name`; `profiled` also needs the run's scheduler, cache and executor configs
+    (the engine's shape plan and the profile path)."""
     if name in COST_MODELS:
-        return COST_MODELS[name](model, hw)
+        factory = COST_MODELS[name]
+        if getattr(factory, "needs_run", False):
+            return factory(model, hw, scheduler=scheduler, cache=cache, executor=executor)
+        return factory(model, hw)
     raise ValueError(f"executor.cost_model: unknown value {name!r}; choose one of {', '.join(COST_MODELS)}")

@@ -1,0 +1,43 @@
+"""`python -m cbjax.profile`: a Hydra app over the `cbjax` config groups (configs/profile.yaml)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from cbjax.cli import CONFIG_DIR
+from cbjax.profile.runner import ProfileRunConfig
+
+ConfigStore.instance().store(name="profile_base_config", node=ProfileRunConfig)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="profile")
+def _app(cfg: DictConfig) -> None:
+    import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
+    from cbjax.profile.runner import run_profile
+
+    try:
+        run_cfg = OmegaConf.to_object(cfg)
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        profile = run_profile(run_cfg, out_dir)
+    except ValueError as err:
+        print(f"cbjax.profile: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    c, r = profile["coefficients"], profile["residuals"]
+    print("bucket_s: " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["bucket_s"].items()))
+    print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in c.items() if k != "bucket_s"))
+    print(f"fit: median relative error {r['median_rel_error']:.1%}, max {r['max_rel_error']:.1%} over {r['num_points']} steps")
+    print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
+    print(f"\nprofile: {out_dir / 'profile.json'}")
+    print(f"use it: cbjax executor=sim executor.cost_model=profiled executor.profile={out_dir / 'profile.json'}")
+
+
+if __name__ == "__main__":
+    if not (CONFIG_DIR / "profile.yaml").is_file():
+        sys.exit(f"cbjax.profile: error: no configs at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
+    _app()

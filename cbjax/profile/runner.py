@@ -1,0 +1,65 @@
+"""One profiling run: build the JAX engine for a config, warm it up, time the grid and swaps, fit, write."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cbjax.config import RunConfig
+from cbjax.profile.grid import GRIDS, profile_grid
+
+
+@dataclass
+class ProfileRunConfig(RunConfig):
+    """The `cbjax` run config plus the profile's own knobs (Hydra config `configs/profile.yaml`)."""
+
+    grid: str = "full"  # full | small (a few points, for tests)
+    repeats: int = 5  # timed calls per grid point; the median is fitted
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.grid not in GRIDS:
+            raise ValueError(f"grid: unknown value {self.grid!r}; choose one of {', '.join(GRIDS)}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats!r}")
+        if self.executor.name != "jax":
+            raise ValueError(f"executor.name: the profile times the engine (executor=jax), got {self.executor.name!r}")
+
+
+def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
+    """Profile the engine `cfg` describes; writes profile.json and profile.png to `out_dir`."""
+    from cbjax.profile.measure import (
+        build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_loop, measure_steps,
+        measure_swaps, write_profile,
+    )  # fmt: skip
+    from cbjax.run import build_executor, resolve
+
+    t0 = time.perf_counter()
+    cfg = resolve(cfg)
+    executor = build_executor(cfg)
+    executor.progress = cfg.progress
+    executor.warmup()
+    warmup_s = time.perf_counter() - t0
+    shapes = executor.shapes
+    points = profile_grid(shapes, cfg.model.max_model_len, cfg.grid)
+    steps = measure_steps(executor.execute, points, shapes, cfg.cache.num_pages, cfg.model.vocab_size, cfg.repeats)
+    bucket_s = measure_buckets(engine_empty_step(executor), shapes.token_buckets, cfg.repeats)
+    swaps = measure_swaps(executor, cfg.repeats)
+    loop = measure_loop(executor, cfg)
+    coefficients, residuals = fit_profile(steps, swaps, bucket_s, loop["loop_s"])
+    extra = {
+        "attention": executor.attention,
+        "machine": machine(),
+        "loop": loop,
+        "grid": cfg.grid,
+        "repeats": cfg.repeats,
+        "warmup_s": warmup_s,
+        "profile_s": time.perf_counter() - t0,
+        "config": dataclasses.asdict(cfg.executor),
+    }
+    profile = build_profile(cfg, shapes, steps, swaps, coefficients, residuals, extra)
+    write_profile(out_dir, profile)
+    return profile

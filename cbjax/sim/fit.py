@@ -1,0 +1,58 @@
+"""Fitting a cost model's coefficients: non-negative least squares on relative error (pure numpy)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
+    """argmin ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method)."""
+    m, n = a.shape
+    x = np.zeros(n)
+    free = np.zeros(n, bool)
+    tol = 10 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(m, n)
+    for _ in range(max_iter):
+        grad = a.T @ (b - a @ x)
+        if free.all() or np.max(np.where(free, -np.inf, grad)) <= tol:
+            break
+        free[np.argmax(np.where(free, -np.inf, grad))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if np.all(z[free] > 0):
+                x = z
+                break
+            # step from x toward z until the first free coefficient reaches zero; drop it
+            blocked = free & (z <= 0)
+            alpha = np.min(x[blocked] / (x[blocked] - z[blocked]))
+            x = x + alpha * (z - x)
+            free &= x > tol
+            x[~free] = 0.0
+    return x
+
+
+def fit_costs(
+    features: Sequence[Sequence[float]], times: Sequence[float], offsets: Optional[Sequence[float]] = None
+) -> np.ndarray:
+    """Non-negative coefficients c minimising the relative error of offsets + features @ c against
+    `times` (each row weighted by 1 / its time, so a 1 ms step counts as much as a 100 ms one);
+    `offsets` are costs known beforehand (default 0)."""
+    x = np.asarray(features, float)  # f64[num_points, num_terms]
+    y = np.asarray(times, float)  # f64[num_points]
+    off = np.zeros(len(y)) if offsets is None else np.asarray(offsets, float)  # f64[num_points]
+    if x.ndim != 2 or len(x) != len(y) or len(y) == 0:
+        raise ValueError(f"fit_costs: features {x.shape} and times {y.shape} must be [n, terms] and [n], n >= 1")
+    if np.any(y <= 0):
+        raise ValueError("fit_costs: times must be > 0")
+    a = x / y[:, None]
+    scale = np.max(np.abs(a), axis=0)
+    scale[scale == 0] = 1.0  # a term no point exercises fits to 0
+    return nnls(a / scale, 1.0 - off / y) / scale
+
+
+def relative_errors(predicted: Sequence[float], times: Sequence[float]) -> np.ndarray:
+    """|predicted - measured| / measured per point."""
+    y = np.asarray(times, float)
+    return np.abs(np.asarray(predicted, float) - y) / y

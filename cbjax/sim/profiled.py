@@ -1,0 +1,159 @@
+"""The `profiled` cost model: a step's time fitted on this machine's engine (`python -m cbjax.profile`).
+
+An iteration is charged for what `cbjax.runtime.executor.JaxExecutor` would run: its token
+bucket (the padded flat buffer: one compiled program each, whose fixed cost `bucket_s` the
+profile times on an all-padding batch), its rows, and the XLA ragged attention's loop chunks,
+each counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, plus its swap copies:
+
+    time = bucket_s[bucket] + iter_s + seq_s * rows
+           + (single_chunk_s + single_chunk_token_s * bucket) * ceil(single_tiles / CHUNK_SINGLE)
+           + (block_chunk_s + block_chunk_token_s * bucket) * ceil(block_tiles / CHUNK_BLOCK)
+           + (swap_iter_s + swap_page_s * pages) if the plan swaps
+           + loop_s  (the serving loop's own time around the step: scheduling, postprocess, stats)
+
+A loop chunk also rescales the attention's per-token accumulators, the whole bucket of them:
+hence its cost per bucket token. A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
+
+Pure numpy: no jax import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from cbjax.plan import Schedule
+from cbjax.runtime.shapes import ShapePlan, plan_shapes
+from cbjax.runtime.tiles import BLOCK_Q, CHUNK_BLOCK, CHUNK_SINGLE
+
+# The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
+STEP_TERMS = ("iter_s", "seq_s", "single_chunk_s", "block_chunk_s", "single_chunk_token_s", "block_chunk_token_s")
+SWAP_TERMS = ("swap_iter_s", "swap_page_s", "loop_s")
+# ModelConfig fields a profile must share with the run: they set the step's shapes and work.
+ARCH_FIELDS = (
+    "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+    "max_model_len", "tie_embeddings", "dtype", "mlp", "attention_bias", "o_proj_bias", "mlp_bias",
+)  # fmt: skip
+
+
+def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int) -> tuple[int, int]:
+    """(single, block) tiles `build_tiles` lists for rows of (num_new_tokens, num_context_tokens, _):
+    a one-token row reads one tile per page up to its position; a longer row is cut into blocks of
+    BLOCK_Q tokens, each reading one tile per page up to the block's last position."""
+    single = block = 0
+    for n, ctx, _ in rows:
+        if n == 1:
+            single += ctx // page_size + 1  # its position is ctx: pages 0 .. ctx // page_size
+        elif n >= 2:
+            for first in range(0, n, BLOCK_Q):
+                last_pos = ctx + min(first + BLOCK_Q, n) - 1
+                block += last_pos // page_size + 1
+    return single, block
+
+
+def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> tuple[int, list[float]]:
+    """(token bucket, the STEP_TERMS multipliers) of one step over `rows`, under the engine's shape plan."""
+    tokens = sum(n for n, _, _ in rows)
+    # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
+    bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
+    single, block = count_tiles(rows, shapes.page_size)
+    single_chunks, block_chunks = math.ceil(single / CHUNK_SINGLE), math.ceil(block / CHUNK_BLOCK)
+    return bucket, [
+        1.0, float(len(rows)), float(single_chunks), float(block_chunks),
+        float(single_chunks * bucket), float(block_chunks * bucket),
+    ]  # fmt: skip
+
+
+def bucket_intercept(bucket_s: dict[int, float], bucket: int) -> float:
+    """A bucket's fixed cost: timed, or linear between the nearest timed buckets (beyond the
+    largest, along the last two; below the smallest, the smallest's)."""
+    if bucket in bucket_s:
+        return bucket_s[bucket]
+    xs = sorted(bucket_s)
+    if len(xs) >= 2 and bucket > xs[-1]:
+        x0, x1 = xs[-2], xs[-1]
+        return bucket_s[x1] + (bucket - x1) * (bucket_s[x1] - bucket_s[x0]) / (x1 - x0)
+    return float(np.interp(bucket, xs, [bucket_s[x] for x in xs]))
+
+
+def profile_key(model: ModelConfig, page_size: int, num_slots: int, num_pages: int) -> dict:
+    """What a profile must match: the model's architecture, the page size, the page pool (the
+    engine's step time grows with the cache it carries) and the slot count."""
+    key = {f"model.{f}": getattr(model, f) for f in ARCH_FIELDS}
+    key["cache.page_size"] = page_size
+    key["cache.num_pages"] = num_pages
+    key["scheduler.max_num_seqs"] = num_slots
+    return key
+
+
+def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int, num_pages: int) -> dict:
+    """Read and check `profile.json`; a missing, malformed or mismatched file is a one-line ValueError."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"executor.profile: no profile at {p} (make one with `python -m cbjax.profile`)")
+    try:
+        profile = json.loads(p.read_text())
+        made_for = dict(profile["made_for"])
+        coef = {k: float(profile["coefficients"][k]) for k in STEP_TERMS + SWAP_TERMS}
+        coef["bucket_s"] = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
+        if not coef["bucket_s"]:
+            raise ValueError("coefficients.bucket_s is empty")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"executor.profile: {p} is not a cbjax profile ({type(err).__name__}: {err})") from None
+    for key, ours in profile_key(model, page_size, num_slots, num_pages).items():
+        theirs = made_for.get(key)
+        if theirs != ours:
+            raise ValueError(f"executor.profile: made for {key}={theirs}, this run has {ours} ({p})")
+    profile["coefficients"] = coef
+    return profile
+
+
+class ProfiledCost:
+    """Iteration time from a fitted profile (see the module docstring for the formula)."""
+
+    name = "profiled"
+
+    def __init__(self, coefficients: dict, shapes: ShapePlan):
+        self.coefficients = coefficients
+        self.swap_iter_s = coefficients["swap_iter_s"]
+        self.swap_page_s = coefficients["swap_page_s"]
+        self.loop_s = coefficients["loop_s"]
+        self.shapes = shapes
+
+    def __call__(self, plan: Schedule) -> float:
+        bucket, x = step_features(plan.cost_rows(), self.shapes)
+        t = self.loop_s + predict(self.coefficients, bucket, x)
+        pages = plan.num_swapped_pages
+        if pages:
+            t += self.swap_iter_s + self.swap_page_s * pages
+        return t
+
+
+def make_profiled_cost(
+    model: ModelConfig, scheduler: SchedulerConfig, cache: CacheConfig, executor: ExecutorConfig
+) -> ProfiledCost:
+    if not executor.profile:
+        raise ValueError("executor.profile: cost_model=profiled needs a profile.json path (executor.profile=PATH)")
+    profile = load_profile(executor.profile, model, cache.page_size, scheduler.max_num_seqs, cache.num_pages)
+    return ProfiledCost(profile["coefficients"], shapes_for(model, scheduler, cache, executor))
+
+
+def predict(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
+    """A step's predicted time from its bucket and STEP_TERMS features."""
+    step = sum(coefficients[k] * v for k, v in zip(STEP_TERMS, features))
+    return bucket_intercept(coefficients["bucket_s"], bucket) + step
+
+
+def shapes_for(
+    model: ModelConfig, scheduler: SchedulerConfig, cache: CacheConfig, executor: Optional[ExecutorConfig]
+) -> ShapePlan:
+    """The engine's shape plan for a run's configs (as `JaxExecutor` builds it)."""
+    buckets = executor.token_buckets if executor is not None else None
+    return plan_shapes(
+        scheduler.max_num_seqs, model.max_model_len, cache.page_size, scheduler.max_num_batched_tokens, buckets
+    )

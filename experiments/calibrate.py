@@ -1,0 +1,219 @@
+"""Calibration: the same workloads on the JAX engine and in the profiled simulator; writes docs/CALIBRATION.md.
+
+    python -m cbjax.profile hydra.run.dir=outputs/profile        # once per machine and model
+    python experiments/calibrate.py --profile outputs/profile/profile.json [--repeats 3] [--requests 128]
+
+The runs take the profile's shapes (model.max_model_len, page size, slot count, step budget,
+token buckets). Workloads, kept apart from the profile's grid: Poisson arrivals at a low and a
+high rate (30% and 90% of the simulator's saturated request rate), all requests at t=0, and a
+slice of the Azure code trace with prompts scaled to the tiny model; each under fcfs, static and
+sjf, with and without chunked prefill. Engine figures are medians of `--repeats` runs, with
+their spread (max - min over the median) beside each error. Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from cbjax.config import (  # noqa: E402
+    CacheConfig, ExecutorConfig, LengthConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig,
+)  # fmt: skip
+from cbjax.run import run_single  # noqa: E402
+
+AZURE_CODE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
+METRICS = [("throughput_tok_s", "throughput"), ("ttft_s_p50", "TTFT p50"), ("ttft_s_p90", "TTFT p90"),
+           ("tpot_s_p50", "TPOT p50"), ("e2e_s_p50", "E2E p50"), ("e2e_s_p90", "E2E p90")]  # fmt: skip
+TARGETS = {"throughput_tok_s": 3.0, "e2e_s_p50": 5.0, "ttft_s_p50": 10.0}  # median |error| %, issue 10
+POLICIES = ("fcfs", "static", "sjf")
+
+
+def base_config(profile: dict, requests: int) -> RunConfig:
+    """A run with the profile's shapes and a synthetic workload sized for the tiny model."""
+    made = profile["made_for"]
+    model = ModelConfig(**{k.split(".", 1)[1]: v for k, v in made.items() if k.startswith("model.")})
+    lengths = dict(prompt_len=LengthConfig(dist="uniform", low=16, high=min(256, model.max_model_len // 4)),
+                   output_len=LengthConfig(dist="exponential", mean=64.0, max=min(256, model.max_model_len // 4)))  # fmt: skip
+    return RunConfig(
+        model=model,
+        scheduler=SchedulerConfig(max_num_seqs=made["scheduler.max_num_seqs"],
+                                  max_num_batched_tokens=profile["max_num_batched_tokens"]),  # fmt: skip
+        cache=CacheConfig(page_size=made["cache.page_size"], num_pages=made["cache.num_pages"]),
+        executor=ExecutorConfig(name="jax", token_buckets=profile["token_buckets"]),
+        workload=WorkloadConfig(num_requests=requests, vocab_size=model.vocab_size, **lengths),
+        progress=False,
+    )
+
+
+def azure_slice(trace: Path, out: Path, requests: int, rate: float, max_model_len: int) -> Path:
+    """The first `requests` rows of the Azure code trace as a plain CSV: prompts divided by 16 (the
+    trace's are ~2k tokens, the tiny model's context is ~1k), outputs clipped, arrivals rescaled to `rate`."""
+    if not trace.is_file():
+        sys.exit(f"calibrate: error: no Azure code trace at {trace} (--trace PATH)")
+    with open(trace) as f:
+        rows = list(csv.DictReader(f))[:requests]
+    from cbjax.workload.trace import parse_timestamp
+
+    stamps = [parse_timestamp(r["TIMESTAMP"]) for r in rows]
+    t = np.array([(s[0] - stamps[0][0]) + (s[1] - stamps[0][1]) for s in stamps])
+    t = t * (len(t) / rate) / max(t[-1], 1e-9)
+    path = out / "azure_code_slice.csv"
+    with open(path, "w") as f:
+        f.write("arrival_s,prompt_len,output_len\n")
+        for ti, r in zip(t, rows):
+            prompt = min(max(1, int(r["ContextTokens"]) // 16), max_model_len // 2)
+            output = min(max(1, int(r["GeneratedTokens"])), max_model_len // 4)
+            f.write(f"{ti:.6f},{prompt},{output}\n")
+    return path
+
+
+def workloads(base: RunConfig, out: Path, sim_profile: str, trace: Path) -> dict[str, WorkloadConfig]:
+    """The four workloads; Poisson rates from the simulator's saturated request rate."""
+    saturated = run_single(sim_config(base, sim_profile), None, verbose=False)["throughput_req_s"]
+    wl = base.workload
+    return {
+        "poisson_low": dataclasses.replace(wl, arrival="poisson", rate=0.3 * saturated),
+        "poisson_high": dataclasses.replace(wl, arrival="poisson", rate=0.9 * saturated),
+        "all_at_t0": wl,
+        "azure_code": WorkloadConfig(name="trace", format="csv", vocab_size=wl.vocab_size,
+                                     path=str(azure_slice(trace, out, wl.num_requests, 0.7 * saturated, base.model.max_model_len))),  # fmt: skip
+    }
+
+
+def sim_config(cfg: RunConfig, profile: str) -> RunConfig:
+    ex = dataclasses.replace(cfg.executor, name="sim", cost_model="profiled", profile=profile)
+    return dataclasses.replace(cfg, executor=ex)
+
+
+def error_pct(sim: float, eng: float) -> float:
+    return 100.0 * (sim - eng) / eng if eng else float("nan")
+
+
+def run_all(args) -> list[dict]:
+    profile = json.loads(Path(args.profile).read_text())
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = base_config(profile, args.requests)
+    rows = []
+    for wname, wl in workloads(base, out, args.profile, Path(args.trace)).items():
+        if args.workloads and wname not in args.workloads:
+            continue
+        for policy in args.policies:
+            for chunked in (False, True):
+                sched = dataclasses.replace(base.scheduler, name=policy, chunked_prefill=chunked)
+                cfg = dataclasses.replace(base, scheduler=sched, workload=wl)
+                sim = run_single(sim_config(cfg, args.profile), None, verbose=False)
+                engine = [run_single(cfg, None, verbose=False) for _ in range(args.repeats)]
+                row = {"workload": wname, "policy": policy, "chunked": chunked}
+                for key, _ in METRICS:
+                    values = [e[key] for e in engine if e[key] is not None]
+                    med = statistics.median(values) if values else None
+                    row[key] = {"sim": sim[key], "engine": med,
+                                "spread_pct": 100.0 * (max(values) - min(values)) / med if med else None,
+                                "error_pct": error_pct(sim[key], med) if med and sim[key] is not None else None}  # fmt: skip
+                rows.append(row)
+                print(f"{wname} {policy} chunked={chunked}: throughput error {row['throughput_tok_s']['error_pct']:+.1f}%",
+                      flush=True)  # fmt: skip
+    (out / "calibration.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
+def _fmt(cell: dict) -> str:
+    if cell["error_pct"] is None:
+        return "n/a"
+    return f"{cell['sim']:.4g} / {cell['engine']:.4g} ({cell['error_pct']:+.1f}% ±{cell['spread_pct']:.1f})"
+
+
+def write_markdown(rows: list[dict], profile_path: str, path: Path, repeats: int) -> None:
+    profile = json.loads(Path(profile_path).read_text())
+    lines = ["# Calibration: the profiled simulator against the JAX engine", "",
+             f"Profile: `{profile_path}` (machine: {profile['machine']['cpu']}, {profile['machine']['cores']} cores, "
+             f"jax {profile['machine']['jax']}; fit median error {profile['residuals']['median_rel_error']:.1%}, "
+             f"max {profile['residuals']['max_rel_error']:.1%}). Generated by `experiments/calibrate.py`.", "",
+             f"Each cell: simulator / engine (error %, ± the engine's own spread over {repeats} runs, % of its median).", "",
+             "| workload | policy | chunked | " + " | ".join(label for _, label in METRICS) + " |",
+             "|---" * (3 + len(METRICS)) + "|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['policy']} | {'on' if r['chunked'] else 'off'} | "
+                     + " | ".join(_fmt(r[k]) for k, _ in METRICS) + " |")  # fmt: skip
+    lines += ["", "## Summary", "", "| metric | median abs error % | worst abs error % (where) | median engine spread % | target % |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for key, label in METRICS:
+        cells = [(abs(r[key]["error_pct"]), r) for r in rows if r[key]["error_pct"] is not None]
+        if not cells:
+            continue
+        med = statistics.median(c for c, _ in cells)
+        worst, wr = max(cells, key=lambda c: c[0])
+        spread = statistics.median(r[key]["spread_pct"] for _, r in cells)
+        target = TARGETS.get(key)
+        note = "" if target is None else (f"{max(target, spread):.1f}" + (" (the spread)" if spread > target else ""))
+        lines.append(f"| {label} | {med:.1f} | {worst:.1f} ({wr['workload']}, {wr['policy']}, "
+                     f"chunked {'on' if wr['chunked'] else 'off'}) | {spread:.1f} | {note} |")  # fmt: skip
+    lines += ["", "## Continuous / static throughput ratio (fcfs over static, chunked prefill off)", "",
+              "| workload | simulator | engine | error % |", "|---|---|---|---|"]  # fmt: skip
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        by = {r["policy"]: r["throughput_tok_s"] for r in rows if r["workload"] == w and not r["chunked"]}
+        if "fcfs" in by and "static" in by and by["static"]["engine"]:
+            sim = by["fcfs"]["sim"] / by["static"]["sim"]
+            eng = by["fcfs"]["engine"] / by["static"]["engine"]
+            lines.append(f"| {w} | {sim:.3f} | {eng:.3f} | {error_pct(sim, eng):+.1f} |")
+    lines += ["", "![parity](calibration_parity.png)", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
+def plot_parity(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(12, 8))
+    for ax, (key, label) in zip(axes.flat, METRICS):
+        pts = [(r[key]["engine"], r[key]["sim"]) for r in rows if r[key]["error_pct"] is not None]
+        if not pts:
+            continue
+        eng, sim = map(np.array, zip(*pts))
+        ax.scatter(eng, sim, s=14)
+        lo, hi = min(eng.min(), sim.min()), max(eng.max(), sim.max())
+        ax.plot([lo, hi], [lo, hi], color="gray", lw=1)
+        ax.set_title(label)
+        ax.set_xlabel("engine")
+        ax.set_ylabel("simulator")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", required=True, help="profile.json from `python -m cbjax.profile`")
+    ap.add_argument("--repeats", type=int, default=3, help="engine runs per cell (median)")
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--workloads", nargs="*", help="a subset of poisson_low poisson_high all_at_t0 azure_code")
+    ap.add_argument("--trace", default=str(AZURE_CODE), help="the Azure LLM inference code trace CSV")
+    ap.add_argument("--out-dir", default=str(REPO / "outputs" / "calibration"))
+    ap.add_argument("--doc", default=str(REPO / "docs" / "CALIBRATION.md"))
+    args = ap.parse_args()
+    import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
+
+    rows = run_all(args)
+    doc = Path(args.doc)
+    write_markdown(rows, args.profile, doc, args.repeats)
+    plot_parity(rows, doc.parent / "calibration_parity.png")
+    print(f"wrote {doc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""`python -m cbjax.profile` in process on a cut-down grid: it times the real engine and writes a
+profile the simulator loads; its Hydra config composes from the `cbjax` groups."""
+
+from __future__ import annotations
+
+import json
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from cbjax.cli import CONFIG_DIR
+from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from cbjax.profile.runner import ProfileRunConfig, run_profile
+from cbjax.sim import make_cost_model
+from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS
+
+
+def test_profile_yaml_composes_into_the_profile_config():
+    import cbjax.profile.__main__  # noqa: F401  registers profile_base_config
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("profile", overrides=["grid=small", "repeats=2", "model.max_model_len=128"]))
+    assert isinstance(cfg, ProfileRunConfig)
+    assert (cfg.grid, cfg.repeats, cfg.executor.name, cfg.model.max_model_len) == ("small", 2, "jax", 128)
+
+
+def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_path):
+    # test_engine's shapes (tiny model, 128 tokens, buckets 4/16/64): few compiles, shared in process
+    cfg = ProfileRunConfig(
+        model=ModelConfig(max_model_len=128),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+        cache=CacheConfig(num_pages=512, page_size=4),
+        executor=ExecutorConfig(name="jax", token_buckets=[4, 16, 64]),
+        grid="small", repeats=2, progress=False,
+    )  # fmt: skip
+    run_profile(cfg, tmp_path)
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert (tmp_path / "profile.png").stat().st_size > 0
+    made = profile["made_for"]
+    assert (made["model.max_model_len"], made["cache.page_size"], made["cache.num_pages"], made["scheduler.max_num_seqs"]) == (128, 4, 512, 4)
+    coef = profile["coefficients"]
+    assert set(coef) == {"bucket_s", *STEP_TERMS, *SWAP_TERMS} and set(coef["bucket_s"]) == {"4", "16", "64"}
+    assert all(v >= 0 for v in [*coef["bucket_s"].values(), *(coef[k] for k in STEP_TERMS + SWAP_TERMS)])
+    assert {s["bucket"] for s in profile["steps"]} == {4, 16, 64} and all(s["measured_s"] > 0 for s in profile["steps"])
+    assert {s["direction"] for s in profile["swaps"]} == {"out", "in"}
+    loop = profile["loop"]
+    assert loop["iterations"] > 0 and loop["makespan_s"] >= loop["execute_s"] > 0 and coef["loop_s"] == loop["loop_s"]
+    assert profile["machine"]["backend"] == "cpu" and profile["machine"]["jax"]
+    assert 0 <= profile["residuals"]["median_rel_error"] <= profile["residuals"]["max_rel_error"]
+    sim = ExecutorConfig(cost_model="profiled", profile=str(tmp_path / "profile.json"), token_buckets=[4, 16, 64])
+    cost = make_cost_model("profiled", cfg.model, None, scheduler=cfg.scheduler, cache=cfg.cache, executor=sim)
+    assert cost.shapes.token_buckets == (4, 16, 64)

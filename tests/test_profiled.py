@@ -1,0 +1,176 @@
+"""The profiled cost model: tile counts against the real packer, the fit against hand-set costs,
+profile loading and its errors, and deterministic simulator runs (no jax compile here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig
+from cbjax.plan import Schedule, StepOutput
+from cbjax.profile.grid import GridPoint, build_schedule, profile_grid
+from cbjax.profile.measure import fit_profile, measure_buckets, measure_steps
+from cbjax.request import Request
+from cbjax.runtime.batch import BatchPacker
+from cbjax.runtime.shapes import plan_shapes
+from cbjax.sim import make_cost_model
+from cbjax.sim.fit import nnls
+from cbjax.sim.profiled import count_tiles, profile_key
+
+MODEL = ModelConfig()  # tiny
+
+
+def test_count_tiles_by_hand():
+    # page_size 4: a decode at position 4 reads pages 0, 1; a 20-token prefill is blocks of 16 and 4
+    # tokens, whose last positions 15 and 19 read 4 and 5 pages; a 2-token chunk after 6 cached
+    # tokens ends at position 7: 2 pages.
+    assert count_tiles([(1, 4, True)], 4) == (2, 0)
+    assert count_tiles([(20, 0, False)], 4) == (0, 9)
+    assert count_tiles([(2, 6, False), (1, 3, True)], 4) == (1, 2)
+
+
+def test_count_tiles_matches_the_packers_tile_lists():
+    shapes = plan_shapes(num_rows=6, max_model_len=96, page_size=4, max_num_batched_tokens=256)
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        rows = []
+        for _ in range(int(rng.integers(1, 7))):
+            n = int(rng.choice([1, 1, int(rng.integers(2, 40))]))
+            ctx = int(rng.integers(0 if n > 1 else 1, 96 - n))
+            rows.append((n, ctx))
+        plan = build_schedule(GridPoint("mixed", rows), shapes, num_pages=64, vocab_size=512)
+        batch = BatchPacker(shapes, tiles=True).pack(plan)
+        single, block = batch.tiles
+        assert count_tiles(plan.cost_rows(), 4) == (int(single[3]), int(block[3])), rows
+
+
+def test_nnls_matches_a_hand_solved_problem():
+    # fit y = x1 + x2 t through (0, 2), (1, 1), (2, 1.5): least squares has slope -0.25, so the
+    # constraint sets x2 = 0 and x1 = the mean, 1.5
+    a = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    x = nnls(a, np.array([2.0, 1.0, 1.5]))
+    assert x[1] == 0.0 and x[0] == pytest.approx(1.5)
+    assert nnls(a, a @ np.array([0.5, 2.0])) == pytest.approx([0.5, 2.0])
+
+
+# Hand-set costs for the synthetic executor: a fixed cost per token bucket (not linear in its
+# size: bucket 24 oddly slow), per iteration, per row, per loop chunk of single and block tiles.
+BUCKET_S = {4: 2.1e-3, 8: 2.2e-3, 16: 2.5e-3, 24: 9e-3, 32: 3e-3, 64: 4e-3, 128: 6e-3, 256: 1e-2, 512: 2e-2}
+TRUE = {"iter_s": 4e-4, "seq_s": 5e-5, "single_chunk_s": 3e-4, "block_chunk_s": 2e-4,
+        "single_chunk_token_s": 2e-6, "block_chunk_token_s": 1e-6}  # fmt: skip
+
+
+class SyntheticExecutor:
+    """Step time set by hand from BUCKET_S and TRUE over what the real packer builds, times 1 +- 0.5 %
+    noise; `run_empty` is a bucket's all-padding step (its BUCKET_S alone)."""
+
+    def __init__(self, shapes, seed=0):
+        self.packer = BatchPacker(shapes, tiles=True)
+        self.rng = np.random.default_rng(seed)
+
+    def execute(self, plan: Schedule) -> StepOutput:
+        b = self.packer.pack(plan)
+        single, block = b.tiles
+        bucket = b.tokens.shape[0]
+        t = (
+            BUCKET_S[bucket] + TRUE["iter_s"] + TRUE["seq_s"] * b.num_rows_used
+            + (TRUE["single_chunk_s"] + TRUE["single_chunk_token_s"] * bucket) * math.ceil(int(single[3]) / 128)
+            + (TRUE["block_chunk_s"] + TRUE["block_chunk_token_s"] * bucket) * math.ceil(int(block[3]) / 32)
+        )  # fmt: skip
+        return StepOutput(token_ids=None, duration_s=t * (1 + self.rng.uniform(-0.005, 0.005)))
+
+    def run_empty(self, bucket: int) -> float:
+        return BUCKET_S[bucket] * (1 + self.rng.uniform(-0.005, 0.005))
+
+
+def test_fit_recovers_hand_set_coefficients_from_a_synthetic_executor():
+    shapes = plan_shapes(num_rows=32, max_model_len=256, page_size=8, max_num_batched_tokens=512)
+    assert shapes.token_buckets == tuple(BUCKET_S)
+    points = profile_grid(shapes, 256, "full")
+    synthetic = SyntheticExecutor(shapes)
+    steps = measure_steps(synthetic.execute, points, shapes, 2048, 512, repeats=3)
+    bucket_s = measure_buckets(synthetic.run_empty, shapes.token_buckets, repeats=3)
+    coef, residuals = fit_profile(steps, [], bucket_s)
+    for key, value in TRUE.items():
+        assert coef[key] == pytest.approx(value, rel=0.15), key
+    for bucket, value in BUCKET_S.items():
+        assert coef["bucket_s"][str(bucket)] == pytest.approx(value, rel=0.05), bucket
+    assert residuals["max_rel_error"] < 0.02 and residuals["num_points"] == len(points)
+
+
+def write_profile(path, coefficients=None, model=MODEL, page_size=16, num_slots=32, num_pages=4096):
+    coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "swap_iter_s": 1e-3, "swap_page_s": 1e-4, "loop_s": 2e-4}
+    path.write_text(json.dumps({"made_for": profile_key(model, page_size, num_slots, num_pages), "coefficients": coef}))
+    return str(path)
+
+
+def configs(profile, **sched):
+    return dict(
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, **sched),
+        cache=CacheConfig(page_size=4, num_pages=4096),
+        executor=ExecutorConfig(cost_model="profiled", profile=profile, token_buckets=[4, 16, 64]),
+    )
+
+
+def test_profiled_cost_by_hand(tmp_path):
+    coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.5, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
+            "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5,
+            "swap_iter_s": 1000.0, "swap_page_s": 10000.0, "loop_s": 0.25}  # fmt: skip
+    path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
+    cost = make_cost_model("profiled", MODEL, None, **configs(path))
+    d = Request("d", 0.0, 5)
+    d.num_computed, d.num_new_tokens = 4, 1
+    p = Request("p", 0.0, 20)
+    p.num_computed, p.num_new_tokens = 0, 20
+    plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4, swap_in=[(d, [7, 8])])
+    # 21 tokens -> bucket 64; 2 rows; 2 single tiles (1 chunk), 9 block tiles (1 chunk, 64 bucket tokens); 2 pages swapped
+    assert cost(plan) == pytest.approx(0.25 + 7.0 + 0.5 + 0.002 + 10.0 + 100.0 + 64e-5 + 1000.0 + 20000.0)
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.25 + 1.0 + 0.5 + 0.001 + 10.0)
+    # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
+    p.num_new_tokens = 12
+    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(0.25 + 2.2 + 0.5 + 0.001 + 100.0 + 16e-5)
+
+
+def test_a_profile_for_another_model_page_size_page_pool_or_slot_count_is_refused(tmp_path):
+    big = dataclasses.replace(MODEL, d_model=256)
+    cases = [
+        (write_profile(tmp_path / "a.json", model=big, page_size=4, num_slots=4), "made for model.d_model=256, this run has 64"),
+        (write_profile(tmp_path / "b.json", page_size=8, num_slots=4), "made for cache.page_size=8, this run has 4"),
+        (write_profile(tmp_path / "c.json", page_size=4, num_slots=2), "made for scheduler.max_num_seqs=2, this run has 4"),
+        (write_profile(tmp_path / "d.json", page_size=4, num_slots=4, num_pages=512), "made for cache.num_pages=512, this run has 4096"),
+    ]  # fmt: skip
+    for path, message in cases:
+        with pytest.raises(ValueError, match=f"executor.profile: {message}"):
+            make_cost_model("profiled", MODEL, None, **configs(path))
+
+
+def test_a_missing_or_malformed_profile_is_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"made_for": {}, "coefficients": {"iter_s": 1.0}}))
+    for path, message in [(tmp_path / "none.json", "no profile at"), (bad, "is not a cbjax profile"),
+                          (partial, "is not a cbjax profile")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"executor.profile: .*{message}") as err:
+            make_cost_model("profiled", MODEL, None, **configs(str(path)))
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="executor.profile"):
+        ExecutorConfig(cost_model="profiled")
+
+
+def test_profiled_simulator_runs_are_deterministic(tmp_path):
+    from cbjax.run import run_single
+
+    path = write_profile(tmp_path / "p.json", page_size=4, num_slots=4)
+    workload = WorkloadConfig(num_requests=30, arrival="poisson", rate=200.0)
+    cfg = RunConfig(**configs(path, chunked_prefill=True), workload=workload, progress=False)
+    first = run_single(cfg, tmp_path / "a", verbose=False)
+    second = run_single(cfg, tmp_path / "b", verbose=False)
+    wall = {"wall_s", "scheduler_host_s"}  # this process's own timings, not the simulation's
+    assert {k: v for k, v in first.items() if k not in wall} == {k: v for k, v in second.items() if k not in wall}
+    assert first["num_finished"] == 30 and first["cost_model"] == "profiled"
+    assert (tmp_path / "a" / "requests.jsonl").read_text() == (tmp_path / "b" / "requests.jsonl").read_text()
