@@ -325,3 +325,31 @@ def test_a_second_run_loads_its_programs_from_the_compilation_cache(tmp_path, en
     assert warm["warmup_compiles"] == 0 and warm["warmup_cache_hits"] >= warm["compiled_programs"]
     assert warm["compiles_after_warmup"] == 0
     assert warm["compiled_programs"] == cold["compiled_programs"] and warm["num_finished"] == 3
+
+
+def test_non_finite_logits_end_that_request_with_an_error_and_the_run_goes_on():
+    """Token 7's embedding is NaN: every request whose prompt holds it gets non-finite logits and
+    ends with finish_reason error; the others generate exactly what they do on a healthy model."""
+    reqs = workload(6, wseed=10, max_prompt=12, max_out=8, stagger_s=0.0)
+    for req in reqs:
+        req.prompt_token_ids = [t if t != 7 else 8 for t in req.prompt_token_ids]
+    for req in reqs[::3]:
+        req.prompt_token_ids = req.prompt_token_ids + [7]
+        req.prompt_len += 1
+    healthy, _, _ = run_engine(reqs, num_slots=4)
+    llama = Llama(MODEL, seed=0)
+    llama.embed_tokens[...] = llama.embed_tokens[...].at[7].set(jnp.nan)
+    cache = CacheConfig(num_pages=512, page_size=4)
+    sched_cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=BUDGET)
+    ex = JaxExecutor(MODEL, cache, sched_cfg, ExecutorConfig(name="jax", token_buckets=BUCKETS), llama=llama)
+    sched = Scheduler(sched_cfg, cache, MODEL.max_model_len, validate=ex.validate, vocab_size=MODEL.vocab_size)
+    ex.warmup()
+    result = serve([fresh(r) for r in reqs], sched, ex)
+    out = {r.request_id: r for r in result.requests}
+    for i, req in enumerate(reqs):
+        got = out[req.request_id]
+        if i % 3 == 0:
+            assert got.finish_reason is FinishReason.ERROR and got.error == "non-finite logits", req.request_id
+        else:
+            assert got.finish_reason is FinishReason.LENGTH, req.request_id
+            assert got.output_token_ids == healthy[req.request_id].output_token_ids, req.request_id
