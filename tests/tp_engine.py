@@ -1,0 +1,54 @@
+"""Subprocess body of tests/test_tensor_parallel.py: serve one workload on the JAX engine at
+each `executor.mesh.tensor` given on the command line and print every run's tokens as JSON.
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (set before jax starts).
+"""
+
+import json
+import sys
+
+import numpy as np
+
+from cbjax.config import CacheConfig, ExecutorConfig, MeshConfig, ModelConfig, SchedulerConfig
+from cbjax.engine import serve
+from cbjax.request import Request, SamplingParams
+from cbjax.runtime.executor import JaxExecutor
+from cbjax.scheduler import Scheduler
+
+# 8 heads and 8 kv heads, ffn 128: every TP size up to 8 divides them.
+MODEL = ModelConfig(num_heads=8, num_kv_heads=8, head_dim=8, d_model=64, ffn_dim=128, max_model_len=64)
+SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, chunked_prefill=True)
+CACHE = CacheConfig(num_pages=64, page_size=4)
+BUCKETS = [4, 32]
+
+
+def workload(seed: int = 0) -> list[Request]:
+    """Staggered arrivals, so later prompts prefill (in chunks) beside running decodes."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(6):
+        prompt = rng.integers(0, MODEL.vocab_size, rng.integers(3, 40)).tolist()
+        sampling = SamplingParams(max_tokens=int(rng.integers(4, 10)), ignore_eos=True)
+        reqs.append(Request(str(i), 1e-4 * i, len(prompt), prompt_token_ids=prompt, sampling=sampling))
+    return reqs
+
+
+def run(tensor: int) -> dict:
+    ex = JaxExecutor(MODEL, CACHE, SCHED, ExecutorConfig(name="jax", token_buckets=BUCKETS, mesh=MeshConfig(tensor)))
+    ex.progress = False
+    ex.sampling = False
+    sched = Scheduler(SCHED, CACHE, MODEL.max_model_len, validate=ex.validate, vocab_size=MODEL.vocab_size)
+    ex.warmup()
+    result = serve(workload(), sched, ex)
+    m = ex.metrics()
+    return {
+        "tokens": {r.request_id: r.output_token_ids for r in result.requests},
+        "compiles_after_warmup": m["compiles_after_warmup"],
+        "mixed_iterations": m["mixed_iterations"],
+        "mesh_tensor": m["mesh_tensor"],
+        "cache_shards": len(ex.cache.k.sharding.device_set),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps({t: run(int(t)) for t in sys.argv[1:]}))
