@@ -41,8 +41,16 @@ def _app(cfg: DictConfig) -> Optional[float]:
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        run_cfg = to_run_config(cfg)
+        if run_cfg.distributed.enabled:
+            from cbjax.runtime import distributed
+
+            distributed.initialize(run_cfg.distributed)
+            if distributed.is_follower(run_cfg.distributed):  # runs process 0's steps; writes nothing
+                distributed.follow(run_cfg)
+                return None
         run = functools.partial(run_experiment, stop=STOP)
-        objective = run_hydra_job(to_run_config(cfg), out_dir, HydraConfig.get(), run=run)
+        objective = run_hydra_job(run_cfg, out_dir, HydraConfig.get(), run=run)
     except ValueError as err:
         _to_stderr(f"cbjax: error: {err}")
         sys.exit(2)
