@@ -13,6 +13,7 @@ from cbjax.config import CacheConfig, ExecutorConfig, MeshConfig, ModelConfig, S
 from cbjax.engine import serve
 from cbjax.request import Request, SamplingParams
 from cbjax.runtime.executor import JaxExecutor
+from cbjax.runtime.hlo import all_reduce_traffic
 from cbjax.scheduler import Scheduler
 
 # 8 heads and 8 kv heads, ffn 128: every TP size up to 8 divides them.
@@ -34,7 +35,7 @@ def workload(seed: int = 0) -> list[Request]:
 
 
 def run(tensor: int) -> dict:
-    ex = JaxExecutor(MODEL, CACHE, SCHED, ExecutorConfig(name="jax", token_buckets=BUCKETS, mesh=MeshConfig(tensor)))
+    ex = JaxExecutor(MODEL, CACHE, SCHED, ExecutorConfig(name="jax", token_buckets=BUCKETS, mesh=MeshConfig(tensor), compilation_cache_dir=None))
     ex.progress = False
     ex.sampling = False
     sched = Scheduler(SCHED, CACHE, MODEL.max_model_len, validate=ex.validate, vocab_size=MODEL.vocab_size)
@@ -47,6 +48,8 @@ def run(tensor: int) -> dict:
         "mixed_iterations": m["mixed_iterations"],
         "mesh_tensor": m["mesh_tensor"],
         "cache_shards": len(ex.cache.k.sharding.device_set),
+        # token bucket -> [all-reduce ops per step, bytes], from the compiled program
+        "all_reduce": {b: all_reduce_traffic(c.as_text()) for b, c in ex._compiled.items()},
     }
 
 
