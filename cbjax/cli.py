@@ -43,11 +43,11 @@ def _app(cfg: DictConfig) -> Optional[float]:
     try:
         run_cfg = to_run_config(cfg)
         if run_cfg.distributed.enabled:
-            from cbjax.runtime import distributed
+            from hydra.types import RunMode
 
-            distributed.initialize(run_cfg.distributed)
-            if distributed.is_follower(run_cfg.distributed):  # runs process 0's steps; writes nothing
-                distributed.follow(run_cfg)
+            from cbjax.runtime.distributed import start
+
+            if start(run_cfg, multirun=HydraConfig.get().mode == RunMode.MULTIRUN):  # ran process 0's steps
                 return None
         run = functools.partial(run_experiment, stop=STOP)
         objective = run_hydra_job(run_cfg, out_dir, HydraConfig.get(), run=run)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from conftest import cbjax_cmd
-from cbjax.config import DistributedConfig, MeshConfig, ModelConfig, RunConfig
+from cbjax.config import DistributedConfig, ExecutorConfig, MeshConfig, ModelConfig, RunConfig, SchedulerConfig
 from cbjax.runtime.batch import BatchPacker
-from cbjax.runtime.distributed import PlanLink
+from cbjax.runtime.distributed import PlanLink, start
 from cbjax.runtime.hlo import all_reduce_traffic
 from cbjax.runtime.mesh import check_tensor_parallel
 from cbjax.runtime.shapes import plan_shapes
@@ -147,6 +147,10 @@ def test_multi_host_config_without_process_id_fails_naming_the_key(tmp_path, env
     dist = DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=0)
     with pytest.raises(ValueError, match="^executor.name must be jax"):
         RunConfig(distributed=dist)
+    with pytest.raises(ValueError, match="^scheduler.preemption swap is not supported"):
+        RunConfig(distributed=dist, executor=ExecutorConfig(name="jax"), scheduler=SchedulerConfig(preemption="swap"))
+    with pytest.raises(ValueError, match="^distributed.num_processes: a multi-host run serves one config, not a multirun"):
+        start(RunConfig(distributed=dist, executor=ExecutorConfig(name="jax")), multirun=True)
 
 
 def test_plan_link_carries_every_array_of_a_batch_bit_for_bit():

@@ -47,8 +47,16 @@ def initialize(cfg: DistributedConfig) -> None:
     )
 
 
-def is_follower(cfg: DistributedConfig) -> bool:
-    return cfg.enabled and cfg.process_id != 0
+def start(cfg: RunConfig, *, multirun: bool = False) -> bool:
+    """Join the process group; a process other than 0 then follows process 0's steps to the
+    end and returns True (it writes nothing), process 0 returns False and serves."""
+    if multirun:  # a job process 0 skips as complete would leave the others waiting
+        raise ValueError("distributed.num_processes: a multi-host run serves one config, not a multirun (-m)")
+    initialize(cfg.distributed)
+    if cfg.distributed.process_id == 0:
+        return False
+    follow(cfg)
+    return True
 
 
 def follow(cfg: RunConfig) -> None:

@@ -14,6 +14,10 @@ device: a batch with a sampled row passes them to `sample_step`, compiled once f
 buckets since its shapes are [num_rows, vocab_size] (random keys and the top-k/top-p sort
 cost seconds to compile on XLA:CPU, so they stay out of the per-bucket programs). Either way
 one i32[num_rows] array comes back to the host.
+
+Under tensor parallelism (`mesh`, static) the same body runs with sharded weights and cache
+(`cbjax.runtime.mesh` jits it with explicit shardings); only the cache write and attention
+change, running per shard on its own heads.
 """
 
 from __future__ import annotations
