@@ -35,8 +35,9 @@ def _env(env_cpu, devices=None):
 
 
 def test_tensor_2_4_8_give_the_single_device_tokens_with_two_all_reduces_per_layer(env_cpu):
+    """Also under swap preemption at tensor 4, the sharded cache's pages round-tripping the host."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "tp_engine.py"), "1", "2", "4", "8"],
+        [sys.executable, str(HERE / "tp_engine.py"), "1", "2", "4", "8", "4:swap"],
         env=_env(env_cpu, 8), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -56,6 +57,9 @@ def test_tensor_2_4_8_give_the_single_device_tokens_with_two_all_reduces_per_lay
                 assert ops == 2 * 2 == allreduces_per_step(MODEL), (tensor, bucket)
                 assert nbytes == 4 * int(bucket) * 64 * 4 == int(bucket) * allreduce_bytes_per_token(MODEL)
     assert sorted(map(int, single["all_reduce"])) == BUCKETS
+    swapped = runs["4:swap"]  # sharded pages copied to the host and back
+    assert swapped["pages_swapped_out"] > 0 and swapped["tokens"] == single["tokens"]
+    assert swapped["compiles_after_warmup"] == 0
 
 
 def _free_port() -> int:

@@ -4,6 +4,7 @@ each `executor.mesh.tensor` given on the command line and print every run's toke
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (set before jax starts).
 """
 
+import dataclasses
 import json
 import sys
 
@@ -34,16 +35,24 @@ def workload(seed: int = 0) -> list[Request]:
     return reqs
 
 
-def run(tensor: int) -> dict:
-    ex = JaxExecutor(MODEL, CACHE, SCHED, ExecutorConfig(name="jax", token_buckets=BUCKETS, mesh=MeshConfig(tensor), compilation_cache_dir=None))
+def run(spec: str) -> dict:
+    """spec: "N" (executor.mesh.tensor=N), or "N:swap": a pool of 14 pages with swap preemption."""
+    tensor, _, mode = spec.partition(":")
+    sched_cfg, cache = SCHED, CACHE
+    if mode == "swap":
+        sched_cfg = dataclasses.replace(SCHED, preemption="swap")
+        cache = dataclasses.replace(CACHE, num_pages=14)
+    exec_cfg = ExecutorConfig(name="jax", token_buckets=BUCKETS, mesh=MeshConfig(int(tensor)), compilation_cache_dir=None)
+    ex = JaxExecutor(MODEL, cache, sched_cfg, exec_cfg)
     ex.progress = False
     ex.sampling = False
-    sched = Scheduler(SCHED, CACHE, MODEL.max_model_len, validate=ex.validate, vocab_size=MODEL.vocab_size)
+    sched = Scheduler(sched_cfg, cache, MODEL.max_model_len, validate=ex.validate, vocab_size=MODEL.vocab_size)
     ex.warmup()
     result = serve(workload(), sched, ex)
     m = ex.metrics()
     return {
         "tokens": {r.request_id: r.output_token_ids for r in result.requests},
+        "pages_swapped_out": ex._swap.num_out_pages,
         "compiles_after_warmup": m["compiles_after_warmup"],
         "mixed_iterations": m["mixed_iterations"],
         "mesh_tensor": m["mesh_tensor"],
@@ -54,4 +63,4 @@ def run(tensor: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({t: run(int(t)) for t in sys.argv[1:]}))
+    print(json.dumps({spec: run(spec) for spec in sys.argv[1:]}))
