@@ -77,7 +77,7 @@ def test_two_processes_of_4_devices_give_the_one_process_tokens(tmp_path, env_cp
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = cbjax_cmd() + [
         "executor=jax", "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=32", "scheduler.chunked_prefill=true",
-        "model.num_heads=8", "model.num_kv_heads=8", "model.head_dim=8", "model.max_model_len=64",
+        "model.num_heads=16", "model.num_kv_heads=8", "model.head_dim=4", "model.max_model_len=64",
         "cache.num_pages=64", "cache.page_size=4", "executor.token_buckets=[32]", "executor.compilation_cache_dir=null",
         "workload=trace", f"workload.path={trace}", "progress=false",
     ]  # fmt: skip

@@ -17,8 +17,9 @@ from cbjax.runtime.executor import JaxExecutor
 from cbjax.runtime.hlo import all_reduce_traffic
 from cbjax.scheduler import Scheduler
 
-# 8 heads and 8 kv heads, ffn 128: every TP size up to 8 divides them.
-MODEL = ModelConfig(num_heads=8, num_kv_heads=8, head_dim=8, d_model=64, ffn_dim=128, max_model_len=64)
+# 16 heads in 8 GQA groups of 2, ffn 128: every TP size up to 8 divides them, and each shard
+# must hold whole groups (a kv head beside its two query heads in the fused qkv kernel).
+MODEL = ModelConfig(num_heads=16, num_kv_heads=8, head_dim=4, d_model=64, ffn_dim=128, max_model_len=64)
 SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, chunked_prefill=True)
 CACHE = CacheConfig(num_pages=64, page_size=4)
 BUCKETS = [4, 32]
