@@ -74,6 +74,8 @@ def test_two_processes_of_4_devices_give_the_one_process_tokens(tmp_path, env_cp
         {"arrival_s": r.arrival_s, "prompt_token_ids": r.prompt_token_ids, "max_tokens": r.sampling.max_tokens}
         for r in workload()
     ]
+    for i, row in enumerate(rows[::2]):  # sampled rows: the sampler compiles and runs on every process
+        row.update(temperature=0.8, top_p=0.9, seed=i)
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = cbjax_cmd() + [
         "executor=jax", "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=32", "scheduler.chunked_prefill=true",
@@ -107,9 +109,10 @@ def test_two_processes_of_4_devices_give_the_one_process_tokens(tmp_path, env_cp
     assert tokens(tmp_path / "p0") == tokens(tmp_path / "one")
     summary = json.loads((tmp_path / "p0" / "summary.json").read_text())
     assert summary["compiles_after_warmup"] == 0 and summary["mesh_tensor"] == 8 and summary["num_finished"] == 6
+    assert summary["sampler_calls"] > 0
     # only process 0 writes outputs; process 1 ran every one of its steps
     assert not any((tmp_path / "p1" / name).exists() for name in ("summary.json", "requests.jsonl", "config.yaml"))
-    assert f"distributed: process 1 ran {summary['iterations']} steps" in logs[0]
+    assert f"distributed: process 1 ran {summary['iterations']} steps, 0 compiles after warmup" in logs[0]
 
 
 def test_heads_or_devices_that_do_not_divide_fail_in_one_line_naming_the_fields():

@@ -71,7 +71,8 @@ def follow(cfg: RunConfig) -> None:
     while (batch := executor.link.recv()) is not None:
         executor.follow_step(batch)
         num_steps += 1
-    log.info(f"distributed: process {cfg.distributed.process_id} ran {num_steps} steps")
+    compiles = executor.metrics()["compiles_after_warmup"]
+    log.info(f"distributed: process {cfg.distributed.process_id} ran {num_steps} steps, {compiles} compiles after warmup")
 
 
 def _arrays(batch) -> list[np.ndarray]:
