@@ -170,7 +170,7 @@ def test_plan_link_carries_every_array_of_a_batch_bit_for_bit():
     batch.sampling[0][:] = [0.5, 0.0, 1.25, -0.0]  # f32 bits through an i32 buffer
     batch.sampling[3][:] = [0, 1, 2**32 - 1, 2**31]  # u32 seeds
     batch.num_rows_used, batch.num_tokens_used = 3, 17
-    got, _ = PlanLink(packer, is_source=True)._exchange(batch, False)
+    got, _ = PlanLink(packer, is_source=True)._exchange(batch)
     assert (got.num_rows_used, got.num_tokens_used) == (3, 17)
     for name in ("tokens", "positions", "write_idx", "page_table", "query_start", "kv_lens", "token_row", "token_pos", "logits_idx"):
         np.testing.assert_array_equal(getattr(got, name), getattr(batch, name))

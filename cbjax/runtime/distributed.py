@@ -11,6 +11,7 @@ warmup exchanges an empty batch per bucket and nothing compiles afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -86,8 +87,6 @@ def _arrays(batch) -> list[np.ndarray]:
 
 def _rebuild(template, arrays: list[np.ndarray], num_rows_used: int, num_tokens_used: int):
     """A HostBatch shaped like `template` holding `arrays` (in `_arrays` order)."""
-    import dataclasses
-
     it = iter(arrays)
     fields = {
         name: next(it)
@@ -112,11 +111,13 @@ class PlanLink:
 
         return np.asarray(broadcast_one_to_all(x, is_source=self.is_source))
 
-    def _exchange(self, batch, sampling: bool):
-        """Broadcast `batch` (process 0's; elsewhere only its shape counts); returns process 0's."""
-        header = np.array([batch.tokens.shape[0], batch.num_rows_used, batch.num_tokens_used, int(sampling)], np.int32)
-        header = self._broadcast(header)
-        bucket, rows, tokens, _ = (int(v) for v in header)
+    def _exchange(self, batch=None, sampling: bool = False):
+        """Process 0 passes its batch (None: stop), the others nothing; every process returns
+        process 0's batch (None once it stops) and sampling flag."""
+        header = np.zeros(4, np.int32)
+        if self.is_source and batch is not None:
+            header[:] = [batch.tokens.shape[0], batch.num_rows_used, batch.num_tokens_used, int(sampling)]
+        bucket, rows, tokens, flag = (int(v) for v in self._broadcast(header))
         if bucket == 0:
             return None, False
         template = batch if self.is_source else self.packer.empty(bucket)
@@ -130,21 +131,23 @@ class PlanLink:
         for a in arrays:
             out.append(flat[lo : lo + a.size].view(a.dtype).reshape(a.shape))
             lo += a.size
-        return _rebuild(template, out, rows, tokens), bool(header[3])
+        return _rebuild(template, out, rows, tokens), bool(flag)
 
     def send(self, batch) -> None:
-        self._exchange(batch, False)
+        self._exchange(batch)
 
     def recv(self):
         """Process 0's next batch, or None once it stops."""
-        return self._exchange(self.packer.empty(self.packer.shapes.token_buckets[0]), False)[0]
+        return self._exchange()[0]
 
     def stop(self) -> None:
-        self._broadcast(np.zeros(4, np.int32))
+        self._exchange(None)
 
     def warmup(self, sampling: bool) -> bool:
         """Exchange an empty batch per bucket (compiling each broadcast); returns process 0's
         sampling flag, which decides whether every process compiles the sampler."""
+        flag = sampling
         for bucket in self.packer.shapes.token_buckets:
-            _, flag = self._exchange(self.packer.empty(bucket), sampling)
+            empty = self.packer.empty(bucket) if self.is_source else None
+            _, flag = self._exchange(empty, sampling)
         return flag
