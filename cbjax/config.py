@@ -623,9 +623,9 @@ class RunConfig:
             _require(self.executor.name == "jax", "executor.name", f"must be jax with distributed.num_processes={n}", self.executor.name)
             _require(
                 not self.experiment.arms,
-                "distributed.num_processes",
-                f"serves one config; experiment {self.experiment.name!r} has arms",
-                n,
+                "experiment.arms",
+                f"are not supported with distributed.num_processes={n} (a multi-host run serves one config)",
+                sorted(self.experiment.arms),
             )
             _require(
                 self.scheduler.preemption != "swap",

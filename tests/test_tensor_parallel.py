@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import cbjax_cmd
-from cbjax.config import DistributedConfig, ExecutorConfig, MeshConfig, ModelConfig, RunConfig, SchedulerConfig
+from cbjax.config import DistributedConfig, ExecutorConfig, ExperimentConfig, MeshConfig, ModelConfig, RunConfig, SchedulerConfig
 from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.distributed import PlanLink, start
 from cbjax.runtime.hlo import all_reduce_traffic
@@ -156,6 +156,9 @@ def test_multi_host_config_without_process_id_fails_naming_the_key(tmp_path, env
         RunConfig(distributed=dist)
     with pytest.raises(ValueError, match="^scheduler.preemption swap is not supported"):
         RunConfig(distributed=dist, executor=ExecutorConfig(name="jax"), scheduler=SchedulerConfig(preemption="swap"))
+    arms = ExperimentConfig(name="x", arms={"a": {}, "b": {}})
+    with pytest.raises(ValueError, match=r"^experiment.arms are not supported with distributed.num_processes=2"):
+        RunConfig(distributed=dist, executor=ExecutorConfig(name="jax"), experiment=arms)
     with pytest.raises(ValueError, match="^distributed.num_processes: a multi-host run serves one config, not a multirun"):
         start(RunConfig(distributed=dist, executor=ExecutorConfig(name="jax")), multirun=True)
 

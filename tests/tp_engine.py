@@ -22,7 +22,7 @@ from cbjax.scheduler import Scheduler
 MODEL = ModelConfig(num_heads=16, num_kv_heads=8, head_dim=4, d_model=64, ffn_dim=128, max_model_len=64)
 SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, chunked_prefill=True)
 CACHE = CacheConfig(num_pages=64, page_size=4)
-BUCKETS = [4, 32]
+BUCKETS = [32]  # one program per TP size keeps the test short
 
 
 def workload(seed: int = 0) -> list[Request]:
