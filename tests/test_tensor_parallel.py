@@ -130,11 +130,18 @@ def test_heads_or_devices_that_do_not_divide_fail_in_one_line_naming_the_fields(
         MeshConfig(tensor=0)
 
 
-def test_cli_mesh_larger_than_the_visible_devices_fails_naming_both(tmp_path, env_cpu):
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        (2, "executor.mesh.tensor=4 needs 4 devices, but only 2 are visible"),
+        (8, "model.num_kv_heads=2 is not divisible by executor.mesh.tensor=4"),  # the tiny model: 4 heads, 2 kv heads
+    ],
+)
+def test_cli_bad_mesh_fails_at_startup_in_one_line(tmp_path, env_cpu, devices, message):
     cmd = cbjax_cmd() + ["executor=jax", "executor.mesh.tensor=4", "workload.num_requests=1", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=_env(env_cpu, 2), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=_env(env_cpu, devices), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "cbjax: error: executor.mesh.tensor=4 needs 4 devices, but only 2 are visible"
+    assert proc.stderr.strip() == f"cbjax: error: {message}"
 
 
 def test_multi_host_config_without_process_id_fails_naming_the_key(tmp_path, env_cpu):
