@@ -41,8 +41,16 @@ def _app(cfg: DictConfig) -> Optional[float]:
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        run_cfg = to_run_config(cfg)
+        if run_cfg.distributed.enabled:
+            from hydra.types import RunMode
+
+            from cbjax.runtime.distributed import start
+
+            if start(run_cfg, multirun=HydraConfig.get().mode == RunMode.MULTIRUN):  # ran process 0's steps
+                return None
         run = functools.partial(run_experiment, stop=STOP)
-        objective = run_hydra_job(to_run_config(cfg), out_dir, HydraConfig.get(), run=run)
+        objective = run_hydra_job(run_cfg, out_dir, HydraConfig.get(), run=run)
     except ValueError as err:
         _to_stderr(f"cbjax: error: {err}")
         sys.exit(2)

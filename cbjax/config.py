@@ -180,6 +180,17 @@ class CacheConfig:
 
 
 @dataclass
+class MeshConfig:
+    """The device mesh of the JAX engine (cbjax.runtime.mesh)."""
+
+    # Tensor parallelism: heads and MLP columns split over this many devices. 1: one device.
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor >= 1, "executor.mesh.tensor", "must be >= 1", self.tensor)
+
+
+@dataclass
 class ExecutorConfig:
     name: str = "sim"
     # sim
@@ -197,6 +208,7 @@ class ExecutorConfig:
     # JAX's persistent compilation cache: a rerun loads programs instead of compiling them.
     # None (null) turns it off.
     compilation_cache_dir: Optional[str] = "~/.cache/cbjax/jax"
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
         _one_of("executor.name", self.name, EXECUTORS)
@@ -539,6 +551,43 @@ class LoggerConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Multi-host JAX (cbjax.runtime.distributed): one process per host, all running the same
+    sharded step; process 0 schedules and writes the outputs. Off while num_processes is 1."""
+
+    coordinator_address: Optional[str] = None  # host:port of process 0
+    num_processes: int = 1
+    process_id: Optional[int] = None  # 0 .. num_processes - 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_processes > 1
+
+    def __post_init__(self) -> None:
+        _require(self.num_processes >= 1, "distributed.num_processes", "must be >= 1", self.num_processes)
+        if not self.enabled:
+            return
+        _require(
+            bool(self.coordinator_address),
+            "distributed.coordinator_address",
+            "is required by distributed.num_processes > 1 (host:port of process 0)",
+            self.coordinator_address,
+        )
+        _require(
+            self.process_id is not None,
+            "distributed.process_id",
+            f"is required by distributed.num_processes={self.num_processes} (this process's index)",
+            self.process_id,
+        )
+        _require(
+            0 <= self.process_id < self.num_processes,
+            "distributed.process_id",
+            f"must be in [0, {self.num_processes})",
+            self.process_id,
+        )
+
+
+@dataclass
 class RunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -558,6 +607,7 @@ class RunConfig:
     overwrite: bool = False
     # A summary.json key the job returns to a Hydra sweeper (optuna maximizes or minimizes it).
     optimized_metric: Optional[str] = None
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)
@@ -567,4 +617,19 @@ class RunConfig:
                 "optimized_metric",
                 f"needs a single run, but experiment {self.experiment.name!r} has arms",
                 self.optimized_metric,
+            )
+        if self.distributed.enabled:
+            n = self.distributed.num_processes
+            _require(self.executor.name == "jax", "executor.name", f"must be jax with distributed.num_processes={n}", self.executor.name)
+            _require(
+                not self.experiment.arms,
+                "experiment.arms",
+                f"are not supported with distributed.num_processes={n} (a multi-host run serves one config)",
+                sorted(self.experiment.arms),
+            )
+            _require(
+                self.scheduler.preemption != "swap",
+                "scheduler.preemption",
+                f"swap is not supported with distributed.num_processes={n}; use recompute",
+                self.scheduler.preemption,
             )

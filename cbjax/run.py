@@ -50,6 +50,10 @@ def resolve(cfg: RunConfig) -> RunConfig:
 
 def build_executor(cfg: RunConfig):
     cfg = resolve(cfg)
+    if cfg.distributed.enabled:  # before jax starts its backends
+        from cbjax.runtime.distributed import initialize
+
+        initialize(cfg.distributed)
     if cfg.executor.name == "sim":
         from cbjax.sim import SimExecutor, make_cost_model
 
@@ -104,16 +108,20 @@ def run_single(
         executor.sampling = any(r.sampling.temperature > 0 for r in requests)
     executor.warmup()
     service_log = ServiceLog()
-    result = serve(
-        requests,
-        scheduler,
-        executor,
-        progress=cfg.progress,
-        stop=stop,
-        on_finish=live.write if live else None,
-        tick=live.tick if live else None,
-        on_step=service_log.on_step,
-    )
+    try:
+        result = serve(
+            requests,
+            scheduler,
+            executor,
+            progress=cfg.progress,
+            stop=stop,
+            on_finish=live.write if live else None,
+            tick=live.tick if live else None,
+            on_step=service_log.on_step,
+        )
+    finally:
+        if hasattr(executor, "close"):  # multi-host: the other processes stop stepping
+            executor.close()
     summary = build_summary(cfg, result, service_log, executor)
     if out_dir is not None:
         clients = client_ids(result.requests)

@@ -100,9 +100,21 @@ class JaxExecutor:
         # Serving layout: q/k/v and gate/up fused into one matmul each (same model, same numbers).
         llama = llama if llama is not None else Llama(model, seed=seed)
         self.graphdef, self.weights = split_model(llama.fused())
-        self.cache = init_cache(
-            model.num_layers, model.num_kv_heads, model.head_dim, cache.num_pages, cache.page_size, model.dtype
-        )
+        cache_args = (model.num_layers, model.num_kv_heads, model.head_dim, cache.num_pages, cache.page_size, model.dtype)
+        # executor.mesh.tensor > 1, or several processes: sharded (cbjax.runtime.mesh); else one device.
+        self.tp = self.link = None
+        if cfg.mesh.tensor > 1 or jax.process_count() > 1:
+            from cbjax.runtime.mesh import TensorParallel
+
+            self.tp = TensorParallel(model, cfg.mesh.tensor)
+            self.weights = self.tp.place_weights(self.weights)
+            self.cache = self.tp.init_cache(*cache_args)
+            if jax.process_count() > 1:
+                from cbjax.runtime.distributed import PlanLink
+
+                self.link = PlanLink(self.packer, is_source=jax.process_index() == 0)
+        else:
+            self.cache = init_cache(*cache_args)
         widths, w = [], 1
         while w < self.shapes.max_pages:
             widths.append(w)
@@ -135,19 +147,25 @@ class JaxExecutor:
         """Nothing engine-specific: the scheduler checks vocabulary and length for both executors."""
         return None
 
+    def _device_batch(self, batch: HostBatch) -> DeviceBatch:
+        return to_device(batch) if self.tp is None else self.tp.to_global(to_device(batch))
+
     def _step(self, batch: HostBatch):
         """One model step, then the sampler if any row samples; the tokens, still on the device."""
         compiled = self._compiled.get(batch.tokens.shape[0])
+        device_batch = self._device_batch(batch)
         if compiled is not None:
-            greedy, logits, self.cache = compiled(self.weights, self.cache, to_device(batch))
-        else:  # before warmup: compile on first use
+            greedy, logits, self.cache = compiled(self.weights, self.cache, device_batch)
+        elif self.tp is not None:  # before warmup: compile on first use
+            greedy, logits, self.cache = self.tp.step(self.graphdef, self.attention)(self.weights, self.cache, device_batch)
+        else:
             greedy, logits, self.cache = model_step(
-                self.weights, self.cache, to_device(batch), graphdef=self.graphdef, attention=self.attention
+                self.weights, self.cache, device_batch, graphdef=self.graphdef, attention=self.attention
             )
         self.num_step_calls += 1
         if batch.sampling[0].any():  # a row with temperature > 0
             self.num_sampler_calls += 1
-            return sample_step(logits, batch.sampling)
+            return sample_step(logits, device_batch.sampling)
         return greedy
 
     def _load_or_compile(self, args):
@@ -161,23 +179,40 @@ class JaxExecutor:
             with self._count_lock:
                 self.programs_loaded += 1
             return compiled
-        compiled = model_step.lower(*args, graphdef=self.graphdef, attention=self.attention).compile()
+        if self.tp is not None:
+            lowered = self.tp.step(self.graphdef, self.attention).lower(*args)
+        else:
+            lowered = model_step.lower(*args, graphdef=self.graphdef, attention=self.attention)
+        compiled = lowered.compile()
         programs.store(directory, key, compiled)
         return compiled
+
+    def follow_step(self, batch: HostBatch) -> None:
+        """A process other than 0 runs process 0's step (cbjax.runtime.distributed)."""
+        jax.block_until_ready(self._step(batch))
+
+    def close(self) -> None:
+        """After serving: tell the other processes to stop (multi-host only)."""
+        if self.link is not None and self.link.is_source:
+            self.link.stop()
+            self.link = None
 
     def warmup(self) -> None:
         """Compile the step for every token bucket (and the swap copies) before the clock starts."""
         t0 = time.perf_counter()
+        if self.link is not None:  # every process compiles the same programs, the sampler included
+            self.sampling = self.link.warmup(self.sampling)
         compiles_before, hits_before = fresh_compile_count(), cache_hit_count()  # counting starts here
         self.programs_loaded = 0
         buckets = self.shapes.token_buckets
         bar = _progress_bar(len(buckets) + 1 + (1 if self._swap_at_warmup else 0)) if self.progress else None
 
         def compile_bucket(bucket: int):
-            batch = to_device(self.packer.empty(bucket))
+            batch = self._device_batch(self.packer.empty(bucket))
             args = (self.weights, self.cache, batch)
             leaves, treedef = jax.tree.flatten(args)
-            key = (self.graphdef, self.attention, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
+            mesh = None if self.tp is None else self.tp.mesh
+            key = (self.graphdef, self.attention, mesh, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
             if key not in _COMPILED:  # like jit's own cache: same static arguments and shapes, same program
                 _COMPILED[key] = self._load_or_compile(args)
             return bucket, _COMPILED[key]
@@ -194,7 +229,10 @@ class JaxExecutor:
         if self.sampling:  # random keys and the top-k/top-p sort take seconds to compile on CPU
             empty = self.packer.empty(buckets[0])
             logits = jnp.zeros((self.shapes.num_rows, self.model_cfg.vocab_size))
-            jax.block_until_ready(sample_step(logits, empty.sampling))
+            if self.tp is None:
+                jax.block_until_ready(sample_step(logits, empty.sampling))
+            else:  # laid out as the step's outputs are
+                jax.block_until_ready(sample_step(*self.tp.to_global((np.asarray(logits), empty.sampling))))
         if bar is not None:
             bar.update(1)
         if self._swap_at_warmup:
@@ -218,8 +256,11 @@ class JaxExecutor:
             self.swap_s += time.perf_counter() - t0
         t1 = time.perf_counter()
         batch = self.packer.pack(plan)
+        if self.link is not None:  # multi-host: every process runs this step
+            self.link.send(batch)
         t2 = time.perf_counter()
-        out = np.asarray(self._step(batch))  # the one device->host copy
+        out = self._step(batch)
+        out = np.asarray(out) if self.tp is None else self.tp.fetch(out)  # the one device->host copy
         t3 = time.perf_counter()
         n = batch.num_rows_used
         token_ids = out[:n].tolist()
@@ -256,6 +297,7 @@ class JaxExecutor:
             "device_wait_s": self.device_s,
             "swap_s": self.swap_s,
             "compilation_cache_dir": self.cache_dir,
+            "mesh_tensor": 1 if self.tp is None else self.tp.tensor,
         }
 
 

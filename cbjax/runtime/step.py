@@ -14,6 +14,10 @@ device: a batch with a sampled row passes them to `sample_step`, compiled once f
 buckets since its shapes are [num_rows, vocab_size] (random keys and the top-k/top-p sort
 cost seconds to compile on XLA:CPU, so they stay out of the per-bucket programs). Either way
 one i32[num_rows] array comes back to the host.
+
+Under tensor parallelism (`mesh`, static) the same body runs with sharded weights and cache
+(`cbjax.runtime.mesh` jits it with explicit shardings); only the cache write and attention
+change, running per shard on its own heads.
 """
 
 from __future__ import annotations
@@ -77,8 +81,9 @@ def split_model(model) -> tuple[tuple, tuple]:
 LAYER_INDEXED = ("ragged", "reference")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attention"), donate_argnames=("cache",))
-def model_step(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str):
+def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str, mesh=None):
+    """The step's body, unjitted: `model_step` jits it for one device, `cbjax.runtime.mesh`
+    with explicit shardings for a tensor-parallel `mesh` (attention then runs per shard)."""
     check_batch(batch)
     outer_def, layer_def = graphdef
     outer_state, layer_states = weights
@@ -86,17 +91,26 @@ def model_step(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attenti
     attn_fn = attention_op(attention)
     num_layers = cache.k.shape[0]
 
+    def attend(q, k, v, k_pages, v_pages, md, write_idx, layer_idx):
+        k_pages = write_layer(k_pages, layer_idx, write_idx, k)
+        v_pages = write_layer(v_pages, layer_idx, write_idx, v)
+        if attention in LAYER_INDEXED:  # gathers pages from the whole cache: no per-layer copy
+            attn = attn_fn(q, k_pages, v_pages, md, layer=layer_idx)
+        else:  # the Pallas kernel reads one layer's pages (a slice of the scan's carry)
+            attn = attn_fn(q, k_pages[layer_idx], v_pages[layer_idx], md)
+        return attn, k_pages, v_pages
+
+    if mesh is not None:  # each shard attends with its own heads: no collective inside
+        from cbjax.runtime.mesh import shard_heads
+
+        attend = shard_heads(attend, mesh)
+
     def layer_step(carry, xs):
         x, k_pages, v_pages = carry
         layer_state, layer_idx = xs
         layer = nnx.merge(layer_def, layer_state)
         q, k, v = layer.qkv(x, batch.positions)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
-        k_pages = write_layer(k_pages, layer_idx, batch.write_idx, k)
-        v_pages = write_layer(v_pages, layer_idx, batch.write_idx, v)
-        if attention in LAYER_INDEXED:  # gathers pages from the whole cache: no per-layer copy
-            attn = attn_fn(q, k_pages, v_pages, batch.md, layer=layer_idx)
-        else:  # the Pallas kernel reads one layer's pages (a slice of the scan's carry)
-            attn = attn_fn(q, k_pages[layer_idx], v_pages[layer_idx], batch.md)
+        attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, batch.md, batch.write_idx, layer_idx)
         x = layer.finish(x, attn)
         return (x, k_pages, v_pages), None
 
@@ -106,6 +120,9 @@ def model_step(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attenti
     logits = model.logits(x[batch.logits_idx])  # f32[R, vocab_size]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return _mark_non_finite(logits, greedy), logits, KVCache(k=k_pages, v=v_pages)
+
+
+model_step = jax.jit(step_fn, static_argnames=("graphdef", "attention", "mesh"), donate_argnames=("cache",))
 
 
 def _mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:

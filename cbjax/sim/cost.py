@@ -7,6 +7,7 @@ from typing import Optional
 
 from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, SchedulerConfig
 from cbjax.plan import Schedule
+from cbjax.sim.tp import allreduce_bytes_per_token, ring_bytes_per_device
 
 
 class UnitCost:
@@ -61,11 +62,8 @@ class RooflineCost:
         self.kv_bytes_per_token = float(model.kv_bytes_per_token)
         self.host_bytes_per_s = hw.host_bw * n
         self.copy_s_per_page = 2 * model.num_layers * hw.host_copy_latency_s
-        # all-reduce seconds per processed token: 2 per layer, ring traffic 2(n-1)/n of d_model
-        ring = 2.0 * (n - 1) / n
-        self.allreduce_s_per_token = (
-            2 * model.num_layers * ring * model.d_model * model.dtype_bytes / hw.interconnect_bw
-        )
+        # all-reduce seconds per processed token: the bytes the engine all-reduces (cbjax.sim.tp)
+        self.allreduce_s_per_token = ring_bytes_per_device(allreduce_bytes_per_token(model), n) / hw.interconnect_bw
         if self.weight_bytes / n > hw.mem_bytes:
             split = f" per device (hardware.num_devices={n})" if n > 1 else ""
             raise ValueError(
