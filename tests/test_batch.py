@@ -84,20 +84,25 @@ def test_pack_pads_idle_rows_and_refreshes_a_slot_when_its_pages_grow():
 
 
 def test_tiles_by_hand():
-    # page_size 2, block 2. Row 0: one decode token at position 4 (3 pages). Row 1: 3 new tokens
-    # at positions 1..3 (blocks [1, 2] -> pages 0..1 and [3] -> pages 0..1). Row 2: idle.
-    query_start = np.array([0, 1, 4, 4], np.int32)
-    kv_lens = np.array([5, 4, 0], np.int32)
-    table = np.array([[7, 8, 9], [3, 4, 0], [0, 0, 0]], np.int32)
-    cap = tile_capacity(6, 3, 3, 2, (4, 4))
-    single, block = build_tiles(query_start, kv_lens, table, 6, 2, 2, cap)
-    q, page, pos, num = single
-    assert int(num) == 3 and q[:3, 0].tolist() == [0, 0, 0] and page[:3].tolist() == [7, 8, 9]
-    assert pos[:3].tolist() == [0, 1, 2] and (q[3:] == 6).all()  # unused tiles point at the padding row
-    q, page, pos, num = block
-    assert int(num) == 4
-    assert q[:4].tolist() == [[1, 2], [1, 2], [3, 6], [3, 6]]
-    assert page[:4].tolist() == [3, 4, 3, 4] and pos[:4].tolist() == [0, 1, 0, 1]
+    # page_size 2, block 2. Row 0: one decode token at position 1 (1 page). Row 1: 3 new tokens at
+    # positions 1..3 (groups [1, 2], last position 2, and [3], last position 3: 2 pages each).
+    # Row 2: one decode token at position 4 (3 pages). 6 tokens, 3 rows.
+    query_start = np.array([0, 1, 4, 5], np.int32)
+    kv_lens = np.array([2, 4, 5], np.int32)
+    cap = tile_capacity(6, 3, 2, (1, 2))
+    # single: 3 rows at most, chunks of 1; block: 3 rows of >= 2 tokens plus 3 full blocks, chunks of 2
+    assert cap == ((3, 1), (6, 2))
+    single, block = build_tiles(query_start, kv_lens, 6, 2, 2, cap)
+    q, row, chunk_pages, num_chunks = single
+    # longest first: row 2's token 4 (3 pages), then row 0's token 0 (1 page); the unused slot -> row 6
+    assert q.tolist() == [[4], [0], [6]] and row[:2].tolist() == [2, 0]
+    assert chunk_pages.tolist() == [3, 1, 0] and int(num_chunks) == 2
+    q, row, chunk_pages, num_chunks = block
+    assert q.tolist() == [[1, 2], [3, 6], [6, 6], [6, 6], [6, 6], [6, 6]] and row[:2].tolist() == [1, 1]
+    assert chunk_pages.tolist() == [2, 0, 0] and int(num_chunks) == 1
+    # chunks shrink to the capacity: 2 tokens hold at most 2 single groups, and the block bound
+    # is min(2 // 2, 3) rows + 2 // 2 full blocks = 2
+    assert tile_capacity(2, 3, 2, (4, 4)) == ((2, 2), (2, 2))
 
 
 def test_packing_imports_no_jax():

@@ -3,6 +3,8 @@ gathered from the whole cache."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +20,9 @@ FIELDS = ("page_table", "query_start", "kv_lens", "token_row", "token_pos")
 
 def metadata(case, block, chunk):
     num_tokens, num_rows = case["q"].shape[0], case["kv_lens"].shape[0]
-    cap = tile_capacity(num_tokens, num_rows, case["page_table"].shape[1], block, (chunk, chunk))
+    cap = tile_capacity(num_tokens, num_rows, block, (chunk, chunk))
     page_size = case["k_pages"].shape[2]
-    single, multi = build_tiles(case["query_start"], case["kv_lens"], case["page_table"], num_tokens, page_size, block, cap)
+    single, multi = build_tiles(case["query_start"], case["kv_lens"], num_tokens, page_size, block, cap)
     work = RaggedWork(Tiles(*map(jnp.asarray, single)), Tiles(*map(jnp.asarray, multi)))
     return AttentionMetadata(*(jnp.asarray(case[f]) for f in FIELDS), work=work)
 
@@ -32,14 +34,16 @@ def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache):
         # two idle rows and three padding tokens; blocks of 4 cut the longer rows
         case = make_case(rows, num_kv_heads=num_kv_heads, group=group, num_tokens=sum(n for _, n in rows) + 3,
                          num_rows=len(rows) + 2, seed=len(name))  # fmt: skip
-        md = metadata(case, block=4, chunk=4)  # several loop steps per list
+        # chunks of 2: several per list (the outer loop); chunks of 64: one per list (no outer loop)
+        md = metadata(case, block=4, chunk=64 if whole_cache else 2)
         q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
         kw = {}
         if whole_cache:  # the layer under test is 1; layer 0 holds other values
             k, v = jnp.stack([k + 3.0, k]), jnp.stack([v - 3.0, v])
             kw = dict(layer=jnp.int32(1))
         want = oracle(case)
-        got = np.asarray(ragged_attention_xla(q, k, v, md, chunk_single=4, chunk_block=4, **kw))
+        # 3 pages per step: the last step of a long group reads past its page-table row
+        got = np.asarray(ragged_attention_xla(q, k, v, md, pages_single=1, pages_block=3, **kw))
         ref = np.asarray(ragged_attention_reference(q, k, v, md, **kw))
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
         np.testing.assert_allclose(ref, want, atol=1e-5, rtol=1e-5, err_msg=name)
@@ -48,14 +52,17 @@ def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache):
 
 def test_bad_shapes_and_missing_tiles_name_the_problem():
     case = make_case(CASES["mixed"], num_kv_heads=2, group=2)
-    md = metadata(case, block=4, chunk=4)
+    md = metadata(case, block=4, chunk=2)
     q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
     with pytest.raises(ValueError, match="whole cache"):
-        ragged_attention_xla(q, k, v, md, layer=jnp.int32(0), chunk_single=4, chunk_block=4)
+        ragged_attention_xla(q, k, v, md, layer=jnp.int32(0))
     with pytest.raises(ValueError, match="q head_dim"):
-        ragged_attention_xla(q[..., :8], k, v, md, chunk_single=4, chunk_block=4)
+        ragged_attention_xla(q[..., :8], k, v, md)
     bare = AttentionMetadata(*(jnp.asarray(case[f]) for f in FIELDS))
     with pytest.raises(ValueError, match="RaggedWork"):
         ragged_attention_xla(q, k, v, bare)
-    with pytest.raises(ValueError, match="not a multiple of its chunk"):
-        ragged_attention_xla(q, k, v, md, chunk_single=3, chunk_block=4)
+    single = md.work.single
+    odd = Tiles(single.q_idx[:3], single.row[:3], single.chunk_pages[:2], single.num_chunks)
+    uneven = dataclasses.replace(md, work=RaggedWork(odd, md.work.block))
+    with pytest.raises(ValueError, match="single capacity 3 is not a multiple of its 2 chunks"):
+        ragged_attention_xla(q, k, v, uneven)

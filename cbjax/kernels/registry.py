@@ -36,9 +36,9 @@ def attention_op(impl: str) -> AttentionFn:
         return ragged_attention_reference
     if impl == "ragged":
         from cbjax.kernels.xla_ragged import ragged_attention_xla
-        from cbjax.runtime.tiles import CHUNK_BLOCK, CHUNK_SINGLE
+        from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 
-        return functools.partial(ragged_attention_xla, chunk_single=CHUNK_SINGLE, chunk_block=CHUNK_BLOCK)
+        return functools.partial(ragged_attention_xla, pages_single=PAGES_SINGLE, pages_block=PAGES_BLOCK)
     if impl in ("pallas", "triton"):
         from cbjax.kernels.pallas_ragged import ragged_paged_attention
 

@@ -68,10 +68,9 @@ class BatchPacker:
         self._slot_key: list[tuple[int, int, int]] = [(0, 0, 0)] * num_slots  # (request, admission, pages)
         self._slot_sampling = SamplingArrays(num_slots)
 
-    def capacity(self, bucket: int) -> tuple[int, int]:
-        """Static (single, block) tile capacities for a step of `bucket` tokens."""
-        s = self.shapes
-        return tile_capacity(bucket, s.num_rows, s.max_pages, BLOCK_Q, (CHUNK_SINGLE, CHUNK_BLOCK))
+    def capacity(self, bucket: int) -> tuple[tuple[int, int], ...]:
+        """Static ((capacity, chunk) single, (capacity, chunk) block) groups for a step of `bucket` tokens."""
+        return tile_capacity(bucket, self.shapes.num_rows, BLOCK_Q, (CHUNK_SINGLE, CHUNK_BLOCK))
 
     def empty(self, bucket: int) -> HostBatch:
         """An all-padding batch of `bucket` tokens (warmup)."""
@@ -144,7 +143,7 @@ class BatchPacker:
         )
         tiles = None
         if self.with_tiles:
-            tiles = build_tiles(query_start, kv_lens, page_table, bucket, page_size, BLOCK_Q, self.capacity(bucket))
+            tiles = build_tiles(query_start, kv_lens, bucket, page_size, BLOCK_Q, self.capacity(bucket))
         return HostBatch(
             tokens=tokens, positions=positions, write_idx=write_idx, page_table=page_table, query_start=query_start,
             kv_lens=kv_lens, token_row=token_row, token_pos=token_pos, logits_idx=logits_idx, sampling=sampling,
