@@ -51,45 +51,45 @@ class RaggedWork:
 
 
 def _group_pass(groups: Tiles, q_ext, pos_ext, page_table, k_flat, v_flat, page_base, num_pages, step, scale):
-    """f32[capacity, block, kv, g, d]: each group's attention output (zeros for padding).
+    """f32[kv, capacity, block, g, d]: each group's attention output (zeros for padding).
 
-    k_flat / v_flat are the cache viewed as [pages, page_size * d], one page per row; page p of
-    kv head h lives at row page_base[h] + p (in bounds: page ids are clipped to the pool)."""
+    Arrays are kv-head major, so batched contractions need no transposes. k_flat / v_flat are
+    the cache viewed as [pages, page_size * d], one page per row; page p of kv head h lives at
+    row page_base[h] + p (in bounds: page ids are clipped to the pool)."""
     cap, block = groups.q_idx.shape
     chunk = cap // groups.chunk_pages.shape[0]
-    _, kvh, group, head_dim = q_ext.shape
-    page_size = k_flat.shape[1] // q_ext.shape[-1]
+    kvh, _, group, head_dim = q_ext.shape
+    page_size = k_flat.shape[1] // head_dim
     max_pages = page_table.shape[1]
     rows = block * group  # query rows per kv head of one group
-    key_off = jnp.arange(step * page_size, dtype=jnp.int32)
+    keys = step * page_size
+    key_off = jnp.arange(keys, dtype=jnp.int32)
     col_off = jnp.arange(step, dtype=jnp.int32)
 
     def chunk_body(c, out):
         lo = c * chunk
         q_idx = lax.dynamic_slice_in_dim(groups.q_idx, lo, chunk)  # i32[chunk, block]
         row = lax.dynamic_slice_in_dim(groups.row, lo, chunk)
-        q = q_ext[q_idx] * scale  # f32[chunk, block, kv, g, d]
-        q = q.transpose(0, 2, 1, 3, 4).reshape(chunk, kvh, rows, head_dim)
+        q = q_ext[:, q_idx].reshape(kvh, chunk, rows, head_dim) * scale  # f32[kv, chunk, rows, d]
         q_pos = pos_ext[q_idx]  # i32[chunk, block]; -1 for padding
-        q_pos_rows = jnp.repeat(q_pos, group, axis=1)[:, None, :, None]  # i32[chunk, 1, rows, 1]
+        q_pos_rows = jnp.repeat(q_pos, group, axis=1)[None, :, :, None]  # i32[1, chunk, rows, 1]
         last = jnp.max(q_pos, axis=1)  # keys at or before it hold real values
         table = page_table[row]  # i32[chunk, max_pages]
 
         def page_body(i, acc):
-            m, l, o = acc  # f32[chunk, kv, rows], f32[chunk, kv, rows], f32[chunk, kv, rows, d]
+            m, l, o = acc  # f32[kv, chunk, rows], f32[kv, chunk, rows], f32[kv, chunk, rows, d]
             cols = jnp.minimum(i * step + col_off, max_pages - 1)
             page = jnp.clip(table[:, cols], 0, num_pages - 1)  # i32[chunk, step]; entries past a row may hold anything
-            flat = page_base[None, :, None] + page[:, None, :]  # i32[chunk, kv, step]
-            keys = step * page_size
-            k = k_flat.at[flat].get(mode="promise_in_bounds").reshape(chunk, kvh, keys, head_dim).astype(jnp.float32)
-            v = v_flat.at[flat].get(mode="promise_in_bounds").reshape(chunk, kvh, keys, head_dim).astype(jnp.float32)
+            flat = page_base[:, None, None] + page[None]  # i32[kv, chunk, step]
+            k = k_flat.at[flat].get(mode="promise_in_bounds").reshape(kvh, chunk, keys, head_dim).astype(jnp.float32)
+            v = v_flat.at[flat].get(mode="promise_in_bounds").reshape(kvh, chunk, keys, head_dim).astype(jnp.float32)
             key_pos = i * keys + key_off  # i32[keys]
-            v = jnp.where((key_pos[None, :] <= last[:, None])[:, None, :, None], v, 0.0)  # unwritten slots may be NaN
+            v = jnp.where((key_pos[None, :] <= last[:, None])[None, :, :, None], v, 0.0)  # unwritten slots may be NaN
             if block == 1:  # tiny contractions run faster as fused multiply-reduce than as batched dots
                 s = jnp.sum(q[:, :, :, None, :] * k[:, :, None], axis=-1)
             else:
-                s = jnp.einsum("ckrd,cksd->ckrs", q, k)
-            valid = key_pos[None, None, None, :] <= q_pos_rows  # bool[chunk, 1, rows, keys]
+                s = jnp.einsum("kcrd,kcsd->kcrs", q, k)
+            valid = key_pos[None, None, None, :] <= q_pos_rows  # bool[1, chunk, rows, keys]
             s = jnp.where(valid, s, MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             corr = jnp.exp(m - m_new)
@@ -98,20 +98,19 @@ def _group_pass(groups: Tiles, q_ext, pos_ext, page_table, k_flat, v_flat, page_
             if block == 1:
                 pv = jnp.sum(p[..., None] * v[:, :, None], axis=-2)
             else:
-                pv = jnp.einsum("ckrs,cksd->ckrd", p, v)
+                pv = jnp.einsum("kcrs,kcsd->kcrd", p, v)
             return m_new, l, o * corr[..., None] + pv
 
         acc = (
-            jnp.full((chunk, kvh, rows), MASK_VALUE, jnp.float32),
-            jnp.zeros((chunk, kvh, rows), jnp.float32),
-            jnp.zeros((chunk, kvh, rows, head_dim), jnp.float32),
+            jnp.full((kvh, chunk, rows), MASK_VALUE, jnp.float32),
+            jnp.zeros((kvh, chunk, rows), jnp.float32),
+            jnp.zeros((kvh, chunk, rows, head_dim), jnp.float32),
         )
         _, l, o = lax.fori_loop(0, (groups.chunk_pages[c] + step - 1) // step, page_body, acc)
-        res = o / jnp.where(l > 0, l, 1.0)[..., None]
-        res = res.reshape(chunk, kvh, block, group, head_dim).transpose(0, 2, 1, 3, 4)
-        return lax.dynamic_update_slice_in_dim(out, res, lo, axis=0)
+        res = (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(kvh, chunk, block, group, head_dim)
+        return lax.dynamic_update_slice_in_dim(out, res, lo, axis=1)
 
-    out = jnp.zeros((cap, block, kvh, group, head_dim), jnp.float32)
+    out = jnp.zeros((kvh, cap, block, group, head_dim), jnp.float32)
     if cap == chunk:  # one chunk (a slot array no larger than it): no outer loop to compile
         return chunk_body(0, out)
     return lax.fori_loop(0, groups.num_chunks, chunk_body, out)
@@ -151,12 +150,15 @@ def ragged_attention_xla(
     v_flat = v_pages.reshape(-1, page_size * head_dim)
     first = 0 if layer is None else layer * num_kv_heads
     page_base = (first + jnp.arange(num_kv_heads, dtype=jnp.int32)) * num_pages
-    q_ext = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, num_heads, head_dim), jnp.float32)])
-    q_ext = q_ext.reshape(num_tokens + 1, num_kv_heads, group, head_dim)
+    q_ext = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_ext = jnp.concatenate([q_ext, jnp.zeros((num_kv_heads, 1, group, head_dim), jnp.float32)], axis=1)
     pos_ext = jnp.concatenate([md.token_pos.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
-    out = jnp.zeros((num_tokens + 1, num_kv_heads, group, head_dim), jnp.float32)
+    res, idx = [], []
     for tiles, step in ((md.work.single, pages_single), (md.work.block, pages_block)):
-        res = _group_pass(tiles, q_ext, pos_ext, md.page_table, k_flat, v_flat, page_base, num_pages, step, scale)
-        # Each real token sits in one group; padding slots all write zeros to row T.
-        out = out.at[tiles.q_idx.reshape(-1)].set(res.reshape(-1, num_kv_heads, group, head_dim))
-    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+        r = _group_pass(tiles, q_ext, pos_ext, md.page_table, k_flat, v_flat, page_base, num_pages, step, scale)
+        res.append(r.reshape(num_kv_heads, -1, group, head_dim))
+        idx.append(tiles.q_idx.reshape(-1))
+    # Each real token sits in one group; padding slots all write zeros to token T.
+    out = jnp.zeros((num_kv_heads, num_tokens + 1, group, head_dim), jnp.float32)
+    out = out.at[:, jnp.concatenate(idx)].set(jnp.concatenate(res, axis=1))
+    return out[:, :num_tokens].transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
