@@ -11,7 +11,8 @@ from cbjax.plan import Schedule
 from cbjax.request import Request, SamplingParams
 from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.shapes import default_token_buckets, plan_shapes
-from cbjax.runtime.tiles import build_tiles, tile_capacity
+from cbjax.runtime import tiles
+from cbjax.runtime.tiles import build_tiles, count_steps, tile_capacity
 
 
 def req(rid, prompt, outputs, computed, new, slot, temperature=0.0):
@@ -103,6 +104,33 @@ def test_tiles_by_hand():
     # chunks shrink to the capacity: 2 tokens hold at most 2 single groups, and the block bound
     # is min(2 // 2, 3) rows + 2 // 2 full blocks = 2
     assert tile_capacity(2, 3, 2, (4, 4)) == ((2, 2), (2, 2))
+
+
+def test_count_steps_by_hand():
+    assert (tiles.BLOCK_Q, tiles.CHUNK_SINGLE, tiles.CHUNK_BLOCK, tiles.PAGES_SINGLE, tiles.PAGES_BLOCK) == (64, 32, 8, 2, 4)
+    # page_size 4: a decode at position 4 reads 2 pages: one chunk, one step of 2 pages
+    assert count_steps([(1, 4)], 4) == (1, 1, 0, 0)
+    # a 100-token prefill: groups of 64 and 36 tokens ending at positions 63 and 99 read 16 and 25
+    # pages; one chunk, run for its longest group: ceil(25 / 4) = 7 steps
+    assert count_steps([(100, 0)], 4) == (0, 0, 1, 7)
+    # 33 decodes at position 20 (6 pages each): chunks of 32 and 1, 3 steps each
+    assert count_steps([(1, 20)] * 33, 4) == (2, 6, 0, 0)
+
+
+def test_count_steps_matches_the_packed_lists():
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        rows = [(int(rng.choice([1, 1, rng.integers(2, 150)])), int(rng.integers(0, 300))) for _ in range(rng.integers(1, 40))]
+        n = np.array([r[0] for r in rows], np.int32)
+        query_start = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+        kv_lens = np.array([ctx + k for k, ctx in rows], np.int32)
+        bucket = int(query_start[-1]) + 3
+        cap = tile_capacity(bucket, len(rows), tiles.BLOCK_Q, (tiles.CHUNK_SINGLE, tiles.CHUNK_BLOCK))
+        single, block = build_tiles(query_start, kv_lens, bucket, 4, tiles.BLOCK_Q, cap)
+        packed = []
+        for (_, _, chunk_pages, num), step in ((single, tiles.PAGES_SINGLE), (block, tiles.PAGES_BLOCK)):
+            packed += [int(num), int(sum(-(-int(p) // step) for p in chunk_pages[:num]))]
+        assert count_steps(rows, 4) == tuple(packed), rows
 
 
 def test_packing_imports_no_jax():

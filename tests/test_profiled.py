@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from cbjax.profile.measure import fit_profile, measure_buckets, measure_steps
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.shapes import plan_shapes
+from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 from cbjax.sim import make_cost_model
 from cbjax.sim.fit import nnls
 from cbjax.sim.profiled import count_tiles, profile_key
@@ -25,12 +25,13 @@ MODEL = ModelConfig()  # tiny
 
 
 def test_count_tiles_by_hand():
-    # page_size 4: a decode at position 4 reads pages 0, 1; a 20-token prefill is blocks of 16 and 4
-    # tokens, whose last positions 15 and 19 read 4 and 5 pages; a 2-token chunk after 6 cached
-    # tokens ends at position 7: 2 pages.
-    assert count_tiles([(1, 4, True)], 4) == (2, 0)
-    assert count_tiles([(20, 0, False)], 4) == (0, 9)
-    assert count_tiles([(2, 6, False), (1, 3, True)], 4) == (1, 2)
+    # page_size 4, pages read 2 per single step and 4 per block step (cbjax.runtime.tiles): a
+    # decode at position 4 reads 2 pages (1 step); a 20-token prefill is one group ending at
+    # position 19: 5 pages, 2 steps; a 2-token chunk after 6 cached tokens ends at position 7:
+    # 2 pages, 1 step, beside a decode at position 3 (1 page, 1 step).
+    assert count_tiles([(1, 4, True)], 4) == (1, 0)
+    assert count_tiles([(20, 0, False)], 4) == (0, 2)
+    assert count_tiles([(2, 6, False), (1, 3, True)], 4) == (1, 1)
 
 
 def test_count_tiles_matches_the_packers_tile_lists():
@@ -44,8 +45,16 @@ def test_count_tiles_matches_the_packers_tile_lists():
             rows.append((n, ctx))
         plan = build_schedule(GridPoint("mixed", rows), shapes, num_pages=64, vocab_size=512)
         batch = BatchPacker(shapes, tiles=True).pack(plan)
-        single, block = batch.tiles
-        assert count_tiles(plan.cost_rows(), 4) == (int(single[3]), int(block[3])), rows
+        assert count_tiles(plan.cost_rows(), 4) == packed_steps(batch), rows
+
+
+def packed_steps(batch) -> tuple[int, int]:
+    """(single, block) inner loop steps of a packed batch: each chunk in use runs as many as
+    its first group's pages need."""
+    out = []
+    for (_, _, chunk_pages, num), step in zip(batch.tiles, (PAGES_SINGLE, PAGES_BLOCK)):
+        out.append(sum(-(-int(p) // step) for p in chunk_pages[: int(num)]))
+    return tuple(out)
 
 
 def test_nnls_matches_a_hand_solved_problem():
@@ -58,7 +67,7 @@ def test_nnls_matches_a_hand_solved_problem():
 
 
 # Hand-set costs for the synthetic executor: a fixed cost per token bucket (not linear in its
-# size: bucket 24 oddly slow), per iteration, per row, per loop chunk of single and block tiles.
+# size: bucket 24 oddly slow), per iteration, per row, per inner loop step of single and block groups.
 BUCKET_S = {4: 2.1e-3, 8: 2.2e-3, 16: 2.5e-3, 24: 9e-3, 32: 3e-3, 64: 4e-3, 128: 6e-3, 256: 1e-2, 512: 2e-2}
 TRUE = {"iter_s": 4e-4, "seq_s": 5e-5, "single_chunk_s": 3e-4, "block_chunk_s": 2e-4,
         "single_chunk_token_s": 2e-6, "block_chunk_token_s": 1e-6}  # fmt: skip
@@ -74,12 +83,12 @@ class SyntheticExecutor:
 
     def execute(self, plan: Schedule) -> StepOutput:
         b = self.packer.pack(plan)
-        single, block = b.tiles
+        single, block = packed_steps(b)
         bucket = b.tokens.shape[0]
         t = (
             BUCKET_S[bucket] + TRUE["iter_s"] + TRUE["seq_s"] * b.num_rows_used
-            + (TRUE["single_chunk_s"] + TRUE["single_chunk_token_s"] * bucket) * math.ceil(int(single[3]) / 128)
-            + (TRUE["block_chunk_s"] + TRUE["block_chunk_token_s"] * bucket) * math.ceil(int(block[3]) / 32)
+            + (TRUE["single_chunk_s"] + TRUE["single_chunk_token_s"] * bucket) * single
+            + (TRUE["block_chunk_s"] + TRUE["block_chunk_token_s"] * bucket) * block
         )  # fmt: skip
         return StepOutput(token_ids=None, duration_s=t * (1 + self.rng.uniform(-0.005, 0.005)))
 
@@ -127,8 +136,9 @@ def test_profiled_cost_by_hand(tmp_path):
     p = Request("p", 0.0, 20)
     p.num_computed, p.num_new_tokens = 0, 20
     plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4, swap_in=[(d, [7, 8])])
-    # 21 tokens -> bucket 64; 2 rows; 2 single tiles (1 chunk), 9 block tiles (1 chunk, 64 bucket tokens); 2 pages swapped
-    assert cost(plan) == pytest.approx(0.25 + 7.0 + 0.5 + 0.002 + 10.0 + 100.0 + 64e-5 + 1000.0 + 20000.0)
+    # 21 tokens -> bucket 64; 2 rows; the decode at position 4 reads 2 pages (1 single step), the
+    # 20-token prefill 5 pages (2 block steps, 64 bucket tokens each); 2 pages swapped
+    assert cost(plan) == pytest.approx(0.25 + 7.0 + 0.5 + 0.002 + 10.0 + 2 * (100.0 + 64e-5) + 1000.0 + 20000.0)
     assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.25 + 1.0 + 0.5 + 0.001 + 10.0)
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12

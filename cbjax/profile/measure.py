@@ -165,7 +165,7 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "token_buckets": list(shapes.token_buckets),
         "formula": "bucket_s[bucket] + iter_s + seq_s*rows + (single_chunk_s + single_chunk_token_s*bucket)"
-        "*ceil(single_tiles/128) + (block_chunk_s + block_chunk_token_s*bucket)*ceil(block_tiles/32)"
+        "*single_steps + (block_chunk_s + block_chunk_token_s*bucket)*block_steps"
         " (+ swap_iter_s + swap_page_s*pages when the step swaps) + loop_s",
         "coefficients": coefficients,
         "residuals": residuals,

@@ -11,6 +11,8 @@ pages each and little work is masked.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 # Query tokens per group in the block list, and groups per loop chunk of each list.
@@ -59,6 +61,22 @@ def build_tiles(
     q_idx = np.where(offs < block_len[:, None], first_tok[:, None] + offs, num_tokens)
     multi = _pack(q_idx, block_row, last_pos // page_size + 1, capacity[1], num_tokens)
     return single, multi
+
+
+def count_steps(rows: Sequence[tuple[int, int]], page_size: int) -> tuple[int, int, int, int]:
+    """(single chunks, single page steps, block chunks, block page steps) the kernel runs for
+    rows of (num_new_tokens, num_context_tokens) as `build_tiles` lays them out, whatever the
+    bucket: a chunk smaller than CHUNK_* only ever holds every group of its list."""
+    single = sorted(((ctx // page_size + 1) for n, ctx in rows if n == 1), reverse=True)
+    block = sorted(
+        ((ctx + min(first + BLOCK_Q, n) - 1) // page_size + 1 for n, ctx in rows if n >= 2 for first in range(0, n, BLOCK_Q)),
+        reverse=True,
+    )
+    out = []
+    for pages, chunk, step in ((single, CHUNK_SINGLE, PAGES_SINGLE), (block, CHUNK_BLOCK, PAGES_BLOCK)):
+        heads = pages[::chunk]  # each chunk runs as many steps as its first (longest) group needs
+        out += [len(heads), sum(-(-p // step) for p in heads)]
+    return tuple(out)
 
 
 def _ranges(counts: np.ndarray) -> np.ndarray:

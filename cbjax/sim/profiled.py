@@ -2,17 +2,17 @@
 
 An iteration is charged for what `cbjax.runtime.executor.JaxExecutor` would run: its token
 bucket (the padded flat buffer: one compiled program each, whose fixed cost `bucket_s` the
-profile times on an all-padding batch), its rows, and the XLA ragged attention's loop chunks,
-each counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, plus its swap copies:
+profile times on an all-padding batch), its rows, and the XLA ragged attention's inner loop
+steps over pages (`*_chunk_s`: each step runs a whole chunk of query groups), counted exactly
+as `cbjax.runtime.tiles.build_tiles` lays them out (`count_steps`), plus its swap copies:
 
     time = bucket_s[bucket] + iter_s + seq_s * rows
-           + (single_chunk_s + single_chunk_token_s * bucket) * ceil(single_tiles / CHUNK_SINGLE)
-           + (block_chunk_s + block_chunk_token_s * bucket) * ceil(block_tiles / CHUNK_BLOCK)
+           + (single_chunk_s + single_chunk_token_s * bucket) * single_steps
+           + (block_chunk_s + block_chunk_token_s * bucket) * block_steps
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
            + loop_s  (the serving loop's own time around the step: scheduling, postprocess, stats)
 
-A loop chunk also rescales the attention's per-token accumulators, the whole bucket of them:
-hence its cost per bucket token. A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
+A step's work does not grow with the bucket, so the `*_token_s` terms should fit near 0. A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
 
 Pure numpy: no jax import.
 """
@@ -20,7 +20,6 @@ Pure numpy: no jax import.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -29,7 +28,7 @@ import numpy as np
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.plan import Schedule
 from cbjax.runtime.shapes import ShapePlan, plan_shapes
-from cbjax.runtime.tiles import BLOCK_Q, CHUNK_BLOCK, CHUNK_SINGLE
+from cbjax.runtime.tiles import count_steps
 
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
 STEP_TERMS = ("iter_s", "seq_s", "single_chunk_s", "block_chunk_s", "single_chunk_token_s", "block_chunk_token_s")
@@ -42,17 +41,9 @@ ARCH_FIELDS = (
 
 
 def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int) -> tuple[int, int]:
-    """(single, block) tiles `build_tiles` lists for rows of (num_new_tokens, num_context_tokens, _):
-    a one-token row reads one tile per page up to its position; a longer row is cut into blocks of
-    BLOCK_Q tokens, each reading one tile per page up to the block's last position."""
-    single = block = 0
-    for n, ctx, _ in rows:
-        if n == 1:
-            single += ctx // page_size + 1  # its position is ctx: pages 0 .. ctx // page_size
-        elif n >= 2:
-            for first in range(0, n, BLOCK_Q):
-                last_pos = ctx + min(first + BLOCK_Q, n) - 1
-                block += last_pos // page_size + 1
+    """(single, block) inner loop steps the XLA ragged attention runs for rows of
+    (num_new_tokens, num_context_tokens, _), as `cbjax.runtime.tiles.count_steps` counts them."""
+    _, single, _, block = count_steps([(n, ctx) for n, ctx, _ in rows], page_size)
     return single, block
 
 
@@ -62,10 +53,8 @@ def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> t
     # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
     bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
     single, block = count_tiles(rows, shapes.page_size)
-    single_chunks, block_chunks = math.ceil(single / CHUNK_SINGLE), math.ceil(block / CHUNK_BLOCK)
     return bucket, [
-        1.0, float(len(rows)), float(single_chunks), float(block_chunks),
-        float(single_chunks * bucket), float(block_chunks * bucket),
+        1.0, float(len(rows)), float(single), float(block), float(single * bucket), float(block * bucket),
     ]  # fmt: skip
 
 
