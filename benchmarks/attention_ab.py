@@ -80,7 +80,8 @@ def metadata(h: dict, work) -> AttentionMetadata:
 
 
 def old_md(old_k, old_t, bucket: int, h: dict) -> AttentionMetadata:
-    cap = old_t.tile_capacity(bucket, SHAPE["rows"], h["max_pages"], old_t.BLOCK_Q, (old_t.CHUNK_SINGLE, old_t.CHUNK_BLOCK))
+    chunks = (old_t.CHUNK_SINGLE, old_t.CHUNK_BLOCK)
+    cap = old_t.tile_capacity(bucket, SHAPE["rows"], h["max_pages"], old_t.BLOCK_Q, chunks)
     single, block = old_t.build_tiles(
         h["query_start"], h["kv_lens"], h["page_table"], bucket, SHAPE["page_size"], old_t.BLOCK_Q, cap
     )
@@ -92,7 +93,8 @@ def new_md(bucket: int, h: dict) -> AttentionMetadata:
     t = new_tiles
     cap = t.tile_capacity(bucket, SHAPE["rows"], t.BLOCK_Q, (t.CHUNK_SINGLE, t.CHUNK_BLOCK))
     single, block = t.build_tiles(h["query_start"], h["kv_lens"], bucket, SHAPE["page_size"], t.BLOCK_Q, cap)
-    work = new_kernel.RaggedWork(new_kernel.Tiles(*map(jnp.asarray, single)), new_kernel.Tiles(*map(jnp.asarray, block)))
+    tiles = (new_kernel.Tiles(*map(jnp.asarray, t)) for t in (single, block))
+    work = new_kernel.RaggedWork(*tiles)
     return metadata(h, work)
 
 

@@ -107,7 +107,8 @@ def test_tiles_by_hand():
 
 
 def test_count_steps_by_hand():
-    assert (tiles.BLOCK_Q, tiles.CHUNK_SINGLE, tiles.CHUNK_BLOCK, tiles.PAGES_SINGLE, tiles.PAGES_BLOCK) == (64, 32, 8, 2, 4)
+    knobs = (tiles.BLOCK_Q, tiles.CHUNK_SINGLE, tiles.CHUNK_BLOCK, tiles.PAGES_SINGLE, tiles.PAGES_BLOCK)
+    assert knobs == (64, 32, 8, 2, 4)  # the hand counts below assume these
     # page_size 4: a decode at position 4 reads 2 pages: one chunk, one step of 2 pages
     assert count_steps([(1, 4)], 4) == (1, 1, 0, 0)
     # a 100-token prefill: groups of 64 and 36 tokens ending at positions 63 and 99 read 16 and 25
@@ -120,7 +121,8 @@ def test_count_steps_by_hand():
 def test_count_steps_matches_the_packed_lists():
     rng = np.random.default_rng(5)
     for _ in range(30):
-        rows = [(int(rng.choice([1, 1, rng.integers(2, 150)])), int(rng.integers(0, 300))) for _ in range(rng.integers(1, 40))]
+        num_rows = int(rng.integers(1, 40))
+        rows = [(int(rng.choice([1, 1, rng.integers(2, 150)])), int(rng.integers(0, 300))) for _ in range(num_rows)]
         n = np.array([r[0] for r in rows], np.int32)
         query_start = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
         kv_lens = np.array([ctx + k for k, ctx in rows], np.int32)

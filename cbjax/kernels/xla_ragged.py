@@ -29,7 +29,9 @@ from cbjax.kernels.metadata import AttentionMetadata, check_shapes, layer_view
 MASK_VALUE = -1e30
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["q_idx", "row", "chunk_pages", "num_chunks"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["q_idx", "row", "chunk_pages", "num_chunks"], meta_fields=[]
+)
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """One group list, padded to a static capacity (whole chunks; the chunk size is

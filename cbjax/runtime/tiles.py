@@ -69,9 +69,10 @@ def count_steps(rows: Sequence[tuple[int, int]], page_size: int) -> tuple[int, i
     bucket: a chunk smaller than CHUNK_* only ever holds every group of its list."""
     single = sorted(((ctx // page_size + 1) for n, ctx in rows if n == 1), reverse=True)
     block = sorted(
-        ((ctx + min(first + BLOCK_Q, n) - 1) // page_size + 1 for n, ctx in rows if n >= 2 for first in range(0, n, BLOCK_Q)),
+        ((ctx + min(first + BLOCK_Q, n) - 1) // page_size + 1  # pages up to the group's last position
+         for n, ctx in rows if n >= 2 for first in range(0, n, BLOCK_Q)),
         reverse=True,
-    )
+    )  # fmt: skip
     out = []
     for pages, chunk, step in ((single, CHUNK_SINGLE, PAGES_SINGLE), (block, CHUNK_BLOCK, PAGES_BLOCK)):
         heads = pages[::chunk]  # each chunk runs as many steps as its first (longest) group needs
