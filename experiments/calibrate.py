@@ -31,7 +31,8 @@ from cbjax.config import (  # noqa: E402
 )  # fmt: skip
 from cbjax.run import run_single  # noqa: E402
 
-AZURE_CODE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
+# the first 500 requests of the Azure code trace, shipped with cbjax (cbjax/data/README.md)
+AZURE_CODE = REPO / "cbjax" / "data" / "AzureLLMInferenceTrace_code_sample.csv"
 METRICS = [("throughput_tok_s", "throughput"), ("ttft_s_p50", "TTFT p50"), ("ttft_s_p90", "TTFT p90"),
            ("tpot_s_p50", "TPOT p50"), ("e2e_s_p50", "E2E p50"), ("e2e_s_p90", "E2E p90")]  # fmt: skip
 TARGETS = {"throughput_tok_s": 3.0, "e2e_s_p50": 5.0, "ttft_s_p50": 10.0}  # median |error| %, issue 10
@@ -48,7 +49,7 @@ def base_config(profile: dict, requests: int) -> RunConfig:
         model=model,
         scheduler=SchedulerConfig(max_num_seqs=made["scheduler.max_num_seqs"],
                                   max_num_batched_tokens=profile["max_num_batched_tokens"]),  # fmt: skip
-        cache=CacheConfig(page_size=made["cache.page_size"], num_pages=made["cache.num_pages"]),
+        cache=CacheConfig(page_size=made["cache.page_size"], num_pages=profile.get("num_pages", CacheConfig.num_pages)),
         executor=ExecutorConfig(name="jax", token_buckets=profile["token_buckets"]),
         workload=WorkloadConfig(num_requests=requests, vocab_size=model.vocab_size, **lengths),
         progress=False,

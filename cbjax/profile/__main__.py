@@ -31,7 +31,12 @@ def _app(cfg: DictConfig) -> None:
     c, r = profile["coefficients"], profile["residuals"]
     print("bucket_s: " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["bucket_s"].items()))
     print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in c.items() if k != "bucket_s"))
-    print(f"fit: median relative error {r['median_rel_error']:.1%}, max {r['max_rel_error']:.1%} over {r['num_points']} steps")
+    print(f"fit: median relative error {r['median_rel_error']:.1%}, max {r['max_rel_error']:.1%} over {r['num_points']} grid steps")
+    if "served" in r:
+        sv = r["served"]
+        print(f"served: median relative error {sv['median_rel_error']:.1%} over {sv['num_points']} iterations; "
+              f"their total time (steps + loop) predicted {sv['total_error']:+.1%}")  # fmt: skip
+    print(f"machine load average at the end: {profile['machine']['load_average'][0]:.2f} (profile on a quiet machine)")
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
     print(f"use it: cbjax executor=sim executor.cost_model=profiled executor.profile={out_dir / 'profile.json'}")
