@@ -3,6 +3,9 @@
     python -m cbjax.profile hydra.run.dir=outputs/profile        # once per machine and model
     python experiments/calibrate.py --profile outputs/profile/profile.json [--repeats 3] [--requests 128]
 
+About 10 minutes for the tiny model at the defaults on a 2-core machine; it prints each cell
+as it finishes with the time left.
+
 The runs take the profile's shapes (model.max_model_len, page size, slot count, step budget,
 token buckets). Workloads, kept apart from the profile's grid: Poisson arrivals at a low and a
 high rate (30% and 90% of the simulator's saturated request rate), all requests at t=0, and a
@@ -19,7 +22,9 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -56,19 +61,22 @@ def base_config(profile: dict, requests: int) -> RunConfig:
     )
 
 
-def azure_slice(trace: Path, out: Path, requests: int, rate: float, max_model_len: int) -> Path:
+def azure_slice(trace: Path, out: Path, requests: int, rate: Optional[float], max_model_len: int) -> Path:
     """The first `requests` rows of the Azure code trace as a plain CSV: prompts divided by 16 (the
-    trace's are ~2k tokens, the tiny model's context is ~1k), outputs clipped, arrivals rescaled to `rate`."""
+    trace's are ~2k tokens, the tiny model's context is ~1k), outputs clipped, arrivals rescaled to
+    `rate` (None: all at t=0)."""
     if not trace.is_file():
         sys.exit(f"calibrate: error: no Azure code trace at {trace} (--trace PATH)")
     with open(trace) as f:
         rows = list(csv.DictReader(f))[:requests]
+    if len(rows) < requests:
+        sys.exit(f"calibrate: error: --requests {requests}: the trace {trace} has only {len(rows)} requests")
     from cbjax.workload.trace import parse_timestamp
 
     stamps = [parse_timestamp(r["TIMESTAMP"]) for r in rows]
     t = np.array([(s[0] - stamps[0][0]) + (s[1] - stamps[0][1]) for s in stamps])
-    t = t * (len(t) / rate) / max(t[-1], 1e-9)
-    path = out / "azure_code_slice.csv"
+    t = t * (len(t) / rate) / max(t[-1], 1e-9) if rate else np.zeros(len(t))
+    path = out / ("azure_code_slice.csv" if rate else "azure_code_slice_t0.csv")
     with open(path, "w") as f:
         f.write("arrival_s,prompt_len,output_len\n")
         for ti, r in zip(t, rows):
@@ -105,27 +113,32 @@ def run_all(args) -> list[dict]:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = base_config(profile, args.requests)
+    chosen = {w: wl for w, wl in workloads(base, out, args.profile, Path(args.trace)).items()
+              if not args.workloads or w in args.workloads}  # fmt: skip
+    cells = [(w, p, c) for w in chosen for p in args.policies for c in (False, True)]
     rows = []
-    for wname, wl in workloads(base, out, args.profile, Path(args.trace)).items():
-        if args.workloads and wname not in args.workloads:
-            continue
-        for policy in args.policies:
-            for chunked in (False, True):
-                sched = dataclasses.replace(base.scheduler, name=policy, chunked_prefill=chunked)
-                cfg = dataclasses.replace(base, scheduler=sched, workload=wl)
-                sim = run_single(sim_config(cfg, args.profile), None, verbose=False)
-                engine = [run_single(cfg, None, verbose=False) for _ in range(args.repeats)]
-                row = {"workload": wname, "policy": policy, "chunked": chunked}
-                for key, _ in METRICS:
-                    values = [e[key] for e in engine if e[key] is not None]
-                    med = statistics.median(values) if values else None
-                    row[key] = {"sim": sim[key], "engine": med,
-                                "spread_pct": 100.0 * (max(values) - min(values)) / med if med else None,
-                                "error_pct": error_pct(sim[key], med) if med and sim[key] is not None else None}  # fmt: skip
-                rows.append(row)
-                print(f"{wname} {policy} chunked={chunked}: throughput error {row['throughput_tok_s']['error_pct']:+.1f}%",
-                      flush=True)  # fmt: skip
+    start = time.perf_counter()
+    for i, (wname, policy, chunked) in enumerate(cells):
+        sched = dataclasses.replace(base.scheduler, name=policy, chunked_prefill=chunked)
+        cfg = dataclasses.replace(base, scheduler=sched, workload=chosen[wname])
+        sim = run_single(sim_config(cfg, args.profile), None, verbose=False)
+        engine = [run_single(cfg, None, verbose=False) for _ in range(args.repeats)]
+        row = {"workload": wname, "policy": policy, "chunked": chunked}
+        for key, _ in METRICS:
+            values = [e[key] for e in engine if e[key] is not None]
+            med = statistics.median(values) if values else None
+            row[key] = {"sim": sim[key], "engine": med,
+                        "spread_pct": 100.0 * (max(values) - min(values)) / med if med else None,
+                        "error_pct": error_pct(sim[key], med) if med and sim[key] is not None else None}  # fmt: skip
+        rows.append(row)
+        elapsed = time.perf_counter() - start
+        left = elapsed / (i + 1) * (len(cells) - i - 1)
+        tp, e2e = row["throughput_tok_s"], row["e2e_s_p50"]
+        print(f"[{i + 1}/{len(cells)}] {wname} {policy} chunked {'on' if chunked else 'off'}: throughput "
+              f"{tp['error_pct']:+.1f}% (engine spread {tp['spread_pct']:.1f}%), E2E p50 {e2e['error_pct']:+.1f}% "
+              f"| {elapsed / 60:.1f} min in, ~{left / 60:.1f} min left", flush=True)  # fmt: skip
     (out / "calibration.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"calibration took {(time.perf_counter() - start) / 60:.1f} min", flush=True)
     return rows
 
 
@@ -200,7 +213,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="profile.json from `python -m cbjax.profile`")
     ap.add_argument("--repeats", type=int, default=3, help="engine runs per cell (median)")
-    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=128, help="requests per run (the Azure slice: at most 500)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--workloads", nargs="*", help="a subset of poisson_low poisson_high all_at_t0 azure_code")
     ap.add_argument("--trace", default=str(AZURE_CODE), help="the Azure LLM inference code trace CSV")

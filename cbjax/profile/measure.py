@@ -80,12 +80,14 @@ def measure_swaps(executor, repeats: int) -> list[dict[str, Any]]:
 
 def measure_buckets(run_empty: Callable[[int], float], buckets: Sequence[int], repeats: int) -> dict[int, float]:
     """Each bucket's fixed cost: the median seconds of `run_empty(bucket)`, its program run on an
-    all-padding batch (no rows, no tiles), after one untimed call."""
-    out = {}
-    for b in buckets:
-        run_empty(b)
-        out[b] = statistics.median(run_empty(b) for _ in range(repeats))
-    return out
+    all-padding batch (no rows, no tiles); one untimed round, then `repeats` rounds over all buckets."""
+    times: dict[int, list[float]] = {b: [] for b in buckets}
+    for r in range(repeats + 1):
+        for b in buckets:
+            t = run_empty(b)
+            if r:
+                times[b].append(t)
+    return {b: statistics.median(ts) for b, ts in times.items()}
 
 
 def engine_empty_step(executor) -> Callable[[int], float]:
