@@ -1,7 +1,7 @@
 """Calibration: the same workloads on the JAX engine and in the profiled simulator; writes docs/CALIBRATION.md.
 
     python -m cbjax.profile hydra.run.dir=outputs/profile        # once per machine and model
-    python experiments/calibrate.py --profile outputs/profile/profile.json [--repeats 3] [--requests 128]
+    python experiments/calibrate.py --profile outputs/profile/profile.json [--repeats 3] [--requests 256]
 
 About 10 minutes for the tiny model at the defaults on a 2-core machine; it prints each cell
 as it finishes with the time left.
@@ -213,7 +213,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="profile.json from `python -m cbjax.profile`")
     ap.add_argument("--repeats", type=int, default=3, help="engine runs per cell (median)")
-    ap.add_argument("--requests", type=int, default=128, help="requests per run (the Azure slice: at most 500)")
+    ap.add_argument("--requests", type=int, default=256, help="requests per run (the Azure slice: at most 500)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--workloads", nargs="*", help="a subset of poisson_low poisson_high all_at_t0 azure_code")
     ap.add_argument("--trace", default=str(AZURE_CODE), help="the Azure LLM inference code trace CSV")
