@@ -39,7 +39,8 @@ def bench_workloads(args, base, out: Path) -> dict[str, WorkloadConfig]:
     azure = calibrate.azure_slice(Path(args.trace), out, args.requests, None, base.model.max_model_len)
     return {
         "exponential": WorkloadConfig(
-            num_requests=args.requests, vocab_size=vocab,
+            num_requests=args.requests,
+            vocab_size=vocab,
             prompt_len=LengthConfig(dist="uniform", low=16, high=args.max_prompt),
             output_len=LengthConfig(dist="exponential", mean=args.mean_output, max=args.max_output),
         ),  # fmt: skip

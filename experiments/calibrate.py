@@ -52,8 +52,9 @@ def base_config(profile: dict, requests: int) -> RunConfig:
                    output_len=LengthConfig(dist="exponential", mean=64.0, max=min(256, model.max_model_len // 4)))  # fmt: skip
     return RunConfig(
         model=model,
-        scheduler=SchedulerConfig(max_num_seqs=made["scheduler.max_num_seqs"],
-                                  max_num_batched_tokens=profile["max_num_batched_tokens"]),  # fmt: skip
+        scheduler=SchedulerConfig(
+            max_num_seqs=made["scheduler.max_num_seqs"], max_num_batched_tokens=profile["max_num_batched_tokens"]
+        ),  # fmt: skip
         cache=CacheConfig(page_size=made["cache.page_size"], num_pages=profile.get("num_pages", CacheConfig.num_pages)),
         executor=ExecutorConfig(name="jax", token_buckets=profile["token_buckets"]),
         workload=WorkloadConfig(num_requests=requests, vocab_size=model.vocab_size, **lengths),
@@ -94,8 +95,12 @@ def workloads(base: RunConfig, out: Path, sim_profile: str, trace: Path) -> dict
         "poisson_low": dataclasses.replace(wl, arrival="poisson", rate=0.3 * saturated),
         "poisson_high": dataclasses.replace(wl, arrival="poisson", rate=0.9 * saturated),
         "all_at_t0": wl,
-        "azure_code": WorkloadConfig(name="trace", format="csv", vocab_size=wl.vocab_size,
-                                     path=str(azure_slice(trace, out, wl.num_requests, 0.7 * saturated, base.model.max_model_len))),  # fmt: skip
+        "azure_code": WorkloadConfig(
+            name="trace",
+            format="csv",
+            vocab_size=wl.vocab_size,
+            path=str(azure_slice(trace, out, wl.num_requests, 0.7 * saturated, base.model.max_model_len)),
+        ),  # fmt: skip
     }
 
 

@@ -31,7 +31,9 @@ IDLE_GAP_S = 0.002
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="profile.json from `python -m cbjax.profile`")
-    ap.add_argument("--workload", default="all_at_t0", choices=("poisson_low", "poisson_high", "all_at_t0", "azure_code"))
+    ap.add_argument(
+        "--workload", default="all_at_t0", choices=("poisson_low", "poisson_high", "all_at_t0", "azure_code")
+    )
     ap.add_argument("--policy", default="fcfs", choices=calibrate.POLICIES)
     ap.add_argument("--chunked", action="store_true", help="scheduler.chunked_prefill=true")
     ap.add_argument("--requests", type=int, default=128)
@@ -65,7 +67,11 @@ def main() -> None:
     rows = [(kind, bucket, n, f"{1e3 * m / n:.2f}", f"{1e3 * p / n:.2f}", f"{calibrate.error_pct(p, m):+.1f}", f"{m:.3f}")
             for (kind, bucket), (n, m, p) in sorted(groups.items())]  # fmt: skip
     print(f"{args.workload}, {args.policy}, chunked prefill {'on' if args.chunked else 'off'}: {len(steps)} iterations")
-    print(markdown_table(["kind", "bucket", "iterations", "measured ms", "predicted ms", "error %", "measured s in all"], rows))
+    print(
+        markdown_table(
+            ["kind", "bucket", "iterations", "measured ms", "predicted ms", "error %", "measured s in all"], rows
+        )
+    )
     busy = [(n, g) for n, g in gaps if g <= IDLE_GAP_S]
     m_loop = sum(g for _, g in busy)
     p_loop = sum(coef["loop_s"] + coef["loop_seq_s"] * n for n, _ in busy)

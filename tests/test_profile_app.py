@@ -37,7 +37,12 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert (tmp_path / "profile.png").stat().st_size > 0
     made = profile["made_for"]
-    assert (made["model.max_model_len"], made["cache.page_size"], made["scheduler.max_num_seqs"], profile["num_pages"]) == (128, 4, 4, 512)
+    assert (
+        made["model.max_model_len"],
+        made["cache.page_size"],
+        made["scheduler.max_num_seqs"],
+        profile["num_pages"],
+    ) == (128, 4, 4, 512)
     coef = profile["coefficients"]
     terms = STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS
     assert set(coef) == {"bucket_s", *terms} and set(coef["bucket_s"]) == {"4", "16", "64"}

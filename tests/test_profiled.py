@@ -124,7 +124,9 @@ def test_fit_recovers_the_serving_loops_hand_set_scale_and_loop_costs():
 def write_profile(path, coefficients=None, model=MODEL, page_size=16, num_slots=32, num_pages=4096):
     coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "serve_scale": 1.1, "swap_iter_s": 1e-3,
                             "swap_page_s": 1e-4, "loop_s": 2e-4, "loop_seq_s": 1e-5, "wake_s": 1e-3, "wake_ramp_s": 5e-3}  # fmt: skip
-    path.write_text(json.dumps({"made_for": profile_key(model, page_size, num_slots), "num_pages": num_pages, "coefficients": coef}))
+    path.write_text(
+        json.dumps({"made_for": profile_key(model, page_size, num_slots), "num_pages": num_pages, "coefficients": coef})
+    )
     return str(path)
 
 
@@ -151,10 +153,14 @@ def test_profiled_cost_by_hand(tmp_path):
     # 21 tokens -> bucket 64; 2 rows; 2 single tiles (1 chunk), 9 block tiles (1 chunk, 64 bucket tokens); 2 pages
     # swapped; the step doubled (serve_scale), the loop 0.25 + 0.125 per request
     assert cost(plan) == pytest.approx(0.5 + 2 * (7.0 + 0.5 + 0.002 + 10.0 + 100.0 + 64e-5) + 1000.0 + 20000.0)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.375 + 2 * (1.0 + 0.5 + 0.001 + 10.0))
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(
+        0.375 + 2 * (1.0 + 0.5 + 0.001 + 10.0)
+    )
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12
-    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(0.375 + 2 * (2.2 + 0.5 + 0.001 + 100.0 + 16e-5))
+    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(
+        0.375 + 2 * (2.2 + 0.5 + 0.001 + 100.0 + 16e-5)
+    )
 
 
 def test_the_first_step_after_an_idle_loop_pays_the_wake_cost_by_hand(tmp_path):

@@ -31,7 +31,9 @@ def _app(cfg: DictConfig) -> None:
     c, r = profile["coefficients"], profile["residuals"]
     print("bucket_s: " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["bucket_s"].items()))
     print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in c.items() if k != "bucket_s"))
-    print(f"fit: median relative error {r['median_rel_error']:.1%}, max {r['max_rel_error']:.1%} over {r['num_points']} grid steps")
+    print(
+        f"fit: median relative error {r['median_rel_error']:.1%}, max {r['max_rel_error']:.1%} over {r['num_points']} grid steps"
+    )
     if "served" in r:
         sv = r["served"]
         print(f"served: median relative error {sv['median_rel_error']:.1%} over {sv['num_points']} iterations; "

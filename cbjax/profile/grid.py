@@ -50,8 +50,12 @@ def profile_grid(shapes: ShapePlan, max_model_len: int, grid: str = "full") -> l
         decodes = max(1, r // 2) if small else r - 1
         points.append(GridPoint("mixed", [(1, length // 2)] * decodes + [(min(quarter, most - decodes), 0)]))
         if not small:
-            points.append(GridPoint("mixed", [(1, length // 4)] * (r // 2) + [(min(quarter, most - r // 2), length // 2)]))
-    if not small:  # where served steps live: a prompt alone, and a prompt joining a few decodes, in each bucket past the slots
+            points.append(
+                GridPoint("mixed", [(1, length // 4)] * (r // 2) + [(min(quarter, most - r // 2), length // 2)])
+            )
+    if (
+        not small
+    ):  # where served steps live: a prompt alone, and a prompt joining a few decodes, in each bucket past the slots
         for b in shapes.token_buckets:
             if r < b <= length:
                 n = max(2, 3 * b // 4)

@@ -55,8 +55,12 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     say("timing swap copies ...", flush=True)
     swaps = measure_swaps(executor, cfg.repeats)
     say("timing steps after an idle loop ...", flush=True)
-    small = sorted((p for p in points if sum(n for n, _ in p.rows) <= 4 * shapes.num_rows), key=lambda p: sum(n for n, _ in p.rows))
-    wake_plans = [build_schedule(p, shapes, cfg.cache.num_pages, cfg.model.vocab_size) for p in small[:: max(1, len(small) // 3)]]
+    small = sorted(
+        (p for p in points if sum(n for n, _ in p.rows) <= 4 * shapes.num_rows), key=lambda p: sum(n for n, _ in p.rows)
+    )
+    wake_plans = [
+        build_schedule(p, shapes, cfg.cache.num_pages, cfg.model.vocab_size) for p in small[:: max(1, len(small) // 3)]
+    ]
     wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
     say("serving the profile's workloads ...", flush=True)
     serving = measure_serving(executor, cfg, shapes)

@@ -63,7 +63,12 @@ def serving_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
     runs = []
     for i, chunked in enumerate((True, False)):
         sched = dataclasses.replace(cfg.scheduler, name="fcfs", chunked_prefill=chunked, static_padding=False)
-        runs.append((f"fcfs_chunked_{'on' if chunked else 'off'}", dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=cfg.seed + 101 + i)))
+        runs.append(
+            (
+                f"fcfs_chunked_{'on' if chunked else 'off'}",
+                dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=cfg.seed + 101 + i),
+            )
+        )
     return runs
 
 
@@ -139,7 +144,9 @@ def measure_serving(executor, cfg: RunConfig, shapes: ShapePlan) -> dict[str, An
     return {"steps": steps, "gaps": gaps, "runs": runs}
 
 
-def measure_wake(execute, plans: list[Schedule], repeats: int, idles: tuple[float, float] = (0.001, 0.02)) -> dict[str, Any]:
+def measure_wake(
+    execute, plans: list[Schedule], repeats: int, idles: tuple[float, float] = (0.001, 0.02)
+) -> dict[str, Any]:
     """What the first step after the loop idled costs over the same step run hot (XLA's CPU
     threads and caches go cold, and the loop's sleep overshoots): per idle length, the median
     over `plans` x `repeats` of (sleep + step wall) - idle - the step hot. `wake_s` is the

@@ -47,7 +47,9 @@ def fit_costs(
     off = np.zeros(len(y)) if offsets is None else np.asarray(offsets, float)  # f64[num_points]
     w = np.ones(len(y)) if weights is None else np.sqrt(np.asarray(weights, float))  # f64[num_points]
     if x.ndim != 2 or len(x) != len(y) or len(y) == 0 or len(w) != len(y):
-        raise ValueError(f"fit_costs: features {x.shape}, times {y.shape} and weights {w.shape} must be [n, terms], [n], [n], n >= 1")
+        raise ValueError(
+            f"fit_costs: features {x.shape}, times {y.shape} and weights {w.shape} must be [n, terms], [n], [n], n >= 1"
+        )
     if np.any(y <= 0) or np.any(w < 0):
         raise ValueError("fit_costs: times must be > 0 and weights >= 0")
     a = x * (w / y)[:, None]
