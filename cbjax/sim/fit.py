@@ -34,31 +34,20 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
 
 
 def fit_costs(
-    features: Sequence[Sequence[float]],
-    times: Sequence[float],
-    offsets: Optional[Sequence[float]] = None,
-    weights: Optional[Sequence[float]] = None,
+    features: Sequence[Sequence[float]], times: Sequence[float], offsets: Optional[Sequence[float]] = None
 ) -> np.ndarray:
     """Non-negative coefficients c minimising the relative error of offsets + features @ c against
     `times` (each row weighted by 1 / its time, so a 1 ms step counts as much as a 100 ms one);
-    `offsets` are costs known beforehand (default 0), `weights` each point's weight (default 1)."""
+    `offsets` are costs known beforehand (default 0)."""
     x = np.asarray(features, float)  # f64[num_points, num_terms]
     y = np.asarray(times, float)  # f64[num_points]
     off = np.zeros(len(y)) if offsets is None else np.asarray(offsets, float)  # f64[num_points]
-    w = np.ones(len(y)) if weights is None else np.sqrt(np.asarray(weights, float))  # f64[num_points]
-    if x.ndim != 2 or len(x) != len(y) or len(y) == 0 or len(w) != len(y):
-        raise ValueError(
-            f"fit_costs: features {x.shape}, times {y.shape} and weights {w.shape} must be [n, terms], [n], [n], n >= 1"
-        )
-    if np.any(y <= 0) or np.any(w < 0):
-        raise ValueError("fit_costs: times must be > 0 and weights >= 0")
-    a = x * (w / y)[:, None]
+    if x.ndim != 2 or len(x) != len(y) or len(y) == 0:
+        raise ValueError(f"fit_costs: features {x.shape} and times {y.shape} must be [n, terms] and [n], n >= 1")
+    if np.any(y <= 0):
+        raise ValueError("fit_costs: times must be > 0")
+    a = x / y[:, None]
     scale = np.max(np.abs(a), axis=0)
     scale[scale == 0] = 1.0  # a term no point exercises fits to 0
-    return nnls(a / scale, w * (1.0 - off / y)) / scale
+    return nnls(a / scale, 1.0 - off / y) / scale
 
-
-def relative_errors(predicted: Sequence[float], times: Sequence[float]) -> np.ndarray:
-    """|predicted - measured| / measured per point."""
-    y = np.asarray(times, float)
-    return np.abs(np.asarray(predicted, float) - y) / y
