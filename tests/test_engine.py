@@ -307,8 +307,9 @@ def test_one_forward_per_iteration_mixes_decodes_fresh_prefills_chunks_and_prefi
 
 
 def test_a_second_run_loads_its_programs_from_the_compilation_cache(tmp_path, env_cpu):
-    """Two fresh processes, one cache directory: the first compiles, the second compiles nothing."""
-    summaries = []
+    """Two fresh processes, one cache directory: the first compiles, the second compiles nothing,
+    loads every step program untraced from cbjax's program cache, and generates the same tokens."""
+    summaries, tokens = [], []
     for run in ("cold", "warm"):
         out = tmp_path / run
         cmd = cbjax_cmd() + [
@@ -320,11 +321,15 @@ def test_a_second_run_loads_its_programs_from_the_compilation_cache(tmp_path, en
         proc = subprocess.run(cmd, env=env_cpu, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         summaries.append(json.loads((out / "summary.json").read_text()))
+        rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+        tokens.append({r["request_id"]: r["output_token_ids"] for r in rows})
     cold, warm = summaries
     assert cold["warmup_compiles"] >= cold["compiled_programs"] > 0
     assert warm["warmup_compiles"] == 0 and warm["warmup_cache_hits"] >= warm["compiled_programs"]
     assert warm["compiles_after_warmup"] == 0
     assert warm["compiled_programs"] == cold["compiled_programs"] and warm["num_finished"] == 3
+    assert cold["warmup_programs_loaded"] == 0 and warm["warmup_programs_loaded"] == len(warm["token_buckets"])
+    assert tokens[0] == tokens[1] and all(len(t) > 0 for t in tokens[0].values())
 
 
 def test_non_finite_logits_end_that_request_with_an_error_and_the_run_goes_on():
@@ -353,3 +358,23 @@ def test_non_finite_logits_end_that_request_with_an_error_and_the_run_goes_on():
         else:
             assert got.finish_reason is FinishReason.LENGTH, req.request_id
             assert got.output_token_ids == healthy[req.request_id].output_token_ids, req.request_id
+
+
+def test_program_cache_keys_change_with_what_decides_the_program_and_bad_files_are_misses(tmp_path):
+    """The key follows attention, shapes and XLA_FLAGS; a truncated file loads as a miss (None)."""
+    from cbjax.runtime import programs
+
+    args = ({"w": jnp.zeros((4, 8))}, jnp.zeros(3, jnp.int32))
+    base = programs.program_key("graph", "ragged", args)
+    assert base == programs.program_key("graph", "ragged", args)
+    assert base != programs.program_key("graph", "reference", args)
+    assert base != programs.program_key("graph2", "ragged", args)
+    assert base != programs.program_key("graph", "ragged", ({"w": jnp.zeros((4, 9))}, jnp.zeros(3, jnp.int32)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLA_FLAGS", "--xla_some_other_flag=1")
+        assert base != programs.program_key("graph", "ragged", args)
+    folder = tmp_path / programs.SUBDIR
+    folder.mkdir()
+    (folder / f"{base}.bin").write_bytes(b"\x80\x04truncated")
+    assert programs.load(str(tmp_path), base, jax.devices()[0]) is None
+    assert programs.load(str(tmp_path), "absent", jax.devices()[0]) is None

@@ -90,10 +90,20 @@ def _tile_pass(tiles: Tiles, chunk: int, q_ext, pos_ext, k_pages, v_pages, layer
         else:
             o = jnp.einsum("cbkgs,cksd->cbkgd", p, v)  # f32[chunk, block, kv, g, d]
         m_new = m_acc.at[q_idx].max(m)
-        rescale = jnp.exp(m_acc - m_new)
-        w = jnp.exp(m - m_new[q_idx])  # f32[chunk, block, kv, g]
-        l_acc = (l_acc * rescale).at[q_idx].add(w * l)
-        o_acc = (o_acc * rescale[..., None]).at[q_idx].add(w[..., None] * o)
+        if block == 1:  # decode tiles: T is at most a few rows, so rescaling every row is cheapest
+            rescale = jnp.exp(m_acc - m_new)
+            w = jnp.exp(m - m_new[q_idx])  # f32[chunk, block, kv, g]
+            l_acc = (l_acc * rescale).at[q_idx].add(w * l)
+            o_acc = (o_acc * rescale[..., None]).at[q_idx].add(w[..., None] * o)
+        else:
+            # Prefill tiles: T is large and a chunk touches few of its rows, so only those are
+            # read and rewritten. A row listed by several tiles of the chunk is rescaled once
+            # (every copy of its `set` writes the same value), then gets each tile's share.
+            m_row = m_new[q_idx]
+            rescale = jnp.exp(m_acc[q_idx] - m_row)
+            w = jnp.exp(m - m_row)
+            l_acc = l_acc.at[q_idx].set(l_acc[q_idx] * rescale).at[q_idx].add(w * l)
+            o_acc = o_acc.at[q_idx].set(o_acc[q_idx] * rescale[..., None]).at[q_idx].add(w[..., None] * o)
         return m_new, l_acc, o_acc
 
     num_chunks = (tiles.num + chunk - 1) // chunk

@@ -9,6 +9,7 @@ Its only varying shape is the token bucket, so `warmup` compiles one program per
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +27,7 @@ from cbjax.model.llama import Llama
 from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker, HostBatch
+from cbjax.runtime import programs
 from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count
 from cbjax.runtime.kv_cache import init_cache
 from cbjax.runtime.shapes import plan_shapes
@@ -120,6 +122,8 @@ class JaxExecutor:
         self.compiled_programs = 0
         self.warmup_compiles = 0  # programs warmup compiled: 0 when every one came from the cache
         self.warmup_cache_hits = 0  # programs warmup loaded from the persistent compilation cache
+        self.programs_loaded = 0  # of which from cbjax's program cache, untraced (cbjax.runtime.programs)
+        self._count_lock = threading.Lock()
         self._compiles_at_warmup: Optional[int] = None
         self.bucket_calls: dict[int, int] = {}
         self.mixed_iterations = 0  # decodes and prefills in the same step
@@ -146,10 +150,26 @@ class JaxExecutor:
             return sample_step(logits, batch.sampling)
         return greedy
 
+    def _load_or_compile(self, args):
+        """The step for `args` from cbjax's program cache (no tracing), else lowered and compiled
+        (and stored there). The program cache is for single-device weights only."""
+        devices = {d for x in jax.tree.leaves(self.weights) for d in x.devices()}
+        directory = self.cache_dir if len(devices) == 1 else None
+        key = programs.program_key(self.graphdef, self.attention, args) if directory else ""
+        compiled = programs.load(directory, key, next(iter(devices)))
+        if compiled is not None:
+            with self._count_lock:
+                self.programs_loaded += 1
+            return compiled
+        compiled = model_step.lower(*args, graphdef=self.graphdef, attention=self.attention).compile()
+        programs.store(directory, key, compiled)
+        return compiled
+
     def warmup(self) -> None:
         """Compile the step for every token bucket (and the swap copies) before the clock starts."""
         t0 = time.perf_counter()
         compiles_before, hits_before = fresh_compile_count(), cache_hit_count()  # counting starts here
+        self.programs_loaded = 0
         buckets = self.shapes.token_buckets
         bar = _progress_bar(len(buckets) + 1 + (1 if self._swap_at_warmup else 0)) if self.progress else None
 
@@ -159,8 +179,7 @@ class JaxExecutor:
             leaves, treedef = jax.tree.flatten(args)
             key = (self.graphdef, self.attention, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
             if key not in _COMPILED:  # like jit's own cache: same static arguments and shapes, same program
-                lowered = model_step.lower(*args, graphdef=self.graphdef, attention=self.attention)
-                _COMPILED[key] = lowered.compile()
+                _COMPILED[key] = self._load_or_compile(args)
             return bucket, _COMPILED[key]
 
         # XLA compiles in C++ without the GIL: one thread per core compiles buckets side by side.
@@ -187,7 +206,7 @@ class JaxExecutor:
         self.compiled_programs = len(buckets) + int(self.sampling) + (len(self._swap.widths) * 2 if self._swap_at_warmup else 0)
         self._compiles_at_warmup = compile_count()
         self.warmup_compiles = fresh_compile_count() - compiles_before
-        self.warmup_cache_hits = cache_hit_count() - hits_before
+        self.warmup_cache_hits = cache_hit_count() - hits_before + self.programs_loaded
         self.num_step_calls = self.num_sampler_calls = 0
         self.warmup_s = time.perf_counter() - t0
 
@@ -224,6 +243,7 @@ class JaxExecutor:
             "compiled_programs": self.compiled_programs,
             "warmup_compiles": self.warmup_compiles,
             "warmup_cache_hits": self.warmup_cache_hits,
+            "warmup_programs_loaded": self.programs_loaded,
             # model-step calls per iteration (swap copies and the sampler excluded)
             "device_calls_per_iteration": self.num_step_calls / self.num_steps if self.num_steps else 0.0,
             "sampler_calls": self.num_sampler_calls,

@@ -1,0 +1,86 @@
+"""A disk cache of compiled step programs: a rerun loads each bucket's program without tracing it.
+
+JAX's persistent compilation cache skips XLA's compile, but finding a program there still
+traces and lowers the step (its key is the lowered module), which is most of a warm start
+for a small model. This cache keys the compiled executable by everything that decides it
+without tracing: cbjax's own source, the jax/jaxlib versions, the backend and its devices,
+XLA_FLAGS, the model's graph definition, the attention backend and the arguments' shapes,
+dtypes and shardings. Any change to one of them is a miss, and a miss compiles as before.
+Files are written atomically; an unreadable one is a miss too.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+import jax
+from jax.experimental import serialize_executable
+
+SUBDIR = "cbjax-programs"
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 over every .py file of the installed cbjax package (path and contents)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def program_key(graphdef, attention: str, args) -> str:
+    """The cache key of `model_step` compiled for `args` (weights, cache, batch)."""
+    leaves, treedef = jax.tree.flatten(args)
+    devices = jax.devices()
+    parts = [
+        source_digest(), jax.__version__, _version("jaxlib"),
+        devices[0].platform, str(sorted({d.device_kind for d in devices})), str(len(devices)),
+        os.environ.get("XLA_FLAGS", ""), repr(graphdef), attention, str(treedef),
+        str([(x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]),
+    ]  # fmt: skip
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def load(directory: Optional[str], key: str, device) -> Optional[jax.stages.Compiled]:
+    """The program stored under `key`, loaded onto `device`; None when absent or unreadable."""
+    if not directory:
+        return None
+    path = Path(directory) / SUBDIR / f"{key}.bin"
+    try:
+        blob, in_tree, out_tree = pickle.loads(path.read_bytes())
+        return serialize_executable.deserialize_and_load(blob, in_tree, out_tree, execution_devices=[device])
+    except FileNotFoundError:
+        return None
+    except Exception:  # a truncated or foreign file: compile instead
+        return None
+
+
+def store(directory: Optional[str], key: str, compiled: jax.stages.Compiled) -> bool:
+    """Write `compiled` under `key` (atomically); False when it can't be serialized or written."""
+    if not directory:
+        return False
+    folder = Path(directory) / SUBDIR
+    try:
+        data = pickle.dumps(serialize_executable.serialize(compiled))
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, folder / f"{key}.bin")
+        return True
+    except (OSError, ValueError, NotImplementedError, pickle.PicklingError, TypeError):
+        return False
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
