@@ -16,8 +16,9 @@ each counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, plus it
            + wake_s * min(1, idle / wake_ramp_s)  on the first step after the loop idled for
              `idle` seconds waiting for an arrival (XLA's CPU threads and caches go cold)
 
-A loop chunk also rescales the attention's per-token accumulators, the whole bucket of them:
-hence its cost per bucket token. A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
+A decode loop chunk also rescales the attention's per-token accumulators, the whole bucket of
+them: hence its cost per bucket token. A prefill chunk rescales only the rows it touches, so
+its per-bucket-token term fits near 0; it stays for kernels that rescale them all. A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
 
 Pure numpy: no jax import.
 """
