@@ -1,118 +1,118 @@
-"""Benchmark: the real JAX engine, continuous (fcfs) vs static batching, wall-clock tokens/s.
+"""Benchmark: continuous (fcfs) vs static batching on the real JAX engine, beside the profiled simulator's prediction.
 
-    python benchmarks/engine_static_vs_continuous.py [--slots 32] [--requests 256] [--repeats 3]
+    python -m cbjax.profile hydra.run.dir=outputs/profile                     # once per machine
+    python benchmarks/engine_static_vs_continuous.py --profile outputs/profile/profile.json [--requests 256] [--repeats 3]
 
-Both policies serve the same workload (all requests at t=0, exponential output lengths) on the
-tiny model at default executor settings, one run of each per repeat, side by side. Prints
-medians over repeats: tokens/s, iterations, step time and host time per iteration (schedule +
-pack + postprocess), model-step calls per iteration, and the fcfs/static wall-clock ratio
-beside the ideal ratio from iteration counts.
+Two workloads, all requests at t=0, on the profile's model, slot count and page size:
+`exponential` (prompts uniform 16..128, outputs exponential with mean 64, at most 384: this
+benchmark's workload) and `azure_code` (the first requests of the Azure code trace, prompts
+/16, as experiments/calibrate.py scales them). Per workload and policy: the engine's wall-clock
+tokens/s (median of repeats, the two policies run side by side in each repeat), iterations, ms
+per iteration, host share, and the simulator's tokens/s with `executor.cost_model=profiled`;
+then the fcfs/static throughput ratio, engine against simulator, with the error (target 5%).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
-import time
+import sys
+import tempfile
+from pathlib import Path
 
-import numpy as np
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "experiments"))
 
-from cbjax.config import CacheConfig, ExecutorConfig, LengthConfig, ModelConfig, SchedulerConfig, WorkloadConfig
-from cbjax.engine import serve
-from cbjax.report import markdown_table
-from cbjax.runtime.executor import JaxExecutor
-from cbjax.scheduler import Scheduler
-from cbjax.workload import build_workload
+import calibrate  # noqa: E402
+from cbjax.config import LengthConfig, WorkloadConfig  # noqa: E402
+from cbjax.report import markdown_table  # noqa: E402
+from cbjax.run import run_single  # noqa: E402
 
-
-def fixed_step_s(ex: JaxExecutor, calls: int = 50) -> float:
-    """Median time of the cheapest full decode step: one padded token per slot and no row
-    attending, so the step does its per-iteration work (every slot token's matmuls, dispatch,
-    read-back) with almost no attention."""
-    batch = ex.packer.empty(ex.shapes.bucket(ex.shapes.num_rows))
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        np.asarray(ex._step(batch))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+POLICIES = ("static", "fcfs")
 
 
-def run_once(policy: str, args, model: ModelConfig) -> dict:
-    budget = {} if args.budget is None else {"max_num_batched_tokens": args.budget}
-    sched_cfg = SchedulerConfig(name=policy, max_num_seqs=args.slots, **budget)
-    cache = CacheConfig(page_size=16, num_pages=args.pages)
-    ex = JaxExecutor(model, cache, sched_cfg, ExecutorConfig(name="jax", attention=args.attention), seed=0)
-    ex.progress = False
-    ex.warmup()
-    wl = WorkloadConfig(
-        num_requests=args.requests,
-        prompt_len=LengthConfig(dist="uniform", low=16, high=args.max_prompt),
-        output_len=LengthConfig(dist="exponential", mean=args.mean_output, max=args.max_output),
-        vocab_size=model.vocab_size,
-    )
-    requests = build_workload(wl, seed=args.seed)
-    sched = Scheduler(sched_cfg, cache, model.max_model_len, validate=ex.validate, vocab_size=model.vocab_size)
-    result = serve(requests, sched, ex)
-    stats = result.stats
-    tokens = sum(r.num_generated for r in result.requests)
-    host = stats.schedule_s + stats.postprocess_s + ex.host_pack_s
-    m = ex.metrics()  # before fixed_step_s adds calls of its own
+def bench_workloads(args, base, out: Path) -> dict[str, WorkloadConfig]:
+    vocab = base.model.vocab_size
+    azure = calibrate.azure_slice(Path(args.trace), out, args.requests, None, base.model.max_model_len)
     return {
-        "makespan_s": result.makespan_s,
-        "fixed_ms": 1e3 * fixed_step_s(ex) + 1e3 * host / stats.iterations,
-        "tok_s": tokens / result.makespan_s,
-        "iterations": stats.iterations,
-        "step_ms": 1e3 * result.makespan_s / stats.iterations,
-        "host_ms": 1e3 * host / stats.iterations,
-        "host_frac": host / result.makespan_s,
-        "calls_per_iter": m["device_calls_per_iteration"],
-        "compiles_after_warmup": m["compiles_after_warmup"],
+        "exponential": WorkloadConfig(
+            num_requests=args.requests,
+            vocab_size=vocab,
+            prompt_len=LengthConfig(dist="uniform", low=16, high=args.max_prompt),
+            output_len=LengthConfig(dist="exponential", mean=args.mean_output, max=args.max_output),
+        ),  # fmt: skip
+        "azure_code": WorkloadConfig(name="trace", format="csv", vocab_size=vocab, path=str(azure)),
     }
+
+
+def engine_row(summary: dict) -> dict:
+    iters = summary["iterations"]
+    host = summary["scheduler_host_s"] + summary["host_pack_s"]
+    return {
+        "tok_s": summary["throughput_tok_s"], "iterations": iters,
+        "ms_per_iter": 1e3 * summary["makespan_s"] / iters, "host_share": host / summary["makespan_s"],
+    }  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--profile", default=str(REPO / "outputs" / "profile" / "profile.json"),
+                    help="profile.json from `python -m cbjax.profile` (its model, slots and page size are used)")  # fmt: skip
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mean-output", type=float, default=64.0)
     ap.add_argument("--max-output", type=int, default=384)
     ap.add_argument("--max-prompt", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=None, help="scheduler.max_num_batched_tokens (default: its default)")
-    ap.add_argument("--pages", type=int, default=2048)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attention", default="auto", help="executor.attention (auto: ragged on CPU)")
+    ap.add_argument("--pages", type=int, default=2048, help="cache.num_pages")
+    ap.add_argument("--trace", default=str(calibrate.AZURE_CODE), help="the Azure LLM inference code trace CSV")
     args = ap.parse_args()
-    model = ModelConfig(max_model_len=512)
-    runs = {"static": [], "fcfs": []}
-    for _ in range(args.repeats):  # the two policies side by side, under the same load
-        for policy, rs in runs.items():
-            rs.append(run_once(policy, args, model))
-    med = {p: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for p, rs in runs.items()}
-    rows = [
-        (p, f"{m['tok_s']:.0f}", int(m["iterations"]), f"{m['step_ms']:.2f}", f"{m['host_ms']:.3f}",
-         f"{m['host_frac']:.1%}", f"{m['calls_per_iter']:.2f}", int(m["compiles_after_warmup"]))
-        for p, m in med.items()
-    ]  # fmt: skip
-    print(f"tiny model, {args.slots} slots, {args.requests} requests, exponential outputs (mean {args.mean_output:g}), "
-          f"medians of {args.repeats}")  # fmt: skip
-    print(markdown_table(["policy", "tok/s (wall)", "iterations", "ms/iter", "host ms/iter", "host share",
-                          "model-step calls/iter", "compiles after warmup"], rows))  # fmt: skip
-    wall = med["fcfs"]["tok_s"] / med["static"]["tok_s"]
-    ideal = med["static"]["iterations"] / med["fcfs"]["iterations"]
-    print(f"\nfcfs / static wall-clock throughput: {wall:.2f}x; ideal from iteration counts: {ideal:.2f}x; "
-          f"achieved {wall / ideal:.0%} of ideal (target >= 80%)")  # fmt: skip
-    # The ideal ratio holds when every iteration costs the same. Split fcfs's wall time into a
-    # per-iteration fixed cost F (measured: the cheapest full decode step plus host time) and
-    # the rest, W: prompts' prefills and attention over the KV each token reads, work both
-    # policies do in equal amount. Static then costs about I_static * F + W.
-    fixed_s = med["fcfs"]["fixed_ms"] / 1e3
-    work_s = med["fcfs"]["makespan_s"] - med["fcfs"]["iterations"] * fixed_s
-    bound = (med["static"]["iterations"] * fixed_s + work_s) / med["fcfs"]["makespan_s"]
-    print(f"fcfs time = {med['fcfs']['iterations']:.0f} iterations x F {1e3 * fixed_s:.2f} ms (fixed per-iteration "
-          f"cost) + W {work_s:.2f} s (work both policies do: {work_s / med['fcfs']['makespan_s']:.0%} of fcfs's time); "
-          f"ratio predicted from F and W: {bound:.2f}x, {bound / ideal:.0%} of ideal")  # fmt: skip
+    if not Path(args.profile).is_file():
+        sys.exit(f"engine_static_vs_continuous: error: no profile at {args.profile}; make one with "
+                 "`python -m cbjax.profile hydra.run.dir=outputs/profile` or pass --profile PATH")  # fmt: skip
+    import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
+
+    profile = json.loads(Path(args.profile).read_text())
+    base = calibrate.base_config(profile, args.requests)
+    base = dataclasses.replace(base, cache=dataclasses.replace(base.cache, num_pages=args.pages))
+    with tempfile.TemporaryDirectory() as tmp:
+        wls = bench_workloads(args, base, Path(tmp))
+        cfgs = {(w, p): dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, name=p), workload=wl)
+                for w, wl in wls.items() for p in POLICIES}  # fmt: skip
+        sim = {k: run_single(calibrate.sim_config(cfg, args.profile), None, verbose=False) for k, cfg in cfgs.items()}
+        engine: dict[tuple[str, str], list[dict]] = {k: [] for k in cfgs}
+        # untimed: a process's first serving pays one-time costs (compiles loaded, first allocations)
+        first = cfgs[("exponential", "fcfs")]
+        run_single(
+            dataclasses.replace(first, workload=dataclasses.replace(first.workload, num_requests=64)),
+            None,
+            verbose=False,
+        )
+        for r in range(args.repeats):  # the two policies side by side, under the same load
+            for k, cfg in cfgs.items():
+                engine[k].append(engine_row(run_single(cfg, None, verbose=False)))
+            print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    print(f"{profile['model']} model, {base.scheduler.max_num_seqs} slots, {args.requests} requests at t=0, "
+          f"engine medians of {args.repeats}; simulator: profiled cost model ({args.profile})")  # fmt: skip
+    for w in wls:
+        rows, tok = [], {}
+        for p in POLICIES:
+            runs = engine[(w, p)]
+            med = {key: statistics.median(x[key] for x in runs) for key in runs[0]}
+            tok[p] = (med["tok_s"], sim[(w, p)]["throughput_tok_s"], [x["tok_s"] for x in runs])
+            rows.append((p, f"{med['tok_s']:.0f}", f"{tok[p][1]:.0f}", f"{calibrate.error_pct(tok[p][1], med['tok_s']):+.1f}",
+                         int(med["iterations"]), int(sim[(w, p)]["iterations"]), f"{med['ms_per_iter']:.2f}",
+                         f"{med['host_share']:.1%}"))  # fmt: skip
+        print(f"\n{w}:")
+        print(markdown_table(["policy", "engine tok/s", "sim tok/s", "error %", "engine iterations", "sim iterations",
+                              "engine ms/iter", "host share"], rows))  # fmt: skip
+        engine_ratio = tok["fcfs"][0] / tok["static"][0]
+        per_repeat = [f / s for f, s in zip(tok["fcfs"][2], tok["static"][2])]
+        sim_ratio = tok["fcfs"][1] / tok["static"][1]
+        print(f"fcfs / static throughput: engine {engine_ratio:.3f}x (per repeat {min(per_repeat):.3f}-{max(per_repeat):.3f}), "
+              f"simulator {sim_ratio:.3f}x: error {calibrate.error_pct(sim_ratio, engine_ratio):+.1f}% (target within 5%)")  # fmt: skip
 
 
 if __name__ == "__main__":

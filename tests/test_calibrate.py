@@ -38,3 +38,18 @@ def test_calibration_markdown_by_hand(tmp_path):
     assert "| E2E p50 | 10.0 | 10.0 (w, fcfs, chunked off) | 20.0 | 20.0 (the spread) |" in text
     # continuous/static: simulator 2.1, engine 2.0: +5%
     assert "| w | 2.100 | 2.000 | +5.0 |" in text
+
+
+def test_calibration_markdown_states_the_profiles_serving_loop(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "machine": {"cpu": "test cpu", "cores": 2, "jax": "0", "load_average": [0.25, 0.5, 0.5]},
+        "coefficients": {"serve_scale": 1.05, "loop_s": 5e-5, "loop_seq_s": 8e-6, "wake_s": 1.2e-3},
+        "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2, "served": {"total_error": 0.001}},
+    }))  # fmt: skip
+    doc = tmp_path / "CALIBRATION.md"
+    calibrate.write_markdown([row("w", "fcfs", 210.0, 200.0)], str(profile), doc, repeats=3)
+    assert (
+        "Serving loop in the profile: steps x1.050 against the grid, loop 50 us + 8.0 us per request, wake 1.20 ms; "
+        "its served runs' total time predicted +0.1%; load average 0.25 when it ended." in doc.read_text()
+    )

@@ -2,6 +2,7 @@
 
 import functools
 import json
+import shutil
 import subprocess
 
 import jax
@@ -15,6 +16,7 @@ from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConf
 from cbjax.engine import serve
 from cbjax.model import Llama, forward_dense
 from cbjax.request import FinishReason, Request, SamplingParams
+from cbjax.runtime import programs
 from cbjax.runtime.executor import JaxExecutor
 from cbjax.runtime.kv_cache import init_cache
 from cbjax.runtime.swap import HostSwap
@@ -310,7 +312,9 @@ def test_a_second_run_loads_its_programs_from_the_compilation_cache(tmp_path, en
     """Two fresh processes, one cache directory: the first compiles, the second compiles nothing,
     loads every step program untraced from cbjax's program cache, and generates the same tokens."""
     summaries, tokens = [], []
-    for run in ("cold", "warm"):
+    for run in ("cold", "warm", "jax_cache_only", "again"):
+        if run == "jax_cache_only":  # programs only in jax's own cache: used, but never re-stored
+            shutil.rmtree(tmp_path / "cache" / programs.SUBDIR)
         out = tmp_path / run
         cmd = cbjax_cmd() + [
             "executor=jax", "scheduler.max_num_seqs=2", "scheduler.max_num_batched_tokens=16",
@@ -323,7 +327,10 @@ def test_a_second_run_loads_its_programs_from_the_compilation_cache(tmp_path, en
         summaries.append(json.loads((out / "summary.json").read_text()))
         rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
         tokens.append({r["request_id"]: r["output_token_ids"] for r in rows})
-    cold, warm = summaries
+    cold, warm, jax_only, again = summaries
+    assert jax_only["warmup_compiles"] == 0 and jax_only["warmup_programs_loaded"] == 0
+    assert not (tmp_path / "cache" / programs.SUBDIR).exists()  # such programs lack their kernels
+    assert again["num_finished"] == 3 and again["warmup_compiles"] == 0 and tokens[3] == tokens[0]
     assert cold["warmup_compiles"] >= cold["compiled_programs"] > 0
     assert warm["warmup_compiles"] == 0 and warm["warmup_cache_hits"] >= warm["compiled_programs"]
     assert warm["compiles_after_warmup"] == 0
@@ -362,8 +369,6 @@ def test_non_finite_logits_end_that_request_with_an_error_and_the_run_goes_on():
 
 def test_program_cache_keys_change_with_what_decides_the_program_and_bad_files_are_misses(tmp_path):
     """The key follows attention, shapes and XLA_FLAGS; a truncated file loads as a miss (None)."""
-    from cbjax.runtime import programs
-
     args = ({"w": jnp.zeros((4, 8))}, jnp.zeros(3, jnp.int32))
     base = programs.program_key("graph", "ragged", args)
     assert base == programs.program_key("graph", "ragged", args)

@@ -12,7 +12,7 @@ from cbjax.cli import CONFIG_DIR
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.profile.runner import ProfileRunConfig, run_profile
 from cbjax.sim import make_cost_model
-from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS
+from cbjax.sim.profiled import LOOP_TERMS, SERVE_TERMS, STEP_TERMS, SWAP_TERMS
 
 
 def test_profile_yaml_composes_into_the_profile_config():
@@ -37,14 +37,23 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert (tmp_path / "profile.png").stat().st_size > 0
     made = profile["made_for"]
-    assert (made["model.max_model_len"], made["cache.page_size"], made["cache.num_pages"], made["scheduler.max_num_seqs"]) == (128, 4, 512, 4)
+    assert (
+        made["model.max_model_len"],
+        made["cache.page_size"],
+        made["scheduler.max_num_seqs"],
+        profile["num_pages"],
+    ) == (128, 4, 4, 512)
     coef = profile["coefficients"]
-    assert set(coef) == {"bucket_s", *STEP_TERMS, *SWAP_TERMS} and set(coef["bucket_s"]) == {"4", "16", "64"}
-    assert all(v >= 0 for v in [*coef["bucket_s"].values(), *(coef[k] for k in STEP_TERMS + SWAP_TERMS)])
+    terms = STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS
+    assert set(coef) == {"bucket_s", *terms} and set(coef["bucket_s"]) == {"4", "16", "64"}
+    assert all(v >= 0 for v in [*coef["bucket_s"].values(), *(coef[k] for k in terms)]) and coef["serve_scale"] > 0
     assert {s["bucket"] for s in profile["steps"]} == {4, 16, 64} and all(s["measured_s"] > 0 for s in profile["steps"])
     assert {s["direction"] for s in profile["swaps"]} == {"out", "in"}
-    loop = profile["loop"]
-    assert loop["iterations"] > 0 and loop["makespan_s"] >= loop["execute_s"] > 0 and coef["loop_s"] == loop["loop_s"]
+    # the served runs: every iteration timed, the loop's time between them, in the runs' makespans
+    for run in profile["serving"]:
+        assert run["iterations"] > 0 and run["makespan_s"] >= run["execute_s"] + run["loop_s"] > 0
+    assert len(profile["served"]) == sum(run["iterations"] for run in profile["serving"])
+    assert profile["residuals"]["served"]["num_points"] == len(profile["served"])
     assert profile["machine"]["backend"] == "cpu" and profile["machine"]["jax"]
     assert 0 <= profile["residuals"]["median_rel_error"] <= profile["residuals"]["max_rel_error"]
     sim = ExecutorConfig(cost_model="profiled", profile=str(tmp_path / "profile.json"), token_buckets=[4, 16, 64])

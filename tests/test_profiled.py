@@ -111,9 +111,31 @@ def test_fit_recovers_hand_set_coefficients_from_a_synthetic_executor():
     assert residuals["max_rel_error"] < 0.02 and residuals["num_points"] == len(points)
 
 
+def test_fit_recovers_the_serving_loops_hand_set_scale_and_loop_costs():
+    # served iterations: the synthetic executor's steps taking 1.25x as long inside the loop, and
+    # the loop's host time after each 30 us + 2 us per request, exactly
+    shapes = plan_shapes(num_rows=32, max_model_len=256, page_size=8, max_num_batched_tokens=512)
+    points = profile_grid(shapes, 256, "full")
+    synthetic = SyntheticExecutor(shapes)
+    steps = measure_steps(synthetic.execute, points, shapes, 2048, 512, repeats=3)
+    bucket_s = measure_buckets(synthetic.run_empty, shapes.token_buckets, repeats=3)
+    served = [{**s, "measured_s": 1.25 * s["measured_s"], "source": "served"} for s in steps]
+    gaps = [(n, 30e-6 + 2e-6 * n) for n in (1, 4, 9, 32, 17)]
+    coef, residuals = fit_profile(steps, [], bucket_s, served, gaps, {"wake_s": 1e-3, "wake_ramp_s": 5e-3})
+    assert coef["serve_scale"] == pytest.approx(1.25, rel=0.02)
+    assert coef["loop_s"] == pytest.approx(30e-6) and coef["loop_seq_s"] == pytest.approx(2e-6)
+    assert (coef["wake_s"], coef["wake_ramp_s"]) == (1e-3, 5e-3)
+    served_fit = residuals["served"]
+    assert abs(served_fit["total_error"]) < 1e-9  # the scale keeps the served sum
+    assert served_fit["grid_model_total_error"] == pytest.approx(1 / 1.25 - 1, abs=0.02)
+
+
 def write_profile(path, coefficients=None, model=MODEL, page_size=16, num_slots=32, num_pages=4096):
-    coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "swap_iter_s": 1e-3, "swap_page_s": 1e-4, "loop_s": 2e-4}
-    path.write_text(json.dumps({"made_for": profile_key(model, page_size, num_slots, num_pages), "coefficients": coef}))
+    coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "serve_scale": 1.1, "swap_iter_s": 1e-3,
+                            "swap_page_s": 1e-4, "loop_s": 2e-4, "loop_seq_s": 1e-5, "wake_s": 1e-3, "wake_ramp_s": 5e-3}  # fmt: skip
+    path.write_text(
+        json.dumps({"made_for": profile_key(model, page_size, num_slots), "num_pages": num_pages, "coefficients": coef})
+    )
     return str(path)
 
 
@@ -127,8 +149,9 @@ def configs(profile, **sched):
 
 def test_profiled_cost_by_hand(tmp_path):
     coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.5, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
-            "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5,
-            "swap_iter_s": 1000.0, "swap_page_s": 10000.0, "loop_s": 0.25}  # fmt: skip
+            "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5, "serve_scale": 2.0,
+            "swap_iter_s": 1000.0, "swap_page_s": 10000.0, "loop_s": 0.25, "loop_seq_s": 0.125,
+            "wake_s": 0.0, "wake_ramp_s": 1.0}  # fmt: skip
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))
     d = Request("d", 0.0, 5)
@@ -137,25 +160,53 @@ def test_profiled_cost_by_hand(tmp_path):
     p.num_computed, p.num_new_tokens = 0, 20
     plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4, swap_in=[(d, [7, 8])])
     # 21 tokens -> bucket 64; 2 rows; the decode at position 4 reads 2 pages (1 single step), the
-    # 20-token prefill 5 pages (2 block steps, 64 bucket tokens each); 2 pages swapped
-    assert cost(plan) == pytest.approx(0.25 + 7.0 + 0.5 + 0.002 + 10.0 + 2 * (100.0 + 64e-5) + 1000.0 + 20000.0)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.25 + 1.0 + 0.5 + 0.001 + 10.0)
+    # 20-token prefill 5 pages (2 block steps, 64 bucket tokens each); 2 pages swapped; the step
+    # doubled (serve_scale), the loop 0.25 + 0.125 per request
+    assert cost(plan) == pytest.approx(0.5 + 2 * (7.0 + 0.5 + 0.002 + 10.0 + 2 * (100.0 + 64e-5)) + 1000.0 + 20000.0)
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(
+        0.375 + 2 * (1.0 + 0.5 + 0.001 + 10.0)
+    )
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12
-    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(0.25 + 2.2 + 0.5 + 0.001 + 100.0 + 16e-5)
+    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(
+        0.375 + 2 * (2.2 + 0.5 + 0.001 + 100.0 + 16e-5)
+    )
 
 
-def test_a_profile_for_another_model_page_size_page_pool_or_slot_count_is_refused(tmp_path):
+def test_the_first_step_after_an_idle_loop_pays_the_wake_cost_by_hand(tmp_path):
+    coef = {"bucket_s": {"4": 1.0}, "iter_s": 0.0, "seq_s": 0.0, "single_chunk_s": 0.0, "block_chunk_s": 0.0,
+            "single_chunk_token_s": 0.0, "block_chunk_token_s": 0.0, "serve_scale": 1.0, "swap_iter_s": 0.0,
+            "swap_page_s": 0.0, "loop_s": 0.0, "loop_seq_s": 0.0, "wake_s": 0.5, "wake_ramp_s": 4.0}  # fmt: skip
+    path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
+    cost = make_cost_model("profiled", MODEL, None, **configs(path))
+    d = Request("d", 0.0, 5)
+    d.num_computed, d.num_new_tokens = 4, 1
+    # each step costs 1.0 (bucket 4); the first has no step before it; the second starts where the
+    # first ended (busy); the third 1 s after the second ended (a quarter of the ramp: 0.125);
+    # the fourth 10 s after (past the ramp: the whole 0.5)
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=3.0)) == pytest.approx(1.0)
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=4.0)) == pytest.approx(1.0)
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=6.0)) == pytest.approx(1.125)
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=17.125)) == pytest.approx(1.5)
+
+
+def test_a_profile_for_another_model_page_size_or_slot_count_is_refused(tmp_path):
     big = dataclasses.replace(MODEL, d_model=256)
     cases = [
         (write_profile(tmp_path / "a.json", model=big, page_size=4, num_slots=4), "made for model.d_model=256, this run has 64"),
         (write_profile(tmp_path / "b.json", page_size=8, num_slots=4), "made for cache.page_size=8, this run has 4"),
         (write_profile(tmp_path / "c.json", page_size=4, num_slots=2), "made for scheduler.max_num_seqs=2, this run has 4"),
-        (write_profile(tmp_path / "d.json", page_size=4, num_slots=4, num_pages=512), "made for cache.num_pages=512, this run has 4096"),
     ]  # fmt: skip
     for path, message in cases:
         with pytest.raises(ValueError, match=f"executor.profile: {message}"):
             make_cost_model("profiled", MODEL, None, **configs(path))
+
+
+def test_a_profile_made_with_another_page_pool_is_accepted(tmp_path):
+    # the step reads only the pages it gathers: a profile made at 512 pages serves a run with 4096
+    path = write_profile(tmp_path / "p.json", page_size=4, num_slots=4, num_pages=512)
+    cost = make_cost_model("profiled", MODEL, None, **configs(path))
+    assert cost.shapes.token_buckets == (4, 16, 64)
 
 
 def test_a_missing_or_malformed_profile_is_one_clear_line(tmp_path):

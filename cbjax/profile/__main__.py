@@ -31,7 +31,19 @@ def _app(cfg: DictConfig) -> None:
     c, r = profile["coefficients"], profile["residuals"]
     print("bucket_s: " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["bucket_s"].items()))
     print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in c.items() if k != "bucket_s"))
-    print(f"fit: median relative error {r['median_rel_error']:.1%}, max {r['max_rel_error']:.1%} over {r['num_points']} steps")
+    print(
+        f"fit: median relative error {r['median_rel_error']:.1%}, max {r['max_rel_error']:.1%} over {r['num_points']} grid steps"
+    )
+    if "served" in r:
+        sv = r["served"]
+        print(f"served: median relative error {sv['median_rel_error']:.1%} over {sv['num_points']} iterations; "
+              f"their total time (steps + loop) predicted {sv['total_error']:+.1%}")  # fmt: skip
+    load, cores = profile["machine"]["load_average"][0], profile["machine"]["cores"] or 1
+    print(f"machine load average at the end: {load:.2f} on {cores} cores")
+    scale = c["serve_scale"]
+    if load > 0.5 * cores or abs(scale - 1.0) > 0.15:
+        print(f"warning: a busy machine? load average {load:.2f}; steps inside the serving loop took {scale - 1:+.0%} "
+              "against the same steps back to back. Profile again on a quiet machine.")  # fmt: skip
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
     print(f"use it: cbjax executor=sim executor.cost_model=profiled executor.profile={out_dir / 'profile.json'}")

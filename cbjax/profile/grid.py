@@ -1,8 +1,10 @@
 """The batch compositions `python -m cbjax.profile` times, built as real `Schedule`s (no jax).
 
 Decode-only steps (rows x context), prefill-only steps (one long prompt, several prompts filling
-a step), a chunk continuing cached context, and mixed steps; sizes are fractions of the run's
-slot count, max_model_len and largest step, so every config gets a grid that fits it.
+a step), a chunk continuing cached context, and mixed steps, plus in every bucket between the
+slot count and max_model_len a prompt alone and a prompt joining a quarter of the slots'
+decodes (the steps a served run is made of); sizes are fractions of the run's slot count,
+max_model_len and largest step, so every config gets a grid that fits it.
 """
 
 from __future__ import annotations
@@ -48,7 +50,18 @@ def profile_grid(shapes: ShapePlan, max_model_len: int, grid: str = "full") -> l
         decodes = max(1, r // 2) if small else r - 1
         points.append(GridPoint("mixed", [(1, length // 2)] * decodes + [(min(quarter, most - decodes), 0)]))
         if not small:
-            points.append(GridPoint("mixed", [(1, length // 4)] * (r // 2) + [(min(quarter, most - r // 2), length // 2)]))
+            points.append(
+                GridPoint("mixed", [(1, length // 4)] * (r // 2) + [(min(quarter, most - r // 2), length // 2)])
+            )
+    if (
+        not small
+    ):  # where served steps live: a prompt alone, and a prompt joining a few decodes, in each bucket past the slots
+        for b in shapes.token_buckets:
+            if r < b <= length:
+                n = max(2, 3 * b // 4)
+                points.append(GridPoint("prefill", [(n, 0)]))
+                if r >= 4:
+                    points.append(GridPoint("mixed", [(1, length // 8)] * (r // 4) + [(n - r // 4, 0)]))
     if not small:  # one more point in each bucket no point landed in: every program is timed
         timed = {shapes.bucket(sum(n for n, _ in p.rows)) for p in points}
         for b in shapes.token_buckets:

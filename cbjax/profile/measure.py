@@ -1,45 +1,49 @@
 """Time an executor over the grid, time swap copies, fit the cost model, write profile.json and a plot.
 
 `measure_steps` needs only the executor interface (`execute(plan) -> StepOutput`), so a synthetic
-executor with hand-set costs checks the fit; the swap timing needs the JAX engine's `HostSwap`.
+executor with hand-set costs checks the fit; the swap timing needs the JAX engine's `HostSwap`;
+the served iterations and the loop's host time come from `cbjax.profile.serving`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GridPoint, build_schedule
+from cbjax.profile.serving import fit_loop, fit_serve
 from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
-from cbjax.sim.fit import fit_costs, relative_errors
-from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, bucket_intercept, predict, profile_key, step_features
+from cbjax.sim.fit import fit_costs
+from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, bucket_intercept, predict, profile_key, step_features, step_time
 
 
 def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan, num_pages: int, vocab_size: int,
                   repeats: int) -> list[dict[str, Any]]:  # fmt: skip
-    """Per grid point: its features and the median (and range) of `repeats` step durations, after
-    one untimed call (a new batch rewrites the packer's per-slot buffers; a steady run does not)."""
+    """Per grid point: its features and the median (and range) of `repeats` step durations. The
+    repeats go round the whole grid, so a slow spell of the machine spreads over every point
+    rather than landing on one; in each round a point runs once untimed, then timed (a small
+    step right after a large one runs ~0.5 ms slower on a CPU, its caches cold)."""
     plans = [build_schedule(p, shapes, num_pages, vocab_size) for p in points]
-    times: list[list[float]] = []
-    for plan in plans:
-        execute(plan)
-        times.append([execute(plan).duration_s for _ in range(repeats)])
+    times: list[list[float]] = [[] for _ in plans]
+    for _ in range(repeats):
+        for plan, ts in zip(plans, times):
+            execute(plan)
+            ts.append(execute(plan).duration_s)
     out = []
     for point, plan, ts in zip(points, plans, times):
         tokens = sum(n for n, _ in point.rows)
         out.append({
-            "kind": point.kind, "rows": len(point.rows), "tokens": tokens, "bucket": shapes.bucket(tokens),
-            "features": step_features(plan.cost_rows(), shapes)[1],
+            "kind": point.kind, "source": "grid", "rows": len(point.rows), "tokens": tokens,
+            "bucket": shapes.bucket(tokens), "features": step_features(plan.cost_rows(), shapes)[1],
             "measured_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
         })  # fmt: skip
     return out
@@ -76,68 +80,85 @@ def measure_swaps(executor, repeats: int) -> list[dict[str, Any]]:
 
 def measure_buckets(run_empty: Callable[[int], float], buckets: Sequence[int], repeats: int) -> dict[int, float]:
     """Each bucket's fixed cost: the median seconds of `run_empty(bucket)`, its program run on an
-    all-padding batch (no rows, no tiles), after one untimed call."""
-    out = {}
-    for b in buckets:
-        run_empty(b)
-        out[b] = statistics.median(run_empty(b) for _ in range(repeats))
-    return out
+    all-padding batch (no rows, no tiles), over `repeats` rounds of all buckets, each run once
+    untimed then timed (as `measure_steps` does)."""
+    times: dict[int, list[float]] = {b: [] for b in buckets}
+    for _ in range(repeats):
+        for b in buckets:
+            run_empty(b)
+            times[b].append(run_empty(b))
+    return {b: statistics.median(ts) for b, ts in times.items()}
 
 
 def engine_empty_step(executor) -> Callable[[int], float]:
-    """`run_empty` for the JAX engine: one step on `packer.empty(bucket)`, read back to the host."""
+    """`run_empty` for the JAX engine: pack `packer.empty(bucket)` and run one step on it, read back
+    to the host. The packing is timed too: its arrays (tile lists at their static capacity) grow
+    with the bucket, as they do in `execute`."""
 
     def run(bucket: int) -> float:
-        batch = executor.packer.empty(bucket)
         t0 = time.perf_counter()
-        np.asarray(executor._step(batch))
+        np.asarray(executor._step(executor.packer.empty(bucket)))
         return time.perf_counter() - t0
 
     return run
 
 
-def measure_loop(executor, cfg: RunConfig) -> dict[str, Any]:
-    """The serving loop's time per iteration outside `execute` (scheduling, postprocess, stats),
-    which the engine's wall clock pays and a simulated step does not: fcfs serves 2 x slots short
-    requests, all at t=0, on the engine; (makespan - time in execute) / iterations."""
-    from cbjax.config import LengthConfig, WorkloadConfig
-    from cbjax.engine import serve
-    from cbjax.scheduler import Scheduler
-    from cbjax.workload import build_workload
-
-    length = cfg.model.max_model_len
-    wl = WorkloadConfig(
-        num_requests=2 * cfg.scheduler.max_num_seqs, vocab_size=cfg.model.vocab_size,
-        prompt_len=LengthConfig(dist="uniform", low=4, high=max(4, length // 8)),
-        output_len=LengthConfig(dist="uniform", low=4, high=max(4, min(64, length // 4))),
-    )  # fmt: skip
-    sched = dataclasses.replace(cfg.scheduler, name="fcfs")
-    scheduler = Scheduler(sched, cfg.cache, length, validate=executor.validate)
-    result = serve(build_workload(wl, cfg.seed), scheduler, executor)
-    iters = result.stats.iterations
-    loop_s = max(0.0, (result.makespan_s - result.stats.busy_s) / iters) if iters else 0.0
-    return {"iterations": iters, "makespan_s": result.makespan_s, "execute_s": result.stats.busy_s, "loop_s": loop_s}
-
-
 def fit_profile(
-    steps: list[dict], swaps: list[dict], bucket_s: dict[int, float], loop_s: float = 0.0
-) -> tuple[dict[str, Any], dict[str, float]]:
-    """(coefficients, residuals): the timed bucket costs, the STEP_TERMS fitted on top of them and
-    the swap terms, each fitted non-negative on relative error."""
-    x = [s["features"] for s in steps]
-    y = [s["measured_s"] for s in steps]
-    coef = fit_costs(x, y, offsets=[bucket_intercept(bucket_s, s["bucket"]) for s in steps])
+    steps: list[dict],
+    swaps: list[dict],
+    bucket_s: dict[int, float],
+    served: Optional[list[dict]] = None,
+    gaps: Optional[list[tuple[int, float]]] = None,
+    wake: Optional[dict[str, Any]] = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(coefficients, residuals): the timed bucket costs and the STEP_TERMS fitted on top of them
+    over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one),
+    then `fit_serve` over the served iterations (how a step inside the serving loop relates to the
+    same step run back to back), the swap terms, the loop's (`fit_loop`) and the wake's.
+    Residuals: the grid model's relative error per grid point; per served iteration the final
+    model's, and the served runs' total time (steps and loop) predicted against measured."""
+    served = served or []
+    coef = fit_costs(
+        [s["features"] for s in steps], [s["measured_s"] for s in steps],
+        offsets=[bucket_intercept(bucket_s, s["bucket"]) for s in steps],
+    )  # fmt: skip
     coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
     coefficients.update({k: float(c) for k, c in zip(STEP_TERMS, coef)})
-    predicted = [predict({**coefficients, "bucket_s": bucket_s}, s["bucket"], s["features"]) for s in steps]
-    err = relative_errors(predicted, y)
-    for s, p, e in zip(steps, predicted, err):
-        s["predicted_s"] = float(p)
-        s["rel_error"] = float(e)
+    numeric = {**coefficients, "bucket_s": bucket_s}
+    for s in steps + served:
+        s["grid_model_s"] = float(step_time(numeric, s["bucket"], s["features"]))
+    coefficients.update(fit_serve([s["grid_model_s"] for s in served], [s["measured_s"] for s in served]))
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
-    coefficients["loop_s"] = float(loop_s)
-    residuals = {"median_rel_error": float(np.median(err)), "max_rel_error": float(np.max(err)), "num_points": len(y)}
+    coefficients.update(fit_loop(gaps or []))
+    coefficients["wake_s"] = float(wake["wake_s"]) if wake else 0.0
+    coefficients["wake_ramp_s"] = float(wake["wake_ramp_s"]) if wake else 1.0
+    numeric = {**coefficients, "bucket_s": bucket_s}
+    for s in steps:
+        s["predicted_s"] = s["grid_model_s"]
+    for s in served:
+        s["predicted_s"] = float(predict(numeric, s["bucket"], s["features"]))
+    for s in steps + served:
+        s["rel_error"] = float(abs(s["predicted_s"] - s["measured_s"]) / s["measured_s"])
+    grid_err = [s["rel_error"] for s in steps]
+    residuals: dict[str, Any] = {
+        "median_rel_error": float(np.median(grid_err)), "max_rel_error": float(np.max(grid_err)), "num_points": len(steps),
+    }  # fmt: skip
+    if served:
+        loop = sum(g for _, g in gaps or [])
+        measured = sum(s["measured_s"] for s in served) + loop
+        predicted = sum(s["predicted_s"] for s in served) + sum(
+            coefficients["loop_s"] + coefficients["loop_seq_s"] * n for n, _ in gaps or []
+        )  # fmt: skip
+        grid_only = sum(s["grid_model_s"] for s in served) + loop
+        residuals["served"] = {
+            "median_rel_error": float(np.median([s["rel_error"] for s in served])),
+            "num_points": len(served),
+            # what a run's throughput sees: its steps and loop time added up, predicted over measured
+            "total_error": float((predicted - measured) / measured),
+            # the same with steps timed back to back (the grid model alone): the serving loop's effect
+            "grid_model_total_error": float((grid_only - measured) / measured),
+        }
     return coefficients, residuals
 
 
@@ -160,13 +181,15 @@ def machine() -> dict[str, Any]:
 
 def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients, residuals, extra) -> dict[str, Any]:
     return {
-        "made_for": profile_key(cfg.model, cfg.cache.page_size, cfg.scheduler.max_num_seqs, cfg.cache.num_pages),
+        "made_for": profile_key(cfg.model, cfg.cache.page_size, cfg.scheduler.max_num_seqs),
+        "num_pages": cfg.cache.num_pages,  # for the record: a run may use another page pool
         "model": cfg.model.name,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "token_buckets": list(shapes.token_buckets),
-        "formula": "bucket_s[bucket] + iter_s + seq_s*rows + (single_chunk_s + single_chunk_token_s*bucket)"
+        "formula": "serve_scale*step + loop_s + loop_seq_s*requests, step = bucket_s[bucket] + iter_s + seq_s*rows + (single_chunk_s + single_chunk_token_s*bucket)"
         "*single_steps + (block_chunk_s + block_chunk_token_s*bucket)*block_steps"
-        " (+ swap_iter_s + swap_page_s*pages when the step swaps) + loop_s",
+        " (+ swap_iter_s + swap_page_s*pages when the step swaps)"
+        " (+ wake_s*min(1, idle/wake_ramp_s) on the first step after the loop idled)",
         "coefficients": coefficients,
         "residuals": residuals,
         "steps": steps,
@@ -175,19 +198,24 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
     }
 
 
-def plot_profile(path: Path, steps: list[dict]) -> Path:
-    """Predicted against measured step time, one colour per batch kind."""
+def plot_profile(path: Path, steps: list[dict], served: Sequence[dict] = ()) -> Path:
+    """Predicted against measured step time: grid points one colour per batch kind, served
+    iterations small and grey."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 5))
+    if served:
+        ax.scatter([1e3 * s["measured_s"] for s in served], [1e3 * s["predicted_s"] for s in served],
+                   label="served", s=4, color="0.6", alpha=0.5)  # fmt: skip
     for kind in sorted({s["kind"] for s in steps}):
         pts = [s for s in steps if s["kind"] == kind]
         ax.scatter([1e3 * s["measured_s"] for s in pts], [1e3 * s["predicted_s"] for s in pts], label=kind, s=18)
-    lo = 1e3 * min(min(s["measured_s"], s["predicted_s"]) for s in steps)
-    hi = 1e3 * max(max(s["measured_s"], s["predicted_s"]) for s in steps)
+    every = list(steps) + list(served)
+    lo = 1e3 * min(min(s["measured_s"], s["predicted_s"]) for s in every)
+    hi = 1e3 * max(max(s["measured_s"], s["predicted_s"]) for s in every)
     ax.plot([lo, hi], [lo, hi], color="gray", lw=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -205,5 +233,5 @@ def write_profile(out_dir: Path, profile: dict[str, Any]) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "profile.json"
     path.write_text(json.dumps(profile, indent=2) + "\n")
-    plot_profile(out_dir / "profile.png", profile["steps"])
+    plot_profile(out_dir / "profile.png", profile["steps"], profile.get("served", ()))
     return path

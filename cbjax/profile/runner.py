@@ -32,28 +32,45 @@ class ProfileRunConfig(RunConfig):
 def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     """Profile the engine `cfg` describes; writes profile.json and profile.png to `out_dir`."""
     from cbjax.profile.measure import (
-        build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_loop, measure_steps,
-        measure_swaps, write_profile,
+        build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_steps, measure_swaps,
+        write_profile,
     )  # fmt: skip
+    from cbjax.profile.grid import build_schedule
+    from cbjax.profile.serving import measure_serving, measure_wake
     from cbjax.run import build_executor, resolve
 
     t0 = time.perf_counter()
     cfg = resolve(cfg)
     executor = build_executor(cfg)
     executor.progress = cfg.progress
+    executor.sampling = False  # every request the profile serves is greedy: no sampler to compile
     executor.warmup()
     warmup_s = time.perf_counter() - t0
     shapes = executor.shapes
+    say = print if cfg.progress else (lambda *a, **k: None)
     points = profile_grid(shapes, cfg.model.max_model_len, cfg.grid)
+    say(f"timing {len(points)} grid steps x {cfg.repeats} ...", flush=True)
     steps = measure_steps(executor.execute, points, shapes, cfg.cache.num_pages, cfg.model.vocab_size, cfg.repeats)
     bucket_s = measure_buckets(engine_empty_step(executor), shapes.token_buckets, cfg.repeats)
+    say("timing swap copies ...", flush=True)
     swaps = measure_swaps(executor, cfg.repeats)
-    loop = measure_loop(executor, cfg)
-    coefficients, residuals = fit_profile(steps, swaps, bucket_s, loop["loop_s"])
+    say("timing steps after an idle loop ...", flush=True)
+    small = sorted(
+        (p for p in points if sum(n for n, _ in p.rows) <= 4 * shapes.num_rows), key=lambda p: sum(n for n, _ in p.rows)
+    )
+    wake_plans = [
+        build_schedule(p, shapes, cfg.cache.num_pages, cfg.model.vocab_size) for p in small[:: max(1, len(small) // 3)]
+    ]
+    wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
+    say("serving the profile's workloads ...", flush=True)
+    serving = measure_serving(executor, cfg, shapes)
+    coefficients, residuals = fit_profile(steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake)
     extra = {
         "attention": executor.attention,
         "machine": machine(),
-        "loop": loop,
+        "serving": serving["runs"],
+        "wake": wake,
+        "served": serving["steps"],
         "grid": cfg.grid,
         "repeats": cfg.repeats,
         "warmup_s": warmup_s,

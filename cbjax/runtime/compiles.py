@@ -6,6 +6,8 @@ cache too, so `cache_hit_count` counts those loads and `fresh_compile_count` sub
 
 from __future__ import annotations
 
+import threading
+
 import jax
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -13,6 +15,7 @@ _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _count = 0
 _hits = 0
 _registered = False
+_thread_hits: dict[int, int] = {}  # thread id -> persistent-cache loads in that thread
 
 
 def _duration_listener(event: str, duration_s: float, **kwargs) -> None:
@@ -23,8 +26,10 @@ def _duration_listener(event: str, duration_s: float, **kwargs) -> None:
 
 def _event_listener(event: str, **kwargs) -> None:
     global _hits
-    if event == _CACHE_HIT_EVENT:
+    if event == _CACHE_HIT_EVENT:  # jax records it in the thread that asked for the program
         _hits += 1
+        ident = threading.get_ident()
+        _thread_hits[ident] = _thread_hits.get(ident, 0) + 1
 
 
 def _register() -> None:
@@ -50,3 +55,9 @@ def cache_hit_count() -> int:
 def fresh_compile_count() -> int:
     """Programs really compiled: compiles minus persistent-cache loads."""
     return compile_count() - cache_hit_count()
+
+
+def thread_cache_hits() -> int:
+    """Persistent-cache loads in the calling thread (compiles in parallel threads stay apart)."""
+    _register()
+    return _thread_hits.get(threading.get_ident(), 0)

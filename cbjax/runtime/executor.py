@@ -28,7 +28,7 @@ from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker, HostBatch
 from cbjax.runtime import programs
-from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count
+from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count, thread_cache_hits
 from cbjax.runtime.kv_cache import init_cache
 from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.step import DeviceBatch, model_step, sample_step, split_model
@@ -183,8 +183,12 @@ class JaxExecutor:
             lowered = self.tp.step(self.graphdef, self.attention).lower(*args)
         else:
             lowered = model_step.lower(*args, graphdef=self.graphdef, attention=self.attention)
+        hits = thread_cache_hits()
         compiled = lowered.compile()
-        programs.store(directory, key, compiled)
+        # A program jax loaded from its own persistent cache serializes without its kernels on
+        # XLA:CPU (a later process fails to find them), so only fresh compiles are stored.
+        if thread_cache_hits() == hits:
+            programs.store(directory, key, compiled)
         return compiled
 
     def follow_step(self, batch: HostBatch) -> None:

@@ -51,8 +51,3 @@ def fit_costs(
     scale[scale == 0] = 1.0  # a term no point exercises fits to 0
     return nnls(a / scale, 1.0 - off / y) / scale
 
-
-def relative_errors(predicted: Sequence[float], times: Sequence[float]) -> np.ndarray:
-    """|predicted - measured| / measured per point."""
-    y = np.asarray(times, float)
-    return np.abs(np.asarray(predicted, float) - y) / y

@@ -6,13 +6,20 @@ profile times on an all-padding batch), its rows, and the XLA ragged attention's
 steps over pages (`*_chunk_s`: each step runs a whole chunk of query groups), counted exactly
 as `cbjax.runtime.tiles.build_tiles` lays them out (`count_steps`), plus its swap copies:
 
-    time = bucket_s[bucket] + iter_s + seq_s * rows
+    step = bucket_s[bucket] + iter_s + seq_s * rows
            + (single_chunk_s + single_chunk_token_s * bucket) * single_steps
            + (block_chunk_s + block_chunk_token_s * bucket) * block_steps
+    time = serve_scale * step  (the step inside the serving loop: the grid times steps back to
+           back; the profile's served iterations relate the two)
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
-           + loop_s  (the serving loop's own time around the step: scheduling, postprocess, stats)
+           + loop_s + loop_seq_s * requests  (the serving loop's own host time around the step:
+             scheduling, postprocess, stats; it grows with the requests the iteration serves)
+           + wake_s * min(1, idle / wake_ramp_s)  on the first step after the loop idled for
+             `idle` seconds waiting for an arrival (XLA's CPU threads and caches go cold)
 
-A step's work does not grow with the bucket, so the `*_token_s` terms should fit near 0. A bucket the profile did not time gets its intercept interpolated linearly in the bucket size.
+A step's work does not grow with the bucket, so the `*_token_s` terms should fit near 0; they
+stay for kernels whose steps touch every token of the bucket. A bucket the profile did not
+time gets its intercept interpolated linearly in the bucket size.
 
 Pure numpy: no jax import.
 """
@@ -32,7 +39,9 @@ from cbjax.runtime.tiles import count_steps
 
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
 STEP_TERMS = ("iter_s", "seq_s", "single_chunk_s", "block_chunk_s", "single_chunk_token_s", "block_chunk_token_s")
-SWAP_TERMS = ("swap_iter_s", "swap_page_s", "loop_s")
+SWAP_TERMS = ("swap_iter_s", "swap_page_s")
+SERVE_TERMS = ("serve_scale",)
+LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
     "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
@@ -70,17 +79,17 @@ def bucket_intercept(bucket_s: dict[int, float], bucket: int) -> float:
     return float(np.interp(bucket, xs, [bucket_s[x] for x in xs]))
 
 
-def profile_key(model: ModelConfig, page_size: int, num_slots: int, num_pages: int) -> dict:
-    """What a profile must match: the model's architecture, the page size, the page pool (the
-    engine's step time grows with the cache it carries) and the slot count."""
+def profile_key(model: ModelConfig, page_size: int, num_slots: int) -> dict:
+    """What a profile must match: the model's architecture, the page size and the slot count,
+    which set the step's shapes. Not the page pool: the step reads only the pages it gathers,
+    so its time does not grow with `cache.num_pages`."""
     key = {f"model.{f}": getattr(model, f) for f in ARCH_FIELDS}
     key["cache.page_size"] = page_size
-    key["cache.num_pages"] = num_pages
     key["scheduler.max_num_seqs"] = num_slots
     return key
 
 
-def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int, num_pages: int) -> dict:
+def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) -> dict:
     """Read and check `profile.json`; a missing, malformed or mismatched file is a one-line ValueError."""
     p = Path(path).expanduser()
     if not p.is_file():
@@ -88,13 +97,13 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int, 
     try:
         profile = json.loads(p.read_text())
         made_for = dict(profile["made_for"])
-        coef = {k: float(profile["coefficients"][k]) for k in STEP_TERMS + SWAP_TERMS}
+        coef = {k: float(profile["coefficients"][k]) for k in STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS}
         coef["bucket_s"] = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
         if not coef["bucket_s"]:
             raise ValueError("coefficients.bucket_s is empty")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"executor.profile: {p} is not a cbjax profile ({type(err).__name__}: {err})") from None
-    for key, ours in profile_key(model, page_size, num_slots, num_pages).items():
+    for key, ours in profile_key(model, page_size, num_slots).items():
         theirs = made_for.get(key)
         if theirs != ours:
             raise ValueError(f"executor.profile: made for {key}={theirs}, this run has {ours} ({p})")
@@ -112,14 +121,21 @@ class ProfiledCost:
         self.swap_iter_s = coefficients["swap_iter_s"]
         self.swap_page_s = coefficients["swap_page_s"]
         self.loop_s = coefficients["loop_s"]
+        self.loop_seq_s = coefficients["loop_seq_s"]
+        self.wake_s = coefficients["wake_s"]
+        self.wake_ramp_s = max(coefficients["wake_ramp_s"], 1e-9)
         self.shapes = shapes
+        self._last_end: Optional[float] = None  # where the previous iteration ended, on the run's clock
 
     def __call__(self, plan: Schedule) -> float:
         bucket, x = step_features(plan.cost_rows(), self.shapes)
-        t = self.loop_s + predict(self.coefficients, bucket, x)
+        t = self.loop_s + self.loop_seq_s * plan.num_scheduled + predict(self.coefficients, bucket, x)
         pages = plan.num_swapped_pages
         if pages:
             t += self.swap_iter_s + self.swap_page_s * pages
+        if self._last_end is not None and plan.start_s > self._last_end:  # the loop idled until an arrival
+            t += self.wake_s * min(1.0, (plan.start_s - self._last_end) / self.wake_ramp_s)
+        self._last_end = plan.start_s + t
         return t
 
 
@@ -128,14 +144,19 @@ def make_profiled_cost(
 ) -> ProfiledCost:
     if not executor.profile:
         raise ValueError("executor.profile: cost_model=profiled needs a profile.json path (executor.profile=PATH)")
-    profile = load_profile(executor.profile, model, cache.page_size, scheduler.max_num_seqs, cache.num_pages)
+    profile = load_profile(executor.profile, model, cache.page_size, scheduler.max_num_seqs)
     return ProfiledCost(profile["coefficients"], shapes_for(model, scheduler, cache, executor))
 
 
-def predict(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
-    """A step's predicted time from its bucket and STEP_TERMS features."""
+def step_time(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
+    """A step's time run back to back (as the grid times it) from its bucket and STEP_TERMS features."""
     step = sum(coefficients[k] * v for k, v in zip(STEP_TERMS, features))
     return bucket_intercept(coefficients["bucket_s"], bucket) + step
+
+
+def predict(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
+    """A step's predicted time inside the serving loop: serve_scale * `step_time`."""
+    return coefficients["serve_scale"] * step_time(coefficients, bucket, features)
 
 
 def shapes_for(

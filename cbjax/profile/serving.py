@@ -1,0 +1,166 @@
+"""Time the engine inside its own serving loop: each iteration's `execute` as the loop calls it,
+and the loop's host time around it (scheduling, postprocess, stats), as `cbjax.run.run_single`
+serves. The grid times steps back to back on fixed batches; these iterations are what a run pays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from cbjax.config import LengthConfig, RunConfig, WorkloadConfig
+from cbjax.plan import Schedule, StepOutput
+from cbjax.request import Request
+from cbjax.runtime.shapes import ShapePlan
+from cbjax.sim.fit import nnls
+from cbjax.sim.profiled import step_features
+
+
+class TimedExecutor:
+    """Passes each iteration to `inner` and records its rows and clock: `rows_at` (before the
+    recorder's own bookkeeping), `start`/`end` (around `inner.execute`)."""
+
+    virtual_clock = False
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rows: list[list[tuple[int, int, bool]]] = []
+        self.num_scheduled: list[int] = []
+        self.rows_at: list[float] = []
+        self.start: list[float] = []
+        self.end: list[float] = []
+
+    def validate(self, req: Request) -> Optional[str]:
+        return self.inner.validate(req)
+
+    def warmup(self) -> None:
+        """The engine is warm already: the profile warmed it before the grid."""
+
+    def execute(self, plan: Schedule) -> StepOutput:
+        self.rows_at.append(time.perf_counter())
+        self.rows.append(plan.cost_rows())
+        self.num_scheduled.append(plan.num_scheduled)
+        self.start.append(time.perf_counter())
+        out = self.inner.execute(plan)
+        self.end.append(time.perf_counter())
+        return out
+
+
+def serving_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """The profile's own served workloads (apart from experiments/calibrate.py's): 3 x slots
+    requests at t=0 with uniform prompts up to a quarter of max_model_len and uniform outputs
+    up to an eighth, under fcfs with chunked prefill (mixed steps) and without (whole prompts)."""
+    length = cfg.model.max_model_len
+    slots = cfg.scheduler.max_num_seqs
+    wl = WorkloadConfig(
+        num_requests=3 * slots, vocab_size=cfg.model.vocab_size,
+        prompt_len=LengthConfig(dist="uniform", low=min(8, length // 2), high=max(8, length // 4)),
+        output_len=LengthConfig(dist="uniform", low=min(8, length // 2), high=max(8, length // 8)),
+    )  # fmt: skip
+    runs = []
+    for i, chunked in enumerate((True, False)):
+        sched = dataclasses.replace(cfg.scheduler, name="fcfs", chunked_prefill=chunked, static_padding=False)
+        runs.append(
+            (
+                f"fcfs_chunked_{'on' if chunked else 'off'}",
+                dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=cfg.seed + 101 + i),
+            )
+        )
+    return runs
+
+
+def serve_timed(executor, cfg: RunConfig) -> TimedExecutor:
+    """Serve `cfg`'s workload on the warm `executor` with the loop `run_single` runs (its
+    service log included); returns the recorder."""
+    from cbjax.engine import serve
+    from cbjax.scheduler import Scheduler
+    from cbjax.service import ServiceLog
+    from cbjax.workload import build_workload
+
+    timed = TimedExecutor(executor)
+    scheduler = Scheduler(
+        cfg.scheduler, cfg.cache, cfg.model.max_model_len, validate=timed.validate,
+        eos_token_id=cfg.model.eos_token_id, vocab_size=cfg.model.vocab_size,
+    )  # fmt: skip
+    serve(build_workload(cfg.workload, cfg.seed), scheduler, timed, on_step=ServiceLog().on_step)
+    return timed
+
+
+def served_points(label: str, timed: TimedExecutor, shapes: ShapePlan) -> tuple[list[dict], list[tuple[int, float]]]:
+    """(steps, gaps): per iteration its features and the seconds `execute` took as the loop
+    called it; per iteration but the last, (its rows, the loop's host seconds until the next
+    `execute`, the recorder's own bookkeeping excluded)."""
+    steps = []
+    for rows, t0, t1 in zip(timed.rows, timed.start, timed.end):
+        bucket, features = step_features(rows, shapes)
+        kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
+        steps.append({
+            "kind": kind, "source": label, "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
+            "bucket": bucket, "features": features, "measured_s": t1 - t0,
+        })  # fmt: skip
+    gaps = [(n, nxt - end) for n, end, nxt in zip(timed.num_scheduled, timed.end, timed.rows_at[1:])]
+    return steps, gaps
+
+
+def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
+    """loop_s + loop_seq_s * rows, the loop's host seconds after an iteration of `rows`
+    scheduled requests (postprocess, stats, the next schedule): non-negative least squares on
+    absolute error, so the fit keeps the mean a run's wall clock adds up."""
+    if not gaps:
+        return {"loop_s": 0.0, "loop_seq_s": 0.0}
+    a = np.array([[1.0, float(n)] for n, _ in gaps])
+    y = np.array([g for _, g in gaps])
+    scale = a.max(axis=0)
+    coef = nnls(a / scale, y) / scale
+    return {"loop_s": float(coef[0]), "loop_seq_s": float(coef[1])}
+
+
+def fit_serve(grid_model_s: list[float], measured_s: list[float]) -> dict[str, float]:
+    """serve_scale: how much longer a step takes inside the serving loop than the grid model says
+    (steps timed back to back): the served iterations' measured sum over the model's, so the
+    scaled model keeps their sum (what a run's throughput adds up). None served: 1."""
+    total = float(sum(grid_model_s))
+    return {"serve_scale": float(sum(measured_s)) / total if measured_s and total > 0 else 1.0}
+
+
+def measure_serving(executor, cfg: RunConfig, shapes: ShapePlan) -> dict[str, Any]:
+    """Serve the profile's workloads (`serving_runs`) on the warm engine: served steps for the
+    fit, loop gaps for `fit_loop`, and per run its iterations, makespan and time in execute."""
+    steps, gaps, runs = [], [], []
+    for label, run_cfg in serving_runs(cfg):
+        t0 = time.perf_counter()
+        timed = serve_timed(executor, run_cfg)
+        s, g = served_points(label, timed, shapes)
+        steps += s
+        gaps += g
+        runs.append({
+            "run": label, "iterations": len(s), "makespan_s": timed.end[-1] - timed.start[0] if s else 0.0,
+            "execute_s": float(sum(x["measured_s"] for x in s)), "loop_s": float(sum(x for _, x in g)),
+            "wall_s": time.perf_counter() - t0,
+        })  # fmt: skip
+    return {"steps": steps, "gaps": gaps, "runs": runs}
+
+
+def measure_wake(
+    execute, plans: list[Schedule], repeats: int, idles: tuple[float, float] = (0.001, 0.02)
+) -> dict[str, Any]:
+    """What the first step after the loop idled costs over the same step run hot (XLA's CPU
+    threads and caches go cold, and the loop's sleep overshoots): per idle length, the median
+    over `plans` x `repeats` of (sleep + step wall) - idle - the step hot. `wake_s` is the
+    long idle's; `wake_ramp_s` the idle at which it is reached, from the short idle's share of it."""
+    extra: dict[float, list[float]] = {idle: [] for idle in idles}
+    for _ in range(repeats):
+        for idle in idles:
+            for plan in plans:
+                execute(plan)
+                hot = execute(plan).duration_s
+                t0 = time.perf_counter()
+                time.sleep(idle)
+                execute(plan)
+                extra[idle].append(time.perf_counter() - t0 - idle - hot)
+    short, long = (max(0.0, float(np.median(extra[i]))) for i in idles)
+    ramp = idles[1] if short <= 0 else min(idles[1], max(idles[0], idles[0] * long / short))
+    return {"wake_s": long, "wake_ramp_s": ramp, "by_idle_s": {str(i): float(np.median(extra[i])) for i in idles}}
