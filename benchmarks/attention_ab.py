@@ -10,7 +10,8 @@ plus 4 prefills of 100 tokens, bucket 512). For each, both kernels are jitted al
 (CPU seconds of the compile, `time.process_time`), checked against each other, then timed
 interleaved; the table shows median ms per layer call and old / new. The old kernel and its
 tile builder are loaded from `git show REF:path`, so the ref must still use the
-`build_tiles(query_start, kv_lens, page_table, ...)` layout of main before the query groups.
+`build_tiles(query_start, kv_lens, page_table, ...)` tile layout (main before the query
+groups: once they are merged, pass `--old-ref c43e2d6`).
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def main() -> None:
     args = ap.parse_args()
     old_k = load_old(args.old_ref, "old_xla_ragged", "cbjax/kernels/xla_ragged.py")
     old_t = load_old(args.old_ref, "old_tiles", "cbjax/runtime/tiles.py")
+    if hasattr(old_t, "count_steps"):
+        sys.exit(f"--old-ref {args.old_ref} already has the query-group kernel; pass the tile kernel's commit (c43e2d6)")
     s = SHAPE
     rng = np.random.default_rng(0)
     cache_shape = (s["layers"], s["kv_heads"], s["num_pages"], s["page_size"], s["head_dim"])
