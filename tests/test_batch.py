@@ -101,6 +101,11 @@ def test_tiles_by_hand():
     q, row, chunk_pages, num_chunks = block
     assert q.tolist() == [[1, 2], [3, 6], [6, 6], [6, 6], [6, 6], [6, 6]] and row[:2].tolist() == [1, 1]
     assert chunk_pages.tolist() == [2, 0, 0] and int(num_chunks) == 1
+    # in a bucket of 6 tokens a group holds at most 6: blocks of 64 shrink to 6 query slots
+    cap = tile_capacity(6, 3, 64, (1, 2))
+    assert cap == ((3, 1), (4, 2))  # block bound: min(6 // 2, 3) rows + 6 // 6 full blocks
+    _, block = build_tiles(query_start, kv_lens, 6, 2, 64, cap)
+    assert block[0][:1].tolist() == [[1, 2, 3, 6, 6, 6]] and int(block[3]) == 1
     # chunks shrink to the capacity: 2 tokens hold at most 2 single groups, and the block bound
     # is min(2 // 2, 3) rows + 2 // 2 full blocks = 2
     assert tile_capacity(2, 3, 2, (4, 4)) == ((2, 2), (2, 2))

@@ -28,6 +28,7 @@ def tile_capacity(num_tokens: int, num_rows: int, block: int, chunks: tuple[int,
     """Static ((capacity, chunk) single, (capacity, chunk) block) for a step of `num_tokens`
     tokens: the most groups any batch of that size can need, rounded up to whole chunks, and
     the chunk size, no more groups than the capacity needs."""
+    block = group_size(num_tokens, block)
     single = min(num_tokens, num_rows)
     multi = min(num_tokens // 2, num_rows) + num_tokens // block  # rows of >= 2 tokens, plus full blocks
     out = []
@@ -35,6 +36,12 @@ def tile_capacity(num_tokens: int, num_rows: int, block: int, chunks: tuple[int,
         c = max(1, min(c, n))
         out.append((max(c, -(-n // c) * c), c))
     return tuple(out)
+
+
+def group_size(num_tokens: int, block: int) -> int:
+    """Query slots per block group in a step of `num_tokens` tokens: `block`, or fewer in a small
+    bucket, whose rows can't hold more (a row of n <= num_tokens tokens splits the same way)."""
+    return max(1, min(block, num_tokens))
 
 
 def build_tiles(
@@ -47,6 +54,7 @@ def build_tiles(
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """(single, block) group lists, each (q_idx i32[cap, b], row i32[cap], chunk_pages
     i32[cap // chunk], num_chunks i32[]); unused query slots point at the padding row `num_tokens`."""
+    block = group_size(num_tokens, block)
     n = np.diff(query_start)
     starts = query_start[:-1]
     rows1 = np.flatnonzero(n == 1)
