@@ -115,12 +115,16 @@ def test_count_steps_by_hand():
     knobs = (tiles.BLOCK_Q, tiles.CHUNK_SINGLE, tiles.CHUNK_BLOCK, tiles.PAGES_SINGLE, tiles.PAGES_BLOCK)
     assert knobs == (64, 32, 8, 2, 4)  # the hand counts below assume these
     # page_size 4: a decode at position 4 reads 2 pages: one chunk, one step of 2 pages
-    assert count_steps([(1, 4)], 4) == (1, 1, 0, 0)
+    assert count_steps([(1, 4)], 4, 32) == (1, 1, 0, 0)
     # a 100-token prefill: groups of 64 and 36 tokens ending at positions 63 and 99 read 16 and 25
     # pages; one chunk, run for its longest group: ceil(25 / 4) = 7 steps
-    assert count_steps([(100, 0)], 4) == (0, 0, 1, 7)
+    assert count_steps([(100, 0)], 4, 4096) == (0, 0, 1, 7)
+    # four of them: 8 groups; in a bucket of 4096 one chunk of 8 (7 steps), in 512 chunks of 1
+    # (4 x 7 + 4 x 4 steps)
+    assert count_steps([(100, 0)] * 4, 4, 4096) == (0, 0, 1, 7)
+    assert count_steps([(100, 0)] * 4, 4, 512) == (0, 0, 8, 44)
     # 33 decodes at position 20 (6 pages each): chunks of 32 and 1, 3 steps each
-    assert count_steps([(1, 20)] * 33, 4) == (2, 6, 0, 0)
+    assert count_steps([(1, 20)] * 33, 4, 64) == (2, 6, 0, 0)
 
 
 def test_count_steps_matches_the_packed_lists():
@@ -131,13 +135,13 @@ def test_count_steps_matches_the_packed_lists():
         n = np.array([r[0] for r in rows], np.int32)
         query_start = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
         kv_lens = np.array([ctx + k for k, ctx in rows], np.int32)
-        bucket = int(query_start[-1]) + 3
-        cap = tile_capacity(bucket, len(rows), tiles.BLOCK_Q, (tiles.CHUNK_SINGLE, tiles.CHUNK_BLOCK))
+        bucket = int(query_start[-1]) + int(rng.choice([3, 2000]))  # small and large block chunks
+        cap = tile_capacity(bucket, len(rows), tiles.BLOCK_Q, (tiles.CHUNK_SINGLE, tiles.block_chunk(bucket)))
         single, block = build_tiles(query_start, kv_lens, bucket, 4, tiles.BLOCK_Q, cap)
         packed = []
         for (_, _, chunk_pages, num), step in ((single, tiles.PAGES_SINGLE), (block, tiles.PAGES_BLOCK)):
             packed += [int(num), int(sum(-(-int(p) // step) for p in chunk_pages[:num]))]
-        assert count_steps(rows, 4) == tuple(packed), rows
+        assert count_steps(rows, 4, bucket) == tuple(packed), rows
 
 
 def test_packing_imports_no_jax():

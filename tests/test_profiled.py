@@ -29,9 +29,9 @@ def test_count_tiles_by_hand():
     # decode at position 4 reads 2 pages (1 step); a 20-token prefill is one group ending at
     # position 19: 5 pages, 2 steps; a 2-token chunk after 6 cached tokens ends at position 7:
     # 2 pages, 1 step, beside a decode at position 3 (1 page, 1 step).
-    assert count_tiles([(1, 4, True)], 4) == (1, 0)
-    assert count_tiles([(20, 0, False)], 4) == (0, 2)
-    assert count_tiles([(2, 6, False), (1, 3, True)], 4) == (1, 1)
+    assert count_tiles([(1, 4, True)], 4, 4) == (1, 0)
+    assert count_tiles([(20, 0, False)], 4, 64) == (0, 2)
+    assert count_tiles([(2, 6, False), (1, 3, True)], 4, 4) == (1, 1)
 
 
 def test_count_tiles_matches_the_packers_tile_lists():
@@ -45,7 +45,7 @@ def test_count_tiles_matches_the_packers_tile_lists():
             rows.append((n, ctx))
         plan = build_schedule(GridPoint("mixed", rows), shapes, num_pages=64, vocab_size=512)
         batch = BatchPacker(shapes, tiles=True).pack(plan)
-        assert count_tiles(plan.cost_rows(), 4) == packed_steps(batch), rows
+        assert count_tiles(plan.cost_rows(), 4, batch.tokens.shape[0]) == packed_steps(batch), rows
 
 
 def packed_steps(batch) -> tuple[int, int]:

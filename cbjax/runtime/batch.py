@@ -18,7 +18,7 @@ import numpy as np
 from cbjax.plan import Schedule
 from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
-from cbjax.runtime.tiles import BLOCK_Q, CHUNK_BLOCK, CHUNK_SINGLE, build_tiles, tile_capacity
+from cbjax.runtime.tiles import BLOCK_Q, CHUNK_SINGLE, block_chunk, build_tiles, tile_capacity
 
 
 @dataclass
@@ -70,7 +70,7 @@ class BatchPacker:
 
     def capacity(self, bucket: int) -> tuple[tuple[int, int], ...]:
         """Static ((capacity, chunk) single, (capacity, chunk) block) groups for a step of `bucket` tokens."""
-        return tile_capacity(bucket, self.shapes.num_rows, BLOCK_Q, (CHUNK_SINGLE, CHUNK_BLOCK))
+        return tile_capacity(bucket, self.shapes.num_rows, BLOCK_Q, (CHUNK_SINGLE, block_chunk(bucket)))
 
     def empty(self, bucket: int) -> HostBatch:
         """An all-padding batch of `bucket` tokens (warmup)."""

@@ -15,7 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-# Query tokens per group in the block list, and groups per loop chunk of each list.
+# Query tokens per group in the block list, and groups per loop chunk of each list (the block
+# list's chunk shrinks in small buckets, see `block_chunk`).
 BLOCK_Q = 64
 CHUNK_SINGLE = 32
 CHUNK_BLOCK = 8
@@ -36,6 +37,13 @@ def tile_capacity(num_tokens: int, num_rows: int, block: int, chunks: tuple[int,
         c = max(1, min(c, n))
         out.append((max(c, -(-n // c) * c), c))
     return tuple(out)
+
+
+def block_chunk(num_tokens: int) -> int:
+    """Groups per chunk of the block list in a step of `num_tokens` tokens: one per 512 tokens,
+    1 to CHUNK_BLOCK. A small step holds few prefill groups, and a chunk's unused groups cost as
+    much as used ones (a mixed step of decodes and one prompt ran 2x slower with chunks of 8)."""
+    return max(1, min(CHUNK_BLOCK, num_tokens // 512))
 
 
 def group_size(num_tokens: int, block: int) -> int:
@@ -71,10 +79,11 @@ def build_tiles(
     return single, multi
 
 
-def count_steps(rows: Sequence[tuple[int, int]], page_size: int) -> tuple[int, int, int, int]:
+def count_steps(rows: Sequence[tuple[int, int]], page_size: int, num_tokens: int) -> tuple[int, int, int, int]:
     """(single chunks, single page steps, block chunks, block page steps) the kernel runs for
-    rows of (num_new_tokens, num_context_tokens) as `build_tiles` lays them out, whatever the
-    bucket: a chunk smaller than CHUNK_* only ever holds every group of its list."""
+    rows of (num_new_tokens, num_context_tokens) in a step of `num_tokens` (the bucket) as
+    `build_tiles` lays them out, with the packer's chunks. A chunk shrunk to its list's capacity
+    holds every group of the list, so only the block list's `block_chunk` depends on the bucket."""
     single = sorted(((ctx // page_size + 1) for n, ctx in rows if n == 1), reverse=True)
     block = sorted(
         ((ctx + min(first + BLOCK_Q, n) - 1) // page_size + 1  # pages up to the group's last position
@@ -82,7 +91,7 @@ def count_steps(rows: Sequence[tuple[int, int]], page_size: int) -> tuple[int, i
         reverse=True,
     )  # fmt: skip
     out = []
-    for pages, chunk, step in ((single, CHUNK_SINGLE, PAGES_SINGLE), (block, CHUNK_BLOCK, PAGES_BLOCK)):
+    for pages, chunk, step in ((single, CHUNK_SINGLE, PAGES_SINGLE), (block, block_chunk(num_tokens), PAGES_BLOCK)):
         heads = pages[::chunk]  # each chunk runs as many steps as its first (longest) group needs
         out += [len(heads), sum(-(-p // step) for p in heads)]
     return tuple(out)

@@ -49,10 +49,11 @@ ARCH_FIELDS = (
 )  # fmt: skip
 
 
-def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int) -> tuple[int, int]:
+def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int, bucket: int) -> tuple[int, int]:
     """(single, block) inner loop steps the XLA ragged attention runs for rows of
-    (num_new_tokens, num_context_tokens, _), as `cbjax.runtime.tiles.count_steps` counts them."""
-    _, single, _, block = count_steps([(n, ctx) for n, ctx, _ in rows], page_size)
+    (num_new_tokens, num_context_tokens, _) in a step of `bucket` tokens, as
+    `cbjax.runtime.tiles.count_steps` counts them."""
+    _, single, _, block = count_steps([(n, ctx) for n, ctx, _ in rows], page_size, bucket)
     return single, block
 
 
@@ -61,7 +62,7 @@ def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> t
     tokens = sum(n for n, _, _ in rows)
     # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
     bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
-    single, block = count_tiles(rows, shapes.page_size)
+    single, block = count_tiles(rows, shapes.page_size, bucket)
     return bucket, [
         1.0, float(len(rows)), float(single), float(block), float(single * bucket), float(block * bucket),
     ]  # fmt: skip
