@@ -19,7 +19,7 @@ from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 from cbjax.sim import make_cost_model
 from cbjax.sim.fit import nnls
-from cbjax.sim.profiled import count_tiles, profile_key
+from cbjax.sim.profiled import count_tiles, pages_read, profile_key
 
 MODEL = ModelConfig()  # tiny
 
@@ -32,6 +32,9 @@ def test_count_tiles_by_hand():
     assert count_tiles([(1, 4, True)], 4, 4) == (1, 0)
     assert count_tiles([(20, 0, False)], 4, 64) == (0, 2)
     assert count_tiles([(2, 6, False), (1, 3, True)], 4, 4) == (1, 1)
+    assert pages_read([(1, 4, True)], 4) == (2, 0)
+    assert pages_read([(20, 0, False)], 4) == (0, 5)
+    assert pages_read([(2, 6, False), (1, 3, True)], 4) == (1, 2)
 
 
 def test_count_tiles_matches_the_packers_tile_lists():
@@ -46,6 +49,22 @@ def test_count_tiles_matches_the_packers_tile_lists():
         plan = build_schedule(GridPoint("mixed", rows), shapes, num_pages=64, vocab_size=512)
         batch = BatchPacker(shapes, tiles=True).pack(plan)
         assert count_tiles(plan.cost_rows(), 4, batch.tokens.shape[0]) == packed_steps(batch), rows
+        assert pages_read(plan.cost_rows(), 4) == packed_pages(batch, 4), rows
+
+
+def packed_pages(batch, page_size: int) -> tuple[int, int]:
+    """(single, block) KV pages a packed batch's groups read: each group in use reads its row's
+    pages up to its last query token's position."""
+    out = []
+    num_tokens = batch.tokens.shape[0]
+    for q_idx, *_ in batch.tiles:
+        pages = 0
+        for group in q_idx:
+            real = group[group < num_tokens]
+            if len(real):
+                pages += int(batch.token_pos[real].max()) // page_size + 1
+        out.append(pages)
+    return tuple(out)
 
 
 def packed_steps(batch) -> tuple[int, int]:
@@ -70,7 +89,7 @@ def test_nnls_matches_a_hand_solved_problem():
 # size: bucket 24 oddly slow), per iteration, per row, per inner loop step of single and block groups.
 BUCKET_S = {4: 2.1e-3, 8: 2.2e-3, 16: 2.5e-3, 24: 9e-3, 32: 3e-3, 64: 4e-3, 128: 6e-3, 256: 1e-2, 512: 2e-2}
 TRUE = {"iter_s": 4e-4, "seq_s": 5e-5, "single_chunk_s": 3e-4, "block_chunk_s": 2e-4,
-        "single_chunk_token_s": 2e-6, "block_chunk_token_s": 1e-6}  # fmt: skip
+        "single_chunk_token_s": 2e-6, "block_chunk_token_s": 1e-6, "single_page_s": 2e-5, "block_page_s": 3e-5}  # fmt: skip
 
 
 class SyntheticExecutor:
@@ -84,11 +103,13 @@ class SyntheticExecutor:
     def execute(self, plan: Schedule) -> StepOutput:
         b = self.packer.pack(plan)
         single, block = packed_steps(b)
+        single_pages, block_pages = packed_pages(b, 8)
         bucket = b.tokens.shape[0]
         t = (
             BUCKET_S[bucket] + TRUE["iter_s"] + TRUE["seq_s"] * b.num_rows_used
             + (TRUE["single_chunk_s"] + TRUE["single_chunk_token_s"] * bucket) * single
             + (TRUE["block_chunk_s"] + TRUE["block_chunk_token_s"] * bucket) * block
+            + TRUE["single_page_s"] * single_pages + TRUE["block_page_s"] * block_pages
         )  # fmt: skip
         return StepOutput(token_ids=None, duration_s=t * (1 + self.rng.uniform(-0.005, 0.005)))
 
@@ -149,7 +170,7 @@ def configs(profile, **sched):
 
 def test_profiled_cost_by_hand(tmp_path):
     coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.5, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
-            "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5, "serve_scale": 2.0,
+            "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5, "single_page_s": 0.0, "block_page_s": 0.0, "serve_scale": 2.0,
             "swap_iter_s": 1000.0, "swap_page_s": 10000.0, "loop_s": 0.25, "loop_seq_s": 0.125,
             "wake_s": 0.0, "wake_ramp_s": 1.0}  # fmt: skip
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
@@ -175,7 +196,8 @@ def test_profiled_cost_by_hand(tmp_path):
 
 def test_the_first_step_after_an_idle_loop_pays_the_wake_cost_by_hand(tmp_path):
     coef = {"bucket_s": {"4": 1.0}, "iter_s": 0.0, "seq_s": 0.0, "single_chunk_s": 0.0, "block_chunk_s": 0.0,
-            "single_chunk_token_s": 0.0, "block_chunk_token_s": 0.0, "serve_scale": 1.0, "swap_iter_s": 0.0,
+            "single_chunk_token_s": 0.0, "block_chunk_token_s": 0.0, "single_page_s": 0.0, "block_page_s": 0.0,
+            "serve_scale": 1.0, "swap_iter_s": 0.0,
             "swap_page_s": 0.0, "loop_s": 0.0, "loop_seq_s": 0.0, "wake_s": 0.5, "wake_ramp_s": 4.0}  # fmt: skip
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))

@@ -9,6 +9,7 @@ as `cbjax.runtime.tiles.build_tiles` lays them out (`count_steps`), plus its swa
     step = bucket_s[bucket] + iter_s + seq_s * rows
            + (single_chunk_s + single_chunk_token_s * bucket) * single_steps
            + (block_chunk_s + block_chunk_token_s * bucket) * block_steps
+           + single_page_s * single_pages + block_page_s * block_pages  (KV pages really read)
     time = serve_scale * step  (the step inside the serving loop: the grid times steps back to
            back; the profile's served iterations relate the two)
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
@@ -35,10 +36,13 @@ import numpy as np
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.plan import Schedule
 from cbjax.runtime.shapes import ShapePlan, plan_shapes
-from cbjax.runtime.tiles import count_steps
+from cbjax.runtime.tiles import BLOCK_Q, count_steps
 
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
-STEP_TERMS = ("iter_s", "seq_s", "single_chunk_s", "block_chunk_s", "single_chunk_token_s", "block_chunk_token_s")
+STEP_TERMS = (
+    "iter_s", "seq_s", "single_chunk_s", "block_chunk_s", "single_chunk_token_s", "block_chunk_token_s",
+    "single_page_s", "block_page_s",
+)  # fmt: skip
 SWAP_TERMS = ("swap_iter_s", "swap_page_s")
 SERVE_TERMS = ("serve_scale",)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
@@ -57,14 +61,28 @@ def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int, bucket: i
     return single, block
 
 
+def pages_read(rows: Sequence[tuple[int, int, bool]], page_size: int) -> tuple[int, int]:
+    """(single, block) KV pages the attention's groups really read for rows of (num_new_tokens,
+    num_context_tokens, _): a decode reads its pages up to its position, a prefill group of up to
+    BLOCK_Q tokens its row's pages up to the group's last position. Inner loop steps cost by
+    the longest group of a chunk; these cost by the pages read (cache misses follow real pages)."""
+    single = sum(ctx // page_size + 1 for n, ctx, _ in rows if n == 1)
+    block = sum(
+        (ctx + min(first + BLOCK_Q, n) - 1) // page_size + 1 for n, ctx, _ in rows if n >= 2 for first in range(0, n, BLOCK_Q)
+    )  # fmt: skip
+    return single, block
+
+
 def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> tuple[int, list[float]]:
     """(token bucket, the STEP_TERMS multipliers) of one step over `rows`, under the engine's shape plan."""
     tokens = sum(n for n, _, _ in rows)
     # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
     bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
     single, block = count_tiles(rows, shapes.page_size, bucket)
+    single_pages, block_pages = pages_read(rows, shapes.page_size)
     return bucket, [
         1.0, float(len(rows)), float(single), float(block), float(single * bucket), float(block * bucket),
+        float(single_pages), float(block_pages),
     ]  # fmt: skip
 
 
