@@ -57,9 +57,7 @@ def load(directory: Optional[str], key: str, device) -> Optional[jax.stages.Comp
     try:
         blob, in_tree, out_tree = pickle.loads(path.read_bytes())
         return serialize_executable.deserialize_and_load(blob, in_tree, out_tree, execution_devices=[device])
-    except FileNotFoundError:
-        return None
-    except Exception:  # a truncated or foreign file: compile instead
+    except Exception:  # absent, truncated or foreign: compile instead
         return None
 
 

@@ -79,17 +79,29 @@ def build_tiles(
     return single, multi
 
 
-def count_steps(rows: Sequence[tuple[int, int]], page_size: int, num_tokens: int) -> tuple[int, int, int, int]:
-    """(single chunks, single page steps, block chunks, block page steps) the kernel runs for
-    rows of (num_new_tokens, num_context_tokens) in a step of `num_tokens` (the bucket) as
-    `build_tiles` lays them out, with the packer's chunks. A chunk shrunk to its list's capacity
-    holds every group of the list, so only the block list's `block_chunk` depends on the bucket."""
+def group_pages(rows: Sequence[tuple[int, int]], page_size: int) -> tuple[list[int], list[int]]:
+    """(single, block) pages each query group reads, longest first, for rows of
+    (num_new_tokens, num_context_tokens): a decode reads its row's pages up to its position, a
+    prefill group of up to BLOCK_Q tokens those up to the group's last position."""
     single = sorted(((ctx // page_size + 1) for n, ctx in rows if n == 1), reverse=True)
     block = sorted(
         ((ctx + min(first + BLOCK_Q, n) - 1) // page_size + 1  # pages up to the group's last position
          for n, ctx in rows if n >= 2 for first in range(0, n, BLOCK_Q)),
         reverse=True,
     )  # fmt: skip
+    return single, block
+
+
+def count_steps(rows: Sequence[tuple[int, int]], page_size: int, num_tokens: int) -> tuple[int, int, int, int]:
+    """(single chunks, single page steps, block chunks, block page steps) the kernel runs for
+    rows of (num_new_tokens, num_context_tokens) in a step of `num_tokens` (the bucket) as
+    `build_tiles` lays them out, with the packer's chunks."""
+    return steps_of(*group_pages(rows, page_size), num_tokens)
+
+
+def steps_of(single: list[int], block: list[int], num_tokens: int) -> tuple[int, int, int, int]:
+    """`count_steps` from `group_pages`' lists. A chunk shrunk to its list's capacity holds every
+    group of the list, so only the block list's `block_chunk` depends on the bucket."""
     out = []
     for pages, chunk, step in ((single, CHUNK_SINGLE, PAGES_SINGLE), (block, block_chunk(num_tokens), PAGES_BLOCK)):
         heads = pages[::chunk]  # each chunk runs as many steps as its first (longest) group needs

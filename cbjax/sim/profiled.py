@@ -36,7 +36,7 @@ import numpy as np
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.plan import Schedule
 from cbjax.runtime.shapes import ShapePlan, plan_shapes
-from cbjax.runtime.tiles import BLOCK_Q, count_steps
+from cbjax.runtime.tiles import count_steps, group_pages, steps_of
 
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
 STEP_TERMS = (
@@ -62,15 +62,11 @@ def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int, bucket: i
 
 
 def pages_read(rows: Sequence[tuple[int, int, bool]], page_size: int) -> tuple[int, int]:
-    """(single, block) KV pages the attention's groups really read for rows of (num_new_tokens,
-    num_context_tokens, _): a decode reads its pages up to its position, a prefill group of up to
-    BLOCK_Q tokens its row's pages up to the group's last position. Inner loop steps cost by
-    the longest group of a chunk; these cost by the pages read (cache misses follow real pages)."""
-    single = sum(ctx // page_size + 1 for n, ctx, _ in rows if n == 1)
-    block = sum(
-        (ctx + min(first + BLOCK_Q, n) - 1) // page_size + 1 for n, ctx, _ in rows if n >= 2 for first in range(0, n, BLOCK_Q)
-    )  # fmt: skip
-    return single, block
+    """(single, block) KV pages the attention's groups really read (`cbjax.runtime.tiles.group_pages`).
+    Inner loop steps cost by the longest group of a chunk; these cost by the pages read (cache
+    misses follow real pages)."""
+    single, block = group_pages([(n, ctx) for n, ctx, _ in rows], page_size)
+    return sum(single), sum(block)
 
 
 def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> tuple[int, list[float]]:
@@ -78,11 +74,11 @@ def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> t
     tokens = sum(n for n, _, _ in rows)
     # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
     bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
-    single, block = count_tiles(rows, shapes.page_size, bucket)
-    single_pages, block_pages = pages_read(rows, shapes.page_size)
+    single_groups, block_groups = group_pages([(n, ctx) for n, ctx, _ in rows], shapes.page_size)
+    _, single, _, block = steps_of(single_groups, block_groups, bucket)  # one grouping for both counts
     return bucket, [
         1.0, float(len(rows)), float(single), float(block), float(single * bucket), float(block * bucket),
-        float(single_pages), float(block_pages),
+        float(sum(single_groups)), float(sum(block_groups)),
     ]  # fmt: skip
 
 
