@@ -176,11 +176,12 @@ def _fmt(cell: dict) -> str:
 def _profile_notes(profile: dict) -> list[str]:
     """The profile's serving-loop figures and load, where it has them (a line and a blank)."""
     coef, served = profile.get("coefficients", {}), profile.get("residuals", {}).get("served")
-    if "serve_scale" not in coef or not served:
+    if "bucket_scale" not in coef or not served:
         return []
     load = profile["machine"].get("load_average", [float("nan")])[0]
-    return [f"Serving loop in the profile: steps x{coef['serve_scale']:.3f} against the grid, loop "
-            f"{1e6 * coef['loop_s']:.0f} us + {1e6 * coef['loop_seq_s']:.1f} us per request, wake {1e3 * coef['wake_s']:.2f} ms; "
+    return [f"Serving loop in the profile: steps fitted on {served['num_points']} served iterations (bucket costs "
+            f"x{coef['bucket_scale']:.3f} against the grid's; the grid model alone puts them {served['grid_model_total_error']:+.1%} off), "
+            f"loop {1e6 * coef['loop_s']:.0f} us + {1e6 * coef['loop_seq_s']:.1f} us per request, wake {1e3 * coef['wake_s']:.2f} ms; "
             f"its served runs' total time predicted {served['total_error']:+.1%}; load average {load:.2f} when it ended.", ""]  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 from cbjax.sim import make_cost_model
-from cbjax.sim.fit import nnls
+from cbjax.sim.fit import fit_costs, nnls
 from cbjax.sim.profiled import count_tiles, pages_read, profile_key
 
 MODEL = ModelConfig()  # tiny
@@ -85,6 +85,13 @@ def test_nnls_matches_a_hand_solved_problem():
     assert nnls(a, a @ np.array([0.5, 2.0])) == pytest.approx([0.5, 2.0])
 
 
+def test_fit_costs_on_relative_and_on_absolute_error_by_hand():
+    # y = c x through (1, 1) and (10, 20). Relative: minimise (c - 1)^2 + (c/2 - 1)^2, c = 1.5/1.25
+    # = 1.2. Absolute: c = (1*1 + 10*20) / (1 + 100) = 201/101 (the 20 s point dominates)
+    assert fit_costs([[1.0], [10.0]], [1.0, 20.0]) == pytest.approx([1.2])
+    assert fit_costs([[1.0], [10.0]], [1.0, 20.0], relative=False) == pytest.approx([201 / 101])
+
+
 # Hand-set costs for the synthetic executor: a fixed cost per token bucket (not linear in its
 # size: bucket 24 oddly slow), per iteration, per row, per inner loop step of single and block groups.
 BUCKET_S = {4: 2.1e-3, 8: 2.2e-3, 16: 2.5e-3, 24: 9e-3, 32: 3e-3, 64: 4e-3, 128: 6e-3, 256: 1e-2, 512: 2e-2}
@@ -93,25 +100,28 @@ TRUE = {"iter_s": 4e-4, "seq_s": 5e-5, "single_chunk_s": 3e-4, "block_chunk_s": 
 
 
 class SyntheticExecutor:
-    """Step time set by hand from BUCKET_S and TRUE over what the real packer builds, times 1 +- 0.5 %
-    noise; `run_empty` is a bucket's all-padding step (its BUCKET_S alone)."""
+    """Step time set by hand from `bucket_scale` x BUCKET_S and `coef` (TRUE) over what the real
+    packer builds, times 1 +- `noise` (0.5 %); `run_empty` is a bucket's all-padding step (its
+    BUCKET_S alone)."""
 
-    def __init__(self, shapes, seed=0):
+    def __init__(self, shapes, seed=0, coef=TRUE, bucket_scale=1.0, noise=0.005):
         self.packer = BatchPacker(shapes, tiles=True)
         self.rng = np.random.default_rng(seed)
+        self.coef, self.bucket_scale, self.noise = coef, bucket_scale, noise
 
     def execute(self, plan: Schedule) -> StepOutput:
         b = self.packer.pack(plan)
         single, block = packed_steps(b)
         single_pages, block_pages = packed_pages(b, 8)
         bucket = b.tokens.shape[0]
+        c = self.coef
         t = (
-            BUCKET_S[bucket] + TRUE["iter_s"] + TRUE["seq_s"] * b.num_rows_used
-            + (TRUE["single_chunk_s"] + TRUE["single_chunk_token_s"] * bucket) * single
-            + (TRUE["block_chunk_s"] + TRUE["block_chunk_token_s"] * bucket) * block
-            + TRUE["single_page_s"] * single_pages + TRUE["block_page_s"] * block_pages
+            self.bucket_scale * BUCKET_S[bucket] + c["iter_s"] + c["seq_s"] * b.num_rows_used
+            + (c["single_chunk_s"] + c["single_chunk_token_s"] * bucket) * single
+            + (c["block_chunk_s"] + c["block_chunk_token_s"] * bucket) * block
+            + c["single_page_s"] * single_pages + c["block_page_s"] * block_pages
         )  # fmt: skip
-        return StepOutput(token_ids=None, duration_s=t * (1 + self.rng.uniform(-0.005, 0.005)))
+        return StepOutput(token_ids=None, duration_s=t * (1 + self.rng.uniform(-self.noise, self.noise)))
 
     def run_empty(self, bucket: int) -> float:
         return BUCKET_S[bucket] * (1 + self.rng.uniform(-0.005, 0.005))
@@ -125,34 +135,54 @@ def test_fit_recovers_hand_set_coefficients_from_a_synthetic_executor():
     steps = measure_steps(synthetic.execute, points, shapes, 2048, 512, repeats=3)
     bucket_s = measure_buckets(synthetic.run_empty, shapes.token_buckets, repeats=3)
     coef, residuals = fit_profile(steps, [], bucket_s)
-    for key, value in TRUE.items():
+    for key, value in TRUE.items():  # nothing served: the model is the grid's
         assert coef[key] == pytest.approx(value, rel=0.15), key
+        assert residuals["grid_coefficients"][key] == coef[key]
+    assert coef["bucket_scale"] == 1.0
     for bucket, value in BUCKET_S.items():
         assert coef["bucket_s"][str(bucket)] == pytest.approx(value, rel=0.05), bucket
     assert residuals["max_rel_error"] < 0.02 and residuals["num_points"] == len(points)
 
 
-def test_fit_recovers_the_serving_loops_hand_set_scale_and_loop_costs():
-    # served iterations: the synthetic executor's steps taking 1.25x as long inside the loop, and
-    # the loop's host time after each 30 us + 2 us per request, exactly
+# Served iterations cost otherwise than the same steps back to back: bucket costs x0.8, rows and
+# pages dearer, the attention's chunk steps cheaper.
+SERVED = {**TRUE, "iter_s": 1e-4, "seq_s": 1.2e-4, "single_chunk_s": 1e-4, "single_page_s": 5e-5}
+
+
+def test_fit_recovers_the_served_iterations_hand_set_costs_and_the_loops():
+    # the grid timed by one synthetic executor, the served iterations (the grid's batches again,
+    # as the loop would run them) by another with SERVED costs; iterations after an idle loop
+    # (10x slower here) are left to the wake term; the loop's host time after each iteration is
+    # 30 us + 2 us per request, exactly. The served fit weighs absolute error (a 20 ms step's
+    # 0.5 % is a whole 0.1 ms iter_s), so the served steps carry 0.01 % noise.
     shapes = plan_shapes(num_rows=32, max_model_len=256, page_size=8, max_num_batched_tokens=512)
     points = profile_grid(shapes, 256, "full")
-    synthetic = SyntheticExecutor(shapes)
-    steps = measure_steps(synthetic.execute, points, shapes, 2048, 512, repeats=3)
-    bucket_s = measure_buckets(synthetic.run_empty, shapes.token_buckets, repeats=3)
-    served = [{**s, "measured_s": 1.25 * s["measured_s"], "source": "served"} for s in steps]
+    steps = measure_steps(SyntheticExecutor(shapes).execute, points, shapes, 2048, 512, repeats=3)
+    bucket_s = measure_buckets(SyntheticExecutor(shapes).run_empty, shapes.token_buckets, repeats=3)
+    loop_run = SyntheticExecutor(shapes, seed=1, coef=SERVED, bucket_scale=0.8, noise=1e-4)
+    served = [
+        {**s, "source": "served", "idle": False} for s in measure_steps(loop_run.execute, points, shapes, 2048, 512, 1)
+    ]
+    woke = [{**s, "measured_s": 10 * s["measured_s"], "idle": True} for s in served[:5]]
     gaps = [(n, 30e-6 + 2e-6 * n) for n in (1, 4, 9, 32, 17)]
-    coef, residuals = fit_profile(steps, [], bucket_s, served, gaps, {"wake_s": 1e-3, "wake_ramp_s": 5e-3})
-    assert coef["serve_scale"] == pytest.approx(1.25, rel=0.02)
+    coef, residuals = fit_profile(steps, [], bucket_s, served + woke, gaps, {"wake_s": 1e-3, "wake_ramp_s": 5e-3})
+    assert coef["bucket_scale"] == pytest.approx(0.8, rel=0.05)
+    for key, value in SERVED.items():
+        assert coef[key] == pytest.approx(value, rel=0.15, abs=1e-7), key
+        assert residuals["grid_coefficients"][key] == pytest.approx(TRUE[key], rel=0.15), key
     assert coef["loop_s"] == pytest.approx(30e-6) and coef["loop_seq_s"] == pytest.approx(2e-6)
     assert (coef["wake_s"], coef["wake_ramp_s"]) == (1e-3, 5e-3)
     served_fit = residuals["served"]
-    assert abs(served_fit["total_error"]) < 1e-9  # the scale keeps the served sum
-    assert served_fit["grid_model_total_error"] == pytest.approx(1 / 1.25 - 1, abs=0.02)
+    assert served_fit["num_points"] == len(served) and served_fit["median_rel_error"] < 0.005
+    assert abs(served_fit["total_error"]) < 1e-9  # the fit keeps the served iterations' sum
+    measured = sum(s["measured_s"] for s in served) + sum(g for _, g in gaps)
+    grid_model = sum(s["grid_model_s"] for s in served) + sum(g for _, g in gaps)
+    assert served_fit["grid_model_total_error"] == pytest.approx(grid_model / measured - 1)
+    assert abs(served_fit["grid_model_total_error"]) > 0.05  # the grid model alone would miss them
 
 
 def write_profile(path, coefficients=None, model=MODEL, page_size=16, num_slots=32, num_pages=4096):
-    coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "serve_scale": 1.1, "swap_iter_s": 1e-3,
+    coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "bucket_scale": 1.1, "swap_iter_s": 1e-3,
                             "swap_page_s": 1e-4, "loop_s": 2e-4, "loop_seq_s": 1e-5, "wake_s": 1e-3, "wake_ramp_s": 5e-3}  # fmt: skip
     path.write_text(
         json.dumps({"made_for": profile_key(model, page_size, num_slots), "num_pages": num_pages, "coefficients": coef})
@@ -170,7 +200,7 @@ def configs(profile, **sched):
 
 def test_profiled_cost_by_hand(tmp_path):
     coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.5, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
-            "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5, "single_page_s": 0.0, "block_page_s": 0.0, "serve_scale": 2.0,
+            "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5, "single_page_s": 0.0, "block_page_s": 0.0, "bucket_scale": 2.0,
             "swap_iter_s": 1000.0, "swap_page_s": 10000.0, "loop_s": 0.25, "loop_seq_s": 0.125,
             "wake_s": 0.0, "wake_ramp_s": 1.0}  # fmt: skip
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
@@ -181,23 +211,21 @@ def test_profiled_cost_by_hand(tmp_path):
     p.num_computed, p.num_new_tokens = 0, 20
     plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4, swap_in=[(d, [7, 8])])
     # 21 tokens -> bucket 64; 2 rows; the decode at position 4 reads 2 pages (1 single step), the
-    # 20-token prefill 5 pages (2 block steps, 64 bucket tokens each); 2 pages swapped; the step
-    # doubled (serve_scale), the loop 0.25 + 0.125 per request
-    assert cost(plan) == pytest.approx(0.5 + 2 * (7.0 + 0.5 + 0.002 + 10.0 + 2 * (100.0 + 64e-5)) + 1000.0 + 20000.0)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(
-        0.375 + 2 * (1.0 + 0.5 + 0.001 + 10.0)
-    )
+    # 20-token prefill 5 pages (2 block steps, 64 bucket tokens each); 2 pages swapped; the
+    # bucket's cost doubled (bucket_scale), the loop 0.25 + 0.125 per request
+    assert cost(plan) == pytest.approx(0.5 + 2 * 7.0 + 0.5 + 0.002 + 10.0 + 2 * (100.0 + 64e-5) + 1000.0 + 20000.0)
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.375 + 2 * 1.0 + 0.5 + 0.001 + 10.0)
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12
     assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(
-        0.375 + 2 * (2.2 + 0.5 + 0.001 + 100.0 + 16e-5)
+        0.375 + 2 * 2.2 + 0.5 + 0.001 + 100.0 + 16e-5
     )
 
 
 def test_the_first_step_after_an_idle_loop_pays_the_wake_cost_by_hand(tmp_path):
     coef = {"bucket_s": {"4": 1.0}, "iter_s": 0.0, "seq_s": 0.0, "single_chunk_s": 0.0, "block_chunk_s": 0.0,
             "single_chunk_token_s": 0.0, "block_chunk_token_s": 0.0, "single_page_s": 0.0, "block_page_s": 0.0,
-            "serve_scale": 1.0, "swap_iter_s": 0.0,
+            "bucket_scale": 1.0, "swap_iter_s": 0.0,
             "swap_page_s": 0.0, "loop_s": 0.0, "loop_seq_s": 0.0, "wake_s": 0.5, "wake_ramp_s": 4.0}  # fmt: skip
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))

@@ -19,11 +19,11 @@ import numpy as np
 
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GridPoint, build_schedule
-from cbjax.profile.serving import fit_loop, fit_serve
+from cbjax.profile.serving import fit_loop, fit_served
 from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs
-from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, bucket_intercept, predict, profile_key, step_features, step_time
+from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, bucket_intercept, predict, profile_key, step_features
 
 
 def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan, num_pages: int, vocab_size: int,
@@ -112,22 +112,20 @@ def fit_profile(
     wake: Optional[dict[str, Any]] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(coefficients, residuals): the timed bucket costs and the STEP_TERMS fitted on top of them
-    over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one),
-    then `fit_serve` over the served iterations (how a step inside the serving loop relates to the
-    same step run back to back), the swap terms, the loop's (`fit_loop`) and the wake's.
-    Residuals: the grid model's relative error per grid point; per served iteration the final
-    model's, and the served runs' total time (steps and loop) predicted against measured."""
+    over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one), the
+    grid model; then the model itself, `fit_served` over the served iterations (steps as the
+    serving loop runs them; the grid model where none were served), the swap terms, the loop's
+    (`fit_loop`) and the wake's. Residuals: the grid model's relative error per grid point and
+    its coefficients; per served iteration the model's, and the served runs' total time (steps
+    and loop) predicted against measured, by the model and by the grid model."""
     served = served or []
     coef = fit_costs(
         [s["features"] for s in steps], [s["measured_s"] for s in steps],
         offsets=[bucket_intercept(bucket_s, s["bucket"]) for s in steps],
     )  # fmt: skip
+    grid = {"bucket_s": bucket_s, "bucket_scale": 1.0, **{k: float(c) for k, c in zip(STEP_TERMS, coef)}}
     coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
-    coefficients.update({k: float(c) for k, c in zip(STEP_TERMS, coef)})
-    numeric = {**coefficients, "bucket_s": bucket_s}
-    for s in steps + served:
-        s["grid_model_s"] = float(step_time(numeric, s["bucket"], s["features"]))
-    coefficients.update(fit_serve([s["grid_model_s"] for s in served], [s["measured_s"] for s in served]))
+    coefficients.update(fit_served(served, bucket_s, grid))
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
     coefficients.update(fit_loop(gaps or []))
@@ -135,28 +133,31 @@ def fit_profile(
     coefficients["wake_ramp_s"] = float(wake["wake_ramp_s"]) if wake else 1.0
     numeric = {**coefficients, "bucket_s": bucket_s}
     for s in steps:
-        s["predicted_s"] = s["grid_model_s"]
+        s["predicted_s"] = float(predict(grid, s["bucket"], s["features"]))
     for s in served:
+        s["grid_model_s"] = float(predict(grid, s["bucket"], s["features"]))
         s["predicted_s"] = float(predict(numeric, s["bucket"], s["features"]))
     for s in steps + served:
         s["rel_error"] = float(abs(s["predicted_s"] - s["measured_s"]) / s["measured_s"])
     grid_err = [s["rel_error"] for s in steps]
     residuals: dict[str, Any] = {
         "median_rel_error": float(np.median(grid_err)), "max_rel_error": float(np.max(grid_err)), "num_points": len(steps),
+        "grid_coefficients": {k: grid[k] for k in STEP_TERMS},
     }  # fmt: skip
-    if served:
+    busy = [s for s in served if not s.get("idle")]
+    if busy:
         loop = sum(g for _, g in gaps or [])
-        measured = sum(s["measured_s"] for s in served) + loop
-        predicted = sum(s["predicted_s"] for s in served) + sum(
+        measured = sum(s["measured_s"] for s in busy) + loop
+        predicted = sum(s["predicted_s"] for s in busy) + sum(
             coefficients["loop_s"] + coefficients["loop_seq_s"] * n for n, _ in gaps or []
         )  # fmt: skip
-        grid_only = sum(s["grid_model_s"] for s in served) + loop
+        grid_only = sum(s["grid_model_s"] for s in busy) + loop
         residuals["served"] = {
-            "median_rel_error": float(np.median([s["rel_error"] for s in served])),
-            "num_points": len(served),
+            "median_rel_error": float(np.median([s["rel_error"] for s in busy])),
+            "num_points": len(busy),
             # what a run's throughput sees: its steps and loop time added up, predicted over measured
             "total_error": float((predicted - measured) / measured),
-            # the same with steps timed back to back (the grid model alone): the serving loop's effect
+            # the same with the grid model's steps (timed back to back): the serving loop's effect
             "grid_model_total_error": float((grid_only - measured) / measured),
         }
     return coefficients, residuals
@@ -186,8 +187,9 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
         "model": cfg.model.name,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "token_buckets": list(shapes.token_buckets),
-        "formula": "serve_scale*step + loop_s + loop_seq_s*requests, step = bucket_s[bucket] + iter_s + seq_s*rows + (single_chunk_s + single_chunk_token_s*bucket)"
-        "*single_steps + (block_chunk_s + block_chunk_token_s*bucket)*block_steps"
+        "formula": "step + loop_s + loop_seq_s*requests, step = bucket_scale*bucket_s[bucket] + iter_s + seq_s*rows"
+        " + (single_chunk_s + single_chunk_token_s*bucket)*single_steps + (block_chunk_s + block_chunk_token_s*bucket)*block_steps"
+        " + single_page_s*single_pages + block_page_s*block_pages"
         " (+ swap_iter_s + swap_page_s*pages when the step swaps)"
         " (+ wake_s*min(1, idle/wake_ramp_s) on the first step after the loop idled)",
         "coefficients": coefficients,

@@ -1,6 +1,7 @@
 """Time the engine inside its own serving loop: each iteration's `execute` as the loop calls it,
 and the loop's host time around it (scheduling, postprocess, stats), as `cbjax.run.run_single`
-serves. The grid times steps back to back on fixed batches; these iterations are what a run pays.
+serves. The grid times steps back to back on fixed batches; these iterations are what a run
+pays, and the profile's step terms are fitted on them.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from cbjax.config import LengthConfig, RunConfig, WorkloadConfig
 from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
-from cbjax.sim.fit import nnls
-from cbjax.sim.profiled import step_features
+from cbjax.sim.fit import fit_costs, nnls
+from cbjax.sim.profiled import STEP_TERMS, bucket_intercept, step_features
 
 
 class TimedExecutor:
     """Passes each iteration to `inner` and records its rows and clock: `rows_at` (before the
-    recorder's own bookkeeping), `start`/`end` (around `inner.execute`)."""
+    recorder's own bookkeeping), `start`/`end` (around `inner.execute`), and `idle`: whether
+    the loop idled waiting for an arrival before it (it turned more than once: `tick`)."""
 
     virtual_clock = False
 
@@ -32,6 +34,12 @@ class TimedExecutor:
         self.rows_at: list[float] = []
         self.start: list[float] = []
         self.end: list[float] = []
+        self.idle: list[bool] = []
+        self._turns = 0
+
+    def tick(self) -> None:
+        """Called by the loop on every turn (`cbjax.engine.serve`'s `tick`)."""
+        self._turns += 1
 
     def validate(self, req: Request) -> Optional[str]:
         return self.inner.validate(req)
@@ -41,6 +49,8 @@ class TimedExecutor:
 
     def execute(self, plan: Schedule) -> StepOutput:
         self.rows_at.append(time.perf_counter())
+        self.idle.append(self._turns > 1)
+        self._turns = 0
         self.rows.append(plan.cost_rows())
         self.num_scheduled.append(plan.num_scheduled)
         self.start.append(time.perf_counter())
@@ -49,10 +59,12 @@ class TimedExecutor:
         return out
 
 
-def serving_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
-    """The profile's own served workloads (apart from experiments/calibrate.py's): 3 x slots
-    requests at t=0 with uniform prompts up to a quarter of max_model_len and uniform outputs
-    up to an eighth, under fcfs with chunked prefill (mixed steps) and without (whole prompts)."""
+def serving_runs(cfg: RunConfig, saturated_req_s: Optional[float] = None) -> list[tuple[str, RunConfig]]:
+    """The profile's own served workloads (apart from experiments/calibrate.py's), uniform prompts
+    up to a quarter of max_model_len and uniform outputs up to an eighth, under fcfs: 3 x slots
+    requests at t=0 with chunked prefill (mixed steps) and without (whole prompts); given the
+    engine's saturated request rate, also 2 x slots Poisson arrivals at 15% and 50% of it (few
+    rows at a time, as light load runs)."""
     length = cfg.model.max_model_len
     slots = cfg.scheduler.max_num_seqs
     wl = WorkloadConfig(
@@ -69,6 +81,16 @@ def serving_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
                 dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=cfg.seed + 101 + i),
             )
         )
+    if saturated_req_s:
+        sched = dataclasses.replace(cfg.scheduler, name="fcfs", chunked_prefill=True, static_padding=False)
+        for i, share in enumerate((0.15, 0.5)):
+            light = dataclasses.replace(wl, num_requests=2 * slots, arrival="poisson", rate=share * saturated_req_s)
+            runs.append(
+                (
+                    f"fcfs_poisson_{round(100 * share)}pct",
+                    dataclasses.replace(cfg, scheduler=sched, workload=light, seed=cfg.seed + 201 + i),
+                )
+            )
     return runs
 
 
@@ -85,23 +107,28 @@ def serve_timed(executor, cfg: RunConfig) -> TimedExecutor:
         cfg.scheduler, cfg.cache, cfg.model.max_model_len, validate=timed.validate,
         eos_token_id=cfg.model.eos_token_id, vocab_size=cfg.model.vocab_size,
     )  # fmt: skip
-    serve(build_workload(cfg.workload, cfg.seed), scheduler, timed, on_step=ServiceLog().on_step)
+    serve(build_workload(cfg.workload, cfg.seed), scheduler, timed, on_step=ServiceLog().on_step, tick=timed.tick)
     return timed
 
 
 def served_points(label: str, timed: TimedExecutor, shapes: ShapePlan) -> tuple[list[dict], list[tuple[int, float]]]:
-    """(steps, gaps): per iteration its features and the seconds `execute` took as the loop
-    called it; per iteration but the last, (its rows, the loop's host seconds until the next
-    `execute`, the recorder's own bookkeeping excluded)."""
+    """(steps, gaps): per iteration its features, the seconds `execute` took as the loop called
+    it, and whether the loop idled before it; per iteration but the last whose next one the
+    loop went to straight away, (its rows, the loop's host seconds until that `execute`, the
+    recorder's own bookkeeping excluded)."""
     steps = []
-    for rows, t0, t1 in zip(timed.rows, timed.start, timed.end):
+    for rows, t0, t1, idle in zip(timed.rows, timed.start, timed.end, timed.idle):
         bucket, features = step_features(rows, shapes)
         kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
         steps.append({
             "kind": kind, "source": label, "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
-            "bucket": bucket, "features": features, "measured_s": t1 - t0,
+            "bucket": bucket, "features": features, "measured_s": t1 - t0, "idle": idle,
         })  # fmt: skip
-    gaps = [(n, nxt - end) for n, end, nxt in zip(timed.num_scheduled, timed.end, timed.rows_at[1:])]
+    gaps = [
+        (n, nxt - end)
+        for n, end, nxt, idle in zip(timed.num_scheduled, timed.end, timed.rows_at[1:], timed.idle[1:])
+        if not idle
+    ]
     return steps, gaps
 
 
@@ -118,29 +145,49 @@ def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
     return {"loop_s": float(coef[0]), "loop_seq_s": float(coef[1])}
 
 
-def fit_serve(grid_model_s: list[float], measured_s: list[float]) -> dict[str, float]:
-    """serve_scale: how much longer a step takes inside the serving loop than the grid model says
-    (steps timed back to back): the served iterations' measured sum over the model's, so the
-    scaled model keeps their sum (what a run's throughput adds up). None served: 1."""
-    total = float(sum(grid_model_s))
-    return {"serve_scale": float(sum(measured_s)) / total if measured_s and total > 0 else 1.0}
+def fit_served(served: list[dict], bucket_s: dict[int, float], fallback: dict[str, float]) -> dict[str, float]:
+    """`bucket_scale` and the STEP_TERMS fitted on served iterations (those after an idle loop
+    left out: `wake_s` charges them): non-negative least squares on absolute error, as a run's
+    time adds them up (thousands of small decode steps and a few large prefills weigh what
+    they cost), then scaled together to keep the iterations' measured sum exactly. A term no
+    served iteration exercises keeps its `fallback` (grid) value. None served: the fallback
+    with bucket_scale 1."""
+    points = [s for s in served if not s.get("idle")]
+    if not points:
+        return {"bucket_scale": 1.0, **{k: fallback[k] for k in STEP_TERMS}}
+    x = np.array([[bucket_intercept(bucket_s, s["bucket"]), *s["features"]] for s in points])
+    y = np.array([s["measured_s"] for s in points])
+    used = np.any(x != 0, axis=0)  # a term no served iteration exercises keeps its fallback
+    coef = np.array([0.0, *(fallback[k] for k in STEP_TERMS)])
+    coef[used] = fit_costs(x[:, used], y, relative=False)
+    fitted = float((x @ coef).sum())
+    if fitted > 0:
+        coef[used] *= float(y.sum()) / fitted
+    return dict(zip(("bucket_scale", *STEP_TERMS), map(float, coef)))
 
 
 def measure_serving(executor, cfg: RunConfig, shapes: ShapePlan) -> dict[str, Any]:
-    """Serve the profile's workloads (`serving_runs`) on the warm engine: served steps for the
-    fit, loop gaps for `fit_loop`, and per run its iterations, makespan and time in execute."""
+    """Serve the profile's workloads (`serving_runs`) on the warm engine: the bursts first, then
+    the Poisson runs at shares of the first burst's request rate. Returns the served steps for
+    the fit, loop gaps for `fit_loop`, and per run its iterations, makespan and time in execute."""
     steps, gaps, runs = [], [], []
-    for label, run_cfg in serving_runs(cfg):
+    bursts = serving_runs(cfg)
+    todo = list(bursts)
+    while todo:
+        label, run_cfg = todo.pop(0)
         t0 = time.perf_counter()
         timed = serve_timed(executor, run_cfg)
         s, g = served_points(label, timed, shapes)
         steps += s
         gaps += g
+        makespan = timed.end[-1] - timed.start[0] if s else 0.0
         runs.append({
-            "run": label, "iterations": len(s), "makespan_s": timed.end[-1] - timed.start[0] if s else 0.0,
+            "run": label, "iterations": len(s), "makespan_s": makespan,
             "execute_s": float(sum(x["measured_s"] for x in s)), "loop_s": float(sum(x for _, x in g)),
             "wall_s": time.perf_counter() - t0,
         })  # fmt: skip
+        if len(runs) == 1 and makespan > 0:
+            todo += serving_runs(cfg, run_cfg.workload.num_requests / makespan)[len(bursts) :]
     return {"steps": steps, "gaps": gaps, "runs": runs}
 
 

@@ -34,11 +34,15 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
 
 
 def fit_costs(
-    features: Sequence[Sequence[float]], times: Sequence[float], offsets: Optional[Sequence[float]] = None
+    features: Sequence[Sequence[float]],
+    times: Sequence[float],
+    offsets: Optional[Sequence[float]] = None,
+    relative: bool = True,
 ) -> np.ndarray:
     """Non-negative coefficients c minimising the relative error of offsets + features @ c against
-    `times` (each row weighted by 1 / its time, so a 1 ms step counts as much as a 100 ms one);
-    `offsets` are costs known beforehand (default 0)."""
+    `times` (each row weighted by 1 / its time, so a 1 ms step counts as much as a 100 ms one),
+    or with `relative=False` the absolute error (what a sum of the times sees: a 100 ms step
+    counts as much as a hundred 1 ms ones); `offsets` are costs known beforehand (default 0)."""
     x = np.asarray(features, float)  # f64[num_points, num_terms]
     y = np.asarray(times, float)  # f64[num_points]
     off = np.zeros(len(y)) if offsets is None else np.asarray(offsets, float)  # f64[num_points]
@@ -46,8 +50,8 @@ def fit_costs(
         raise ValueError(f"fit_costs: features {x.shape} and times {y.shape} must be [n, terms] and [n], n >= 1")
     if np.any(y <= 0):
         raise ValueError("fit_costs: times must be > 0")
-    a = x / y[:, None]
+    w = 1.0 / y if relative else np.full(len(y), 1.0 / y.mean())
+    a = x * w[:, None]
     scale = np.max(np.abs(a), axis=0)
     scale[scale == 0] = 1.0  # a term no point exercises fits to 0
-    return nnls(a / scale, 1.0 - off / y) / scale
-
+    return nnls(a / scale, (y - off) * w) / scale

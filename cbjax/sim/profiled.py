@@ -6,21 +6,23 @@ profile times on an all-padding batch), its rows, and the XLA ragged attention's
 steps over pages (`*_chunk_s`: each step runs a whole chunk of query groups), counted exactly
 as `cbjax.runtime.tiles.build_tiles` lays them out (`count_steps`), plus its swap copies:
 
-    step = bucket_s[bucket] + iter_s + seq_s * rows
+    step = bucket_scale * bucket_s[bucket] + iter_s + seq_s * rows
            + (single_chunk_s + single_chunk_token_s * bucket) * single_steps
            + (block_chunk_s + block_chunk_token_s * bucket) * block_steps
            + single_page_s * single_pages + block_page_s * block_pages  (KV pages really read)
-    time = serve_scale * step  (the step inside the serving loop: the grid times steps back to
-           back; the profile's served iterations relate the two)
+    time = step
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
            + loop_s + loop_seq_s * requests  (the serving loop's own host time around the step:
              scheduling, postprocess, stats; it grows with the requests the iteration serves)
            + wake_s * min(1, idle / wake_ramp_s)  on the first step after the loop idled for
              `idle` seconds waiting for an arrival (XLA's CPU threads and caches go cold)
 
-A step's work does not grow with the bucket, so the `*_token_s` terms should fit near 0; they
-stay for kernels whose steps touch every token of the bucket. A bucket the profile did not
-time gets its intercept interpolated linearly in the bucket size.
+The step terms are fitted on the iterations the profile serves through the real loop (a step
+there costs what a run pays, not what the same step costs run back to back on the grid), with
+`bucket_scale` relating the grid's timed bucket costs to them. A step's work does not grow
+with the bucket, so the `*_token_s` terms should fit near 0; they stay for kernels whose steps
+touch every token of the bucket. A bucket the profile did not time gets its intercept
+interpolated linearly in the bucket size.
 
 Pure numpy: no jax import.
 """
@@ -44,7 +46,7 @@ STEP_TERMS = (
     "single_page_s", "block_page_s",
 )  # fmt: skip
 SWAP_TERMS = ("swap_iter_s", "swap_page_s")
-SERVE_TERMS = ("serve_scale",)
+SERVE_TERMS = ("bucket_scale",)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -163,15 +165,10 @@ def make_profiled_cost(
     return ProfiledCost(profile["coefficients"], shapes_for(model, scheduler, cache, executor))
 
 
-def step_time(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
-    """A step's time run back to back (as the grid times it) from its bucket and STEP_TERMS features."""
-    step = sum(coefficients[k] * v for k, v in zip(STEP_TERMS, features))
-    return bucket_intercept(coefficients["bucket_s"], bucket) + step
-
-
 def predict(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
-    """A step's predicted time inside the serving loop: serve_scale * `step_time`."""
-    return coefficients["serve_scale"] * step_time(coefficients, bucket, features)
+    """A step's predicted time from its bucket and STEP_TERMS features (see the module docstring)."""
+    step = sum(coefficients[k] * v for k, v in zip(STEP_TERMS, features))
+    return coefficients["bucket_scale"] * bucket_intercept(coefficients["bucket_s"], bucket) + step
 
 
 def shapes_for(
