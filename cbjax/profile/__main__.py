@@ -38,8 +38,9 @@ def _app(cfg: DictConfig) -> None:
         sv = r["served"]
         print(f"served: median relative error {sv['median_rel_error']:.1%} over {sv['num_points']} iterations; "
               f"their total time (steps + loop) predicted {sv['total_error']:+.1%}")  # fmt: skip
-    load, cores = profile["machine"]["load_average"][0], profile["machine"]["cores"] or 1
-    print(f"machine load average at the end: {load:.2f} on {cores} cores")
+    m = profile["machine"]
+    load, cores = m.get("load_average_at_start", m["load_average"])[0], m["cores"] or 1
+    print(f"machine load average before profiling: {load:.2f} on {cores} cores")
     grid_gap = r.get("served", {}).get("grid_model_total_error", 0.0)
     if load > 0.5 * cores or abs(grid_gap) > 0.25:
         print(f"warning: a busy machine? load average {load:.2f}; the grid model (steps back to back) puts the served "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     from cbjax.run import build_executor, resolve
 
     t0 = time.perf_counter()
+    load_at_start = list(os.getloadavg())  # others' load: by the end the profile's own threads dominate
     cfg = resolve(cfg)
     executor = build_executor(cfg)
     executor.progress = cfg.progress
@@ -67,7 +69,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     coefficients, residuals = fit_profile(steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake)
     extra = {
         "attention": executor.attention,
-        "machine": machine(),
+        "machine": {**machine(), "load_average_at_start": load_at_start},
         "serving": serving["runs"],
         "wake": wake,
         "served": serving["steps"],
