@@ -50,11 +50,12 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     assert {s["bucket"] for s in profile["steps"]} == {4, 16, 64} and all(s["measured_s"] > 0 for s in profile["steps"])
     assert {s["direction"] for s in profile["swaps"]} == {"out", "in"}
     # the served runs: every iteration timed, the loop's time between them, in the runs' makespans
-    # (bursts, then Poisson arrivals at shares of the first burst's rate; the fit leaves out the
-    # iterations after an idle loop)
+    # (bursts under fcfs and static, then Poisson arrivals at shares of the first burst's rate;
+    # the fit leaves out the iterations after an idle loop)
     assert [run["run"] for run in profile["serving"]] == [
-        "fcfs_chunked_on", "fcfs_chunked_off", "fcfs_poisson_15pct", "fcfs_poisson_50pct",
+        "fcfs_chunked_on", "fcfs_chunked_off", "static", "fcfs_poisson_15pct", "fcfs_poisson_50pct",
     ]  # fmt: skip
+    assert isinstance(profile["residuals"]["grid_bucket_scale"], float)  # the joint fit's, reported
     for run in profile["serving"]:
         assert run["iterations"] > 0 and run["makespan_s"] >= run["execute_s"] + run["loop_s"] > 0
     assert len(profile["served"]) == sum(run["iterations"] for run in profile["serving"])

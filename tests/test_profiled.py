@@ -19,7 +19,7 @@ from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 from cbjax.sim import make_cost_model
 from cbjax.sim.fit import fit_costs, nnls
-from cbjax.sim.profiled import count_tiles, pages_read, profile_key
+from cbjax.sim.profiled import STEP_TERMS, count_tiles, pages_read, profile_key
 
 MODEL = ModelConfig()  # tiny
 
@@ -104,10 +104,10 @@ class SyntheticExecutor:
     packer builds, times 1 +- `noise` (0.5 %); `run_empty` is a bucket's all-padding step (its
     BUCKET_S alone)."""
 
-    def __init__(self, shapes, seed=0, coef=TRUE, bucket_scale=1.0, noise=0.005):
+    def __init__(self, shapes, seed=0, bucket_scale=1.0, noise=0.005):
         self.packer = BatchPacker(shapes, tiles=True)
         self.rng = np.random.default_rng(seed)
-        self.coef, self.bucket_scale, self.noise = coef, bucket_scale, noise
+        self.coef, self.bucket_scale, self.noise = TRUE, bucket_scale, noise
 
     def execute(self, plan: Schedule) -> StepOutput:
         b = self.packer.pack(plan)
@@ -144,32 +144,34 @@ def test_fit_recovers_hand_set_coefficients_from_a_synthetic_executor():
     assert residuals["max_rel_error"] < 0.02 and residuals["num_points"] == len(points)
 
 
-# Served iterations cost otherwise than the same steps back to back: bucket costs x0.8, rows and
-# pages dearer, the attention's chunk steps cheaper.
-SERVED = {**TRUE, "iter_s": 1e-4, "seq_s": 1.2e-4, "single_chunk_s": 1e-4, "single_page_s": 5e-5}
-
-
-def test_fit_recovers_the_served_iterations_hand_set_costs_and_the_loops():
-    # the grid timed by one synthetic executor, the served iterations (the grid's batches again,
-    # as the loop would run them) by another with SERVED costs; iterations after an idle loop
-    # (10x slower here) are left to the wake term; the loop's host time after each iteration is
-    # 30 us + 2 us per request, exactly. The served fit weighs absolute error (a 20 ms step's
-    # 0.5 % is a whole 0.1 ms iter_s), so the served steps carry 0.01 % noise.
+def test_fit_recovers_hand_set_costs_from_served_iterations_and_the_grid_together_and_the_loops():
+    # The grid timed back to back by one synthetic executor; served iterations (the grid's small
+    # batches again, as the loop would run them) by another whose bucket costs run x0.8. Both
+    # share the per-row, chunk and page costs (TRUE). The served steps never reach a prefill
+    # chunk or a large bucket, so the block terms come from the grid alone. Iterations after an
+    # idle loop (10x slower here) are left to the wake term; the loop's host time after each
+    # iteration is 30 us + 2 us per request, exactly. The fit weighs absolute error (a 20 ms
+    # step's 0.5 % is a whole 0.1 ms iter_s), so the steps carry 0.01 % noise.
     shapes = plan_shapes(num_rows=32, max_model_len=256, page_size=8, max_num_batched_tokens=512)
     points = profile_grid(shapes, 256, "full")
-    steps = measure_steps(SyntheticExecutor(shapes).execute, points, shapes, 2048, 512, repeats=3)
+    steps = measure_steps(SyntheticExecutor(shapes, noise=1e-4).execute, points, shapes, 2048, 512, repeats=3)
     bucket_s = measure_buckets(SyntheticExecutor(shapes).run_empty, shapes.token_buckets, repeats=3)
-    loop_run = SyntheticExecutor(shapes, seed=1, coef=SERVED, bucket_scale=0.8, noise=1e-4)
+    small = [p for p in points if p.kind == "decode"]
+    loop_run = SyntheticExecutor(shapes, seed=1, bucket_scale=0.8, noise=1e-4)
     served = [
-        {**s, "source": "served", "idle": False} for s in measure_steps(loop_run.execute, points, shapes, 2048, 512, 1)
+        {**s, "source": "served", "idle": False} for s in measure_steps(loop_run.execute, small, shapes, 2048, 512, 1)
     ]
+    assert all(s["features"][STEP_TERMS.index("block_chunk_s")] == 0 for s in served)
     woke = [{**s, "measured_s": 10 * s["measured_s"], "idle": True} for s in served[:5]]
     gaps = [(n, 30e-6 + 2e-6 * n) for n in (1, 4, 9, 32, 17)]
-    coef, residuals = fit_profile(steps, [], bucket_s, served + woke, gaps, {"wake_s": 1e-3, "wake_ramp_s": 5e-3})
+    coef, residuals = fit_profile(
+        steps, [], bucket_s, served + woke, gaps, {"wake_s": 1e-3, "wake_ramp_s": 5e-3}, grid_weight=3
+    )
     assert coef["bucket_scale"] == pytest.approx(0.8, rel=0.05)
-    for key, value in SERVED.items():
+    assert residuals["grid_bucket_scale"] == pytest.approx(1.0, rel=0.05)
+    for key, value in TRUE.items():
         assert coef[key] == pytest.approx(value, rel=0.15, abs=1e-7), key
-        assert residuals["grid_coefficients"][key] == pytest.approx(TRUE[key], rel=0.15), key
+        assert residuals["grid_coefficients"][key] == pytest.approx(value, rel=0.15), key
     assert coef["loop_s"] == pytest.approx(30e-6) and coef["loop_seq_s"] == pytest.approx(2e-6)
     assert (coef["wake_s"], coef["wake_ramp_s"]) == (1e-3, 5e-3)
     served_fit = residuals["served"]

@@ -110,11 +110,13 @@ def fit_profile(
     served: Optional[list[dict]] = None,
     gaps: Optional[list[tuple[int, float]]] = None,
     wake: Optional[dict[str, Any]] = None,
+    grid_weight: float = 1.0,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(coefficients, residuals): the timed bucket costs and the STEP_TERMS fitted on top of them
     over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one), the
     grid model; then the model itself, `fit_served` over the served iterations (steps as the
-    serving loop runs them; the grid model where none were served), the swap terms, the loop's
+    serving loop runs them) and the grid's steps, each counted `grid_weight` times (the grid
+    model where none were served), the swap terms, the loop's
     (`fit_loop`) and the wake's. Residuals: the grid model's relative error per grid point and
     its coefficients; per served iteration the model's, and the served runs' total time (steps
     and loop) predicted against measured, by the model and by the grid model."""
@@ -125,7 +127,8 @@ def fit_profile(
     )  # fmt: skip
     grid = {"bucket_s": bucket_s, "bucket_scale": 1.0, **{k: float(c) for k, c in zip(STEP_TERMS, coef)}}
     coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
-    coefficients.update(fit_served(served, bucket_s, grid))
+    served_coef, grid_scale = fit_served(served, bucket_s, grid, steps, grid_weight)
+    coefficients.update(served_coef)
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
     coefficients.update(fit_loop(gaps or []))
@@ -143,6 +146,7 @@ def fit_profile(
     residuals: dict[str, Any] = {
         "median_rel_error": float(np.median(grid_err)), "max_rel_error": float(np.max(grid_err)), "num_points": len(steps),
         "grid_coefficients": {k: grid[k] for k in STEP_TERMS},
+        "grid_bucket_scale": grid_scale,  # the grid steps' own scale in the joint fit
     }  # fmt: skip
     busy = [s for s in served if not s.get("idle")]
     if busy:

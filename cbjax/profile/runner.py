@@ -66,7 +66,9 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
     say("serving the profile's workloads ...", flush=True)
     serving = measure_serving(executor, cfg, shapes)
-    coefficients, residuals = fit_profile(steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake)
+    coefficients, residuals = fit_profile(
+        steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, grid_weight=cfg.repeats
+    )
     extra = {
         "attention": executor.attention,
         "machine": {**machine(), "load_average_at_start": load_at_start},

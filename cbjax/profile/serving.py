@@ -69,7 +69,7 @@ def serving_runs(cfg: RunConfig, saturated_req_s: Optional[float] = None) -> lis
     slots = cfg.scheduler.max_num_seqs
     wl = WorkloadConfig(
         num_requests=3 * slots, vocab_size=cfg.model.vocab_size,
-        prompt_len=LengthConfig(dist="uniform", low=min(8, length // 2), high=max(8, length // 4)),
+        prompt_len=LengthConfig(dist="uniform", low=min(8, length // 2), high=max(8, length // 2)),
         output_len=LengthConfig(dist="uniform", low=min(8, length // 2), high=max(8, length // 8)),
     )  # fmt: skip
     runs = []
@@ -81,6 +81,9 @@ def serving_runs(cfg: RunConfig, saturated_req_s: Optional[float] = None) -> lis
                 dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=cfg.seed + 101 + i),
             )
         )
+    # static batches: whole prompts together, then decodes thinning out as the batch's requests end
+    sched = dataclasses.replace(cfg.scheduler, name="static", chunked_prefill=False, static_padding=False)
+    runs.append(("static", dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=cfg.seed + 103)))
     if saturated_req_s:
         sched = dataclasses.replace(cfg.scheduler, name="fcfs", chunked_prefill=True, static_padding=False)
         for i, share in enumerate((0.15, 0.5)):
@@ -145,25 +148,42 @@ def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
     return {"loop_s": float(coef[0]), "loop_seq_s": float(coef[1])}
 
 
-def fit_served(served: list[dict], bucket_s: dict[int, float], fallback: dict[str, float]) -> dict[str, float]:
-    """`bucket_scale` and the STEP_TERMS fitted on served iterations (those after an idle loop
-    left out: `wake_s` charges them): non-negative least squares on absolute error, as a run's
-    time adds them up (thousands of small decode steps and a few large prefills weigh what
-    they cost), then scaled together to keep the iterations' measured sum exactly. A term no
-    served iteration exercises keeps its `fallback` (grid) value. None served: the fallback
-    with bucket_scale 1."""
+def fit_served(
+    served: list[dict],
+    bucket_s: dict[int, float],
+    fallback: dict[str, float],
+    grid: Optional[list[dict]] = None,
+    grid_weight: float = 1.0,
+) -> tuple[dict[str, float], float]:
+    """(`bucket_scale` and the STEP_TERMS, the grid's own bucket scale), fitted on the served
+    iterations (those after an idle loop left out: `wake_s` charges them) together with the
+    `grid` steps, each counted `grid_weight` times (its timed repeats). Served and grid steps
+    share the per-row, per-chunk and per-page terms; each has its own scale of the timed bucket
+    costs (back to back, a step's fixed cost runs hotter than between the loop's host work). The
+    grid carries the terms a few served runs hardly reach (long contexts, large prefills).
+    Non-negative least squares on absolute error, as a run's time adds them up (thousands of
+    small decode steps and a few large prefills weigh what they cost); the coefficients are then
+    scaled together to keep the served iterations' measured sum exactly. A term no step
+    exercises keeps its `fallback` (grid model) value. None served: the fallback, scale 1."""
     points = [s for s in served if not s.get("idle")]
     if not points:
-        return {"bucket_scale": 1.0, **{k: fallback[k] for k in STEP_TERMS}}
-    x = np.array([[bucket_intercept(bucket_s, s["bucket"]), *s["features"]] for s in points])
-    y = np.array([s["measured_s"] for s in points])
-    used = np.any(x != 0, axis=0)  # a term no served iteration exercises keeps its fallback
-    coef = np.array([0.0, *(fallback[k] for k in STEP_TERMS)])
-    coef[used] = fit_costs(x[:, used], y, relative=False)
-    fitted = float((x @ coef).sum())
+        return {"bucket_scale": 1.0, **{k: fallback[k] for k in STEP_TERMS}}, 1.0
+    rows = [(s, 1.0, 0.0, 1.0) for s in points] + [(s, 0.0, 1.0, grid_weight) for s in grid or []]
+    x = np.array([[bucket_intercept(bucket_s, s["bucket"]) * a, bucket_intercept(bucket_s, s["bucket"]) * b,
+                   *s["features"]] for s, a, b, _ in rows])  # fmt: skip
+    y = np.array([s["measured_s"] for s, *_ in rows])
+    root_w = np.sqrt([w for *_, w in rows])
+    used = np.any(x != 0, axis=0)  # a term no step exercises keeps its fallback
+    coef = np.array([0.0, 1.0, *(fallback[k] for k in STEP_TERMS)])
+    coef[used] = fit_costs(x[:, used] * root_w[:, None], y * root_w, relative=False)
+    served_x, served_y = x[: len(points)], y[: len(points)]
+    fitted = float((served_x @ coef).sum())
     if fitted > 0:
-        coef[used] *= float(y.sum()) / fitted
-    return dict(zip(("bucket_scale", *STEP_TERMS), map(float, coef)))
+        keep = used.copy()
+        keep[1] = False  # the grid's scale is the grid's
+        coef[keep] *= float(served_y.sum()) / fitted
+    out = dict(zip(("bucket_scale", *STEP_TERMS), map(float, np.delete(coef, 1))))
+    return out, float(coef[1])
 
 
 def measure_serving(executor, cfg: RunConfig, shapes: ShapePlan) -> dict[str, Any]:
