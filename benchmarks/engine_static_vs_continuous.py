@@ -1,7 +1,7 @@
 """Benchmark: continuous (fcfs) vs static batching on the real JAX engine, beside the profiled simulator's prediction.
 
     python -m cbjax.profile hydra.run.dir=outputs/profile                     # once per machine
-    python benchmarks/engine_static_vs_continuous.py --profile outputs/profile/profile.json [--requests 256] [--repeats 3]
+    python benchmarks/engine_static_vs_continuous.py --profile outputs/profile/profile.json [--requests 256] [--repeats 5]
 
 Two workloads, all requests at t=0, on the profile's model, slot count and page size:
 `exponential` (prompts uniform 16..128, outputs exponential with mean 64, at most 384: this
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--profile", default=str(REPO / "outputs" / "profile" / "profile.json"),
                     help="profile.json from `python -m cbjax.profile` (its model, slots and page size are used)")  # fmt: skip
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mean-output", type=float, default=64.0)
     ap.add_argument("--max-output", type=int, default=384)
     ap.add_argument("--max-prompt", type=int, default=128)

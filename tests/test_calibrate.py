@@ -52,7 +52,7 @@ def test_calibration_markdown_states_the_profiles_serving_loop(tmp_path):
     doc = tmp_path / "CALIBRATION.md"
     calibrate.write_markdown([row("w", "fcfs", 210.0, 200.0)], str(profile), doc, repeats=3)
     assert (
-        "Serving loop in the profile: steps fitted on 700 served iterations (bucket costs x1.050 against the grid's; "
+        "Serving loop in the profile: steps fitted on 700 served iterations and the grid (bucket costs x1.050 against the grid's; "
         "the grid model alone puts them -12.5% off), loop 50 us + 8.0 us per request, wake 1.20 ms; "
         "its served runs' total time predicted +0.1%; load average 0.25 before it started." in doc.read_text()
     )

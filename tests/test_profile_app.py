@@ -31,7 +31,7 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
         cache=CacheConfig(num_pages=512, page_size=4),
         executor=ExecutorConfig(name="jax", token_buckets=[4, 16, 64]),
-        grid="small", repeats=2, progress=False,
+        grid="small", repeats=2, serving_rounds=2, progress=False,
     )  # fmt: skip
     run_profile(cfg, tmp_path)
     profile = json.loads((tmp_path / "profile.json").read_text())
@@ -52,9 +52,8 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     # the served runs: every iteration timed, the loop's time between them, in the runs' makespans
     # (bursts under fcfs and static, then Poisson arrivals at shares of the first burst's rate;
     # the fit leaves out the iterations after an idle loop)
-    assert [run["run"] for run in profile["serving"]] == [
-        "fcfs_chunked_on", "fcfs_chunked_off", "static", "fcfs_poisson_15pct", "fcfs_poisson_50pct",
-    ]  # fmt: skip
+    runs = ["fcfs_chunked_on", "fcfs_chunked_off", "static", "fcfs_poisson_15pct", "fcfs_poisson_50pct"]
+    assert [(run["round"], run["run"]) for run in profile["serving"]] == [(r, name) for r in (0, 1) for name in runs]
     assert isinstance(profile["residuals"]["grid_bucket_scale"], float)  # the joint fit's, reported
     for run in profile["serving"]:
         assert run["iterations"] > 0 and run["makespan_s"] >= run["execute_s"] + run["loop_s"] > 0

@@ -19,6 +19,7 @@ class ProfileRunConfig(RunConfig):
 
     grid: str = "full"  # full | small (a few points, for tests)
     repeats: int = 5  # timed calls per grid point; the median is fitted
+    serving_rounds: int = 3  # times the served workloads are served (a slow spell of the machine averages out)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -26,6 +27,8 @@ class ProfileRunConfig(RunConfig):
             raise ValueError(f"grid: unknown value {self.grid!r}; choose one of {', '.join(GRIDS)}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats!r}")
+        if self.serving_rounds < 1:
+            raise ValueError(f"serving_rounds must be >= 1, got {self.serving_rounds!r}")
         if self.executor.name != "jax":
             raise ValueError(f"executor.name: the profile times the engine (executor=jax), got {self.executor.name!r}")
 
@@ -65,7 +68,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     ]
     wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
     say("serving the profile's workloads ...", flush=True)
-    serving = measure_serving(executor, cfg, shapes)
+    serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds)
     coefficients, residuals = fit_profile(
         steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, grid_weight=cfg.repeats
     )
@@ -77,6 +80,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "served": serving["steps"],
         "grid": cfg.grid,
         "repeats": cfg.repeats,
+        "serving_rounds": cfg.serving_rounds,
         "warmup_s": warmup_s,
         "profile_s": time.perf_counter() - t0,
         "config": dataclasses.asdict(cfg.executor),

@@ -186,28 +186,31 @@ def fit_served(
     return out, float(coef[1])
 
 
-def measure_serving(executor, cfg: RunConfig, shapes: ShapePlan) -> dict[str, Any]:
-    """Serve the profile's workloads (`serving_runs`) on the warm engine: the bursts first, then
-    the Poisson runs at shares of the first burst's request rate. Returns the served steps for
-    the fit, loop gaps for `fit_loop`, and per run its iterations, makespan and time in execute."""
+def measure_serving(executor, cfg: RunConfig, shapes: ShapePlan, rounds: int = 1) -> dict[str, Any]:
+    """Serve the profile's workloads (`serving_runs`) on the warm engine, `rounds` times over: the
+    bursts first, then the Poisson runs at shares of the first burst's request rate (set in the
+    first round). Returns the served steps for the fit, loop gaps for `fit_loop`, and per run
+    its round, iterations, makespan and time in execute."""
     steps, gaps, runs = [], [], []
-    bursts = serving_runs(cfg)
-    todo = list(bursts)
-    while todo:
-        label, run_cfg = todo.pop(0)
-        t0 = time.perf_counter()
-        timed = serve_timed(executor, run_cfg)
-        s, g = served_points(label, timed, shapes)
-        steps += s
-        gaps += g
-        makespan = timed.end[-1] - timed.start[0] if s else 0.0
-        runs.append({
-            "run": label, "iterations": len(s), "makespan_s": makespan,
-            "execute_s": float(sum(x["measured_s"] for x in s)), "loop_s": float(sum(x for _, x in g)),
-            "wall_s": time.perf_counter() - t0,
-        })  # fmt: skip
-        if len(runs) == 1 and makespan > 0:
-            todo += serving_runs(cfg, run_cfg.workload.num_requests / makespan)[len(bursts) :]
+    todo = serving_runs(cfg)
+    for r in range(rounds):
+        i = 0
+        while i < len(todo):  # the list grows by the Poisson runs after the first burst
+            label, run_cfg = todo[i]
+            i += 1
+            t0 = time.perf_counter()
+            timed = serve_timed(executor, run_cfg)
+            s, g = served_points(label, timed, shapes)
+            steps += s
+            gaps += g
+            makespan = timed.end[-1] - timed.start[0] if s else 0.0
+            runs.append({
+                "run": label, "round": r, "iterations": len(s), "makespan_s": makespan,
+                "execute_s": float(sum(x["measured_s"] for x in s)), "loop_s": float(sum(x for _, x in g)),
+                "wall_s": time.perf_counter() - t0,
+            })  # fmt: skip
+            if len(runs) == 1 and makespan > 0:  # the same bursts first, then the Poisson runs
+                todo = serving_runs(cfg, run_cfg.workload.num_requests / makespan)
     return {"steps": steps, "gaps": gaps, "runs": runs}
 
 
