@@ -19,7 +19,7 @@ from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 from cbjax.sim import make_cost_model
 from cbjax.sim.fit import fit_costs, nnls
-from cbjax.sim.profiled import STEP_TERMS, count_tiles, pages_read, profile_key
+from cbjax.sim.profiled import STEP_TERMS, count_tiles, pages_read, profile_key, step_features
 
 MODEL = ModelConfig()  # tiny
 
@@ -104,10 +104,11 @@ class SyntheticExecutor:
     packer builds, times 1 +- `noise` (0.5 %); `run_empty` is a bucket's all-padding step (its
     BUCKET_S alone)."""
 
-    def __init__(self, shapes, seed=0, bucket_scale=1.0, noise=0.005):
+    def __init__(self, shapes, seed=0, bucket_scale=1.0, noise=0.005, cold_s=0.0):
         self.packer = BatchPacker(shapes, tiles=True)
         self.rng = np.random.default_rng(seed)
-        self.coef, self.bucket_scale, self.noise = TRUE, bucket_scale, noise
+        self.coef, self.bucket_scale, self.noise, self.cold_s = TRUE, bucket_scale, noise, cold_s
+        self.last_bucket = None
 
     def execute(self, plan: Schedule) -> StepOutput:
         b = self.packer.pack(plan)
@@ -120,7 +121,9 @@ class SyntheticExecutor:
             + (c["single_chunk_s"] + c["single_chunk_token_s"] * bucket) * single
             + (c["block_chunk_s"] + c["block_chunk_token_s"] * bucket) * block
             + c["single_page_s"] * single_pages + c["block_page_s"] * block_pages
+            + (self.cold_s if self.last_bucket is not None and self.last_bucket > bucket else 0.0)
         )  # fmt: skip
+        self.last_bucket = bucket
         return StepOutput(token_ids=None, duration_s=t * (1 + self.rng.uniform(-self.noise, self.noise)))
 
     def run_empty(self, bucket: int) -> float:
@@ -156,11 +159,20 @@ def test_fit_recovers_hand_set_costs_from_served_iterations_and_the_grid_togethe
     points = profile_grid(shapes, 256, "full")
     steps = measure_steps(SyntheticExecutor(shapes, noise=1e-4).execute, points, shapes, 2048, 512, repeats=3)
     bucket_s = measure_buckets(SyntheticExecutor(shapes).run_empty, shapes.token_buckets, repeats=3)
-    small = [p for p in points if p.kind == "decode"]
-    loop_run = SyntheticExecutor(shapes, seed=1, bucket_scale=0.8, noise=1e-4)
-    served = [
-        {**s, "source": "served", "idle": False} for s in measure_steps(loop_run.execute, small, shapes, 2048, 512, 1)
-    ]
+    # the decode batches served once each, in an order that steps down a bucket now and then:
+    # a step right after a larger bucket's pays 0.3 ms more (cold caches)
+    small = sorted((p for p in points if p.kind == "decode"), key=lambda p: len(p.rows))
+    order = small + small[::-1] + [small[i] for i in np.random.default_rng(2).permutation(len(small))]
+    loop_run = SyntheticExecutor(shapes, seed=1, bucket_scale=0.8, noise=1e-4, cold_s=3e-4)
+    served, previous = [], None
+    for point in order:
+        plan = build_schedule(point, shapes, 2048, 512)
+        bucket, features = step_features(plan.cost_rows(), shapes)
+        served.append({"kind": "decode", "source": "served", "bucket": bucket, "features": features, "idle": False,
+                       "measured_s": loop_run.execute(plan).duration_s,
+                       "after_larger": previous is not None and previous > bucket})  # fmt: skip
+        previous = bucket
+    assert 0 < sum(s["after_larger"] for s in served) < len(served) / 2
     assert all(s["features"][STEP_TERMS.index("block_chunk_s")] == 0 for s in served)
     woke = [{**s, "measured_s": 10 * s["measured_s"], "idle": True} for s in served[:5]]
     gaps = [(n, 30e-6 + 2e-6 * n) for n in (1, 4, 9, 32, 17)]
@@ -168,6 +180,7 @@ def test_fit_recovers_hand_set_costs_from_served_iterations_and_the_grid_togethe
         steps, [], bucket_s, served + woke, gaps, {"wake_s": 1e-3, "wake_ramp_s": 5e-3}, grid_weight=3
     )
     assert coef["bucket_scale"] == pytest.approx(0.8, rel=0.05)
+    assert coef["cold_s"] == pytest.approx(3e-4, rel=0.05)
     assert residuals["grid_bucket_scale"] == pytest.approx(1.0, rel=0.05)
     for key, value in TRUE.items():
         assert coef[key] == pytest.approx(value, rel=0.15, abs=1e-7), key
@@ -240,6 +253,39 @@ def test_the_first_step_after_an_idle_loop_pays_the_wake_cost_by_hand(tmp_path):
     assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=4.0)) == pytest.approx(1.0)
     assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=6.0)) == pytest.approx(1.125)
     assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=17.125)) == pytest.approx(1.5)
+
+
+def test_a_step_right_after_a_larger_buckets_pays_the_cold_cost_by_hand(tmp_path):
+    coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.0, "seq_s": 0.0, "single_chunk_s": 0.0, "block_chunk_s": 0.0,
+            "single_chunk_token_s": 0.0, "block_chunk_token_s": 0.0, "single_page_s": 0.0, "block_page_s": 0.0,
+            "bucket_scale": 1.0, "swap_iter_s": 0.0, "swap_page_s": 0.0, "loop_s": 0.0, "loop_seq_s": 0.0,
+            "wake_s": 0.0, "wake_ramp_s": 1.0, "cold_s": 0.25}  # fmt: skip
+    path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
+    cost = make_cost_model("profiled", MODEL, None, **configs(path))
+    d = Request("d", 0.0, 5)
+    d.num_computed, d.num_new_tokens = 4, 1
+    p = Request("p", 0.0, 40)
+    p.num_computed, p.num_new_tokens = 0, 40
+
+    def step(*reqs, start):
+        return cost(Schedule(num_slots=4, decodes=[r for r in reqs if r is d], prefills=[r for r in reqs if r is p],
+                             page_size=4, start_s=start))  # fmt: skip
+
+    # decode (bucket 4: 1.0), again (warm), decode + prefill (bucket 64: 7.0, a larger one: warm),
+    # decode right after it (cold: + 0.25), decode again (warm)
+    assert [
+        step(d, start=0.0),
+        step(d, start=1.0),
+        step(d, p, start=2.0),
+        step(d, start=9.0),
+        step(d, start=10.25),
+    ] == (pytest.approx([1.0, 1.0, 7.0, 1.25, 1.0]))
+    del coef["cold_s"]  # a profile made before the term charges nothing for it
+    old = make_cost_model(
+        "profiled", MODEL, None, **configs(write_profile(tmp_path / "old.json", coef, page_size=4, num_slots=4))
+    )
+    big = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)
+    assert old(big) == pytest.approx(7.0) and old(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.0)
 
 
 def test_a_profile_for_another_model_page_size_or_slot_count_is_refused(tmp_path):

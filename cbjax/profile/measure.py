@@ -139,7 +139,9 @@ def fit_profile(
         s["predicted_s"] = float(predict(grid, s["bucket"], s["features"]))
     for s in served:
         s["grid_model_s"] = float(predict(grid, s["bucket"], s["features"]))
-        s["predicted_s"] = float(predict(numeric, s["bucket"], s["features"]))
+        s["predicted_s"] = float(
+            predict(numeric, s["bucket"], s["features"]) + coefficients["cold_s"] * s.get("after_larger", False)
+        )
     for s in steps + served:
         s["rel_error"] = float(abs(s["predicted_s"] - s["measured_s"]) / s["measured_s"])
     grid_err = [s["rel_error"] for s in steps]

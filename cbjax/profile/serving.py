@@ -120,13 +120,16 @@ def served_points(label: str, timed: TimedExecutor, shapes: ShapePlan) -> tuple[
     loop went to straight away, (its rows, the loop's host seconds until that `execute`, the
     recorder's own bookkeeping excluded)."""
     steps = []
+    previous = None
     for rows, t0, t1, idle in zip(timed.rows, timed.start, timed.end, timed.idle):
         bucket, features = step_features(rows, shapes)
         kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
         steps.append({
             "kind": kind, "source": label, "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
             "bucket": bucket, "features": features, "measured_s": t1 - t0, "idle": idle,
+            "after_larger": previous is not None and previous > bucket,
         })  # fmt: skip
+        previous = bucket
     gaps = [
         (n, nxt - end)
         for n, end, nxt, idle in zip(timed.num_scheduled, timed.end, timed.rows_at[1:], timed.idle[1:])
@@ -155,26 +158,28 @@ def fit_served(
     grid: Optional[list[dict]] = None,
     grid_weight: float = 1.0,
 ) -> tuple[dict[str, float], float]:
-    """(`bucket_scale` and the STEP_TERMS, the grid's own bucket scale), fitted on the served
-    iterations (those after an idle loop left out: `wake_s` charges them) together with the
-    `grid` steps, each counted `grid_weight` times (its timed repeats). Served and grid steps
+    """(`bucket_scale`, the STEP_TERMS and `cold_s`; the grid's own bucket scale), fitted on the
+    served iterations (those after an idle loop left out: `wake_s` charges them) together with
+    the `grid` steps, each counted `grid_weight` times (its timed repeats). Served and grid steps
     share the per-row, per-chunk and per-page terms; each has its own scale of the timed bucket
-    costs (back to back, a step's fixed cost runs hotter than between the loop's host work). The
-    grid carries the terms a few served runs hardly reach (long contexts, large prefills).
-    Non-negative least squares on absolute error, as a run's time adds them up (thousands of
-    small decode steps and a few large prefills weigh what they cost); the coefficients are then
-    scaled together to keep the served iterations' measured sum exactly. A term no step
-    exercises keeps its `fallback` (grid model) value. None served: the fallback, scale 1."""
+    costs (back to back, a step's fixed cost runs hotter than between the loop's host work), and
+    `cold_s` is what a served step right after a larger bucket's pays more (grid steps run after
+    themselves). The grid carries the terms a few served runs hardly reach (long contexts, large
+    prefills). Non-negative least squares on absolute error, as a run's time adds them up
+    (thousands of small decode steps and a few large prefills weigh what they cost); the
+    coefficients are then scaled together to keep the served iterations' measured sum exactly.
+    A term no step exercises keeps its `fallback` (grid model) value, `cold_s` 0. None served:
+    the fallback, scale 1."""
     points = [s for s in served if not s.get("idle")]
     if not points:
-        return {"bucket_scale": 1.0, **{k: fallback[k] for k in STEP_TERMS}}, 1.0
+        return {"bucket_scale": 1.0, **{k: fallback[k] for k in STEP_TERMS}, "cold_s": 0.0}, 1.0
     rows = [(s, 1.0, 0.0, 1.0) for s in points] + [(s, 0.0, 1.0, grid_weight) for s in grid or []]
     x = np.array([[bucket_intercept(bucket_s, s["bucket"]) * a, bucket_intercept(bucket_s, s["bucket"]) * b,
-                   *s["features"]] for s, a, b, _ in rows])  # fmt: skip
+                   *s["features"], float(a and s.get("after_larger", False))] for s, a, b, _ in rows])  # fmt: skip
     y = np.array([s["measured_s"] for s, *_ in rows])
     root_w = np.sqrt([w for *_, w in rows])
     used = np.any(x != 0, axis=0)  # a term no step exercises keeps its fallback
-    coef = np.array([0.0, 1.0, *(fallback[k] for k in STEP_TERMS)])
+    coef = np.array([0.0, 1.0, *(fallback[k] for k in STEP_TERMS), 0.0])
     coef[used] = fit_costs(x[:, used] * root_w[:, None], y * root_w, relative=False)
     served_x, served_y = x[: len(points)], y[: len(points)]
     fitted = float((served_x @ coef).sum())
@@ -182,7 +187,7 @@ def fit_served(
         keep = used.copy()
         keep[1] = False  # the grid's scale is the grid's
         coef[keep] *= float(served_y.sum()) / fitted
-    out = dict(zip(("bucket_scale", *STEP_TERMS), map(float, np.delete(coef, 1))))
+    out = dict(zip(("bucket_scale", *STEP_TERMS, "cold_s"), map(float, np.delete(coef, 1))))
     return out, float(coef[1])
 
 

@@ -16,6 +16,8 @@ as `cbjax.runtime.tiles.build_tiles` lays them out (`count_steps`), plus its swa
              scheduling, postprocess, stats; it grows with the requests the iteration serves)
            + wake_s * min(1, idle / wake_ramp_s)  on the first step after the loop idled for
              `idle` seconds waiting for an arrival (XLA's CPU threads and caches go cold)
+           + cold_s  on a step right after a larger bucket's (its program and data fell out of
+             the caches; a run of same-bucket steps, as a static batch's decodes, stays warm)
 
 The step terms are fitted on the iterations the profile serves through the real loop (a step
 there costs what a run pays, not what the same step costs run back to back on the grid), with
@@ -47,6 +49,7 @@ STEP_TERMS = (
 )  # fmt: skip
 SWAP_TERMS = ("swap_iter_s", "swap_page_s")
 SERVE_TERMS = ("bucket_scale",)
+OPTIONAL_TERMS = {"cold_s": 0.0}  # absent from profiles made before the term: charged 0
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -115,6 +118,7 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
         profile = json.loads(p.read_text())
         made_for = dict(profile["made_for"])
         coef = {k: float(profile["coefficients"][k]) for k in STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS}
+        coef.update({k: float(profile["coefficients"].get(k, v)) for k, v in OPTIONAL_TERMS.items()})
         coef["bucket_s"] = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
         if not coef["bucket_s"]:
             raise ValueError("coefficients.bucket_s is empty")
@@ -141,8 +145,10 @@ class ProfiledCost:
         self.loop_seq_s = coefficients["loop_seq_s"]
         self.wake_s = coefficients["wake_s"]
         self.wake_ramp_s = max(coefficients["wake_ramp_s"], 1e-9)
+        self.cold_s = coefficients.get("cold_s", 0.0)
         self.shapes = shapes
         self._last_end: Optional[float] = None  # where the previous iteration ended, on the run's clock
+        self._last_bucket: Optional[int] = None  # the previous iteration's token bucket
 
     def __call__(self, plan: Schedule) -> float:
         bucket, x = step_features(plan.cost_rows(), self.shapes)
@@ -152,6 +158,9 @@ class ProfiledCost:
             t += self.swap_iter_s + self.swap_page_s * pages
         if self._last_end is not None and plan.start_s > self._last_end:  # the loop idled until an arrival
             t += self.wake_s * min(1.0, (plan.start_s - self._last_end) / self.wake_ramp_s)
+        if self._last_bucket is not None and self._last_bucket > bucket:
+            t += self.cold_s
+        self._last_bucket = bucket
         self._last_end = plan.start_s + t
         return t
 
