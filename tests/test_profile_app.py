@@ -12,7 +12,7 @@ from cbjax.cli import CONFIG_DIR
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.profile.runner import ProfileRunConfig, run_profile
 from cbjax.sim import make_cost_model
-from cbjax.sim.profiled import LOOP_TERMS, SERVE_TERMS, STEP_TERMS, SWAP_TERMS
+from cbjax.sim.profiled import LOOP_TERMS, OPTIONAL_TERMS, SERVE_TERMS, STEP_TERMS, SWAP_TERMS
 
 
 def test_profile_yaml_composes_into_the_profile_config():
@@ -44,7 +44,7 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
         profile["num_pages"],
     ) == (128, 4, 4, 512)
     coef = profile["coefficients"]
-    terms = STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS
+    terms = STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS + tuple(OPTIONAL_TERMS)
     assert set(coef) == {"bucket_s", *terms} and set(coef["bucket_s"]) == {"4", "16", "64"}
     assert all(v >= 0 for v in [*coef["bucket_s"].values(), *(coef[k] for k in terms)])
     assert {s["bucket"] for s in profile["steps"]} == {4, 16, 64} and all(s["measured_s"] > 0 for s in profile["steps"])

@@ -195,7 +195,7 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
         "token_buckets": list(shapes.token_buckets),
         "formula": "step + loop_s + loop_seq_s*requests, step = bucket_scale*bucket_s[bucket] + iter_s + seq_s*rows"
         " + (single_chunk_s + single_chunk_token_s*bucket)*single_steps + (block_chunk_s + block_chunk_token_s*bucket)*block_steps"
-        " + single_page_s*single_pages + block_page_s*block_pages"
+        " + single_page_s*single_pages + block_page_s*block_pages (+ cold_s right after a larger bucket's step)"
         " (+ swap_iter_s + swap_page_s*pages when the step swaps)"
         " (+ wake_s*min(1, idle/wake_ramp_s) on the first step after the loop idled)",
         "coefficients": coefficients,
