@@ -1,7 +1,13 @@
 """Benchmark: continuous (fcfs) vs static batching on the real JAX engine, beside the profiled simulator's prediction.
 
-    python -m cbjax.profile hydra.run.dir=outputs/profile                     # once per machine
-    python benchmarks/engine_static_vs_continuous.py --profile outputs/profile/profile.json [--requests 256] [--repeats 5]
+    python benchmarks/engine_static_vs_continuous.py [--requests 256] [--repeats 5]
+    python benchmarks/engine_static_vs_continuous.py --profile outputs/profile/profile.json
+
+Without --profile it profiles the machine first (`python -m cbjax.profile`, default tiny
+model, about a minute) into outputs/bench_profile/: simulator and engine then see the machine
+in the same state. On a shared VM the engine's own speed, and its continuous/static ratio,
+drift by 10-20% within a quarter of an hour, so a profile taken earlier predicts an engine
+that has since changed.
 
 Two workloads, all requests at t=0, on the profile's model, slot count and page size:
 `exponential` (prompts uniform 16..128, outputs exponential with mean 64, at most 384: this
@@ -18,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -57,10 +64,22 @@ def engine_row(summary: dict) -> dict:
     }  # fmt: skip
 
 
+def profile_now(out: Path) -> Path:
+    """Run `python -m cbjax.profile` (defaults) into `out` in a process of its own; its profile.json."""
+    print(f"profiling this machine first (about a minute): python -m cbjax.profile hydra.run.dir={out}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    cmd = [sys.executable, "-m", "cbjax.profile", f"hydra.run.dir={out}", "progress=false"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"engine_static_vs_continuous: error: profiling failed: {(proc.stderr or proc.stdout).strip()[-2000:]}")
+    return out / "profile.json"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default=str(REPO / "outputs" / "profile" / "profile.json"),
-                    help="profile.json from `python -m cbjax.profile` (its model, slots and page size are used)")  # fmt: skip
+    ap.add_argument("--profile", default=None,
+                    help="profile.json from `python -m cbjax.profile` (its model, slots and page size are used); "
+                         "default: profile this machine now")  # fmt: skip
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mean-output", type=float, default=64.0)
@@ -69,6 +88,8 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=2048, help="cache.num_pages")
     ap.add_argument("--trace", default=str(calibrate.AZURE_CODE), help="the Azure LLM inference code trace CSV")
     args = ap.parse_args()
+    if args.profile is None:
+        args.profile = str(profile_now(REPO / "outputs" / "bench_profile"))
     if not Path(args.profile).is_file():
         sys.exit(f"engine_static_vs_continuous: error: no profile at {args.profile}; make one with "
                  "`python -m cbjax.profile hydra.run.dir=outputs/profile` or pass --profile PATH")  # fmt: skip
