@@ -383,3 +383,25 @@ def test_program_cache_keys_change_with_what_decides_the_program_and_bad_files_a
     (folder / f"{base}.bin").write_bytes(b"\x80\x04truncated")
     assert programs.load(str(tmp_path), base, jax.devices()[0]) is None
     assert programs.load(str(tmp_path), "absent", jax.devices()[0]) is None
+
+
+def test_program_cache_keeps_its_programs_when_only_host_code_changes(tmp_path):
+    """Editing a scheduling policy (host code) keeps the source digest, and so the stored
+    programs; editing the model, the step or a new module changes it."""
+    root = tmp_path / "cbjax"
+    for rel in ("runtime/step.py", "model/llama.py", "scheduler/policies.py", "sim/profiled.py", "run.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(f"# {rel}\n")
+    digest = programs.source_digest(root)
+    for rel in ("scheduler/policies.py", "sim/profiled.py", "run.py"):
+        (root / rel).write_text("# edited\n")
+        programs.source_digest.cache_clear()
+        assert programs.source_digest(root) == digest, rel
+    for rel in ("runtime/step.py", "model/llama.py", "kernels/new_backend.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("# edited or new\n")
+        programs.source_digest.cache_clear()
+        assert programs.source_digest(root) != digest, rel
+        digest = programs.source_digest(root)
+    programs.source_digest.cache_clear()
+    assert "scheduler" in programs.HOST_ONLY and (programs.ROOT / "runtime" / "step.py").is_file()

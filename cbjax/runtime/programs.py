@@ -3,7 +3,7 @@
 JAX's persistent compilation cache skips XLA's compile, but finding a program there still
 traces and lowers the step (its key is the lowered module), which is most of a warm start
 for a small model. This cache keys the compiled executable by everything that decides it
-without tracing: cbjax's own source, the jax/jaxlib versions, the backend and its devices,
+without tracing: cbjax's own source (but its host-only modules), the jax/jaxlib versions, the backend and its devices,
 XLA_FLAGS, the model's graph definition, the attention backend and the arguments' shapes,
 dtypes and shardings. Any change to one of them is a miss, and a miss compiles as before.
 Files are written atomically; an unreadable one is a miss too.
@@ -25,13 +25,27 @@ from jax.experimental import serialize_executable
 SUBDIR = "cbjax-programs"
 
 
-@functools.lru_cache(maxsize=1)
-def source_digest() -> str:
-    """sha256 over every .py file of the installed cbjax package (path and contents)."""
-    root = Path(__file__).resolve().parents[1]
+# cbjax code that never runs inside the jitted step: the host-side scheduler, simulator,
+# profiler, workloads, page allocator, predictor and the run/report plumbing. Editing it (a
+# scheduling policy, say) keeps the stored programs. Everything else counts, new files too.
+HOST_ONLY = frozenset({
+    "scheduler", "sim", "profile", "workload", "cache", "predictor",
+    "cli.py", "engine.py", "executor.py", "hydra_job.py", "metrics.py", "outputs.py", "plan.py", "plots.py",
+    "report.py", "reproduction.py", "request.py", "run.py", "service.py", "sweep.py", "tracking.py", "config_merge.py",
+})  # fmt: skip
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=4)
+def source_digest(root: Path = ROOT) -> str:
+    """sha256 over the .py files under the package `root` (path and contents) that the step may
+    trace: all but HOST_ONLY's."""
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
+        rel = path.relative_to(root)
+        if rel.parts[0] in HOST_ONLY:
+            continue
+        h.update(str(rel).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 
