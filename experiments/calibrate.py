@@ -181,12 +181,16 @@ def _profile_notes(profile: dict) -> list[str]:
     m = profile["machine"]
     joint = profile["residuals"].get("grid_bucket_scale")
     grid_scale = "" if joint is None else f", x{joint:.3f} back to back"
-    when, load = ("before it started", m["load_average_at_start"][0]) if "load_average_at_start" in m else (
-        "when it ended", m.get("load_average", [float("nan")])[0])  # fmt: skip
+    if m.get("others_cpu_share") is not None:
+        busy = f"other processes took {m['others_cpu_share']:.0%} of the cores while it ran"
+    elif "load_average_at_start" in m:
+        busy = f"load average {m['load_average_at_start'][0]:.2f} before it started"
+    else:
+        busy = f"load average {m.get('load_average', [float('nan')])[0]:.2f} when it ended"
     return [f"Serving loop in the profile: steps fitted on {served['num_points']} served iterations and the grid (bucket costs "
             f"x{coef['bucket_scale']:.3f} served{grid_scale}; the grid model alone puts them {served['grid_model_total_error']:+.1%} off), "
             f"loop {1e6 * coef['loop_s']:.0f} us + {1e6 * coef['loop_seq_s']:.1f} us per request, wake {1e3 * coef['wake_s']:.2f} ms; "
-            f"its served runs' total time predicted {served['total_error']:+.1%}; load average {load:.2f} {when}.", ""]  # fmt: skip
+            f"its served runs' total time predicted {served['total_error']:+.1%}; {busy}.", ""]  # fmt: skip
 
 
 def write_markdown(rows: list[dict], profile_path: str, path: Path, repeats: int) -> None:

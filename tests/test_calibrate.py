@@ -44,7 +44,7 @@ def test_calibration_markdown_states_the_profiles_serving_loop(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({
         "machine": {"cpu": "test cpu", "cores": 2, "jax": "0", "load_average": [1.8, 1.5, 0.5],
-                    "load_average_at_start": [0.25, 0.5, 0.5]},
+                    "load_average_at_start": [0.25, 0.5, 0.5], "others_cpu_share": 0.03},
         "coefficients": {"bucket_scale": 1.05, "loop_s": 5e-5, "loop_seq_s": 8e-6, "wake_s": 1.2e-3},
         "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2, "grid_bucket_scale": 0.9,
                       "served": {"num_points": 700, "total_error": 0.001, "grid_model_total_error": -0.125}},
@@ -54,5 +54,5 @@ def test_calibration_markdown_states_the_profiles_serving_loop(tmp_path):
     assert (
         "Serving loop in the profile: steps fitted on 700 served iterations and the grid (bucket costs x1.050 served, x0.900 back to back; "
         "the grid model alone puts them -12.5% off), loop 50 us + 8.0 us per request, wake 1.20 ms; "
-        "its served runs' total time predicted +0.1%; load average 0.25 before it started." in doc.read_text()
+        "its served runs' total time predicted +0.1%; other processes took 3% of the cores while it ran." in doc.read_text()
     )

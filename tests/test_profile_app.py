@@ -60,6 +60,7 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     assert len(profile["served"]) == sum(run["iterations"] for run in profile["serving"])
     assert profile["residuals"]["served"]["num_points"] == sum(not s["idle"] for s in profile["served"]) > 0
     assert profile["machine"]["backend"] == "cpu" and profile["machine"]["jax"]
+    assert 0.0 <= profile["machine"]["others_cpu_share"] <= 1.0  # read from /proc/stat on Linux
     assert 0 <= profile["residuals"]["median_rel_error"] <= profile["residuals"]["max_rel_error"]
     sim = ExecutorConfig(cost_model="profiled", profile=str(tmp_path / "profile.json"), token_buckets=[4, 16, 64])
     cost = make_cost_model("profiled", cfg.model, None, scheduler=cfg.scheduler, cache=cfg.cache, executor=sim)

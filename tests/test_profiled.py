@@ -12,7 +12,7 @@ import pytest
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig
 from cbjax.plan import Schedule, StepOutput
 from cbjax.profile.grid import GridPoint, build_schedule, profile_grid
-from cbjax.profile.measure import fit_profile, measure_buckets, measure_steps
+from cbjax.profile.measure import fit_profile, measure_buckets, measure_steps, others_share
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.shapes import plan_shapes
@@ -333,3 +333,10 @@ def test_profiled_simulator_runs_are_deterministic(tmp_path):
     assert {k: v for k, v in first.items() if k not in wall} == {k: v for k, v in second.items() if k not in wall}
     assert first["num_finished"] == 30 and first["cost_model"] == "profiled"
     assert (tmp_path / "a" / "requests.jsonl").read_text() == (tmp_path / "b" / "requests.jsonl").read_text()
+
+
+def test_other_processes_cpu_share_by_hand():
+    # 2 cores for 10 s: the machine was busy 14 CPU s, 9 of them ours: others took 5 of 20
+    assert others_share(14.0, 9.0, 10.0, 2) == pytest.approx(0.25)
+    assert others_share(9.0, 9.5, 10.0, 2) == 0.0  # clock ticks round below our own time: none
+    assert others_share(30.0, 0.0, 10.0, 2) == 1.0 and others_share(1.0, 0.0, 0.0, 2) == 0.0

@@ -39,12 +39,18 @@ def _app(cfg: DictConfig) -> None:
         print(f"served: median relative error {sv['median_rel_error']:.1%} over {sv['num_points']} iterations; "
               f"their total time (steps + loop) predicted {sv['total_error']:+.1%}")  # fmt: skip
     m = profile["machine"]
-    load, cores = m.get("load_average_at_start", m["load_average"])[0], m["cores"] or 1
-    print(f"machine load average before profiling: {load:.2f} on {cores} cores")
+    cores, others = m["cores"] or 1, m.get("others_cpu_share")
     grid_gap = r.get("served", {}).get("grid_model_total_error", 0.0)
-    if load > 0.5 * cores or abs(grid_gap) > 0.25:
-        print(f"warning: a busy machine? load average {load:.2f}; the grid model (steps back to back) puts the served "
-              f"steps {grid_gap:+.0%} off. Profile again on a quiet machine.")  # fmt: skip
+    if others is not None:
+        print(f"other processes took {others:.0%} of the {cores} cores while it ran")
+        busy = others > 0.2
+    else:  # no /proc/stat: the load average before it started
+        load = m.get("load_average_at_start", m["load_average"])[0]
+        print(f"machine load average before profiling: {load:.2f} on {cores} cores")
+        busy = load > 0.5 * cores
+    if busy or abs(grid_gap) > 0.25:
+        print(f"warning: a busy machine? the grid model (steps back to back) puts the served steps {grid_gap:+.0%} off. "
+              "Profile again on a quiet machine.")  # fmt: skip
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
     print(f"use it: cbjax executor=sim executor.cost_model=profiled executor.profile={out_dir / 'profile.json'}")

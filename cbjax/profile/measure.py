@@ -169,6 +169,40 @@ def fit_profile(
     return coefficients, residuals
 
 
+class OthersLoad:
+    """The share of the machine's CPU time that other processes took while the profile ran:
+    (all cores' busy time - this process's CPU time) / (wall time x cores), from /proc/stat
+    (Linux); None elsewhere. The load average can't tell: by the profile's end its own threads
+    dominate it, and at its start it still carries the previous command's."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample() -> Optional[tuple[float, float, float]]:
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)  # less idle and iowait
+        t = os.times()
+        return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.monotonic()
+
+    def share(self) -> Optional[float]:
+        end = self._sample()
+        if self.start is None or end is None:
+            return None
+        return others_share(end[0] - self.start[0], end[1] - self.start[1], end[2] - self.start[2], os.cpu_count() or 1)
+
+
+def others_share(busy_s: float, own_cpu_s: float, wall_s: float, cores: int) -> float:
+    """Other processes' share of `cores` over `wall_s`: the machine's busy CPU seconds less our own."""
+    if wall_s <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (busy_s - own_cpu_s) / (wall_s * cores)))
+
+
 def machine() -> dict[str, Any]:
     """The machine and software the profile was measured on."""
     import jax

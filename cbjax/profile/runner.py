@@ -36,15 +36,16 @@ class ProfileRunConfig(RunConfig):
 def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     """Profile the engine `cfg` describes; writes profile.json and profile.png to `out_dir`."""
     from cbjax.profile.measure import (
-        build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_steps, measure_swaps,
-        write_profile,
+        OthersLoad, build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_steps,
+        measure_swaps, write_profile,
     )  # fmt: skip
     from cbjax.profile.grid import build_schedule
     from cbjax.profile.serving import measure_serving, measure_wake
     from cbjax.run import build_executor, resolve
 
     t0 = time.perf_counter()
-    load_at_start = list(os.getloadavg())  # others' load: by the end the profile's own threads dominate
+    load_at_start = list(os.getloadavg())
+    others = OthersLoad()  # other processes' CPU while the profile runs (the load average mixes in its own)
     cfg = resolve(cfg)
     executor = build_executor(cfg)
     executor.progress = cfg.progress
@@ -74,7 +75,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     )
     extra = {
         "attention": executor.attention,
-        "machine": {**machine(), "load_average_at_start": load_at_start},
+        "machine": {**machine(), "load_average_at_start": load_at_start, "others_cpu_share": others.share()},
         "serving": serving["runs"],
         "wake": wake,
         "served": serving["steps"],
