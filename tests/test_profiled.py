@@ -19,7 +19,7 @@ from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 from cbjax.sim import make_cost_model
 from cbjax.sim.fit import fit_costs, nnls
-from cbjax.sim.profiled import STEP_TERMS, count_tiles, pages_read, profile_key, step_features
+from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, count_tiles, pages_read, profile_key, step_features
 
 MODEL = ModelConfig()  # tiny
 
@@ -213,6 +213,12 @@ def configs(profile, **sched):
     )
 
 
+def only_bucket_costs(bucket_s: dict, **terms) -> dict:
+    """Profile coefficients charging the bucket costs alone (bucket_scale 1, wake ramp 1 s), plus `terms`."""
+    zero = dict.fromkeys(STEP_TERMS + SWAP_TERMS + ("loop_s", "loop_seq_s", "wake_s"), 0.0)
+    return {**zero, "bucket_s": bucket_s, "bucket_scale": 1.0, "wake_ramp_s": 1.0, **terms}
+
+
 def test_profiled_cost_by_hand(tmp_path):
     coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.5, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
             "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5, "single_page_s": 0.0, "block_page_s": 0.0, "bucket_scale": 2.0,
@@ -238,10 +244,7 @@ def test_profiled_cost_by_hand(tmp_path):
 
 
 def test_the_first_step_after_an_idle_loop_pays_the_wake_cost_by_hand(tmp_path):
-    coef = {"bucket_s": {"4": 1.0}, "iter_s": 0.0, "seq_s": 0.0, "single_chunk_s": 0.0, "block_chunk_s": 0.0,
-            "single_chunk_token_s": 0.0, "block_chunk_token_s": 0.0, "single_page_s": 0.0, "block_page_s": 0.0,
-            "bucket_scale": 1.0, "swap_iter_s": 0.0,
-            "swap_page_s": 0.0, "loop_s": 0.0, "loop_seq_s": 0.0, "wake_s": 0.5, "wake_ramp_s": 4.0}  # fmt: skip
+    coef = only_bucket_costs({"4": 1.0}, wake_s=0.5, wake_ramp_s=4.0)
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))
     d = Request("d", 0.0, 5)
@@ -256,10 +259,7 @@ def test_the_first_step_after_an_idle_loop_pays_the_wake_cost_by_hand(tmp_path):
 
 
 def test_a_step_right_after_a_larger_buckets_pays_the_cold_cost_by_hand(tmp_path):
-    coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.0, "seq_s": 0.0, "single_chunk_s": 0.0, "block_chunk_s": 0.0,
-            "single_chunk_token_s": 0.0, "block_chunk_token_s": 0.0, "single_page_s": 0.0, "block_page_s": 0.0,
-            "bucket_scale": 1.0, "swap_iter_s": 0.0, "swap_page_s": 0.0, "loop_s": 0.0, "loop_seq_s": 0.0,
-            "wake_s": 0.0, "wake_ramp_s": 1.0, "cold_s": 0.25}  # fmt: skip
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, cold_s=0.25)
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))
     d = Request("d", 0.0, 5)

@@ -17,7 +17,7 @@ from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs, nnls
-from cbjax.sim.profiled import STEP_TERMS, bucket_intercept, step_features
+from cbjax.sim.profiled import STEP_TERMS, bucket_intercept, cold_step, step_features
 
 
 class TimedExecutor:
@@ -127,7 +127,7 @@ def served_points(label: str, timed: TimedExecutor, shapes: ShapePlan) -> tuple[
         steps.append({
             "kind": kind, "source": label, "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
             "bucket": bucket, "features": features, "measured_s": t1 - t0, "idle": idle,
-            "after_larger": previous is not None and previous > bucket,
+            "after_larger": cold_step(previous, bucket),
         })  # fmt: skip
         previous = bucket
     gaps = [
@@ -174,8 +174,9 @@ def fit_served(
     if not points:
         return {"bucket_scale": 1.0, **{k: fallback[k] for k in STEP_TERMS}, "cold_s": 0.0}, 1.0
     rows = [(s, 1.0, 0.0, 1.0) for s in points] + [(s, 0.0, 1.0, grid_weight) for s in grid or []]
-    x = np.array([[bucket_intercept(bucket_s, s["bucket"]) * a, bucket_intercept(bucket_s, s["bucket"]) * b,
-                   *s["features"], float(a and s.get("after_larger", False))] for s, a, b, _ in rows])  # fmt: skip
+    fixed = [bucket_intercept(bucket_s, s["bucket"]) for s, *_ in rows]
+    x = np.array([[f * a, f * b, *s["features"], float(a and s.get("after_larger", False))]
+                  for f, (s, a, b, _) in zip(fixed, rows)])  # fmt: skip
     y = np.array([s["measured_s"] for s, *_ in rows])
     root_w = np.sqrt([w for *_, w in rows])
     used = np.any(x != 0, axis=0)  # a term no step exercises keeps its fallback

@@ -3,9 +3,9 @@
 JAX's persistent compilation cache skips XLA's compile, but finding a program there still
 traces and lowers the step (its key is the lowered module), which is most of a warm start
 for a small model. This cache keys the compiled executable by everything that decides it
-without tracing: cbjax's own source (but its host-only modules), the jax/jaxlib versions, the backend and its devices,
-XLA_FLAGS, the model's graph definition, the attention backend and the arguments' shapes,
-dtypes and shardings. Any change to one of them is a miss, and a miss compiles as before.
+without tracing: cbjax's own source (less its host-only modules, HOST_ONLY), the jax/jaxlib
+versions, the backend and its devices, XLA_FLAGS, the model's graph definition, the attention
+backend and the arguments' shapes, dtypes and shardings. Any change to one of them is a miss, and a miss compiles as before.
 Files are written atomically; an unreadable one is a miss too.
 """
 

@@ -20,8 +20,9 @@ as `cbjax.runtime.tiles.build_tiles` lays them out (`count_steps`), plus its swa
              the caches; a run of same-bucket steps, as a static batch's decodes, stays warm)
 
 The step terms are fitted on the iterations the profile serves through the real loop (a step
-there costs what a run pays, not what the same step costs run back to back on the grid), with
-`bucket_scale` relating the grid's timed bucket costs to them. A step's work does not grow
+there costs what a run pays, not what the same step costs run back to back) together with the
+grid's steps, which reach long contexts and large prefills; `bucket_scale` relates the grid's
+timed bucket costs to the served steps (`cbjax.profile.serving.fit_served`). A step's work does not grow
 with the bucket, so the `*_token_s` terms should fit near 0; they stay for kernels whose steps
 touch every token of the bucket. A bucket the profile did not time gets its intercept
 interpolated linearly in the bucket size.
@@ -72,6 +73,11 @@ def pages_read(rows: Sequence[tuple[int, int, bool]], page_size: int) -> tuple[i
     misses follow real pages)."""
     single, block = group_pages([(n, ctx) for n, ctx, _ in rows], page_size)
     return sum(single), sum(block)
+
+
+def cold_step(previous_bucket: Optional[int], bucket: int) -> bool:
+    """Whether a step pays `cold_s`: it runs right after a larger bucket's step."""
+    return previous_bucket is not None and previous_bucket > bucket
 
 
 def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> tuple[int, list[float]]:
@@ -158,7 +164,7 @@ class ProfiledCost:
             t += self.swap_iter_s + self.swap_page_s * pages
         if self._last_end is not None and plan.start_s > self._last_end:  # the loop idled until an arrival
             t += self.wake_s * min(1.0, (plan.start_s - self._last_end) / self.wake_ramp_s)
-        if self._last_bucket is not None and self._last_bucket > bucket:
+        if cold_step(self._last_bucket, bucket):
             t += self.cold_s
         self._last_bucket = bucket
         self._last_end = plan.start_s + t
