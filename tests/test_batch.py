@@ -106,25 +106,44 @@ def test_tiles_by_hand():
     assert cap == ((3, 1), (4, 2))  # block bound: min(6 // 2, 3) rows + 6 // 6 full blocks
     _, block = build_tiles(query_start, kv_lens, 6, 2, 64, cap)
     assert block[0][:1].tolist() == [[1, 2, 3, 6, 6, 6]] and int(block[3]) == 1
-    # chunks shrink to the capacity: 2 tokens hold at most 2 single groups, and the block bound
-    # is min(2 // 2, 3) rows + 2 // 2 full blocks = 2
-    assert tile_capacity(2, 3, 2, (4, 4)) == ((2, 2), (2, 2))
+    # chunks shrink to the capacity: 2 tokens over 1 slot hold 1 single group, and the block
+    # bound is min(2 // 2, 1) rows + 2 // 2 full blocks = 2
+    assert tile_capacity(2, 1, 2, (4, 4)) == ((1, 1), (2, 2))
+    # over 3 slots they are a group each (token groups), chunks shrunk to 2; no block list
+    assert tile_capacity(2, 3, 2, (4, 4)) == ((2, 2), (0, 1))
+
+
+def test_token_groups_by_hand():
+    # the rows of test_tiles_by_hand over 6 slots: the 6-token step lists every token as a single
+    # group reading its row's pages up to its own position, and has no block list. Positions:
+    # token 0 -> 1 (1 page); tokens 1, 2, 3 -> 1, 2, 3 (1, 2, 2 pages); token 4 -> 4 (3 pages)
+    query_start = np.array([0, 1, 4, 5], np.int32)
+    kv_lens = np.array([2, 4, 5], np.int32)
+    cap = tile_capacity(6, 6, 2, (4, 2))
+    assert cap == ((8, 4), (0, 1))
+    single, block = build_tiles(query_start, kv_lens, 6, 2, 2, cap)
+    q, row, chunk_pages, num_chunks = single
+    assert q[:, 0].tolist() == [4, 2, 3, 0, 1, 6, 6, 6] and row[:5].tolist() == [2, 1, 1, 0, 1]
+    assert chunk_pages.tolist() == [3, 1] and int(num_chunks) == 2
+    q, row, chunk_pages, num_chunks = block
+    assert q.shape == (0, 2) and row.shape == (0,) and chunk_pages.shape == (0,) and int(num_chunks) == 0
+    assert count_steps([(1, 1), (3, 1), (1, 4)], 2, 6, 6) == (1, 2, 0, 0)  # one chunk of 32: ceil(3 / 2) steps
 
 
 def test_count_steps_by_hand():
     knobs = (tiles.BLOCK_Q, tiles.CHUNK_SINGLE, tiles.CHUNK_BLOCK, tiles.PAGES_SINGLE, tiles.PAGES_BLOCK)
     assert knobs == (64, 32, 8, 2, 4)  # the hand counts below assume these
     # page_size 4: a decode at position 4 reads 2 pages: one chunk, one step of 2 pages
-    assert count_steps([(1, 4)], 4, 32) == (1, 1, 0, 0)
+    assert count_steps([(1, 4)], 4, 32, 1) == (1, 1, 0, 0)
     # a 100-token prefill: groups of 64 and 36 tokens ending at positions 63 and 99 read 16 and 25
     # pages; one chunk, run for its longest group: ceil(25 / 4) = 7 steps
-    assert count_steps([(100, 0)], 4, 4096) == (0, 0, 1, 7)
+    assert count_steps([(100, 0)], 4, 4096, 1) == (0, 0, 1, 7)
     # four of them: 8 groups; in a bucket of 4096 one chunk of 8 (7 steps), in 512 chunks of 1
     # (4 x 7 + 4 x 4 steps)
-    assert count_steps([(100, 0)] * 4, 4, 4096) == (0, 0, 1, 7)
-    assert count_steps([(100, 0)] * 4, 4, 512) == (0, 0, 8, 44)
+    assert count_steps([(100, 0)] * 4, 4, 4096, 4) == (0, 0, 1, 7)
+    assert count_steps([(100, 0)] * 4, 4, 512, 4) == (0, 0, 8, 44)
     # 33 decodes at position 20 (6 pages each): chunks of 32 and 1, 3 steps each
-    assert count_steps([(1, 20)] * 33, 4, 64) == (2, 6, 0, 0)
+    assert count_steps([(1, 20)] * 33, 4, 64, 33) == (2, 6, 0, 0)
 
 
 def test_count_steps_matches_the_packed_lists():
@@ -136,12 +155,14 @@ def test_count_steps_matches_the_packed_lists():
         query_start = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
         kv_lens = np.array([ctx + k for k, ctx in rows], np.int32)
         bucket = int(query_start[-1]) + int(rng.choice([3, 2000]))  # small and large block chunks
-        cap = tile_capacity(bucket, len(rows), tiles.BLOCK_Q, (tiles.CHUNK_SINGLE, tiles.block_chunk(bucket)))
+        # a slot array of just these rows, or one no smaller than the step (a group per token)
+        num_slots = int(rng.choice([len(rows), bucket]))
+        cap = tile_capacity(bucket, num_slots, tiles.BLOCK_Q, (tiles.CHUNK_SINGLE, tiles.block_chunk(bucket)))
         single, block = build_tiles(query_start, kv_lens, bucket, 4, tiles.BLOCK_Q, cap)
         packed = []
         for (_, _, chunk_pages, num), step in ((single, tiles.PAGES_SINGLE), (block, tiles.PAGES_BLOCK)):
             packed += [int(num), int(sum(-(-int(p) // step) for p in chunk_pages[:num]))]
-        assert count_steps(rows, 4, bucket) == tuple(packed), rows
+        assert count_steps(rows, 4, bucket, num_slots) == tuple(packed), rows
 
 
 def test_packing_imports_no_jax():

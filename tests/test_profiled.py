@@ -29,17 +29,22 @@ def test_count_tiles_by_hand():
     # decode at position 4 reads 2 pages (1 step); a 20-token prefill is one group ending at
     # position 19: 5 pages, 2 steps; a 2-token chunk after 6 cached tokens ends at position 7:
     # 2 pages, 1 step, beside a decode at position 3 (1 page, 1 step).
-    assert count_tiles([(1, 4, True)], 4, 4) == (1, 0)
-    assert count_tiles([(20, 0, False)], 4, 64) == (0, 2)
-    assert count_tiles([(2, 6, False), (1, 3, True)], 4, 4) == (1, 1)
-    assert pages_read([(1, 4, True)], 4) == (2, 0)
-    assert pages_read([(20, 0, False)], 4) == (0, 5)
-    assert pages_read([(2, 6, False), (1, 3, True)], 4) == (1, 2)
+    assert count_tiles([(1, 4, True)], 4, 4, 2) == (1, 0)
+    assert count_tiles([(20, 0, False)], 4, 64, 2) == (0, 2)
+    assert count_tiles([(2, 6, False), (1, 3, True)], 4, 4, 2) == (1, 1)
+    assert pages_read([(1, 4, True)], 4, 4, 2) == (2, 0)
+    assert pages_read([(20, 0, False)], 4, 64, 2) == (0, 5)
+    assert pages_read([(2, 6, False), (1, 3, True)], 4, 4, 2) == (1, 2)
+    # over 4 slots the 4-token step lists each token as a group: positions 6 and 7 read 2 pages,
+    # position 3 reads 1; one chunk, one step of 2 pages, and no block list
+    assert count_tiles([(2, 6, False), (1, 3, True)], 4, 4, 4) == (1, 0)
+    assert pages_read([(2, 6, False), (1, 3, True)], 4, 4, 4) == (5, 0)
 
 
 def test_count_tiles_matches_the_packers_tile_lists():
     shapes = plan_shapes(num_rows=6, max_model_len=96, page_size=4, max_num_batched_tokens=256)
     rng = np.random.default_rng(3)
+    seen = set()
     for _ in range(30):
         rows = []
         for _ in range(int(rng.integers(1, 7))):
@@ -48,8 +53,11 @@ def test_count_tiles_matches_the_packers_tile_lists():
             rows.append((n, ctx))
         plan = build_schedule(GridPoint("mixed", rows), shapes, num_pages=64, vocab_size=512)
         batch = BatchPacker(shapes, tiles=True).pack(plan)
-        assert count_tiles(plan.cost_rows(), 4, batch.tokens.shape[0]) == packed_steps(batch), rows
-        assert pages_read(plan.cost_rows(), 4) == packed_pages(batch, 4), rows
+        bucket = batch.tokens.shape[0]
+        assert count_tiles(plan.cost_rows(), 4, bucket, shapes.num_rows) == packed_steps(batch), rows
+        assert pages_read(plan.cost_rows(), 4, bucket, shapes.num_rows) == packed_pages(batch, 4), rows
+        seen.add(bucket <= shapes.num_rows)
+    assert seen == {True, False}  # steps with and without a block list
 
 
 def packed_pages(batch, page_size: int) -> tuple[int, int]:

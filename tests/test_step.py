@@ -16,7 +16,7 @@ from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.executor import to_device
 from cbjax.runtime.kv_cache import KVCache
 from cbjax.runtime.shapes import plan_shapes
-from cbjax.runtime.step import model_step, split_model
+from cbjax.runtime.step import first_argmax, model_step, split_model
 
 PAGE_SIZE = 4
 NUM_ROWS = 6
@@ -27,6 +27,8 @@ SECOND = {
     "decode_only": [(5, 1), (8, 1), (3, 1), (4, 1), (1, 1)],
     "prefill_only": [(0, 6), (0, 4), (0, 9)],
     "mixed": [(5, 1), (0, 7), (8, 4), (3, 1), (4, 5)],
+    # 3 tokens: the 4-token bucket, smaller than the 6-row slot array (the LM head runs on 4 rows)
+    "few_rows": [(5, 1), (8, 1), (3, 1)],
 }
 
 
@@ -45,8 +47,11 @@ def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages):
     reqs = [req(i, seqs[i], ctx, n) for i, (ctx, n) in enumerate(rows)]
     plan = Schedule(num_slots=NUM_ROWS, prefills=reqs, page_tables={r.request_id: pages[int(r.request_id)] for r in reqs},
                     page_size=PAGE_SIZE)  # fmt: skip
-    _, logits, cache = model_step(weights, cache, to_device(packer.pack(plan)), graphdef=graphdef, attention=attention)
-    return np.asarray(logits)[: len(rows)], cache
+    greedy, logits, cache = model_step(weights, cache, to_device(packer.pack(plan)), graphdef=graphdef, attention=attention)
+    logits = np.asarray(logits)
+    assert logits.shape == (NUM_ROWS, weights[0]["embed_tokens"][...].shape[0]) and np.asarray(greedy).shape == (NUM_ROWS,)
+    np.testing.assert_array_equal(np.asarray(greedy)[: len(rows)], np.argmax(logits[: len(rows)], axis=-1))
+    return logits[: len(rows)], cache
 
 
 # The XLA formulation over GQA groups 1, 2 and 4; the Pallas kernel (interpreted on CPU, so
@@ -63,7 +68,7 @@ def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads):
         padded = np.zeros(cfg.max_model_len, np.int32)
         padded[: len(tokens)] = tokens
         return np.asarray(dense_fn(dense_state, jnp.asarray(padded)))[len(tokens) - 1]
-    shapes = plan_shapes(NUM_ROWS, cfg.max_model_len, PAGE_SIZE, 32, token_buckets=[8, 32])
+    shapes = plan_shapes(NUM_ROWS, cfg.max_model_len, PAGE_SIZE, 32, token_buckets=[4, 32])
     rng = np.random.default_rng(num_kv_heads)
     num_pages = 64
     perm = rng.permutation(np.arange(1, num_pages))
@@ -96,3 +101,11 @@ def test_inconsistent_batch_shapes_name_them():
     cache = KVCache(k=jnp.zeros(shape), v=jnp.zeros(shape))
     with pytest.raises(ValueError, match=r"inconsistent batch shapes: tokens \(8,\), positions \(4,\)"):
         model_step(weights, cache, bad, graphdef=graphdef, attention="reference")
+
+
+def test_first_argmax_is_the_first_maximum():
+    logits = np.array([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -3.0, -1.0, -2.0], [0.0, 0.0, 0.0, 7.0]], np.float32)
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(logits))), [1, 0, 0, 3])
+    rng = np.random.default_rng(0)
+    wide = rng.integers(0, 8, (5, 300)).astype(np.float32)  # many ties
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(wide))), np.argmax(wide, axis=-1))

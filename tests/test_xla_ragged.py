@@ -50,6 +50,19 @@ def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache):
         assert not np.abs(got[case["num_real_tokens"] :]).any(), f"{name}: padding tokens must give zeros"
 
 
+def test_token_groups_match_the_oracle():
+    # a slot array no smaller than the step: every token is its own single group, no block list
+    for name, rows in CASES.items():
+        num_tokens = sum(n for _, n in rows) + 3
+        case = make_case(rows, num_kv_heads=2, group=2, num_tokens=num_tokens, num_rows=num_tokens, seed=len(name))
+        md = metadata(case, block=4, chunk=2)
+        assert md.work.block.q_idx.shape[0] == 0, name
+        q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
+        got = np.asarray(ragged_attention_xla(q, k, v, md, pages_single=3, pages_block=3))
+        np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5, err_msg=name)
+        assert not np.abs(got[case["num_real_tokens"] :]).any(), f"{name}: padding tokens must give zeros"
+
+
 def test_bad_shapes_and_missing_tiles_name_the_problem():
     case = make_case(CASES["mixed"], num_kv_heads=2, group=2)
     md = metadata(case, block=4, chunk=2)

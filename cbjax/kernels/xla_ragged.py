@@ -1,7 +1,8 @@
 """XLA ragged paged attention (the CPU default): work follows the pages the tokens read.
 
 The packer (`cbjax.runtime.tiles`) lists the step's queries as groups: a decode token alone
-(the single list), or up to `block` consecutive new tokens of one longer row (the block list),
+(the single list), or up to `block` consecutive new tokens of one longer row (the block list;
+in a step no larger than the slot array every token is a single group and this list is empty),
 each with the number of its row's pages it reads, up to its last position, so causal work past
 a group is never done and a row's pages are read once per group, not once per token. Each list
 is sorted longest first and cut into chunks of a fixed number of groups. An outer loop walks
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Optional
 
 import jax
@@ -88,7 +90,10 @@ def _group_pass(groups: Tiles, q_ext, pos_ext, page_table, k_flat, v_flat, page_
             key_pos = i * keys + key_off  # i32[keys]
             v = jnp.where((key_pos[None, :] <= last[:, None])[None, :, :, None], v, 0.0)  # unwritten slots may be NaN
             if block == 1:  # tiny contractions run faster as fused multiply-reduce than as batched dots
-                s = jnp.sum(q[:, :, :, None, :] * k[:, :, None], axis=-1)
+                prod = q[:, :, :, None, :] * k[:, :, None]  # f32[kv, chunk, rows, keys, d]
+                if os.environ.get("ATTV") == "3" and head_dim > 32 and head_dim % 32 == 0:
+                    prod = prod.reshape(*prod.shape[:-1], head_dim // 32, 32).sum(axis=-1)
+                s = jnp.sum(prod, axis=-1)
             else:
                 s = jnp.einsum("kcrd,kcsd->kcrs", q, k)
             valid = key_pos[None, None, None, :] <= q_pos_rows  # bool[1, chunk, rows, keys]
@@ -138,7 +143,7 @@ def ragged_attention_xla(
     if not isinstance(md.work, RaggedWork):
         raise ValueError("ragged_attention_xla: md.work must hold the RaggedWork groups the packer builds")
     for name, tiles in (("single", md.work.single), ("block", md.work.block)):
-        if tiles.q_idx.shape[0] % tiles.chunk_pages.shape[0]:
+        if tiles.q_idx.shape[0] and tiles.q_idx.shape[0] % tiles.chunk_pages.shape[0]:
             raise ValueError(
                 f"ragged_attention_xla: {name} capacity {tiles.q_idx.shape[0]} is not a multiple of its "
                 f"{tiles.chunk_pages.shape[0]} chunks"
@@ -157,6 +162,8 @@ def ragged_attention_xla(
     pos_ext = jnp.concatenate([md.token_pos.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
     res, idx = [], []
     for tiles, step in ((md.work.single, pages_single), (md.work.block, pages_block)):
+        if tiles.q_idx.shape[0] == 0:  # an empty list (no block list in a small step): no pass
+            continue
         r = _group_pass(tiles, q_ext, pos_ext, md.page_table, k_flat, v_flat, page_base, num_pages, step, scale)
         res.append(r.reshape(num_kv_heads, -1, group, head_dim))
         idx.append(tiles.q_idx.reshape(-1))

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cbjax.config import ModelConfig
 from cbjax.model.llama import kv_cache_axes
 from cbjax.runtime.kv_cache import KVCache, init_cache
-from cbjax.runtime.step import step_fn
+from cbjax.runtime.step import step_compiler_options, step_fn
 
 TENSOR = "tensor"
 RULES = {"heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR}
@@ -147,5 +147,6 @@ class TensorParallel:
                 donate_argnums=(1,),
                 in_shardings=(self.weight_shardings, cache, self.replicated),
                 out_shardings=(self.replicated, self.replicated, cache),
+                compiler_options=step_compiler_options(self.mesh.devices.flat[0].platform),
             )
         return self._steps[key]

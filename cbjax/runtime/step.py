@@ -117,12 +117,63 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     x = model.embed(batch.tokens)  # [T, d_model]
     carry = (x, cache.k, cache.v)
     (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, carry, (layer_states, jnp.arange(num_layers)))
-    logits = model.logits(x[batch.logits_idx])  # f32[R, vocab_size]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return _mark_non_finite(logits, greedy), logits, KVCache(k=k_pages, v=v_pages)
+    # A step of T tokens holds at most T rows, and rows are filled first to last: in a bucket
+    # smaller than the slot array only the first T rows can have logits. The LM head runs on
+    # those (for a 135M model on 32 slots it is a third of a small decode step's FLOPs); the
+    # outputs keep their [R] and [R, vocab] shapes, zeros past T (idle rows, never read).
+    num_rows = batch.logits_idx.shape[0]
+    live = min(num_rows, batch.tokens.shape[0])
+    logits = model.logits(x[batch.logits_idx[:live]])  # f32[live, vocab_size]
+    greedy = _mark_non_finite(logits, first_argmax(logits))
+    if live < num_rows:
+        greedy = jnp.pad(greedy, (0, num_rows - live))
+        logits = jnp.pad(logits, ((0, num_rows - live), (0, 0)))
+    return greedy, logits, KVCache(k=k_pages, v=v_pages)
 
 
-model_step = jax.jit(step_fn, static_argnames=("graphdef", "attention", "mesh"), donate_argnames=("cache",))
+# XLA options for the step on XLA:CPU. Its tree reduction rewriter splits any reduction longer
+# than 32 into a reduce-window and a reduce, so the attention's scores over head_dim 64 (q * k
+# summed over d) are materialized in full instead of summed as they are multiplied: a
+# SmolLM-shaped decode step ran 19 ms of its 165 in that split, 6 ms without it. The step's
+# reductions are short (head_dim, d_model, a page step of keys), so the pass buys no accuracy
+# that matters here; other programs keep it.
+CPU_STEP_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
+
+
+def step_compiler_options(backend: str | None = None) -> dict | None:
+    """The XLA compiler options of the step on `backend` (default: jax's)."""
+    return dict(CPU_STEP_OPTIONS) if (backend or jax.default_backend()) == "cpu" else None
+
+
+@functools.cache
+def _jitted_step(backend: str):
+    return jax.jit(
+        step_fn, static_argnames=("graphdef", "attention", "mesh"), donate_argnames=("cache",),
+        compiler_options=step_compiler_options(backend),
+    )  # fmt: skip
+
+
+class _ModelStep:
+    """`step_fn` jitted with the options of the default backend, chosen at the first call (not
+    at import: importing cbjax must not start a jax backend)."""
+
+    def __call__(self, *args, **kwargs):
+        return _jitted_step(jax.default_backend())(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return _jitted_step(jax.default_backend()).lower(*args, **kwargs)
+
+
+model_step = _ModelStep()
+
+
+def first_argmax(logits: jax.Array) -> jax.Array:
+    """i32[...]: the first index of each row's maximum, as `jnp.argmax` (for finite rows) but as
+    two plain reductions: XLA:CPU runs argmax's (value, index) reduction 1.5-2.4x slower
+    (measured on [32, 4096] to [32, 49152] logits)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(logits == top, iota, logits.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def _mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:

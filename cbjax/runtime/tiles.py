@@ -7,6 +7,10 @@ tokens in the block list. A group reads its row's pages 0 .. (its last position)
 Each list is sorted by that page count, longest first, and cut into chunks of a fixed number
 of groups; a chunk's page count is its first group's, so groups of a chunk read about as many
 pages each and little work is masked.
+
+A step no larger than the slot array (T <= num_rows: decodes and small prefills) lists every
+token as its own single group, reading its row's pages up to its own position, and has no
+block list: its program compiles without the block pass and runs none of it.
 """
 
 from __future__ import annotations
@@ -25,10 +29,19 @@ PAGES_SINGLE = 2
 PAGES_BLOCK = 4
 
 
+def token_groups(num_tokens: int, num_rows: int) -> bool:
+    """Whether a step of `num_tokens` tokens lists every token as a single group (no block list)."""
+    return num_tokens <= num_rows
+
+
 def tile_capacity(num_tokens: int, num_rows: int, block: int, chunks: tuple[int, int]) -> tuple[tuple[int, int], ...]:
     """Static ((capacity, chunk) single, (capacity, chunk) block) for a step of `num_tokens`
     tokens: the most groups any batch of that size can need, rounded up to whole chunks, and
-    the chunk size, no more groups than the capacity needs."""
+    the chunk size, no more groups than the capacity needs. Under `token_groups` the single
+    list holds a group per token and the block list is empty (capacity 0)."""
+    if token_groups(num_tokens, num_rows):
+        c = max(1, min(chunks[0], num_tokens))
+        return ((-(-num_tokens // c) * c, c), (0, 1))
     block = group_size(num_tokens, block)
     single = min(num_tokens, num_rows)
     multi = min(num_tokens // 2, num_rows) + num_tokens // block  # rows of >= 2 tokens, plus full blocks
@@ -61,10 +74,18 @@ def build_tiles(
     capacity: tuple[tuple[int, int], ...],
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """(single, block) group lists, each (q_idx i32[cap, b], row i32[cap], chunk_pages
-    i32[cap // chunk], num_chunks i32[]); unused query slots point at the padding row `num_tokens`."""
+    i32[cap // chunk], num_chunks i32[]); unused query slots point at the padding row `num_tokens`.
+    A block capacity of 0 (`tile_capacity` under `token_groups`) lists every token in the single list."""
     block = group_size(num_tokens, block)
     n = np.diff(query_start)
     starts = query_start[:-1]
+    if capacity[1][0] == 0:
+        total = int(query_start[-1])
+        tok_row = np.repeat(np.arange(len(n)), n)
+        pos = kv_lens[tok_row] - (query_start[tok_row + 1] - np.arange(total))  # each token's position
+        single = _pack(np.arange(total)[:, None], tok_row, pos // page_size + 1, capacity[0], num_tokens)
+        none = np.zeros(0, np.int64)
+        return single, _pack(np.zeros((0, block), np.int64), none, none, capacity[1], num_tokens)
     rows1 = np.flatnonzero(n == 1)
     single = _pack(starts[rows1][:, None], rows1, (kv_lens[rows1] - 1) // page_size + 1, capacity[0], num_tokens)
     rows2 = np.flatnonzero(n >= 2)
@@ -79,10 +100,15 @@ def build_tiles(
     return single, multi
 
 
-def group_pages(rows: Sequence[tuple[int, int]], page_size: int) -> tuple[list[int], list[int]]:
+def group_pages(
+    rows: Sequence[tuple[int, int]], page_size: int, num_tokens: int, num_rows: int
+) -> tuple[list[int], list[int]]:
     """(single, block) pages each query group reads, longest first, for rows of
-    (num_new_tokens, num_context_tokens): a decode reads its row's pages up to its position, a
-    prefill group of up to BLOCK_Q tokens those up to the group's last position."""
+    (num_new_tokens, num_context_tokens) in a step of `num_tokens` (the bucket) over `num_rows`
+    slots: a decode reads its row's pages up to its position, a prefill group of up to BLOCK_Q
+    tokens those up to the group's last position; under `token_groups` each token is a group."""
+    if token_groups(num_tokens, num_rows):
+        return sorted(((ctx + i) // page_size + 1 for n, ctx in rows for i in range(n)), reverse=True), []
     single = sorted(((ctx // page_size + 1) for n, ctx in rows if n == 1), reverse=True)
     block = sorted(
         ((ctx + min(first + BLOCK_Q, n) - 1) // page_size + 1  # pages up to the group's last position
@@ -92,11 +118,13 @@ def group_pages(rows: Sequence[tuple[int, int]], page_size: int) -> tuple[list[i
     return single, block
 
 
-def count_steps(rows: Sequence[tuple[int, int]], page_size: int, num_tokens: int) -> tuple[int, int, int, int]:
+def count_steps(
+    rows: Sequence[tuple[int, int]], page_size: int, num_tokens: int, num_rows: int
+) -> tuple[int, int, int, int]:
     """(single chunks, single page steps, block chunks, block page steps) the kernel runs for
-    rows of (num_new_tokens, num_context_tokens) in a step of `num_tokens` (the bucket) as
-    `build_tiles` lays them out, with the packer's chunks."""
-    return steps_of(*group_pages(rows, page_size), num_tokens)
+    rows of (num_new_tokens, num_context_tokens) in a step of `num_tokens` (the bucket) over
+    `num_rows` slots as `build_tiles` lays them out, with the packer's chunks."""
+    return steps_of(*group_pages(rows, page_size, num_tokens, num_rows), num_tokens)
 
 
 def steps_of(single: list[int], block: list[int], num_tokens: int) -> tuple[int, int, int, int]:

@@ -59,19 +59,19 @@ ARCH_FIELDS = (
 )  # fmt: skip
 
 
-def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int, bucket: int) -> tuple[int, int]:
+def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int, bucket: int, num_rows: int) -> tuple[int, int]:
     """(single, block) inner loop steps the XLA ragged attention runs for rows of
-    (num_new_tokens, num_context_tokens, _) in a step of `bucket` tokens, as
-    `cbjax.runtime.tiles.count_steps` counts them."""
-    _, single, _, block = count_steps([(n, ctx) for n, ctx, _ in rows], page_size, bucket)
+    (num_new_tokens, num_context_tokens, _) in a step of `bucket` tokens over `num_rows` slots,
+    as `cbjax.runtime.tiles.count_steps` counts them."""
+    _, single, _, block = count_steps([(n, ctx) for n, ctx, _ in rows], page_size, bucket, num_rows)
     return single, block
 
 
-def pages_read(rows: Sequence[tuple[int, int, bool]], page_size: int) -> tuple[int, int]:
+def pages_read(rows: Sequence[tuple[int, int, bool]], page_size: int, bucket: int, num_rows: int) -> tuple[int, int]:
     """(single, block) KV pages the attention's groups really read (`cbjax.runtime.tiles.group_pages`).
     Inner loop steps cost by the longest group of a chunk; these cost by the pages read (cache
     misses follow real pages)."""
-    single, block = group_pages([(n, ctx) for n, ctx, _ in rows], page_size)
+    single, block = group_pages([(n, ctx) for n, ctx, _ in rows], page_size, bucket, num_rows)
     return sum(single), sum(block)
 
 
@@ -85,7 +85,8 @@ def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> t
     tokens = sum(n for n, _, _ in rows)
     # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
     bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
-    single_groups, block_groups = group_pages([(n, ctx) for n, ctx, _ in rows], shapes.page_size)
+    cost_rows = [(n, ctx) for n, ctx, _ in rows]
+    single_groups, block_groups = group_pages(cost_rows, shapes.page_size, bucket, shapes.num_rows)
     _, single, _, block = steps_of(single_groups, block_groups, bucket)  # one grouping for both counts
     return bucket, [
         1.0, float(len(rows)), float(single), float(block), float(single * bucket), float(block * bucket),
