@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Optional
 
 import jax
@@ -90,10 +89,7 @@ def _group_pass(groups: Tiles, q_ext, pos_ext, page_table, k_flat, v_flat, page_
             key_pos = i * keys + key_off  # i32[keys]
             v = jnp.where((key_pos[None, :] <= last[:, None])[None, :, :, None], v, 0.0)  # unwritten slots may be NaN
             if block == 1:  # tiny contractions run faster as fused multiply-reduce than as batched dots
-                prod = q[:, :, :, None, :] * k[:, :, None]  # f32[kv, chunk, rows, keys, d]
-                if os.environ.get("ATTV") == "3" and head_dim > 32 and head_dim % 32 == 0:
-                    prod = prod.reshape(*prod.shape[:-1], head_dim // 32, 32).sum(axis=-1)
-                s = jnp.sum(prod, axis=-1)
+                s = jnp.sum(q[:, :, :, None, :] * k[:, :, None], axis=-1)
             else:
                 s = jnp.einsum("kcrd,kcsd->kcrs", q, k)
             valid = key_pos[None, None, None, :] <= q_pos_rows  # bool[1, chunk, rows, keys]
