@@ -84,12 +84,16 @@ def test_pack_pads_idle_rows_and_refreshes_a_slot_when_its_pages_grow():
     assert b.page_table[0, :3].tolist() == [4, 5, 8] and b.write_idx.tolist() == [16, 0]
 
 
+# The hand-counted step of the tile tests: row 0 one decode token at position 1, row 1 three new
+# tokens at positions 1..3, row 2 one decode token at position 4; a bucket of 6 tokens.
+HAND_QUERY_START = np.array([0, 1, 4, 5], np.int32)
+HAND_KV_LENS = np.array([2, 4, 5], np.int32)
+
+
 def test_tiles_by_hand():
-    # page_size 2, block 2. Row 0: one decode token at position 1 (1 page). Row 1: 3 new tokens at
-    # positions 1..3 (groups [1, 2], last position 2, and [3], last position 3: 2 pages each).
-    # Row 2: one decode token at position 4 (3 pages). 6 tokens, 3 rows.
-    query_start = np.array([0, 1, 4, 5], np.int32)
-    kv_lens = np.array([2, 4, 5], np.int32)
+    # page_size 2, block 2, over 3 slots. Row 0's decode reads 1 page. Row 1's tokens form groups
+    # [1, 2] (last position 2) and [3] (last position 3): 2 pages each. Row 2's decode reads 3 pages.
+    query_start, kv_lens = HAND_QUERY_START, HAND_KV_LENS
     cap = tile_capacity(6, 3, 2, (1, 2))
     # single: 3 rows at most, chunks of 1; block: 3 rows of >= 2 tokens plus 3 full blocks, chunks of 2
     assert cap == ((3, 1), (6, 2))
@@ -114,11 +118,10 @@ def test_tiles_by_hand():
 
 
 def test_token_groups_by_hand():
-    # the rows of test_tiles_by_hand over 6 slots: the 6-token step lists every token as a single
-    # group reading its row's pages up to its own position, and has no block list. Positions:
-    # token 0 -> 1 (1 page); tokens 1, 2, 3 -> 1, 2, 3 (1, 2, 2 pages); token 4 -> 4 (3 pages)
-    query_start = np.array([0, 1, 4, 5], np.int32)
-    kv_lens = np.array([2, 4, 5], np.int32)
+    # the hand step over 6 slots: the 6-token step lists every token as a single group reading its
+    # row's pages up to its own position, and has no block list. Positions: token 0 -> 1 (1 page);
+    # tokens 1, 2, 3 -> 1, 2, 3 (1, 2, 2 pages); token 4 -> 4 (3 pages)
+    query_start, kv_lens = HAND_QUERY_START, HAND_KV_LENS
     cap = tile_capacity(6, 6, 2, (4, 2))
     assert cap == ((8, 4), (0, 1))
     single, block = build_tiles(query_start, kv_lens, 6, 2, 2, cap)
