@@ -30,7 +30,9 @@ per decode step at this machine's streaming bandwidth, the best of an XLA sum, a
 and an XLA matrix-vector product over `--stream-mb` MB, times cbjax's iteration count) with
 the fraction of it cbjax reached; and the f32 matmul peak (XLA, 1024^3) with cbjax's model
 FLOP/s (2 x non-embedding params x tokens processed + attention FLOPs, over its serving
-time) as a fraction of it. `--profile` times every model-step call of one more (untimed)
+time) as a fraction of it, beside the same work over the time the model's matmuls alone take at
+the step shapes cbjax ran (`gemm_floor_s`): the highest fraction those shapes allow through
+XLA's GEMMs. `--profile` times every model-step call of one more (untimed)
 cbjax run by token bucket: where cbjax's time goes.
 """
 
@@ -109,8 +111,10 @@ def cbjax_runner(model_dir: str, args):
             vocab_size=model.vocab_size,
         )
         before = ex.metrics()
+        calls_before = dict(ex.bucket_calls)
         result = serve(reqs, sched, ex)
         after = ex.metrics()
+        result.bucket_calls = {b: n - calls_before.get(b, 0) for b, n in ex.bucket_calls.items() if n > calls_before.get(b, 0)}
         outs = [r.output_token_ids for r in result.requests]
         result.host_pack_s = after["host_pack_s"] - before["host_pack_s"]
         result.device_wait_s = after["device_wait_s"] - before["device_wait_s"]
@@ -260,6 +264,39 @@ def matmul_gflop_s(n: int = 1024, repeats: int = 10) -> float:
     return 2 * n**3 / _median_time(lambda: mm(a, b).block_until_ready(), repeats) / 1e9
 
 
+def gemm_floor_s(model: ModelConfig, bucket_calls: dict[int, int], num_rows: int) -> dict[int, float]:
+    """Seconds per call of the model's matmuls alone at each token bucket: per layer the fused
+    q/k/v, o, fused gate/up and down projections on [bucket, ...] rows, then the LM head on the
+    first min(bucket, num_rows) rows (as the step runs it), each layer with weights of its own
+    (no slicing from a stack), in one jitted program per bucket; medians of repeated calls.
+    Summed over a run's bucket calls, it is the time XLA's GEMMs alone need for the step shapes
+    the run used, padding included."""
+    import jax
+
+    d, q_dim, kv_dim, ffn = model.d_model, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, model.ffn_dim
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return jax.device_put(rng.standard_normal(shape, dtype=np.float32))
+
+    layers = [dict(qkv=w(d, q_dim + 2 * kv_dim), o=w(q_dim, d), gate_up=w(d, 2 * ffn), down=w(ffn, d))
+              for _ in range(model.num_layers)]  # fmt: skip
+    head = w(d, model.vocab_size)
+
+    @jax.jit
+    def gemms(x, layers, head):
+        for lw in layers:
+            x = x + (x @ lw["qkv"])[:, :q_dim] @ lw["o"]
+            x = x + (x @ lw["gate_up"])[:, :ffn] @ lw["down"]
+        return x[: min(x.shape[0], num_rows)] @ head
+
+    out = {}
+    for bucket in sorted(bucket_calls):
+        x = jax.device_put(rng.standard_normal((bucket, d), dtype=np.float32))
+        out[bucket] = _median_time(lambda x=x: jax.block_until_ready(gemms(x, layers, head)), 20 if bucket <= 512 else 5)
+    return out
+
+
 def model_counts(torch_model, model: ModelConfig, workload) -> dict[str, float]:
     """Parameter counts and the work of the workload (no preemption: each request processes
     its prompt and all but its last output token, each at its position's causal context)."""
@@ -279,7 +316,7 @@ def model_counts(torch_model, model: ModelConfig, workload) -> dict[str, float]:
     }
 
 
-def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload) -> str:
+def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload, gemm_s) -> str:
     outputs = sum(o for _, o in workload)
     gb_s = max(bandwidth.values())
     step_s = counts["decode_weight_bytes"] / (gb_s * 1e9)
@@ -300,6 +337,16 @@ def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload
         f"attention ({counts['attn_share']:.0%}) = {counts['flops'] / 1e9:.1f} GFLOP in {cb_span_s:.2f} s = "
         f"{flop_s / 1e9:.1f} GFLOP/s, {flop_s / 1e9 / peak:.0%} of the matmul peak.",
     ]
+    floor_s = sum(n * gemm_s[b] for b, n in result.bucket_calls.items())
+    lines.append(
+        f"  The GEMMs alone: this run's {sum(result.bucket_calls.values())} steps at their token buckets "
+        f"({', '.join(f'{b}: {n}' for b, n in sorted(result.bucket_calls.items()))} calls), as plain XLA matmuls with "
+        f"each layer's own weights, take {floor_s:.2f} s: the model work over that time is "
+        f"{counts['flops'] / floor_s / 1e9:.1f} GFLOP/s, {counts['flops'] / floor_s / 1e9 / peak:.0%} of the matmul peak, "
+        f"the most an engine running these step shapes through XLA's GEMMs can reach. cbjax spends the other "
+        f"{cb_span_s - floor_s:.2f} s of its {cb_span_s:.2f} s in attention, the layers' weight slices, norms, "
+        f"host work and dispatch."
+    )
     if result.stats.batched_tokens != counts["tokens"]:
         lines.append(f"  note: cbjax scheduled {result.stats.batched_tokens} tokens, not {counts['tokens']} "
                      f"(preemption recomputes?): the FLOP count assumes none")  # fmt: skip
@@ -353,6 +400,8 @@ def main() -> None:
             manager.stop(block=True, timeout=10)
     bandwidth = streaming_gb_s(args.stream_mb)
     peak = matmul_gflop_s()
+    mid = sorted(range(len(spans)), key=spans.__getitem__)[len(spans) // 2]  # the median cbjax run
+    gemm_s = gemm_floor_s(model, results[mid].bucket_calls, args.slots)
 
     ref = outs["cbjax"]
     base = statistics.median(runs["transformers CB"])
@@ -376,7 +425,6 @@ def main() -> None:
         print(f"cbjax / {name} per repeat: {', '.join(f'{r:.2f}x' for r in paired)}; "
               f"median {statistics.median(paired):.2f}x")  # fmt: skip
 
-    mid = sorted(range(len(spans)), key=spans.__getitem__)[len(spans) // 2]  # the median cbjax run
     result = results[mid]
     stats = result.stats
     print(f"\ncbjax median run: {stats.iterations} iterations, {m['device_calls_per_iteration']:.2f} model-step calls "
@@ -385,7 +433,7 @@ def main() -> None:
           f"{m['warmup_s']:.1f} s for {m['compiled_programs']} programs; compiles after warmup "
           f"{m['compiles_after_warmup']}; step calls by bucket (all runs) {m['bucket_calls']}")  # fmt: skip
     counts = model_counts(torch_model, model, workload)
-    print("\n" + bounds_report(counts, bandwidth, peak, runs["cbjax"][mid], result.makespan_s, result, workload))
+    print("\n" + bounds_report(counts, bandwidth, peak, runs["cbjax"][mid], result.makespan_s, result, workload, gemm_s))
     if profile:
         print("\nWhere cbjax's time goes (one extra run, each model step timed to completion):\n" + profile)
 
