@@ -10,9 +10,9 @@ bucket 32), `mixed32` (12 decodes at 200 and a 20-token chunk after 200 cached t
 tokens, bucket 4096), `mixed` (28 decodes at 150 plus 4 prefills of 100 tokens, bucket 512). For each, both kernels are jitted alone, compiled
 (CPU seconds of the compile, `time.process_time`), checked against each other, then timed
 interleaved; the table shows median ms per layer call and old / new. The old kernel and its
-tile builder are loaded from `git show REF:path`, so the ref must still use the
-`build_tiles(query_start, kv_lens, page_table, ...)` tile layout (main before the query
-groups: once they are merged, pass `--old-ref c43e2d6`).
+tile builder are loaded from `git show REF:path`: a ref with the query groups of
+`cbjax.runtime.tiles` (main since they were merged), or the tile layout before them
+(`--old-ref c43e2d6`).
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ def metadata(h: dict, work) -> AttentionMetadata:
 
 
 def old_md(old_k, old_t, bucket: int, h: dict) -> AttentionMetadata:
+    if hasattr(old_t, "count_steps"):  # a ref with the query-group layout: built as this checkout's
+        return new_md(bucket, h, old_k, old_t)
     chunks = (old_t.CHUNK_SINGLE, old_t.CHUNK_BLOCK)
     cap = old_t.tile_capacity(bucket, SHAPE["rows"], h["max_pages"], old_t.BLOCK_Q, chunks)
     single, block = old_t.build_tiles(
@@ -93,12 +95,11 @@ def old_md(old_k, old_t, bucket: int, h: dict) -> AttentionMetadata:
     return metadata(h, work)
 
 
-def new_md(bucket: int, h: dict) -> AttentionMetadata:
-    t = new_tiles
+def new_md(bucket: int, h: dict, kernel=new_kernel, t=new_tiles) -> AttentionMetadata:
+    """Query groups as `t` (a tiles module, default this checkout's) lays them out for `kernel`."""
     cap = t.tile_capacity(bucket, SHAPE["rows"], t.BLOCK_Q, (t.CHUNK_SINGLE, t.block_chunk(bucket)))
     single, block = t.build_tiles(h["query_start"], h["kv_lens"], bucket, SHAPE["page_size"], t.BLOCK_Q, cap)
-    tiles = (new_kernel.Tiles(*map(jnp.asarray, t)) for t in (single, block))
-    work = new_kernel.RaggedWork(*tiles)
+    work = kernel.RaggedWork(*(kernel.Tiles(*map(jnp.asarray, lists)) for lists in (single, block)))
     return metadata(h, work)
 
 
@@ -124,17 +125,20 @@ def main() -> None:
     args = ap.parse_args()
     old_k = load_old(args.old_ref, "old_xla_ragged", "cbjax/kernels/xla_ragged.py")
     old_t = load_old(args.old_ref, "old_tiles", "cbjax/runtime/tiles.py")
-    if hasattr(old_t, "count_steps"):
-        sys.exit(f"--old-ref {args.old_ref} already has the query-group kernel; pass the tile kernel's commit (c43e2d6)")
     s = SHAPE
     rng = np.random.default_rng(0)
     cache_shape = (s["layers"], s["kv_heads"], s["num_pages"], s["page_size"], s["head_dim"])
     k = jnp.asarray(rng.standard_normal(cache_shape, np.float32))
     v = jnp.asarray(rng.standard_normal(cache_shape, np.float32))
     layer = jnp.int32(2)
-    old_fn = lambda q, k, v, md, layer: old_k.ragged_attention_xla(  # noqa: E731
-        q, k, v, md, layer=layer, chunk_single=old_t.CHUNK_SINGLE, chunk_block=old_t.CHUNK_BLOCK
-    )
+    if hasattr(old_t, "count_steps"):  # the query-group kernel takes pages per inner step
+        old_fn = lambda q, k, v, md, layer: old_k.ragged_attention_xla(  # noqa: E731
+            q, k, v, md, layer=layer, pages_single=old_t.PAGES_SINGLE, pages_block=old_t.PAGES_BLOCK
+        )
+    else:  # the tile kernel before it (c43e2d6 and earlier) takes chunk sizes
+        old_fn = lambda q, k, v, md, layer: old_k.ragged_attention_xla(  # noqa: E731
+            q, k, v, md, layer=layer, chunk_single=old_t.CHUNK_SINGLE, chunk_block=old_t.CHUNK_BLOCK
+        )
     new_fn = lambda q, k, v, md, layer: new_kernel.ragged_attention_xla(  # noqa: E731
         q, k, v, md, layer=layer, pages_single=new_tiles.PAGES_SINGLE, pages_block=new_tiles.PAGES_BLOCK
     )
