@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 PREDICTORS = ("oracle", "mean", "learned")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
-ATTENTION_IMPLS = ("auto", "pallas", "ragged", "reference", "triton")
+ATTENTION_IMPLS = ("auto", "native", "pallas", "ragged", "reference", "triton")
 ARRIVALS = ("all_at_once", "poisson", "gamma", "uniform")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
 TRUNCATIONS = ("clip", "resample")
@@ -198,8 +198,9 @@ class ExecutorConfig:
     # profiled: the profile.json that `python -m cbjax.profile` wrote for this model and machine
     profile: Optional[str] = None
     # jax
-    # auto: the Pallas ragged kernel on GPU/TPU; on CPU the XLA formulation `ragged`, whose
-    # work follows the pages each token reads. reference: the plain-jnp oracle.
+    # auto: the Pallas ragged kernel on GPU/TPU; on CPU `native` (the XLA formulation `ragged`,
+    # whose work follows the pages each token reads, with its decode pass as a C++ custom call)
+    # when the C++ kernel builds, else `ragged`. reference: the plain-jnp oracle.
     attention: str = "auto"
     # Token counts the one-forward step is compiled for (a step's flat buffer is padded up to
     # one). None: 1, 2, 4, 8, steps of ~sqrt(2) up to max_num_seqs, then doubling up to the

@@ -54,9 +54,12 @@ def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages):
     return logits[: len(rows)], cache
 
 
-# The XLA formulation over GQA groups 1, 2 and 4; the Pallas kernel (interpreted on CPU, so
+# The XLA formulation over GQA groups 1, 2 and 4 (and with its native decode pass at 2 and 1);
+# the Pallas kernel (interpreted on CPU, so
 # slow to compile) at group 4, its own tests cover groups 1, 2 and 4 against the reference.
-@pytest.mark.parametrize("attention, num_kv_heads", [("ragged", 4), ("ragged", 2), ("ragged", 1), ("pallas", 1)])
+@pytest.mark.parametrize(
+    "attention, num_kv_heads", [("ragged", 4), ("ragged", 2), ("ragged", 1), ("native", 2), ("native", 1), ("pallas", 1)]
+)
 def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads):
     cfg = ModelConfig(num_heads=4, num_kv_heads=num_kv_heads, max_model_len=32)
     model = Llama(cfg, seed=1)
@@ -78,7 +81,7 @@ def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads):
         # every page NaN until written: reading past a length or an unwritten slot poisons the logits
         shape = (cfg.num_layers, num_kv_heads, num_pages, PAGE_SIZE, cfg.head_dim)
         cache = KVCache(k=jnp.full(shape, jnp.nan), v=jnp.full(shape, jnp.nan))
-        packer = BatchPacker(shapes, tiles=attention == "ragged")
+        packer = BatchPacker(shapes, tiles=attention in ("ragged", "native"))
         if any(ctx for ctx, _ in second):  # cache the context the second step continues from (checked too)
             first = [(0, ctx or 1) for ctx, _ in second]
             got, cache = run_step(weights, graphdef, attention, packer, cache, first, seqs, pages)

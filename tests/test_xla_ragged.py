@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ragged_cases import CASES, make_case, oracle
+from cbjax.kernels import native
 from cbjax.kernels.metadata import AttentionMetadata
 from cbjax.kernels.reference import ragged_attention_reference
 from cbjax.kernels.xla_ragged import RaggedWork, Tiles, ragged_attention_xla
@@ -27,9 +28,12 @@ def metadata(case, block, chunk):
     return AttentionMetadata(*(jnp.asarray(case[f]) for f in FIELDS), work=work)
 
 
+# native: the single list as the C++ custom call (`cbjax.kernels.native`); it is built here (a
+# test machine has a compiler), so a failed build fails these cases instead of skipping them.
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("num_kv_heads, group", [(2, 1), (2, 2), (1, 4)])
 @pytest.mark.parametrize("whole_cache", [False, True])
-def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache):
+def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache, native):
     for name, rows in CASES.items():
         # two idle rows and three padding tokens; blocks of 4 cut the longer rows
         case = make_case(rows, num_kv_heads=num_kv_heads, group=group, num_tokens=sum(n for _, n in rows) + 3,
@@ -43,14 +47,15 @@ def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache):
             kw = dict(layer=jnp.int32(1))
         want = oracle(case)
         # 3 pages per step: the last step of a long group reads past its page-table row
-        got = np.asarray(ragged_attention_xla(q, k, v, md, pages_single=1, pages_block=3, **kw))
+        got = np.asarray(ragged_attention_xla(q, k, v, md, pages_single=1, pages_block=3, native=native, **kw))
         ref = np.asarray(ragged_attention_reference(q, k, v, md, **kw))
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
         np.testing.assert_allclose(ref, want, atol=1e-5, rtol=1e-5, err_msg=name)
         assert not np.abs(got[case["num_real_tokens"] :]).any(), f"{name}: padding tokens must give zeros"
 
 
-def test_token_groups_match_the_oracle():
+@pytest.mark.parametrize("native", [False, True])
+def test_token_groups_match_the_oracle(native):
     # a slot array no smaller than the step: every token is its own single group, no block list
     for name, rows in CASES.items():
         num_tokens = sum(n for _, n in rows) + 3
@@ -58,7 +63,7 @@ def test_token_groups_match_the_oracle():
         md = metadata(case, block=4, chunk=2)
         assert md.work.block.q_idx.shape[0] == 0, name
         q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
-        got = np.asarray(ragged_attention_xla(q, k, v, md, pages_single=3, pages_block=3))
+        got = np.asarray(ragged_attention_xla(q, k, v, md, pages_single=3, pages_block=3, native=native))
         np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5, err_msg=name)
         assert not np.abs(got[case["num_real_tokens"] :]).any(), f"{name}: padding tokens must give zeros"
 
@@ -79,3 +84,31 @@ def test_bad_shapes_and_missing_tiles_name_the_problem():
     uneven = dataclasses.replace(md, work=RaggedWork(odd, md.work.block))
     with pytest.raises(ValueError, match="single capacity 3 is not a multiple of its 2 chunks"):
         ragged_attention_xla(q, k, v, uneven)
+
+
+def test_native_kernel_builds_here_and_auto_picks_it_on_cpu():
+    from cbjax.kernels.registry import resolve_attention
+
+    assert native.ensure_registered() is None
+    assert resolve_attention("auto", "cpu") == "native"
+    assert resolve_attention("auto", "gpu") == "pallas"
+    with pytest.raises(ValueError, match="native is the CPU kernel"):
+        resolve_attention("native", "gpu")
+
+
+def test_without_a_compiler_auto_falls_back_to_ragged_and_native_names_why(monkeypatch, tmp_path, capsys):
+    from cbjax.kernels.registry import resolve_attention
+
+    assert native.ensure_registered() is None  # registered once per process; kept for the tests after this one
+    saved = dict(native._state)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setenv("CBJAX_NATIVE_DIR", str(tmp_path))
+    native._state.clear()
+    try:
+        assert resolve_attention("auto", "cpu") == "ragged"
+        assert "no C++ compiler found" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="executor.attention=native: .*no C\\+\\+ compiler found"):
+            resolve_attention("native", "cpu")
+    finally:
+        native._state.clear()
+        native._state.update(saved)

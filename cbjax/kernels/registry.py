@@ -1,7 +1,9 @@
-"""Attention backends by name: `executor.attention=auto|pallas|ragged|reference|triton`.
+"""Attention backends by name: `executor.attention=auto|native|pallas|ragged|reference|triton`.
 
 Every backend implements the `cbjax.kernels.metadata` contract. `auto` is the Pallas kernel
-on GPU/TPU and the XLA `ragged` formulation on CPU, where Pallas only runs interpreted.
+on GPU/TPU; on CPU, where Pallas only runs interpreted, it is `native` (the XLA `ragged`
+formulation with its decode pass in C++, `cbjax.kernels.native`) when the C++ kernel builds
+here, else `ragged` itself.
 `triton` is the Pallas kernel forced to its Triton lowering (a GPU). `reference` is the
 plain-jnp oracle: every token reads its row's whole page table.
 """
@@ -9,6 +11,7 @@ plain-jnp oracle: every token reads its row's whole page table.
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 
@@ -17,15 +20,39 @@ from cbjax.kernels.metadata import AttentionFn
 
 
 def resolve_attention(impl: str = "auto", backend: str | None = None) -> str:
-    """The backend `impl` runs as on `backend` (default: jax's): auto -> pallas or ragged."""
+    """The backend `impl` runs as on `backend` (default: jax's): auto -> pallas, native or ragged."""
     backend = backend or jax.default_backend()
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"executor.attention: unknown value {impl!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
     if impl == "triton" and backend != "gpu":
         raise ValueError("executor.attention=triton needs a GPU; use auto, pallas, ragged or reference here")
+    if impl == "native":
+        if backend != "cpu":
+            raise ValueError("executor.attention=native is the CPU kernel; use auto or pallas here")
+        error = native_kernel_error()
+        if error is not None:
+            raise ValueError(f"executor.attention=native: {error}")
     if impl == "auto":
-        return "ragged" if backend == "cpu" else "pallas"
+        if backend != "cpu":
+            return "pallas"
+        error = native_kernel_error()
+        if error is not None:
+            _warn_once(f"cbjax: executor.attention=auto runs `ragged` on this CPU: {error}")
+            return "ragged"
+        return "native"
     return impl
+
+
+def native_kernel_error() -> str | None:
+    """None when the native CPU kernel is built and registered, else why it is not."""
+    from cbjax.kernels.native import ensure_registered
+
+    return ensure_registered()
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def attention_op(impl: str) -> AttentionFn:
@@ -34,11 +61,13 @@ def attention_op(impl: str) -> AttentionFn:
         from cbjax.kernels.reference import ragged_attention_reference
 
         return ragged_attention_reference
-    if impl == "ragged":
+    if impl in ("ragged", "native"):
         from cbjax.kernels.xla_ragged import ragged_attention_xla
         from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 
-        return functools.partial(ragged_attention_xla, pages_single=PAGES_SINGLE, pages_block=PAGES_BLOCK)
+        return functools.partial(
+            ragged_attention_xla, pages_single=PAGES_SINGLE, pages_block=PAGES_BLOCK, native=impl == "native"
+        )
     if impl in ("pallas", "triton"):
         from cbjax.kernels.pallas_ragged import ragged_paged_attention
 

@@ -129,12 +129,14 @@ def ragged_attention_xla(
     scale: Optional[float] = None,
     pages_single: int = 2,
     pages_block: int = 2,
+    native: bool = False,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """See `cbjax.kernels.metadata` for the contract and the module docstring for the method.
 
     With `layer`, k_pages and v_pages are the whole cache [num_layers, num_kv_heads, ...] and
     each page is gathered from that layer directly (no copy of the layer's pool). `pages_*`:
-    pages each group reads per inner loop step, in the single and block lists."""
+    pages each group reads per inner loop step, in the single and block lists. `native`: the
+    single list runs as the C++ custom call of `cbjax.kernels.native` (CPU, an f32 cache)."""
     check_shapes("ragged_attention_xla", q, *layer_view(k_pages, v_pages, layer), md)
     if not isinstance(md.work, RaggedWork):
         raise ValueError("ragged_attention_xla: md.work must hold the RaggedWork groups the packer builds")
@@ -160,7 +162,13 @@ def ragged_attention_xla(
     for tiles, step in ((md.work.single, pages_single), (md.work.block, pages_block)):
         if tiles.q_idx.shape[0] == 0:  # an empty list (no block list in a small step): no pass
             continue
-        r = _group_pass(tiles, q_ext, pos_ext, md.page_table, k_flat, v_flat, page_base, num_pages, step, scale)
+        if native and tiles is md.work.single and k_flat.dtype == jnp.float32:
+            from cbjax.kernels.native import single_groups
+
+            r = single_groups(q_ext * scale, pos_ext, tiles.q_idx.reshape(-1), tiles.row, md.page_table, k_flat,
+                              v_flat, page_base, num_pages)  # fmt: skip
+        else:
+            r = _group_pass(tiles, q_ext, pos_ext, md.page_table, k_flat, v_flat, page_base, num_pages, step, scale)
         res.append(r.reshape(num_kv_heads, -1, group, head_dim))
         idx.append(tiles.q_idx.reshape(-1))
     # Each real token sits in one group; padding slots all write zeros to token T.

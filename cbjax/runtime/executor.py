@@ -96,7 +96,7 @@ class JaxExecutor:
             scheduler.max_num_seqs, model.max_model_len, cache.page_size, scheduler.max_num_batched_tokens,
             cfg.token_buckets,
         )  # fmt: skip
-        self.packer = BatchPacker(self.shapes, tiles=self.attention == "ragged")
+        self.packer = BatchPacker(self.shapes, tiles=self.attention in ("ragged", "native"))
         # Serving layout: q/k/v and gate/up fused into one matmul each (same model, same numbers).
         llama = llama if llama is not None else Llama(model, seed=seed)
         self.graphdef, self.weights = split_model(llama.fused())

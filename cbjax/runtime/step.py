@@ -78,7 +78,7 @@ def split_model(model) -> tuple[tuple, tuple]:
 
 
 # Backends that index the layer inside their own gathers (see cbjax.kernels.metadata).
-LAYER_INDEXED = ("ragged", "reference")
+LAYER_INDEXED = ("ragged", "native", "reference")
 
 
 def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str, mesh=None):
