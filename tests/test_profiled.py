@@ -41,6 +41,27 @@ def test_count_tiles_by_hand():
     assert pages_read([(2, 6, False), (1, 3, True)], 4, 4, 4) == (5, 0)
 
 
+def test_step_features_of_the_native_backend_count_groups_not_loop_steps_by_hand():
+    # page_size 4 over 4 slots, bucket 4: three decodes at positions 20, 3 and 9 read 6, 1 and 3
+    # pages. The XLA pass runs them as one chunk of 6 pages, 2 per step: 3 steps (x bucket 4 =
+    # 12); the native pass has no steps: 3 groups, no token term. Pages read: 10 either way.
+    shapes = plan_shapes(num_rows=4, max_model_len=64, page_size=4, max_num_batched_tokens=64)
+    rows = [(1, 20, True), (1, 3, True), (1, 9, True)]
+    assert PAGES_SINGLE == 2
+    bucket, xla = step_features(rows, shapes)
+    assert bucket == 4
+    assert dict(zip(STEP_TERMS, xla)) == {
+        "iter_s": 1.0, "seq_s": 3.0, "single_chunk_s": 3.0, "block_chunk_s": 0.0, "single_chunk_token_s": 12.0,
+        "block_chunk_token_s": 0.0, "single_page_s": 10.0, "block_page_s": 0.0,
+    }  # fmt: skip
+    _, native = step_features(rows, shapes, native=True)
+    assert dict(zip(STEP_TERMS, native)) == {**dict(zip(STEP_TERMS, xla)), "single_chunk_s": 3.0, "single_chunk_token_s": 0.0}
+    # two decodes at position 20: 2 groups natively, still 3 XLA steps
+    two = [(1, 20, True), (1, 20, True)]
+    assert dict(zip(STEP_TERMS, step_features(two, shapes)[1]))["single_chunk_s"] == 3.0
+    assert dict(zip(STEP_TERMS, step_features(two, shapes, native=True)[1]))["single_chunk_s"] == 2.0
+
+
 def test_count_tiles_matches_the_packers_tile_lists():
     shapes = plan_shapes(num_rows=6, max_model_len=96, page_size=4, max_num_batched_tokens=256)
     rng = np.random.default_rng(3)
@@ -204,12 +225,13 @@ def test_fit_recovers_hand_set_costs_from_served_iterations_and_the_grid_togethe
     assert abs(served_fit["grid_model_total_error"]) > 0.05  # the grid model alone would miss them
 
 
-def write_profile(path, coefficients=None, model=MODEL, page_size=16, num_slots=32, num_pages=4096):
+def write_profile(path, coefficients=None, model=MODEL, page_size=16, num_slots=32, num_pages=4096, attention="ragged"):
     coef = coefficients or {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "bucket_scale": 1.1, "swap_iter_s": 1e-3,
                             "swap_page_s": 1e-4, "loop_s": 2e-4, "loop_seq_s": 1e-5, "wake_s": 1e-3, "wake_ramp_s": 5e-3}  # fmt: skip
-    path.write_text(
-        json.dumps({"made_for": profile_key(model, page_size, num_slots), "num_pages": num_pages, "coefficients": coef})
-    )
+    path.write_text(json.dumps({
+        "made_for": profile_key(model, page_size, num_slots), "num_pages": num_pages, "coefficients": coef,
+        "attention": attention,
+    }))  # fmt: skip
     return str(path)
 
 
@@ -244,6 +266,15 @@ def test_profiled_cost_by_hand(tmp_path):
     # bucket's cost doubled (bucket_scale), the loop 0.25 + 0.125 per request
     assert cost(plan) == pytest.approx(0.5 + 2 * 7.0 + 0.5 + 0.002 + 10.0 + 2 * (100.0 + 64e-5) + 1000.0 + 20000.0)
     assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.375 + 2 * 1.0 + 0.5 + 0.001 + 10.0)
+    # a profile of the native backend charges single_chunk_s per decode group: two decodes at
+    # position 4 are 2 groups (the XLA pass runs them as 1 step of 2 pages)
+    native = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "n.json", coef, page_size=4,
+                                                                               num_slots=4, attention="native")))  # fmt: skip
+    e = Request("e", 0.0, 5)
+    e.num_computed, e.num_new_tokens = 4, 1
+    two = Schedule(num_slots=4, decodes=[d, e], page_size=4)
+    assert cost(two) == pytest.approx(0.25 + 2 * 0.125 + 2 * 1.0 + 0.5 + 0.002 + 10.0)
+    assert native(two) == pytest.approx(0.25 + 2 * 0.125 + 2 * 1.0 + 0.5 + 0.002 + 2 * 10.0)
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12
     assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(

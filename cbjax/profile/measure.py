@@ -27,7 +27,7 @@ from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, bucket_intercept, predict
 
 
 def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan, num_pages: int, vocab_size: int,
-                  repeats: int) -> list[dict[str, Any]]:  # fmt: skip
+                  repeats: int, native: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """Per grid point: its features and the median (and range) of `repeats` step durations. The
     repeats go round the whole grid, so a slow spell of the machine spreads over every point
     rather than landing on one; in each round a point runs once untimed, then timed (a small
@@ -43,7 +43,7 @@ def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan,
         tokens = sum(n for n, _ in point.rows)
         out.append({
             "kind": point.kind, "source": "grid", "rows": len(point.rows), "tokens": tokens,
-            "bucket": shapes.bucket(tokens), "features": step_features(plan.cost_rows(), shapes)[1],
+            "bucket": shapes.bucket(tokens), "features": step_features(plan.cost_rows(), shapes, native)[1],
             "measured_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
         })  # fmt: skip
     return out

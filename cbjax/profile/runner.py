@@ -56,7 +56,10 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     say = print if cfg.progress else (lambda *a, **k: None)
     points = profile_grid(shapes, cfg.model.max_model_len, cfg.grid)
     say(f"timing {len(points)} grid steps x {cfg.repeats} ...", flush=True)
-    steps = measure_steps(executor.execute, points, shapes, cfg.cache.num_pages, cfg.model.vocab_size, cfg.repeats)
+    native = executor.attention == "native"  # its decode pass is costed per group, not per loop step
+    steps = measure_steps(
+        executor.execute, points, shapes, cfg.cache.num_pages, cfg.model.vocab_size, cfg.repeats, native
+    )
     bucket_s = measure_buckets(engine_empty_step(executor), shapes.token_buckets, cfg.repeats)
     say("timing swap copies ...", flush=True)
     swaps = measure_swaps(executor, cfg.repeats)

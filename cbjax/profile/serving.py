@@ -114,7 +114,9 @@ def serve_timed(executor, cfg: RunConfig) -> TimedExecutor:
     return timed
 
 
-def served_points(label: str, timed: TimedExecutor, shapes: ShapePlan) -> tuple[list[dict], list[tuple[int, float]]]:
+def served_points(
+    label: str, timed: TimedExecutor, shapes: ShapePlan, native: bool = False
+) -> tuple[list[dict], list[tuple[int, float]]]:
     """(steps, gaps): per iteration its features, the seconds `execute` took as the loop called
     it, and whether the loop idled before it; per iteration but the last whose next one the
     loop went to straight away, (its rows, the loop's host seconds until that `execute`, the
@@ -122,7 +124,7 @@ def served_points(label: str, timed: TimedExecutor, shapes: ShapePlan) -> tuple[
     steps = []
     previous = None
     for rows, t0, t1, idle in zip(timed.rows, timed.start, timed.end, timed.idle):
-        bucket, features = step_features(rows, shapes)
+        bucket, features = step_features(rows, shapes, native)
         kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
         steps.append({
             "kind": kind, "source": label, "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
@@ -206,7 +208,7 @@ def measure_serving(executor, cfg: RunConfig, shapes: ShapePlan, rounds: int = 1
             i += 1
             t0 = time.perf_counter()
             timed = serve_timed(executor, run_cfg)
-            s, g = served_points(label, timed, shapes)
+            s, g = served_points(label, timed, shapes, getattr(executor, "attention", None) == "native")
             steps += s
             gaps += g
             makespan = timed.end[-1] - timed.start[0] if s else 0.0

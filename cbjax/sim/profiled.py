@@ -7,7 +7,7 @@ steps over pages (`*_chunk_s`: each step runs a whole chunk of query groups), co
 as `cbjax.runtime.tiles.build_tiles` lays them out (`count_steps`), plus its swap copies:
 
     step = bucket_scale * bucket_s[bucket] + iter_s + seq_s * rows
-           + (single_chunk_s + single_chunk_token_s * bucket) * single_steps
+           + (single_chunk_s + single_chunk_token_s * bucket) * single_steps   (native: single groups, token term 0)
            + (block_chunk_s + block_chunk_token_s * bucket) * block_steps
            + single_page_s * single_pages + block_page_s * block_pages  (KV pages really read)
     time = step
@@ -80,16 +80,20 @@ def cold_step(previous_bucket: Optional[int], bucket: int) -> bool:
     return previous_bucket is not None and previous_bucket > bucket
 
 
-def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan) -> tuple[int, list[float]]:
-    """(token bucket, the STEP_TERMS multipliers) of one step over `rows`, under the engine's shape plan."""
+def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan, native: bool = False) -> tuple[int, list[float]]:
+    """(token bucket, the STEP_TERMS multipliers) of one step over `rows`, under the engine's shape
+    plan. `native`: the engine's attention is `native`, whose decode pass (the single list) has no
+    inner loop steps: its `single_chunk_s` term counts single groups (a cost per token) and its
+    `single_chunk_token_s` term is 0; the pages each group reads stay in `single_page_s`."""
     tokens = sum(n for n, _, _ in rows)
     # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
     bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
     cost_rows = [(n, ctx) for n, ctx, _ in rows]
     single_groups, block_groups = group_pages(cost_rows, shapes.page_size, bucket, shapes.num_rows)
     _, single, _, block = steps_of(single_groups, block_groups, bucket)  # one grouping for both counts
+    single_x, single_token_x = (float(len(single_groups)), 0.0) if native else (float(single), float(single * bucket))
     return bucket, [
-        1.0, float(len(rows)), float(single), float(block), float(single * bucket), float(block * bucket),
+        1.0, float(len(rows)), single_x, float(block), single_token_x, float(block * bucket),
         float(sum(single_groups)), float(sum(block_groups)),
     ]  # fmt: skip
 
@@ -144,8 +148,9 @@ class ProfiledCost:
 
     name = "profiled"
 
-    def __init__(self, coefficients: dict, shapes: ShapePlan):
+    def __init__(self, coefficients: dict, shapes: ShapePlan, native: bool = False):
         self.coefficients = coefficients
+        self.native = native  # the profile timed the `native` attention backend (see `step_features`)
         self.swap_iter_s = coefficients["swap_iter_s"]
         self.swap_page_s = coefficients["swap_page_s"]
         self.loop_s = coefficients["loop_s"]
@@ -158,7 +163,7 @@ class ProfiledCost:
         self._last_bucket: Optional[int] = None  # the previous iteration's token bucket
 
     def __call__(self, plan: Schedule) -> float:
-        bucket, x = step_features(plan.cost_rows(), self.shapes)
+        bucket, x = step_features(plan.cost_rows(), self.shapes, self.native)
         t = self.loop_s + self.loop_seq_s * plan.num_scheduled + predict(self.coefficients, bucket, x)
         pages = plan.num_swapped_pages
         if pages:
@@ -178,7 +183,8 @@ def make_profiled_cost(
     if not executor.profile:
         raise ValueError("executor.profile: cost_model=profiled needs a profile.json path (executor.profile=PATH)")
     profile = load_profile(executor.profile, model, cache.page_size, scheduler.max_num_seqs)
-    return ProfiledCost(profile["coefficients"], shapes_for(model, scheduler, cache, executor))
+    native = profile.get("attention") == "native"
+    return ProfiledCost(profile["coefficients"], shapes_for(model, scheduler, cache, executor), native)
 
 
 def predict(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
