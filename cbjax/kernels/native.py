@@ -9,7 +9,8 @@ XLA's CPU thread pool. The block list (prefill groups of several tokens) stays i
 
 The kernel is compiled from source with the system C++ compiler (`CXX`, else `c++`) at first
 use and kept in `~/.cache/cbjax/native` (`CBJAX_NATIVE_DIR` overrides), keyed by the source,
-the compiler, the flags and jaxlib's version; later processes load it. Without a compiler, or
+the compiler, the flags, jaxlib's version and the CPU (it is built for this CPU's
+instructions); later processes load it. Without a compiler, or
 if the build fails, `available()` is False with the reason, and `executor.attention=auto`
 falls back to `ragged`.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -52,10 +54,22 @@ def _compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
+def _cpu_features() -> str:
+    """What -march=native compiles for: the CPU's model and flags (a home directory shared by
+    machines with other CPUs gets a library per CPU)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+
+
 def _library_path(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), metadata.version("jaxlib").encode()):
+    parts = (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), metadata.version("jaxlib").encode(),
+             _cpu_features().encode())  # fmt: skip
+    for part in parts:
         h.update(part)
         h.update(b"\0")
     return cache_dir() / f"cbjax_native_{h.hexdigest()[:16]}.so"

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -180,6 +181,7 @@ ffi::Error SingleGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker] { worker(); });
   worker();
   while (shared->done.load(std::memory_order_acquire) < shared->chunks) {
+    std::this_thread::yield();  // another worker finishes its last chunk
   }
   return ffi::Error::Success();
 }
