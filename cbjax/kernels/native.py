@@ -11,7 +11,7 @@ The kernel is compiled from source with the system C++ compiler (`CXX`, else `c+
 use and kept in `~/.cache/cbjax/native` (`CBJAX_NATIVE_DIR` overrides), keyed by the source,
 the compiler, the flags, jaxlib's version and the CPU (it is built for this CPU's
 instructions); later processes load it. Without a compiler, or
-if the build fails, `available()` is False with the reason, and `executor.attention=auto`
+if the build fails, `ensure_registered()` returns the reason, and `executor.attention=auto`
 falls back to `ragged`.
 """
 
@@ -109,10 +109,6 @@ def ensure_registered() -> Optional[str]:
             error = f"the native CPU attention kernel is unavailable: {exc}"
         _state["error"] = error
         return error
-
-
-def available() -> bool:
-    return ensure_registered() is None
 
 
 def single_groups(q_ext, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int) -> jax.Array:

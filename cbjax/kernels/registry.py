@@ -19,6 +19,10 @@ from cbjax.config import ATTENTION_IMPLS
 from cbjax.kernels.metadata import AttentionFn
 
 
+# Backends that run on the XLA ragged formulation's query groups (the packer builds them).
+GROUPED = ("ragged", "native")
+
+
 def resolve_attention(impl: str = "auto", backend: str | None = None) -> str:
     """The backend `impl` runs as on `backend` (default: jax's): auto -> pallas, native or ragged."""
     backend = backend or jax.default_backend()
@@ -61,7 +65,7 @@ def attention_op(impl: str) -> AttentionFn:
         from cbjax.kernels.reference import ragged_attention_reference
 
         return ragged_attention_reference
-    if impl in ("ragged", "native"):
+    if impl in GROUPED:
         from cbjax.kernels.xla_ragged import ragged_attention_xla
         from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 

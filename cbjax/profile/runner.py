@@ -72,7 +72,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     ]
     wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
     say("serving the profile's workloads ...", flush=True)
-    serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds)
+    serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native)
     coefficients, residuals = fit_profile(
         steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, grid_weight=cfg.repeats
     )

@@ -194,11 +194,14 @@ def fit_served(
     return out, float(coef[1])
 
 
-def measure_serving(executor, cfg: RunConfig, shapes: ShapePlan, rounds: int = 1) -> dict[str, Any]:
+def measure_serving(
+    executor, cfg: RunConfig, shapes: ShapePlan, rounds: int = 1, native: bool = False
+) -> dict[str, Any]:
     """Serve the profile's workloads (`serving_runs`) on the warm engine, `rounds` times over: the
     bursts first, then the Poisson runs at shares of the first burst's request rate (set in the
     first round). Returns the served steps for the fit, loop gaps for `fit_loop`, and per run
-    its round, iterations, makespan and time in execute."""
+    its round, iterations, makespan and time in execute. `native`: the engine's attention is
+    `native` (its features, see `cbjax.sim.profiled.step_features`)."""
     steps, gaps, runs = [], [], []
     todo = serving_runs(cfg)
     for r in range(rounds):
@@ -208,7 +211,7 @@ def measure_serving(executor, cfg: RunConfig, shapes: ShapePlan, rounds: int = 1
             i += 1
             t0 = time.perf_counter()
             timed = serve_timed(executor, run_cfg)
-            s, g = served_points(label, timed, shapes, getattr(executor, "attention", None) == "native")
+            s, g = served_points(label, timed, shapes, native)
             steps += s
             gaps += g
             makespan = timed.end[-1] - timed.start[0] if s else 0.0

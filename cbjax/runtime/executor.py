@@ -21,7 +21,7 @@ import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.kernels.metadata import AttentionMetadata
-from cbjax.kernels.registry import resolve_attention
+from cbjax.kernels.registry import GROUPED, resolve_attention
 from cbjax.kernels.xla_ragged import RaggedWork, Tiles
 from cbjax.model.llama import Llama
 from cbjax.plan import Schedule, StepOutput
@@ -96,7 +96,7 @@ class JaxExecutor:
             scheduler.max_num_seqs, model.max_model_len, cache.page_size, scheduler.max_num_batched_tokens,
             cfg.token_buckets,
         )  # fmt: skip
-        self.packer = BatchPacker(self.shapes, tiles=self.attention in ("ragged", "native"))
+        self.packer = BatchPacker(self.shapes, tiles=self.attention in GROUPED)
         # Serving layout: q/k/v and gate/up fused into one matmul each (same model, same numbers).
         llama = llama if llama is not None else Llama(model, seed=seed)
         self.graphdef, self.weights = split_model(llama.fused())
