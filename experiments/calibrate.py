@@ -35,6 +35,7 @@ from cbjax.config import (  # noqa: E402
     CacheConfig, ExecutorConfig, LengthConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig,
 )  # fmt: skip
 from cbjax.run import run_single  # noqa: E402
+from cbjax.sim.profiled import COLD_TERMS  # noqa: E402
 
 # the first 500 requests of the Azure code trace, shipped with cbjax (cbjax/data/README.md)
 AZURE_CODE = REPO / "cbjax" / "data" / "AzureLLMInferenceTrace_code_sample.csv"
@@ -179,16 +180,18 @@ def _profile_notes(profile: dict) -> list[str]:
     if "bucket_scale" not in coef or not served:
         return []
     m = profile["machine"]
-    joint = profile["residuals"].get("grid_bucket_scale")
-    grid_scale = "" if joint is None else f", x{joint:.3f} back to back"
+    own = coef.get("served_bucket_s") or {}
+    cold = "/".join(f"{1e3 * coef.get(k, 0.0):.2f}" for k in COLD_TERMS)
     if m.get("others_cpu_share") is not None:
         busy = f"other processes took {m['others_cpu_share']:.0%} of the cores while it ran"
     elif "load_average_at_start" in m:
         busy = f"load average {m['load_average_at_start'][0]:.2f} before it started"
     else:
         busy = f"load average {m.get('load_average', [float('nan')])[0]:.2f} when it ended"
-    return [f"Serving loop in the profile: steps fitted on {served['num_points']} served iterations and the grid (bucket costs "
-            f"x{coef['bucket_scale']:.3f} served{grid_scale}; the grid model alone puts them {served['grid_model_total_error']:+.1%} off), "
+    return [f"Serving loop in the profile: fitted on {served['num_points']} served iterations over the grid's step terms "
+            f"(fixed costs of their own for {len(own)} buckets, the rest x{coef['bucket_scale']:.3f} the grid's timing; "
+            f"the 1st-4th step after a larger bucket's {cold} ms more; the grid model alone puts them "
+            f"{served['grid_model_total_error']:+.1%} off), "
             f"loop {1e6 * coef['loop_s']:.0f} us + {1e6 * coef['loop_seq_s']:.1f} us per request, wake {1e3 * coef['wake_s']:.2f} ms; "
             f"its served runs' total time predicted {served['total_error']:+.1%}; {busy}.", ""]  # fmt: skip
 

@@ -45,14 +45,16 @@ def test_calibration_markdown_states_the_profiles_serving_loop(tmp_path):
     profile.write_text(json.dumps({
         "machine": {"cpu": "test cpu", "cores": 2, "jax": "0", "load_average": [1.8, 1.5, 0.5],
                     "load_average_at_start": [0.25, 0.5, 0.5], "others_cpu_share": 0.03},
-        "coefficients": {"bucket_scale": 1.05, "loop_s": 5e-5, "loop_seq_s": 8e-6, "wake_s": 1.2e-3},
-        "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2, "grid_bucket_scale": 0.9,
+        "coefficients": {"bucket_scale": 1.05, "served_bucket_s": {"4": 1e-3, "8": 2e-3}, "cold_s": 5e-4, "cold2_s": 2.5e-4,
+                         "loop_s": 5e-5, "loop_seq_s": 8e-6, "wake_s": 1.2e-3},
+        "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2,
                       "served": {"num_points": 700, "total_error": 0.001, "grid_model_total_error": -0.125}},
     }))  # fmt: skip
     doc = tmp_path / "CALIBRATION.md"
     calibrate.write_markdown([row("w", "fcfs", 210.0, 200.0)], str(profile), doc, repeats=3)
     assert (
-        "Serving loop in the profile: steps fitted on 700 served iterations and the grid (bucket costs x1.050 served, x0.900 back to back; "
+        "Serving loop in the profile: fitted on 700 served iterations over the grid's step terms (fixed costs of their own for "
+        "2 buckets, the rest x1.050 the grid's timing; the 1st-4th step after a larger bucket's 0.50/0.25/0.00/0.00 ms more; "
         "the grid model alone puts them -12.5% off), loop 50 us + 8.0 us per request, wake 1.20 ms; "
         "its served runs' total time predicted +0.1%; other processes took 3% of the cores while it ran." in doc.read_text()
     )

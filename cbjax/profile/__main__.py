@@ -29,8 +29,9 @@ def _app(cfg: DictConfig) -> None:
         print(f"cbjax.profile: error: {err}", file=sys.stderr)
         sys.exit(2)
     c, r = profile["coefficients"], profile["residuals"]
-    print("bucket_s: " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["bucket_s"].items()))
-    print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in c.items() if k != "bucket_s"))
+    print("bucket_s (grid, all padding): " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["bucket_s"].items()))
+    print("served_bucket_s: " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["served_bucket_s"].items()))
+    print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in c.items() if not k.endswith("bucket_s")))
     print(
         f"fit: median relative error {r['median_rel_error']:.1%}, max {r['max_rel_error']:.1%} over {r['num_points']} grid steps"
     )

@@ -23,7 +23,9 @@ from cbjax.profile.serving import fit_loop, fit_served
 from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs
-from cbjax.sim.profiled import STEP_TERMS, SWAP_TERMS, bucket_intercept, predict, profile_key, step_features
+from cbjax.sim.profiled import (
+    STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, predict, profile_key, step_features,
+)  # fmt: skip
 
 
 def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan, num_pages: int, vocab_size: int,
@@ -110,16 +112,15 @@ def fit_profile(
     served: Optional[list[dict]] = None,
     gaps: Optional[list[tuple[int, float]]] = None,
     wake: Optional[dict[str, Any]] = None,
-    grid_weight: float = 1.0,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(coefficients, residuals): the timed bucket costs and the STEP_TERMS fitted on top of them
     over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one), the
-    grid model; then the model itself, `fit_served` over the served iterations (steps as the
-    serving loop runs them) and the grid's steps, each counted `grid_weight` times (the grid
-    model where none were served), the swap terms, the loop's
-    (`fit_loop`) and the wake's. Residuals: the grid model's relative error per grid point and
-    its coefficients; per served iteration the model's, and the served runs' total time (steps
-    and loop) predicted against measured, by the model and by the grid model."""
+    grid model, whose step terms the model keeps; then the served steps' fixed costs and cold
+    terms over them, `fit_served` on the served iterations (steps as the serving loop runs them;
+    none served: the grid model), the swap terms, the loop's (`fit_loop`) and the wake's.
+    Residuals: the grid model's relative error per grid point and its coefficients; per served
+    iteration the model's, and the served runs' total time (steps and loop) predicted against
+    measured, by the model and by the grid model."""
     served = served or []
     coef = fit_costs(
         [s["features"] for s in steps], [s["measured_s"] for s in steps],
@@ -127,20 +128,21 @@ def fit_profile(
     )  # fmt: skip
     grid = {"bucket_s": bucket_s, "bucket_scale": 1.0, **{k: float(c) for k, c in zip(STEP_TERMS, coef)}}
     coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
-    served_coef, grid_scale = fit_served(served, bucket_s, grid, steps, grid_weight)
-    coefficients.update(served_coef)
+    coefficients.update({k: grid[k] for k in STEP_TERMS})
+    coefficients.update(fit_served(served, bucket_s, grid))
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
     coefficients.update(fit_loop(gaps or []))
     coefficients["wake_s"] = float(wake["wake_s"]) if wake else 0.0
     coefficients["wake_ramp_s"] = float(wake["wake_ramp_s"]) if wake else 1.0
-    numeric = {**coefficients, "bucket_s": bucket_s}
+    numeric = {**coefficients, "bucket_s": bucket_s,
+               "served_bucket_s": {int(b): v for b, v in coefficients["served_bucket_s"].items()}}  # fmt: skip
     for s in steps:
         s["predicted_s"] = float(predict(grid, s["bucket"], s["features"]))
     for s in served:
         s["grid_model_s"] = float(predict(grid, s["bucket"], s["features"]))
         s["predicted_s"] = float(
-            predict(numeric, s["bucket"], s["features"]) + coefficients["cold_s"] * s.get("after_larger", False)
+            predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
         )
     for s in steps + served:
         s["rel_error"] = float(abs(s["predicted_s"] - s["measured_s"]) / s["measured_s"])
@@ -148,7 +150,6 @@ def fit_profile(
     residuals: dict[str, Any] = {
         "median_rel_error": float(np.median(grid_err)), "max_rel_error": float(np.max(grid_err)), "num_points": len(steps),
         "grid_coefficients": {k: grid[k] for k in STEP_TERMS},
-        "grid_bucket_scale": grid_scale,  # the grid steps' own scale in the joint fit
     }  # fmt: skip
     busy = [s for s in served if not s.get("idle")]
     if busy:
@@ -227,9 +228,11 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
         "model": cfg.model.name,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "token_buckets": list(shapes.token_buckets),
-        "formula": "step + loop_s + loop_seq_s*requests, step = bucket_scale*bucket_s[bucket] + iter_s + seq_s*rows"
+        "formula": "step + loop_s + loop_seq_s*requests, step = fixed(bucket) + iter_s + seq_s*rows"
         " + (single_chunk_s + single_chunk_token_s*bucket)*single_steps + (block_chunk_s + block_chunk_token_s*bucket)*block_steps"
-        " + single_page_s*single_pages + block_page_s*block_pages (+ cold_s right after a larger bucket's step)"
+        " + single_page_s*single_pages + block_page_s*block_pages, fixed(bucket) = served_bucket_s[bucket] where"
+        " served, else bucket_scale*bucket_s[bucket] (+ cold_s, cold2_s, cold3_s or cold4_s on the 1st to 4th step"
+        " after the last larger bucket's step)"
         " (+ swap_iter_s + swap_page_s*pages when the step swaps)"
         " (+ wake_s*min(1, idle/wake_ramp_s) on the first step after the loop idled)",
         "coefficients": coefficients,

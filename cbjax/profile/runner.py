@@ -73,9 +73,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
     say("serving the profile's workloads ...", flush=True)
     serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native)
-    coefficients, residuals = fit_profile(
-        steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, grid_weight=cfg.repeats
-    )
+    coefficients, residuals = fit_profile(steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake)
     extra = {
         "attention": executor.attention,
         "machine": {**machine(), "load_average_at_start": load_at_start, "others_cpu_share": others.share()},

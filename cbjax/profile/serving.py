@@ -17,7 +17,10 @@ from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs, nnls
-from cbjax.sim.profiled import STEP_TERMS, bucket_intercept, cold_step, step_features
+from cbjax.sim.profiled import COLD_TERMS, STEP_TERMS, bucket_intercept, step_features, steps_since_larger
+
+# A bucket gets its own served intercept (`served_bucket_s`) from this many served iterations on.
+MIN_SERVED = 10
 
 
 class TimedExecutor:
@@ -122,16 +125,16 @@ def served_points(
     loop went to straight away, (its rows, the loop's host seconds until that `execute`, the
     recorder's own bookkeeping excluded)."""
     steps = []
-    previous = None
+    recent: list[int] = []  # the previous iterations' buckets, latest first
     for rows, t0, t1, idle in zip(timed.rows, timed.start, timed.end, timed.idle):
         bucket, features = step_features(rows, shapes, native)
         kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
         steps.append({
             "kind": kind, "source": label, "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
             "bucket": bucket, "features": features, "measured_s": t1 - t0, "idle": idle,
-            "after_larger": cold_step(previous, bucket),
+            "since_larger": steps_since_larger(recent, bucket),
         })  # fmt: skip
-        previous = bucket
+        recent = [bucket, *recent[: len(COLD_TERMS) - 1]]
     gaps = [
         (n, nxt - end)
         for n, end, nxt, idle in zip(timed.num_scheduled, timed.end, timed.rows_at[1:], timed.idle[1:])
@@ -156,42 +159,51 @@ def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
 def fit_served(
     served: list[dict],
     bucket_s: dict[int, float],
-    fallback: dict[str, float],
-    grid: Optional[list[dict]] = None,
-    grid_weight: float = 1.0,
-) -> tuple[dict[str, float], float]:
-    """(`bucket_scale`, the STEP_TERMS and `cold_s`; the grid's own bucket scale), fitted on the
-    served iterations (those after an idle loop left out: `wake_s` charges them) together with
-    the `grid` steps, each counted `grid_weight` times (its timed repeats). Served and grid steps
-    share the per-row, per-chunk and per-page terms; each has its own scale of the timed bucket
-    costs (back to back, a step's fixed cost runs hotter than between the loop's host work), and
-    `cold_s` is what a served step right after a larger bucket's pays more (grid steps run after
-    themselves). The grid carries the terms a few served runs hardly reach (long contexts, large
-    prefills). Non-negative least squares on absolute error, as a run's time adds them up
-    (thousands of small decode steps and a few large prefills weigh what they cost); the
-    coefficients are then scaled together to keep the served iterations' measured sum exactly.
-    A term no step exercises keeps its `fallback` (grid model) value, `cold_s` 0. None served:
-    the fallback, scale 1."""
+    grid_model: dict[str, float],
+) -> dict[str, Any]:
+    """`served_bucket_s`, `bucket_scale` and the COLD_TERMS, fitted on the served iterations
+    (those after an idle loop left out: `wake_s` charges them) over the step terms of the
+    `grid_model` (STEP_TERMS: the per-row, per-chunk and per-page costs, which the grid measures
+    over wide ranges of rows, contexts and prompts that served runs hardly span).
+
+    Each bucket with at least MIN_SERVED served iterations gets its own served fixed cost
+    (`served_bucket_s`): a bucket's program costs more between the loop's host work than back to
+    back, and not by one factor for all (small decodes about the same, mixed steps a quarter
+    more). The served steps of rarer buckets share one scale of the grid's timed bucket costs
+    (`bucket_scale`; with none, the served buckets' mean ratio to the grid's timing). The
+    COLD_TERMS are what a served step pays more 1 .. 4 steps after the last step of a larger
+    bucket (grid steps run after themselves).
+
+    Non-negative least squares on absolute error, as a run's time adds them up (thousands of
+    small decode steps and a few large prefills weigh what they cost). None served: no served
+    intercepts, scale 1, no cold terms."""
     points = [s for s in served if not s.get("idle")]
     if not points:
-        return {"bucket_scale": 1.0, **{k: fallback[k] for k in STEP_TERMS}, "cold_s": 0.0}, 1.0
-    rows = [(s, 1.0, 0.0, 1.0) for s in points] + [(s, 0.0, 1.0, grid_weight) for s in grid or []]
-    fixed = [bucket_intercept(bucket_s, s["bucket"]) for s, *_ in rows]
-    x = np.array([[f * a, f * b, *s["features"], float(a and s.get("after_larger", False))]
-                  for f, (s, a, b, _) in zip(fixed, rows)])  # fmt: skip
-    y = np.array([s["measured_s"] for s, *_ in rows])
-    root_w = np.sqrt([w for *_, w in rows])
-    used = np.any(x != 0, axis=0)  # a term no step exercises keeps its fallback
-    coef = np.array([0.0, 1.0, *(fallback[k] for k in STEP_TERMS), 0.0])
-    coef[used] = fit_costs(x[:, used] * root_w[:, None], y * root_w, relative=False)
-    served_x, served_y = x[: len(points)], y[: len(points)]
-    fitted = float((served_x @ coef).sum())
-    if fitted > 0:
-        keep = used.copy()
-        keep[1] = False  # the grid's scale is the grid's
-        coef[keep] *= float(served_y.sum()) / fitted
-    out = dict(zip(("bucket_scale", *STEP_TERMS, "cold_s"), map(float, np.delete(coef, 1))))
-    return out, float(coef[1])
+        return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0)}
+    counts: dict[int, int] = {}
+    for s in points:
+        counts[s["bucket"]] = counts.get(s["bucket"], 0) + 1
+    own = sorted(b for b, n in counts.items() if n >= MIN_SERVED)  # buckets with a served intercept
+    x = np.zeros((len(points), len(own) + 1 + len(COLD_TERMS)))  # own intercepts, bucket_scale, cold terms
+    for i, s in enumerate(points):
+        if s["bucket"] in own:
+            x[i, own.index(s["bucket"])] = 1.0
+        else:
+            x[i, len(own)] = bucket_intercept(bucket_s, s["bucket"])
+        if s.get("since_larger", 0):
+            x[i, len(own) + s["since_larger"]] = 1.0
+    terms = np.array([sum(grid_model[k] * v for k, v in zip(STEP_TERMS, s["features"])) for s in points])
+    y = np.array([s["measured_s"] for s in points])
+    used = np.any(x != 0, axis=0)
+    coef = np.zeros(x.shape[1])
+    coef[used] = fit_costs(x[:, used], y, offsets=terms, relative=False)
+    served_fixed = {b: float(c) for b, c in zip(own, coef)}
+    scale = float(coef[len(own)])
+    if not used[len(own)]:  # every served step has its bucket's own intercept
+        scale = float(np.mean([served_fixed[b] / bucket_intercept(bucket_s, b) for b in own]))
+    out: dict[str, Any] = {"served_bucket_s": {str(b): v for b, v in served_fixed.items()}, "bucket_scale": scale}
+    out.update({k: float(c) for k, c in zip(COLD_TERMS, coef[len(own) + 1 :])})
+    return out
 
 
 def measure_serving(

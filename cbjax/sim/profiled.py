@@ -1,31 +1,34 @@
 """The `profiled` cost model: a step's time fitted on this machine's engine (`python -m cbjax.profile`).
 
 An iteration is charged for what `cbjax.runtime.executor.JaxExecutor` would run: its token
-bucket (the padded flat buffer: one compiled program each, whose fixed cost `bucket_s` the
-profile times on an all-padding batch), its rows, and the XLA ragged attention's inner loop
-steps over pages (`*_chunk_s`: each step runs a whole chunk of query groups), counted exactly
-as `cbjax.runtime.tiles.build_tiles` lays them out (`count_steps`), plus its swap copies:
+bucket (the padded flat buffer: one compiled program each), its rows, and the attention's work
+over pages (`*_chunk_s`: each inner loop step of the XLA ragged attention runs a whole chunk of
+query groups, counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, `count_steps`;
+the native decode pass is charged per group), plus its swap copies:
 
-    step = bucket_scale * bucket_s[bucket] + iter_s + seq_s * rows
+    step = fixed(bucket) + iter_s + seq_s * rows
            + (single_chunk_s + single_chunk_token_s * bucket) * single_steps   (native: single groups, token term 0)
            + (block_chunk_s + block_chunk_token_s * bucket) * block_steps
            + single_page_s * single_pages + block_page_s * block_pages  (KV pages really read)
+    fixed(bucket) = served_bucket_s[bucket]  where the profile served enough steps of the bucket,
+                    else bucket_scale * bucket_s[bucket]  (the grid's timing of the bucket's program
+                    on an all-padding batch, scaled to the served steps)
     time = step
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
            + loop_s + loop_seq_s * requests  (the serving loop's own host time around the step:
              scheduling, postprocess, stats; it grows with the requests the iteration serves)
            + wake_s * min(1, idle / wake_ramp_s)  on the first step after the loop idled for
              `idle` seconds waiting for an arrival (XLA's CPU threads and caches go cold)
-           + cold_s  on a step right after a larger bucket's (its program and data fell out of
-             the caches; a run of same-bucket steps, as a static batch's decodes, stays warm)
+           + cold_s, cold2_s, cold3_s or cold4_s  on the 1st, 2nd, 3rd or 4th step after the
+             last step of a larger bucket (a small step runs slower for a few steps after a
+             large one; a run of same-bucket steps, as a static batch's decodes, is warm)
 
 The step terms are fitted on the iterations the profile serves through the real loop (a step
 there costs what a run pays, not what the same step costs run back to back) together with the
-grid's steps, which reach long contexts and large prefills; `bucket_scale` relates the grid's
-timed bucket costs to the served steps (`cbjax.profile.serving.fit_served`). A step's work does not grow
-with the bucket, so the `*_token_s` terms should fit near 0; they stay for kernels whose steps
-touch every token of the bucket. A bucket the profile did not time gets its intercept
-interpolated linearly in the bucket size.
+grid's steps, which reach long contexts and large prefills (`cbjax.profile.serving.fit_served`).
+A step's work does not grow with the bucket, so the `*_token_s` terms should fit near 0; they
+stay for kernels whose steps touch every token of the bucket. A bucket the profile did not time
+gets its intercept interpolated linearly in the bucket size.
 
 Pure numpy: no jax import.
 """
@@ -33,6 +36,7 @@ Pure numpy: no jax import.
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -50,7 +54,9 @@ STEP_TERMS = (
 )  # fmt: skip
 SWAP_TERMS = ("swap_iter_s", "swap_page_s")
 SERVE_TERMS = ("bucket_scale",)
-OPTIONAL_TERMS = {"cold_s": 0.0}  # absent from profiles made before the term: charged 0
+# The cold terms: what the 1st .. 4th step after the last step of a larger bucket pays more.
+COLD_TERMS = ("cold_s", "cold2_s", "cold3_s", "cold4_s")
+OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS, 0.0)  # absent from profiles made before the terms: charged 0
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -75,9 +81,21 @@ def pages_read(rows: Sequence[tuple[int, int, bool]], page_size: int, bucket: in
     return sum(single), sum(block)
 
 
-def cold_step(previous_bucket: Optional[int], bucket: int) -> bool:
-    """Whether a step pays `cold_s`: it runs right after a larger bucket's step."""
-    return previous_bucket is not None and previous_bucket > bucket
+def steps_since_larger(recent: Sequence[int], bucket: int) -> int:
+    """k (1 .. len(COLD_TERMS)) when the k-th step before this one, `recent[k - 1]` (the last step's
+    bucket first), is the latest of a larger bucket than `bucket`; 0 if none of those is. The
+    step pays COLD_TERMS[k - 1]."""
+    for k, previous in enumerate(recent, 1):
+        if k > len(COLD_TERMS):
+            break
+        if previous > bucket:
+            return k
+    return 0
+
+
+def cold_cost(coefficients: dict, since_larger: int) -> float:
+    """What a step `since_larger` steps after the last larger bucket's pays (`steps_since_larger`)."""
+    return coefficients.get(COLD_TERMS[since_larger - 1], 0.0) if since_larger else 0.0
 
 
 def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan, native: bool = False) -> tuple[int, list[float]]:
@@ -131,6 +149,8 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
         coef = {k: float(profile["coefficients"][k]) for k in STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS}
         coef.update({k: float(profile["coefficients"].get(k, v)) for k, v in OPTIONAL_TERMS.items()})
         coef["bucket_s"] = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
+        served = profile["coefficients"].get("served_bucket_s", {})  # absent from earlier profiles
+        coef["served_bucket_s"] = {int(b): float(v) for b, v in served.items()}
         if not coef["bucket_s"]:
             raise ValueError("coefficients.bucket_s is empty")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
@@ -157,10 +177,9 @@ class ProfiledCost:
         self.loop_seq_s = coefficients["loop_seq_s"]
         self.wake_s = coefficients["wake_s"]
         self.wake_ramp_s = max(coefficients["wake_ramp_s"], 1e-9)
-        self.cold_s = coefficients.get("cold_s", 0.0)
         self.shapes = shapes
         self._last_end: Optional[float] = None  # where the previous iteration ended, on the run's clock
-        self._last_bucket: Optional[int] = None  # the previous iteration's token bucket
+        self._recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the last iterations' token buckets, latest first
 
     def __call__(self, plan: Schedule) -> float:
         bucket, x = step_features(plan.cost_rows(), self.shapes, self.native)
@@ -170,9 +189,8 @@ class ProfiledCost:
             t += self.swap_iter_s + self.swap_page_s * pages
         if self._last_end is not None and plan.start_s > self._last_end:  # the loop idled until an arrival
             t += self.wake_s * min(1.0, (plan.start_s - self._last_end) / self.wake_ramp_s)
-        if cold_step(self._last_bucket, bucket):
-            t += self.cold_s
-        self._last_bucket = bucket
+        t += cold_cost(self.coefficients, steps_since_larger(self._recent, bucket))
+        self._recent.appendleft(bucket)
         self._last_end = plan.start_s + t
         return t
 
@@ -187,10 +205,19 @@ def make_profiled_cost(
     return ProfiledCost(profile["coefficients"], shapes_for(model, scheduler, cache, executor), native)
 
 
+def fixed_cost(coefficients: dict, bucket: int) -> float:
+    """A bucket's fixed cost in a served step: the profile's served intercept for it, or the
+    grid's timing of its program scaled by `bucket_scale` (see the module docstring)."""
+    served = coefficients.get("served_bucket_s") or {}
+    if bucket in served:
+        return served[bucket]
+    return coefficients["bucket_scale"] * bucket_intercept(coefficients["bucket_s"], bucket)
+
+
 def predict(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
     """A step's predicted time from its bucket and STEP_TERMS features (see the module docstring)."""
     step = sum(coefficients[k] * v for k, v in zip(STEP_TERMS, features))
-    return coefficients["bucket_scale"] * bucket_intercept(coefficients["bucket_s"], bucket) + step
+    return fixed_cost(coefficients, bucket) + step
 
 
 def shapes_for(
