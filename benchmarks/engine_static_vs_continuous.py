@@ -1,6 +1,6 @@
 """Benchmark: continuous (fcfs) vs static batching on the real JAX engine, beside the profiled simulator's prediction.
 
-    python benchmarks/engine_static_vs_continuous.py [--rounds 3] [--requests 256] [--repeats 9]
+    python benchmarks/engine_static_vs_continuous.py [--rounds 5] [--requests 256] [--repeats 9]
     python benchmarks/engine_static_vs_continuous.py --profile outputs/profile/profile.json
 
 It runs in rounds (about 1.5 minutes each). Without --profile each round profiles the machine
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None,
                     help="profile.json from `python -m cbjax.profile` (its model, slots and page size are used) for "
                          "every round; default: profile this machine at the start of each round")  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of (profile, simulator, engine repeats)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of (profile, simulator, engine repeats)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9, help="paired engine repeats per round")
     ap.add_argument("--mean-output", type=float, default=64.0)
