@@ -4,6 +4,7 @@ gathered from the whole cache."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +113,19 @@ def test_without_a_compiler_auto_falls_back_to_ragged_and_native_names_why(monke
     finally:
         native._state.clear()
         native._state.update(saved)
+
+
+def test_a_build_prunes_stale_builds_and_half_written_ones(tmp_path):
+    # days since each file was last loaded (its mtime): the current build and one loaded 10 days
+    # ago stay, one of 40 days goes (past STALE_S, 30 days); half-written builds go after a day
+    now = 1e9
+    ages = {"cbjax_native_current.so": 40, "cbjax_native_recent.so": 10, "cbjax_native_old.so": 40,
+            "tmpabc.so": 2, "tmpfresh.so": 0.5, "unrelated.so": 400}  # fmt: skip
+    for name, days in ages.items():
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, (now - days * 86400, now - days * 86400))
+    gone = native.prune(tmp_path, keep=tmp_path / "cbjax_native_current.so", now=now)
+    assert sorted(p.name for p in gone) == ["cbjax_native_old.so", "tmpabc.so"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cbjax_native_current.so", "cbjax_native_recent.so", "tmpfresh.so", "unrelated.so"
+    ]  # fmt: skip

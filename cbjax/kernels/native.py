@@ -10,7 +10,9 @@ XLA's CPU thread pool. The block list (prefill groups of several tokens) stays i
 The kernel is compiled from source with the system C++ compiler (`CXX`, else `c++`) at first
 use and kept in `~/.cache/cbjax/native` (`CBJAX_NATIVE_DIR` overrides), keyed by the source,
 the compiler, the flags, jaxlib's version and the CPU (it is built for this CPU's
-instructions); later processes load it. Without a compiler, or
+instructions); later processes load it. Each load touches the library's file; a build prunes
+builds of the directory nobody loaded for `STALE_S` (another jaxlib, compiler or source
+version), and half-written ones a crashed build left. Without a compiler, or
 if the build fails, `ensure_registered()` returns the reason, and `executor.attention=auto`
 falls back to `ragged`.
 """
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
@@ -42,6 +45,7 @@ SYMBOL = "CbjaxSingleGroups"
 FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
          "-std=c++17", "-shared", "-fPIC", "-w")  # fmt: skip
 
+STALE_S = 30 * 24 * 3600.0  # a build nobody loaded for this long is pruned by the next build
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -86,6 +90,32 @@ def _build(cxx: str, out: Path) -> None:
         os.unlink(tmp)
         raise RuntimeError(f"{' '.join(cmd)} failed: {(proc.stderr or proc.stdout).strip()[-1500:]}")
     os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+    prune(out.parent, keep=out)
+
+
+def _touch(path: Path) -> None:
+    """Mark a build as loaded now (a read-only cache directory just keeps its old time)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def prune(directory: Path, keep: Path, now: Optional[float] = None) -> list[Path]:
+    """Delete the builds in `directory` (but `keep`) last loaded over STALE_S ago, and half-written
+    builds (`tmp*.so`) over a day old; returns what it deleted. A library still loaded by a running
+    process stays usable: unlinking a file does not unmap it."""
+    now = time.time() if now is None else now
+    gone = []
+    for path in [*directory.glob("cbjax_native_*.so"), *directory.glob("tmp*.so")]:
+        limit = STALE_S if path.name.startswith("cbjax_native_") else 24 * 3600.0
+        try:
+            if path != keep and now - path.stat().st_mtime > limit:
+                path.unlink()
+                gone.append(path)
+        except OSError:  # another process pruned or replaced it first
+            pass
+    return gone
 
 
 def ensure_registered() -> Optional[str]:
@@ -102,6 +132,8 @@ def ensure_registered() -> Optional[str]:
             path = _library_path(cxx)
             if not path.exists():
                 _build(cxx, path)
+            else:
+                _touch(path)
             lib = ctypes.cdll.LoadLibrary(str(path))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
             _state["lib"] = lib  # keep the library loaded
