@@ -42,7 +42,7 @@ def main() -> None:
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
     from cbjax.profile.serving import serve_timed, served_points
     from cbjax.run import build_executor
-    from cbjax.sim.profiled import load_profile, predict
+    from cbjax.sim.profiled import cold_cost, load_profile, predict
 
     profile = json.loads(Path(args.profile).read_text())
     base = calibrate.base_config(profile, args.requests)
@@ -59,7 +59,8 @@ def main() -> None:
     idle = [False] + [g > IDLE_GAP_S for _, g in gaps]
     groups: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for s, woke in zip(steps, idle):
-        pred = predict(coef, s["bucket"], s["features"]) + (coef["wake_s"] if woke else 0.0)
+        pred = predict(coef, s["bucket"], s["features"]) + cold_cost(coef, s["since_larger"])
+        pred += coef["wake_s"] if woke else 0.0
         g = groups[(s["kind"] + (" after idle" if woke else ""), s["bucket"])]
         g[0] += 1
         g[1] += s["measured_s"]
