@@ -12,7 +12,7 @@ of a quarter of an hour), and a profile taken at one moment predicts the machine
 moment: one round's error mixes the simulator's with the VM's drift. The rounds' median error
 is the figure; each round's is printed.
 
-Two workloads, all requests at t=0, on the profile's model, slot count and page size:
+Two workloads, all requests at t=0, on the profile's model, slot count, page size and page pool:
 `exponential` (prompts uniform 16..128, outputs exponential with mean 64, at most 384: this
 benchmark's workload) and `azure_code` (the first requests of the Azure code trace, prompts
 /16, as experiments/calibrate.py scales them). Per workload and policy: the engine's wall-clock
@@ -85,7 +85,8 @@ def run_round(args, profile_path: str, tmp: Path) -> dict:
     policy the engine's runs and the simulator's summary."""
     profile = json.loads(Path(profile_path).read_text())
     base = calibrate.base_config(profile, args.requests)
-    base = dataclasses.replace(base, cache=dataclasses.replace(base.cache, num_pages=args.pages))
+    if args.pages is not None:
+        base = dataclasses.replace(base, cache=dataclasses.replace(base.cache, num_pages=args.pages))
     wls = bench_workloads(args, base, tmp)
     cfgs = {(w, p): dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, name=p), workload=wl)
             for w, wl in wls.items() for p in POLICIES}  # fmt: skip
@@ -143,7 +144,9 @@ def main() -> None:
     ap.add_argument("--mean-output", type=float, default=64.0)
     ap.add_argument("--max-output", type=int, default=384)
     ap.add_argument("--max-prompt", type=int, default=128)
-    ap.add_argument("--pages", type=int, default=2048, help="cache.num_pages")
+    ap.add_argument("--pages", type=int, default=None,
+                    help="cache.num_pages (default: the profile's; a larger pool spreads the pages in use and slows "
+                         "served steps, so the simulator predicts the pool it was profiled at)")  # fmt: skip
     ap.add_argument("--trace", default=str(calibrate.AZURE_CODE), help="the Azure LLM inference code trace CSV")
     ap.add_argument("--out", default=str(REPO / "outputs" / "engine_static_vs_continuous.json"),
                     help="where to write every round's figures (JSON)")  # fmt: skip

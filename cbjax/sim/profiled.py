@@ -130,8 +130,9 @@ def bucket_intercept(bucket_s: dict[int, float], bucket: int) -> float:
 
 def profile_key(model: ModelConfig, page_size: int, num_slots: int) -> dict:
     """What a profile must match: the model's architecture, the page size and the slot count,
-    which set the step's shapes. Not the page pool: the step reads only the pages it gathers,
-    so its time does not grow with `cache.num_pages`."""
+    which set the step's shapes. Not the page pool: a step reads only the pages it gathers, so
+    another `cache.num_pages` is accepted (though over a run a larger pool spreads the pages in
+    use wider and served steps cost some more: the README's calibration section)."""
     key = {f"model.{f}": getattr(model, f) for f in ARCH_FIELDS}
     key["cache.page_size"] = page_size
     key["scheduler.max_num_seqs"] = num_slots
