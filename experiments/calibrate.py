@@ -181,7 +181,9 @@ def _profile_notes(profile: dict) -> list[str]:
         return []
     m = profile["machine"]
     own = coef.get("served_bucket_s") or {}
-    cold = "/".join(f"{1e3 * coef.get(k, 0.0):.2f}" for k in COLD_TERMS)
+    colds = [coef.get(k, 0.0) for k in COLD_TERMS]
+    cold = ("the 1st-4th step after a larger bucket's " + "/".join(f"{1e3 * c:.2f}" for c in colds) + " ms more"
+            if any(colds) else "no cold-step terms")  # fmt: skip
     if m.get("others_cpu_share") is not None:
         busy = f"other processes took {m['others_cpu_share']:.0%} of the cores while it ran"
     elif "load_average_at_start" in m:
@@ -190,7 +192,7 @@ def _profile_notes(profile: dict) -> list[str]:
         busy = f"load average {m.get('load_average', [float('nan')])[0]:.2f} when it ended"
     return [f"Serving loop in the profile: fitted on {served['num_points']} served iterations over the grid's step terms "
             f"(fixed costs of their own for {len(own)} buckets, the rest x{coef['bucket_scale']:.3f} the grid's timing; "
-            f"the 1st-4th step after a larger bucket's {cold} ms more; the grid model alone puts them "
+            f"{cold}; the grid model alone puts them "
             f"{served['grid_model_total_error']:+.1%} off), "
             f"loop {1e6 * coef['loop_s']:.0f} us + {1e6 * coef['loop_seq_s']:.1f} us per request, wake {1e3 * coef['wake_s']:.2f} ms; "
             f"its served runs' total time predicted {served['total_error']:+.1%}; {busy}.", ""]  # fmt: skip

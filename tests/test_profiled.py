@@ -181,20 +181,22 @@ def test_fit_recovers_hand_set_coefficients_from_a_synthetic_executor():
     assert residuals["max_rel_error"] < 0.02 and residuals["num_points"] == len(points)
 
 
-def test_fit_recovers_hand_set_served_costs_over_the_grids_step_terms_and_the_loops():
+@pytest.mark.parametrize("fit_cold", [True, False])
+def test_fit_recovers_hand_set_served_costs_over_the_grids_step_terms_and_the_loops(fit_cold):
     # The grid timed back to back by one synthetic executor (bucket costs BUCKET_S, step terms
     # TRUE); served iterations by another, with the same step terms and fixed costs of their own:
     # the decode buckets 4..32 each by hand (not one factor: 4, 8 and 24 run faster served, 16 and 32
-    # slower), a bucket served only a few times (64) at 0.9 x its grid timing. The 1st to 4th step
-    # after the last step of a larger bucket pays 0.4, 0.2, 0.1, 0.05 ms more. Iterations after
-    # an idle loop (10x slower here) are left to the wake term; the loop's host time after each
-    # iteration is 30 us + 2 us per request, exactly.
+    # slower), a bucket served only a few times (64) at 0.9 x its grid timing. With `fit_cold`,
+    # the 1st to 4th step after the last step of a larger bucket pays 0.4, 0.2, 0.1, 0.05 ms
+    # more; without (the profile's default), no step does and the cold terms stay 0. Iterations
+    # after an idle loop (10x slower here) are left to the wake term; the loop's host time after
+    # each iteration is 30 us + 2 us per request, exactly.
     shapes = plan_shapes(num_rows=32, max_model_len=256, page_size=8, max_num_batched_tokens=512)
     points = profile_grid(shapes, 256, "full")
     steps = measure_steps(SyntheticExecutor(shapes, noise=1e-4).execute, points, shapes, 2048, 512, repeats=3)
     bucket_s = measure_buckets(SyntheticExecutor(shapes).run_empty, shapes.token_buckets, repeats=3)
     fixed = {4: 1.0e-3, 8: 1.2e-3, 16: 3.5e-3, 24: 6e-3, 32: 4.5e-3}
-    cold = (4e-4, 2e-4, 1e-4, 5e-5)
+    cold = (4e-4, 2e-4, 1e-4, 5e-5) if fit_cold else (0.0, 0.0, 0.0, 0.0)
     decodes = sorted((p for p in points if p.kind == "decode"), key=lambda p: len(p.rows))
     mixed = [p for p in points if p.kind == "mixed" and shapes.bucket(sum(n for n, _ in p.rows)) == 64][:1]
     assert len(mixed) == 1
@@ -215,12 +217,15 @@ def test_fit_recovers_hand_set_served_costs_over_the_grids_step_terms_and_the_lo
     assert all(since.count(k) >= 3 for k in (1, 2, 3, 4))  # every cold term is exercised
     woke = [{**s, "measured_s": 10 * s["measured_s"], "idle": True} for s in served[:5]]
     gaps = [(n, 30e-6 + 2e-6 * n) for n in (1, 4, 9, 32, 17)]
-    coef, residuals = fit_profile(steps, [], bucket_s, served + woke, gaps, {"wake_s": 1e-3, "wake_ramp_s": 5e-3})
+    wake = {"wake_s": 1e-3, "wake_ramp_s": 5e-3}
+    coef, residuals = fit_profile(steps, [], bucket_s, served + woke, gaps, wake, fit_cold=fit_cold)
     assert set(coef["served_bucket_s"]) == {"4", "8", "16", "24", "32"}  # 64 was served 3 times: too few
     for bucket, value in fixed.items():
         assert coef["served_bucket_s"][str(bucket)] == pytest.approx(value, rel=0.02), bucket
     assert coef["bucket_scale"] == pytest.approx(0.9, rel=0.05)
     assert [coef[k] for k in COLD_TERMS] == pytest.approx(cold, rel=0.1, abs=5e-6)
+    if not fit_cold:
+        assert all(coef[k] == 0.0 for k in COLD_TERMS)
     for key, value in TRUE.items():  # the step terms are the grid's
         assert coef[key] == residuals["grid_coefficients"][key] == pytest.approx(value, rel=0.15), key
     assert coef["loop_s"] == pytest.approx(30e-6) and coef["loop_seq_s"] == pytest.approx(2e-6)

@@ -20,6 +20,9 @@ class ProfileRunConfig(RunConfig):
     grid: str = "full"  # full | small (a few points, for tests)
     repeats: int = 5  # timed calls per grid point; the median is fitted
     serving_rounds: int = 3  # times the served workloads are served (a slow spell of the machine averages out)
+    # fit the cold terms (a served step's extra cost 1-4 steps after a larger bucket's); off: they
+    # stay 0 (fitted, they also take in a static batch's faster decodes: `fit_served`)
+    fit_cold: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,7 +76,9 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
     say("serving the profile's workloads ...", flush=True)
     serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native)
-    coefficients, residuals = fit_profile(steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake)
+    coefficients, residuals = fit_profile(
+        steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cfg.fit_cold
+    )
     extra = {
         "attention": executor.attention,
         "machine": {**machine(), "load_average_at_start": load_at_start, "others_cpu_share": others.share()},
@@ -83,6 +88,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "grid": cfg.grid,
         "repeats": cfg.repeats,
         "serving_rounds": cfg.serving_rounds,
+        "fit_cold": cfg.fit_cold,
         "warmup_s": warmup_s,
         "profile_s": time.perf_counter() - t0,
         "config": dataclasses.asdict(cfg.executor),

@@ -160,6 +160,7 @@ def fit_served(
     served: list[dict],
     bucket_s: dict[int, float],
     grid_model: dict[str, float],
+    fit_cold: bool = False,
 ) -> dict[str, Any]:
     """`served_bucket_s`, `bucket_scale` and the COLD_TERMS, fitted on the served iterations
     (those after an idle loop left out: `wake_s` charges them) over the step terms of the
@@ -170,9 +171,16 @@ def fit_served(
     (`served_bucket_s`): a bucket's program costs more between the loop's host work than back to
     back, and not by one factor for all (small decodes about the same, mixed steps a quarter
     more). The served steps of rarer buckets share one scale of the grid's timed bucket costs
-    (`bucket_scale`; with none, the served buckets' mean ratio to the grid's timing). The
-    COLD_TERMS are what a served step pays more 1 .. 4 steps after the last step of a larger
-    bucket (grid steps run after themselves).
+    (`bucket_scale`; with none, the served buckets' mean ratio to the grid's timing).
+
+    With `fit_cold` the COLD_TERMS are fitted too: what a served step pays more 1 .. 4 steps after
+    the last step of a larger bucket (grid steps run after themselves). The effect is real (a
+    32-row decode ran 1.33, 1.23, 1.08, 1.04 ms on the four steps after a mixed step, 0.74 ms in
+    a static batch's run), but the profile's fcfs runs are where the cold steps are and its
+    static run where the warm ones are, so the fitted terms also took in whatever else makes a
+    static batch's decodes fast: over 15 rounds of benchmarks/engine_static_vs_continuous.py the
+    simulator's fcfs/static ratio came out -5.6% (exponential) and +2.8% (Azure) off the engine's
+    with them, -0.5% and +4.0% without (medians). Off, they stay 0.
 
     Non-negative least squares on absolute error, as a run's time adds them up (thousands of
     small decode steps and a few large prefills weigh what they cost). None served: no served
@@ -190,7 +198,7 @@ def fit_served(
             x[i, own.index(s["bucket"])] = 1.0
         else:
             x[i, len(own)] = bucket_intercept(bucket_s, s["bucket"])
-        if s.get("since_larger", 0):
+        if fit_cold and s.get("since_larger", 0):
             x[i, len(own) + s["since_larger"]] = 1.0
     terms = np.array([sum(grid_model[k] * v for k, v in zip(STEP_TERMS, s["features"])) for s in points])
     y = np.array([s["measured_s"] for s in points])
