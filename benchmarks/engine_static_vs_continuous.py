@@ -158,7 +158,6 @@ def main() -> None:
                  "`python -m cbjax.profile hydra.run.dir=outputs/profile` or pass no --profile")  # fmt: skip
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
 
-    errors: dict[str, list[tuple[float, float, float]]] = {}
     record = []
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
@@ -168,8 +167,6 @@ def main() -> None:
             print(f"\n## round {rnd + 1}/{args.rounds}: {res['model']} model, {res['slots']} slots, {args.requests} "
                   f"requests at t=0, engine medians of {args.repeats}; simulator: profiled cost model ({path})")  # fmt: skip
             ratios = report_round(res)
-            for w, r in ratios.items():
-                errors.setdefault(w, []).append(r)
             record.append({
                 "profile": path,
                 "engine_tok_s": {f"{w}/{p}": [x["tok_s"] for x in runs] for (w, p), runs in res["engine"].items()},
@@ -178,9 +175,10 @@ def main() -> None:
             })  # fmt: skip
     print(f"\n## fcfs / static throughput over {args.rounds} rounds (error: simulator against engine, target within 5%)")
     rows = []
-    for w, rs in errors.items():
-        errs = [e for _, _, e in rs]
-        rows.append((w, " ".join(f"{e:.3f}" for e, _, _ in rs), " ".join(f"{s:.3f}" for _, s, _ in rs),
+    for w in record[0]["ratio"]:
+        rs = [r["ratio"][w] for r in record]
+        errs = [r["error_pct"] for r in rs]
+        rows.append((w, " ".join(f"{r['engine']:.3f}" for r in rs), " ".join(f"{r['sim']:.3f}" for r in rs),
                      " ".join(f"{e:+.1f}" for e in errs), f"{statistics.median(errs):+.1f}"))  # fmt: skip
     print(markdown_table(["workload", "engine ratio per round", "simulator ratio per round", "error % per round",
                           "median error %"], rows))  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter, deque
 from typing import Any, Optional
 
 import numpy as np
@@ -17,7 +18,7 @@ from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs, nnls
-from cbjax.sim.profiled import COLD_TERMS, STEP_TERMS, bucket_intercept, step_features, steps_since_larger
+from cbjax.sim.profiled import COLD_TERMS, bucket_intercept, step_features, step_terms, steps_since_larger
 
 # A bucket gets its own served intercept (`served_bucket_s`) from this many served iterations on.
 MIN_SERVED = 10
@@ -125,7 +126,7 @@ def served_points(
     loop went to straight away, (its rows, the loop's host seconds until that `execute`, the
     recorder's own bookkeeping excluded)."""
     steps = []
-    recent: list[int] = []  # the previous iterations' buckets, latest first
+    recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the previous iterations' buckets, latest first
     for rows, t0, t1, idle in zip(timed.rows, timed.start, timed.end, timed.idle):
         bucket, features = step_features(rows, shapes, native)
         kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
@@ -134,7 +135,7 @@ def served_points(
             "bucket": bucket, "features": features, "measured_s": t1 - t0, "idle": idle,
             "since_larger": steps_since_larger(recent, bucket),
         })  # fmt: skip
-        recent = [bucket, *recent[: len(COLD_TERMS) - 1]]
+        recent.appendleft(bucket)
     gaps = [
         (n, nxt - end)
         for n, end, nxt, idle in zip(timed.num_scheduled, timed.end, timed.rows_at[1:], timed.idle[1:])
@@ -188,9 +189,7 @@ def fit_served(
     points = [s for s in served if not s.get("idle")]
     if not points:
         return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0)}
-    counts: dict[int, int] = {}
-    for s in points:
-        counts[s["bucket"]] = counts.get(s["bucket"], 0) + 1
+    counts = Counter(s["bucket"] for s in points)
     own = sorted(b for b, n in counts.items() if n >= MIN_SERVED)  # buckets with a served intercept
     x = np.zeros((len(points), len(own) + 1 + len(COLD_TERMS)))  # own intercepts, bucket_scale, cold terms
     for i, s in enumerate(points):
@@ -200,7 +199,7 @@ def fit_served(
             x[i, len(own)] = bucket_intercept(bucket_s, s["bucket"])
         if fit_cold and s.get("since_larger", 0):
             x[i, len(own) + s["since_larger"]] = 1.0
-    terms = np.array([sum(grid_model[k] * v for k, v in zip(STEP_TERMS, s["features"])) for s in points])
+    terms = np.array([step_terms(grid_model, s["features"]) for s in points])
     y = np.array([s["measured_s"] for s in points])
     used = np.any(x != 0, axis=0)
     coef = np.zeros(x.shape[1])

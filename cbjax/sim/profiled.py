@@ -23,11 +23,12 @@ the native decode pass is charged per group), plus its swap copies:
              last step of a larger bucket (a small step runs slower for a few steps after a
              large one; a run of same-bucket steps, as a static batch's decodes, is warm)
 
-The step terms are fitted on the iterations the profile serves through the real loop (a step
-there costs what a run pays, not what the same step costs run back to back) together with the
-grid's steps, which reach long contexts and large prefills (`cbjax.profile.serving.fit_served`).
-A step's work does not grow with the bucket, so the `*_token_s` terms should fit near 0; they
-stay for kernels whose steps touch every token of the bucket. A bucket the profile did not time
+The step terms are fitted on the grid's steps, which reach long contexts and large prefills;
+the fixed costs (and, when asked, the cold terms) on the iterations the profile serves through
+the real loop over them, since a step there costs what a run pays, not what the same step costs
+run back to back (`cbjax.profile.serving.fit_served`). A step's work does not grow with the
+bucket, so the `*_token_s` terms should fit near 0; they stay for kernels whose steps touch
+every token of the bucket. A bucket the profile did not time
 gets its intercept interpolated linearly in the bucket size.
 
 Pure numpy: no jax import.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from itertools import islice
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -85,9 +87,7 @@ def steps_since_larger(recent: Sequence[int], bucket: int) -> int:
     """k (1 .. len(COLD_TERMS)) when the k-th step before this one, `recent[k - 1]` (the last step's
     bucket first), is the latest of a larger bucket than `bucket`; 0 if none of those is. The
     step pays COLD_TERMS[k - 1]."""
-    for k, previous in enumerate(recent, 1):
-        if k > len(COLD_TERMS):
-            break
+    for k, previous in enumerate(islice(recent, len(COLD_TERMS)), 1):
         if previous > bucket:
             return k
     return 0
@@ -215,10 +215,14 @@ def fixed_cost(coefficients: dict, bucket: int) -> float:
     return coefficients["bucket_scale"] * bucket_intercept(coefficients["bucket_s"], bucket)
 
 
+def step_terms(coefficients: dict, features: Sequence[float]) -> float:
+    """A step's cost beyond its bucket's fixed cost: the STEP_TERMS times their `features`."""
+    return sum(coefficients[k] * v for k, v in zip(STEP_TERMS, features))
+
+
 def predict(coefficients: dict, bucket: int, features: Sequence[float]) -> float:
     """A step's predicted time from its bucket and STEP_TERMS features (see the module docstring)."""
-    step = sum(coefficients[k] * v for k, v in zip(STEP_TERMS, features))
-    return fixed_cost(coefficients, bucket) + step
+    return fixed_cost(coefficients, bucket) + step_terms(coefficients, features)
 
 
 def shapes_for(
