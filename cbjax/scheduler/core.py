@@ -11,6 +11,7 @@ from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.plan import Schedule
 from cbjax.request import FinishReason, Request, Status
+from cbjax.scheduler.intake import rejection_reason
 from cbjax.scheduler.policy import Policy, make_policy
 
 
@@ -80,52 +81,8 @@ class Scheduler:
 
     # ---- intake ----
     def rejection_reason(self, req: Request) -> Optional[str]:
-        """Why the request can never run here, or None."""
-        if req.input_error:
-            return req.input_error
-        if req.prompt_len < 1:
-            return "empty prompt"
-        problem = req.sampling.problem()
-        if problem:
-            return problem
-        if req.target_output_len is not None and req.target_output_len < 1:
-            return f"output_len must be >= 1, got {req.target_output_len}"
-        if req.prompt_len >= self.max_model_len:
-            return (
-                f"prompt has {req.prompt_len} tokens, model max_model_len is {self.max_model_len} "
-                "(no room to generate)"
-            )
-        if req.prompt_len > self.token_budget and not self.cfg.chunked_prefill:
-            return (
-                f"prompt has {req.prompt_len} tokens, more than "
-                f"scheduler.max_num_batched_tokens={self.token_budget}"
-            )
-        peak = req.prompt_len + req.max_output_len - 1
-        need = self.allocator.admission_pages(peak, self.reserve_tokens(req))
-        if need > self.allocator.num_usable_pages:
-            return (
-                f"needs {need} KV pages at its maximum length, the cache has "
-                f"{self.allocator.num_usable_pages} (cache.num_pages - 1)"
-            )
-        bad_id = self._token_outside_vocab(req)
-        if bad_id is not None:
-            return (
-                f"request {req.request_id}: prompt token id {bad_id} is outside the vocabulary "
-                f"(model.vocab_size={self.vocab_size})"
-            )
-        if self.validate is not None:
-            return self.validate(req)
-        return None
-
-    def _token_outside_vocab(self, req: Request) -> Optional[int]:
-        """The first prompt id outside [0, vocab_size), or None. Seeded synthetic ids drawn
-        below the vocabulary are not materialized: a simulated trace never reads them."""
-        vocab = self.vocab_size
-        if vocab is None:
-            return None
-        if req.prompt_token_ids is None and req.synthetic_prompt is not None and req.synthetic_prompt[1] <= vocab:
-            return None
-        return next((t for t in req.prompt_ids() if not 0 <= t < vocab), None)
+        """Why the request can never run here, or None (`cbjax.scheduler.intake`)."""
+        return rejection_reason(self, req)
 
     def max_len_tokens(self, req: Request) -> int:
         """Tokens stored at the request's maximum length: what `reserve_max` reserves."""

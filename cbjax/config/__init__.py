@@ -1,0 +1,313 @@
+"""Typed run configuration: one dataclass per Hydra group, each checking its own rules.
+
+The library never imports Hydra; `cbjax.cli` registers these schemas in Hydra's ConfigStore
+so a misspelled key or a wrong type fails at startup with the key's name.
+
+The groups live by job: the engine's (scheduler, cache, executor, distributed) and the run
+here, the workload in `workload`, the model and hardware in `machine`, what a run reports in
+`reporting`; every name is importable from `cbjax.config`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from cbjax.config.checks import _one_of, _require
+from cbjax.config.machine import DTYPES, MLP_KINDS, HardwareConfig, ModelConfig
+from cbjax.config.reporting import (
+    LOGGERS, WANDB_MODES, ExperimentConfig, LoggerConfig, MetricsConfig, ServiceWeights, SLOConfig,
+)  # fmt: skip
+from cbjax.config.workload import (
+    ARRIVALS, LENGTH_DISTS, TRUNCATIONS, WORKLOADS, ClientConfig, LengthConfig, WorkloadConfig,
+)  # fmt: skip
+
+__all__ = [
+    "PREDICTORS", "PREEMPTION_MODES", "EXECUTORS", "ATTENTION_IMPLS", "ARRIVALS", "LENGTH_DISTS", "TRUNCATIONS",
+    "WORKLOADS", "DTYPES", "MLP_KINDS", "LOGGERS", "WANDB_MODES", "policy_names", "allocation_names",
+    "cost_model_names", "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig",
+    "ClientConfig", "WorkloadConfig", "ModelConfig", "HardwareConfig", "ExperimentConfig", "ServiceWeights",
+    "MetricsConfig", "SLOConfig", "LoggerConfig", "DistributedConfig", "RunConfig",
+]  # fmt: skip
+
+PREDICTORS = ("oracle", "mean", "learned")
+PREEMPTION_MODES = ("recompute", "swap")
+EXECUTORS = ("sim", "jax")
+ATTENTION_IMPLS = ("auto", "native", "pallas", "ragged", "reference", "triton")
+
+
+# Choice lists that have a registry are read from it, so a registered addition is selectable.
+# Imported when a config is checked: the registries' modules import this one.
+def policy_names() -> list[str]:
+    from cbjax.scheduler.policy import POLICIES
+
+    return list(POLICIES)
+
+
+def allocation_names() -> list[str]:
+    from cbjax.cache.allocator import ALLOCATIONS
+
+    return list(ALLOCATIONS)
+
+
+def cost_model_names() -> list[str]:
+    from cbjax.sim.cost import COST_MODELS
+
+    return list(COST_MODELS)
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "fcfs"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    # recompute: drop the victim's K/V and prefill it again. swap: copy its pages to host
+    # memory (cache.num_swap_pages) and back on readmission; recompute when that is full.
+    preemption: str = "recompute"
+    # Split prompts into chunks under max_num_batched_tokens, mixed with decodes (Sarathi-Serve).
+    chunked_prefill: bool = False
+    # Mix prefills and decodes in one iteration (Orca, Sarathi-Serve). False: an iteration with
+    # prefill work runs only prefills, and decodes wait (vLLM's original scheduler).
+    hybrid_batching: bool = True
+    # Without hybrid batching, when both wait: false, prefill work goes first (vLLM's original
+    # order); true, prefill and decode iterations alternate, so neither starves the other.
+    alternate_phases: bool = False
+    # static only: charge compute as a padded `generate` batch does: prompts padded to the
+    # batch's longest, finished rows computed until the whole batch ends (Schedule.cost_rows).
+    static_padding: bool = False
+    # Policy knobs; each policy reads only its own (see cbjax/scheduler/policies/).
+    priority_preempt: bool = False  # priority: a waiting request may evict a lower-priority one
+    predictor: str = "oracle"  # sjf: oracle | mean | learned
+    predictor_path: Optional[str] = None  # sjf with predictor=learned: a saved predictor (.npz)
+    mlfq_num_queues: int = 5
+    mlfq_base_quantum: int = 32  # tokens; queue i has quantum base * 2**i
+    mlfq_preempt: bool = True  # FastServe preempts lower-queue requests at iteration level
+    vtc_input_weight: float = 1.0  # service cost per prompt token
+    vtc_output_weight: float = 2.0  # service cost per generated token
+    # A policy from the user's own code, "package.module:ClassName" (a cbjax Policy subclass,
+    # importable from the working directory or PYTHONPATH); it replaces `name`'s policy.
+    policy_class: Optional[str] = None
+    # Keyword arguments for the policy's constructor, after the config: its own knobs.
+    policy_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _one_of("scheduler.name", self.name, policy_names())
+        if self.policy_class is not None:
+            module, _, cls = self.policy_class.partition(":")
+            _require(
+                bool(module and cls and all(part.isidentifier() for part in module.split(".") + cls.split("."))),
+                "scheduler.policy_class",
+                'must look like "package.module:ClassName"',
+                self.policy_class,
+            )
+        _one_of("scheduler.preemption", self.preemption, PREEMPTION_MODES)
+        _one_of("scheduler.predictor", self.predictor, PREDICTORS)
+        if self.name == "sjf" and self.predictor == "learned":
+            _require(
+                bool(self.predictor_path),
+                "scheduler.predictor_path",
+                "is required for predictor=learned",
+                self.predictor_path,
+            )
+        if self.static_padding:
+            _require(self.name == "static", "scheduler.static_padding", "needs scheduler=static", self.name)
+            if self.chunked_prefill:
+                raise ValueError(
+                    "scheduler.static_padding=true cannot combine with scheduler.chunked_prefill=true: "
+                    "a padded batch prefills every prompt whole"
+                )
+        _require(self.mlfq_num_queues >= 1, "scheduler.mlfq_num_queues", "must be >= 1", self.mlfq_num_queues)
+        _require(self.mlfq_base_quantum >= 1, "scheduler.mlfq_base_quantum", "must be >= 1", self.mlfq_base_quantum)
+        for key in ("vtc_input_weight", "vtc_output_weight"):
+            value = getattr(self, key)
+            _require(value >= 0 and math.isfinite(value), f"scheduler.{key}", "must be >= 0", value)
+        _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", self.max_num_seqs)
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "scheduler.max_num_batched_tokens",
+            f"must be >= scheduler.max_num_seqs ({self.max_num_seqs}) so every decode fits",
+            self.max_num_batched_tokens,
+        )
+
+
+@dataclass
+class CacheConfig:
+    page_size: int = 16
+    # An int, or "auto": sized as vLLM does from hardware.mem_bytes x memory_utilization minus
+    # the weights (resolved by `cbjax.run.resolve`, reported in summary.json's num_pages).
+    num_pages: Any = 4096
+    memory_utilization: float = 0.9
+    # paged: pages on demand. reserve_max | reserve_pow2 | reserve_oracle: Orca-style contiguous
+    # runs reserved at admission for the maximum length, prompt + next power of two of the
+    # output, or prompt + output (see cbjax.cache.reservation).
+    allocation: str = "paged"
+    # reserve_*: where a run goes. first_fit: the lowest free run that holds it. buddy: rounded
+    # up to a power of two of pages at an aligned place, as a buddy allocator does.
+    reservation_fit: str = "first_fit"
+    # Share full pages with an identical token prefix between requests, and keep released ones
+    # cached (evicted LRU once the free list is empty) for later requests.
+    prefix_caching: bool = False
+    # Host pages for scheduler.preemption=swap. None: as many as num_pages.
+    num_swap_pages: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _one_of("cache.allocation", self.allocation, allocation_names())
+        _one_of("cache.reservation_fit", self.reservation_fit, ("first_fit", "buddy"))
+        _require(self.page_size >= 1, "cache.page_size", "must be >= 1", self.page_size)
+        if self.num_pages != "auto":
+            _require(
+                isinstance(self.num_pages, int) and not isinstance(self.num_pages, bool) and self.num_pages >= 2,
+                "cache.num_pages",
+                "must be an int >= 2 (page 0 is the null page) or auto",
+                self.num_pages,
+            )
+        _require(
+            0 < self.memory_utilization <= 1, "cache.memory_utilization", "must be in (0, 1]", self.memory_utilization
+        )
+        if self.allocation != "paged" and self.prefix_caching:
+            raise ValueError(
+                f"cache.allocation={self.allocation} cannot combine with cache.prefix_caching=true: a "
+                "reservation is one contiguous run, a shared prefix page lies elsewhere"
+            )
+        if self.num_swap_pages is not None:
+            _require(self.num_swap_pages >= 0, "cache.num_swap_pages", "must be >= 0", self.num_swap_pages)
+
+    @property
+    def swap_capacity(self) -> int:
+        """Host pages available to swap preemption."""
+        if self.num_pages == "auto" and self.num_swap_pages is None:
+            raise ValueError("cache.num_pages=auto must be resolved (cbjax.run.resolve) before use")
+        return self.num_pages if self.num_swap_pages is None else self.num_swap_pages
+
+
+@dataclass
+class MeshConfig:
+    """The device mesh of the JAX engine (cbjax.runtime.mesh)."""
+
+    # Tensor parallelism: heads and MLP columns split over this many devices. 1: one device.
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor >= 1, "executor.mesh.tensor", "must be >= 1", self.tensor)
+
+
+@dataclass
+class ExecutorConfig:
+    name: str = "sim"
+    # sim
+    cost_model: str = "roofline"
+    # profiled: the profile.json that `python -m cbjax.profile` wrote for this model and machine
+    profile: Optional[str] = None
+    # jax
+    # auto: the Pallas ragged kernel on GPU/TPU; on CPU `native` (the XLA formulation `ragged`,
+    # whose work follows the pages each token reads, with its decode pass as a C++ custom call)
+    # when the C++ kernel builds, else `ragged`. reference: the plain-jnp oracle.
+    attention: str = "auto"
+    # Token counts the one-forward step is compiled for (a step's flat buffer is padded up to
+    # one). None: 1, 2, 4, 8, steps of ~sqrt(2) up to max_num_seqs, then doubling up to the
+    # largest step, min(max_num_batched_tokens, max_num_seqs * max_model_len).
+    token_buckets: Optional[list[int]] = None
+    # JAX's persistent compilation cache: a rerun loads programs instead of compiling them.
+    # None (null) turns it off.
+    compilation_cache_dir: Optional[str] = "~/.cache/cbjax/jax"
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    def __post_init__(self) -> None:
+        _one_of("executor.name", self.name, EXECUTORS)
+        _one_of("executor.cost_model", self.cost_model, cost_model_names())
+        if self.name == "sim" and self.cost_model == "profiled":
+            _require(bool(self.profile), "executor.profile", "is required by cost_model=profiled (a profile.json)", self.profile)
+        _one_of("executor.attention", self.attention, ATTENTION_IMPLS)
+        if self.token_buckets is not None:
+            _require(
+                len(self.token_buckets) > 0 and all(int(b) >= 1 for b in self.token_buckets),
+                "executor.token_buckets",
+                "must be a non-empty list of sizes >= 1",
+                self.token_buckets,
+            )
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-host JAX (cbjax.runtime.distributed): one process per host, all running the same
+    sharded step; process 0 schedules and writes the outputs. Off while num_processes is 1."""
+
+    coordinator_address: Optional[str] = None  # host:port of process 0
+    num_processes: int = 1
+    process_id: Optional[int] = None  # 0 .. num_processes - 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_processes > 1
+
+    def __post_init__(self) -> None:
+        _require(self.num_processes >= 1, "distributed.num_processes", "must be >= 1", self.num_processes)
+        if not self.enabled:
+            return
+        _require(
+            bool(self.coordinator_address),
+            "distributed.coordinator_address",
+            "is required by distributed.num_processes > 1 (host:port of process 0)",
+            self.coordinator_address,
+        )
+        _require(
+            self.process_id is not None,
+            "distributed.process_id",
+            f"is required by distributed.num_processes={self.num_processes} (this process's index)",
+            self.process_id,
+        )
+        _require(
+            0 <= self.process_id < self.num_processes,
+            "distributed.process_id",
+            f"must be in [0, {self.num_processes})",
+            self.process_id,
+        )
+
+
+@dataclass
+class RunConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    seed: int = 0
+    progress: bool = True
+    # "requests completed in N iterations", the seeds' throughput measure
+    window_iterations: int = 1000
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # A multirun skips a job whose dir holds a complete run of the same config; true reruns all.
+    overwrite: bool = False
+    # A summary.json key the job returns to a Hydra sweeper (optuna maximizes or minimizes it).
+    optimized_metric: Optional[str] = None
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)
+        if self.optimized_metric is not None:
+            _require(
+                not self.experiment.arms,
+                "optimized_metric",
+                f"needs a single run, but experiment {self.experiment.name!r} has arms",
+                self.optimized_metric,
+            )
+        if self.distributed.enabled:
+            n = self.distributed.num_processes
+            _require(self.executor.name == "jax", "executor.name", f"must be jax with distributed.num_processes={n}", self.executor.name)
+            _require(
+                not self.experiment.arms,
+                "experiment.arms",
+                f"are not supported with distributed.num_processes={n} (a multi-host run serves one config)",
+                sorted(self.experiment.arms),
+            )
+            _require(
+                self.scheduler.preemption != "swap",
+                "scheduler.preemption",
+                f"swap is not supported with distributed.num_processes={n}; use recompute",
+                self.scheduler.preemption,
+            )

@@ -1,0 +1,15 @@
+"""The checks every config dataclass runs: an error names the key, the rule and the value."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+def _require(cond: bool, key: str, msg: str, value: Any) -> None:
+    if not cond:
+        raise ValueError(f"{key} {msg}, got {value!r}")
+
+
+def _one_of(key: str, value: Any, allowed: Iterable[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}: unknown value {value!r}; choose one of {', '.join(allowed)}")

@@ -1,0 +1,117 @@
+"""The model and hardware groups: what the engine runs and what the roofline cost model charges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from cbjax.config.checks import _one_of, _require
+
+DTYPES = ("float32", "bfloat16")
+MLP_KINDS = ("gated", "plain")
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family decoder. Used by the JAX engine and by the roofline cost model."""
+
+    name: str = "tiny"
+    vocab_size: int = 512
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    ffn_dim: int = 128
+    rope_theta: float = 10000.0
+    max_model_len: int = 1024
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    mlp: str = "gated"  # gated: SwiGLU (Llama); plain: two matrices (OPT)
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    o_proj_bias: bool = False  # Llama checkpoints with attention_bias also bias o_proj
+    mlp_bias: bool = False  # Llama's mlp_bias: gate/up/down biases
+    norm_eps: float = 1e-5
+    eos_token_id: Optional[int] = None
+    # A local Hugging Face model directory (config.json, *.safetensors, maybe tokenizer.json).
+    # Its config.json sets the architecture fields; with it, dtype "auto" and max_model_len 0
+    # mean "the checkpoint's" (see cbjax.model.hf).
+    path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto" or self.max_model_len == 0:
+            _require(
+                bool(self.path), "model.path", "is required by model=hf (dtype auto, max_model_len 0)", self.path
+            )
+        _one_of("model.dtype", self.dtype, DTYPES + (("auto",) if self.path else ()))
+        _one_of("model.mlp", self.mlp, MLP_KINDS)
+        for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
+            value = getattr(self, key)
+            _require(value >= 1, f"model.{key}", "must be >= 1", value)
+        if not (self.path and self.max_model_len == 0):
+            _require(self.max_model_len >= 2, "model.max_model_len", "must be >= 2", self.max_model_len)
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_heads",
+            f"must be a multiple of model.num_kv_heads ({self.num_kv_heads})",
+            self.num_heads,
+        )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, embeddings and LM head included."""
+        d, hd = self.d_model, self.head_dim
+        attn = d * self.num_heads * hd * 2 + d * self.num_kv_heads * hd * 2
+        mlp = d * self.ffn_dim * (3 if self.mlp == "gated" else 2)
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * d) + embed + d
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass
+class HardwareConfig:
+    """An accelerator for the roofline cost model. Figures come from public datasheets."""
+
+    name: str = "a100_80gb"
+    peak_flops: float = 312e12  # dense bf16 tensor-core FLOP/s
+    mem_bw: float = 2.039e12  # HBM bytes/s
+    mem_bytes: float = 80e9
+    flops_efficiency: float = 0.6  # achievable fraction of peak_flops
+    bw_efficiency: float = 0.8  # achievable fraction of mem_bw
+    overhead_s: float = 0.002  # fixed per-iteration cost: launch, scheduling, sampling
+    # host cost per scheduled sequence per iteration (per-sequence sampling and bookkeeping)
+    overhead_s_per_seq: float = 0.0
+    # paged attention's fixed cost per KV page a sequence reads in an iteration, all layers
+    # together (a page's loop step, table lookup and partial-result merge): small pages pay it often
+    page_overhead_s: float = 0.0
+    # Host<->device bytes/s for swap preemption. PCIe 4.0 x16 carries 31.5 GB/s each way
+    # (16 GT/s x 16 lanes, 128b/130b encoding; PCI-SIG PCIe 4.0 spec); pinned copies reach ~25.
+    host_bw: float = 25e9
+    # Fixed cost of one host<->device copy call. Swapping copies each page's K and V per layer
+    # separately (vLLM's per-block cudaMemcpyAsync), so small pages pay it often.
+    host_copy_latency_s: float = 0.0
+    # Tensor parallelism over num_devices identical devices (the figures above are per device):
+    # weights, KV and FLOPs split evenly; two ring all-reduces of the activations per layer
+    # over interconnect_bw (bytes/s each way per device, e.g. NVLink).
+    num_devices: int = 1
+    interconnect_bw: float = 300e9
+
+    def __post_init__(self) -> None:
+        _require(self.num_devices >= 1, "hardware.num_devices", "must be >= 1", self.num_devices)
+        _require(self.host_copy_latency_s >= 0, "hardware.host_copy_latency_s", "must be >= 0", self.host_copy_latency_s)
+        for key in ("peak_flops", "mem_bw", "mem_bytes", "host_bw", "interconnect_bw"):
+            value = getattr(self, key)
+            _require(value > 0, f"hardware.{key}", "must be > 0", value)
+        for key in ("flops_efficiency", "bw_efficiency"):
+            value = getattr(self, key)
+            _require(0 < value <= 1, f"hardware.{key}", "must be in (0, 1]", value)
+        _require(self.overhead_s >= 0, "hardware.overhead_s", "must be >= 0", self.overhead_s)
+        _require(self.page_overhead_s >= 0, "hardware.page_overhead_s", "must be >= 0", self.page_overhead_s)
+        _require(self.overhead_s_per_seq >= 0, "hardware.overhead_s_per_seq", "must be >= 0", self.overhead_s_per_seq)

@@ -1,0 +1,61 @@
+"""Request intake: why a submitted request can never run on a scheduler (no jax)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from cbjax.request import Request
+
+if TYPE_CHECKING:
+    from cbjax.scheduler.core import Scheduler
+
+
+def rejection_reason(sched: Scheduler, req: Request) -> Optional[str]:
+    """Why the request can never run on `sched`, or None: input errors, sampling parameters,
+    lengths against the model, the step budget and the page pool, prompt ids against the
+    vocabulary, then the executor's own check (`sched.validate`)."""
+    if req.input_error:
+        return req.input_error
+    if req.prompt_len < 1:
+        return "empty prompt"
+    problem = req.sampling.problem()
+    if problem:
+        return problem
+    if req.target_output_len is not None and req.target_output_len < 1:
+        return f"output_len must be >= 1, got {req.target_output_len}"
+    if req.prompt_len >= sched.max_model_len:
+        return (
+            f"prompt has {req.prompt_len} tokens, model max_model_len is {sched.max_model_len} "
+            "(no room to generate)"
+        )
+    if req.prompt_len > sched.token_budget and not sched.cfg.chunked_prefill:
+        return (
+            f"prompt has {req.prompt_len} tokens, more than "
+            f"scheduler.max_num_batched_tokens={sched.token_budget}"
+        )
+    peak = req.prompt_len + req.max_output_len - 1
+    need = sched.allocator.admission_pages(peak, sched.reserve_tokens(req))
+    if need > sched.allocator.num_usable_pages:
+        return (
+            f"needs {need} KV pages at its maximum length, the cache has "
+            f"{sched.allocator.num_usable_pages} (cache.num_pages - 1)"
+        )
+    bad_id = token_outside_vocab(req, sched.vocab_size)
+    if bad_id is not None:
+        return (
+            f"request {req.request_id}: prompt token id {bad_id} is outside the vocabulary "
+            f"(model.vocab_size={sched.vocab_size})"
+        )
+    if sched.validate is not None:
+        return sched.validate(req)
+    return None
+
+
+def token_outside_vocab(req: Request, vocab: Optional[int]) -> Optional[int]:
+    """The first prompt id outside [0, vocab_size), or None. Seeded synthetic ids drawn
+    below the vocabulary are not materialized: a simulated trace never reads them."""
+    if vocab is None:
+        return None
+    if req.prompt_token_ids is None and req.synthetic_prompt is not None and req.synthetic_prompt[1] <= vocab:
+        return None
+    return next((t for t in req.prompt_ids() if not 0 <= t < vocab), None)
