@@ -43,11 +43,12 @@ def req(i, seq, ctx, n):
     return r
 
 
-def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages):
+def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages, matmul="xla"):
     reqs = [req(i, seqs[i], ctx, n) for i, (ctx, n) in enumerate(rows)]
     plan = Schedule(num_slots=NUM_ROWS, prefills=reqs, page_tables={r.request_id: pages[int(r.request_id)] for r in reqs},
                     page_size=PAGE_SIZE)  # fmt: skip
-    greedy, logits, cache = model_step(weights, cache, to_device(packer.pack(plan)), graphdef=graphdef, attention=attention)
+    batch = to_device(packer.pack(plan))
+    greedy, logits, cache = model_step(weights, cache, batch, graphdef=graphdef, attention=attention, matmul=matmul)
     logits = np.asarray(logits)
     assert logits.shape == (NUM_ROWS, weights[0]["embed_tokens"][...].shape[0]) and np.asarray(greedy).shape == (NUM_ROWS,)
     np.testing.assert_array_equal(np.asarray(greedy)[: len(rows)], np.argmax(logits[: len(rows)], axis=-1))
@@ -55,13 +56,17 @@ def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages):
 
 
 # The XLA formulation over GQA groups 1, 2 and 4 (and with its native decode pass at 2 and 1);
-# the Pallas kernel (interpreted on CPU, so
-# slow to compile) at group 4, its own tests cover groups 1, 2 and 4 against the reference.
+# the Pallas kernel (interpreted on CPU, so slow to compile) at group 4, its own tests cover
+# groups 1, 2 and 4 against the reference. The native matmul at groups 2 and 1, the second with
+# every bias and a tied LM head (which stays on XLA's dot).
 @pytest.mark.parametrize(
-    "attention, num_kv_heads", [("ragged", 4), ("ragged", 2), ("ragged", 1), ("native", 2), ("native", 1), ("pallas", 1)]
-)
-def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads):
-    cfg = ModelConfig(num_heads=4, num_kv_heads=num_kv_heads, max_model_len=32)
+    "attention, num_kv_heads, matmul, extras",
+    [("ragged", 4, "xla", False), ("ragged", 2, "xla", False), ("ragged", 1, "xla", False),
+     ("native", 2, "native", False), ("native", 1, "native", True), ("pallas", 1, "xla", False)],
+)  # fmt: skip
+def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads, matmul, extras):
+    more = dict(attention_bias=True, o_proj_bias=True, mlp_bias=True, tie_embeddings=True) if extras else {}
+    cfg = ModelConfig(num_heads=4, num_kv_heads=num_kv_heads, max_model_len=32, **more)
     model = Llama(cfg, seed=1)
     graphdef, weights = split_model(model.fused())
     dense_def, dense_state = nnx.split(model)
@@ -84,11 +89,11 @@ def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads):
         packer = BatchPacker(shapes, tiles=attention in ("ragged", "native"))
         if any(ctx for ctx, _ in second):  # cache the context the second step continues from (checked too)
             first = [(0, ctx or 1) for ctx, _ in second]
-            got, cache = run_step(weights, graphdef, attention, packer, cache, first, seqs, pages)
+            got, cache = run_step(weights, graphdef, attention, packer, cache, first, seqs, pages, matmul)
             for i, (ctx, n) in enumerate(first):
                 want = dense_last(seqs[i][: ctx + n])
                 np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5, err_msg=f"{name} setup row {i}")
-        got, cache = run_step(weights, graphdef, attention, packer, cache, second, seqs, pages)
+        got, cache = run_step(weights, graphdef, attention, packer, cache, second, seqs, pages, matmul)
         for i, (ctx, n) in enumerate(second):
             want = dense_last(seqs[i][: ctx + n])
             np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5, err_msg=f"{name} row {i} ({ctx}+{n})")

@@ -24,7 +24,7 @@ from cbjax.config.workload import (
 )  # fmt: skip
 
 __all__ = [
-    "PREDICTORS", "PREEMPTION_MODES", "EXECUTORS", "ATTENTION_IMPLS", "ARRIVALS", "LENGTH_DISTS", "TRUNCATIONS",
+    "PREDICTORS", "PREEMPTION_MODES", "EXECUTORS", "ATTENTION_IMPLS", "MATMUL_IMPLS", "ARRIVALS", "LENGTH_DISTS", "TRUNCATIONS",
     "WORKLOADS", "DTYPES", "MLP_KINDS", "LOGGERS", "WANDB_MODES", "policy_names", "allocation_names",
     "cost_model_names", "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig",
     "ClientConfig", "WorkloadConfig", "ModelConfig", "HardwareConfig", "ExperimentConfig", "ServiceWeights",
@@ -35,6 +35,7 @@ PREDICTORS = ("oracle", "mean", "learned")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
 ATTENTION_IMPLS = ("auto", "native", "pallas", "ragged", "reference", "triton")
+MATMUL_IMPLS = ("auto", "native", "xla")
 
 
 # Choice lists that have a registry are read from it, so a registered addition is selectable.
@@ -204,6 +205,10 @@ class ExecutorConfig:
     # whose work follows the pages each token reads, with its decode pass as a C++ custom call)
     # when the C++ kernel builds, else `ragged`. reference: the plain-jnp oracle.
     attention: str = "auto"
+    # The step's weight matmuls. auto: `native` (a C++ kernel reading each layer's weights in
+    # place from the stacked layers; several times XLA's speed at a decode step's few rows) on
+    # CPU for a float32 model on one device when the kernel builds, else `xla` (jnp.tensordot).
+    matmul: str = "auto"
     # Token counts the one-forward step is compiled for (a step's flat buffer is padded up to
     # one). None: 1, 2, 4, 8, steps of ~sqrt(2) up to max_num_seqs, then doubling up to the
     # largest step, min(max_num_batched_tokens, max_num_seqs * max_model_len).
@@ -219,6 +224,7 @@ class ExecutorConfig:
         if self.name == "sim" and self.cost_model == "profiled":
             _require(bool(self.profile), "executor.profile", "is required by cost_model=profiled (a profile.json)", self.profile)
         _one_of("executor.attention", self.attention, ATTENTION_IMPLS)
+        _one_of("executor.matmul", self.matmul, MATMUL_IMPLS)
         if self.token_buckets is not None:
             _require(
                 len(self.token_buckets) > 0 and all(int(b) >= 1 for b in self.token_buckets),

@@ -15,7 +15,7 @@ import sys
 
 import jax
 
-from cbjax.config import ATTENTION_IMPLS
+from cbjax.config import ATTENTION_IMPLS, MATMUL_IMPLS
 from cbjax.kernels.metadata import AttentionFn
 
 
@@ -45,6 +45,32 @@ def resolve_attention(impl: str = "auto", backend: str | None = None) -> str:
             return "ragged"
         return "native"
     return impl
+
+
+def resolve_matmul(impl: str = "auto", dtype: str = "float32", sharded: bool = False, backend: str | None = None) -> str:
+    """What `executor.matmul=impl` runs as: auto -> native on CPU for a float32 model on one
+    device when the C++ kernels build, else xla. An explicit native outside that raises."""
+    backend = backend or jax.default_backend()
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"executor.matmul: unknown value {impl!r}; choose one of {', '.join(MATMUL_IMPLS)}")
+    if impl == "xla":
+        return impl
+    why = None
+    if backend != "cpu":
+        why = f"it is a CPU kernel (backend {backend})"
+    elif dtype != "float32":
+        why = f"it multiplies float32 only (model.dtype={dtype})"
+    elif sharded:
+        why = "it runs on one device (executor.mesh.tensor > 1 or several processes)"
+    else:
+        why = native_kernel_error()
+    if why is None:
+        return "native"
+    if impl == "native":
+        raise ValueError(f"executor.matmul=native: {why}; use auto or xla")
+    if backend == "cpu" and dtype == "float32" and not sharded:  # auto lost the kernel it would pick: say why
+        _warn_once(f"cbjax: executor.matmul=auto runs `xla` on this CPU: {why}")
+    return "xla"
 
 
 def native_kernel_error() -> str | None:

@@ -41,7 +41,7 @@ the same shapes reuses the compiled program.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,10 @@ kv_cache_axes = (None, "kv_heads", None, None, "head_dim")
 MASK_VALUE = -1e30
 
 Axes = tuple[Optional[str], ...]
+# matmul(x, kernel, num_in) -> x's last num_in axes contracted with the kernel's first, in
+# place of jnp.tensordot: the serving step passes one that reads the kernel as a layer of
+# the stacked weights (see cbjax.runtime.step); None everywhere else.
+Matmul = Callable[[jax.Array, jax.Array, int], jax.Array]
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -126,8 +130,9 @@ class Dense(nnx.Module):
         self.bias = bias  # [*out] or None
         self.num_in = num_in
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.tensordot(x, self.kernel[...], axes=self.num_in)
+    def __call__(self, x: jax.Array, matmul: Optional[Matmul] = None) -> jax.Array:
+        w = self.kernel[...]
+        y = jnp.tensordot(x, w, axes=self.num_in) if matmul is None else matmul(x, w, self.num_in)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -172,29 +177,31 @@ class DecoderLayer(nnx.Module):
         self.gate_up_proj = nnx.data(None)
         self.down_proj = dense((ffn, d), ("mlp", "embed"), cfg.mlp_bias)
 
-    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(
+        self, x: jax.Array, positions: jax.Array, matmul: Optional[Matmul] = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [..., d_model], positions i32[...] -> q [..., num_heads, head_dim], k and v
         [..., num_kv_heads, head_dim], RoPE applied to q and k."""
         h = self.input_layernorm(x)
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(h)  # [..., num_kv_heads, group + 2, head_dim]
+            qkv = self.qkv_proj(h, matmul)  # [..., num_kv_heads, group + 2, head_dim]
             group = self.num_heads // self.num_kv_heads
             q = qkv[..., :group, :].reshape(*x.shape[:-1], self.num_heads, self.head_dim)
             k, v = qkv[..., group, :], qkv[..., group + 1, :]
         else:
-            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+            q, k, v = self.q_proj(h, matmul), self.k_proj(h, matmul), self.v_proj(h, matmul)
         return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
 
-    def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+    def finish(self, x: jax.Array, attn: jax.Array, matmul: Optional[Matmul] = None) -> jax.Array:
         """Residual o_proj of attn [..., num_heads, head_dim], then the residual SwiGLU block."""
-        x = x + self.o_proj(attn.astype(x.dtype))
+        x = x + self.o_proj(attn.astype(x.dtype), matmul)
         h = self.post_attention_layernorm(x)
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(h)  # [..., 2, ffn_dim]
+            gate_up = self.gate_up_proj(h, matmul)  # [..., 2, ffn_dim]
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
         else:
-            gate, up = self.gate_proj(h), self.up_proj(h)
-        return x + self.down_proj(jax.nn.silu(gate) * up)
+            gate, up = self.gate_proj(h, matmul), self.up_proj(h, matmul)
+        return x + self.down_proj(jax.nn.silu(gate) * up, matmul)
 
     def fuse(self) -> None:
         """In place: q/k/v become one matmul, and gate/up another (same numbers).
@@ -252,9 +259,12 @@ class Llama(nnx.Module):
         """tokens i32[...] -> x [..., d_model]."""
         return self.embed_tokens[...][tokens]
 
-    def logits(self, x: jax.Array) -> jax.Array:
-        """Final norm and LM head: x [..., d_model] -> f32[..., vocab_size]."""
+    def logits(self, x: jax.Array, matmul: Optional[Matmul] = None) -> jax.Array:
+        """Final norm and LM head: x [..., d_model] -> f32[..., vocab_size]. `matmul` runs an
+        untied LM head (a tied one contracts the embedding table's last axis: XLA's dot)."""
         h = self.norm(x)
+        if self.lm_head is not None and matmul is not None:
+            return matmul(h, self.lm_head[...], 1).astype(jnp.float32)
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.dot(h, w, preferred_element_type=jnp.float32)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.kernels.metadata import AttentionMetadata
-from cbjax.kernels.registry import GROUPED, resolve_attention
+from cbjax.kernels.registry import GROUPED, resolve_attention, resolve_matmul
 from cbjax.kernels.xla_ragged import RaggedWork, Tiles
 from cbjax.model.llama import Llama
 from cbjax.plan import Schedule, StepOutput
@@ -92,6 +92,8 @@ class JaxExecutor:
         self.model_cfg = model
         self.cache_dir = enable_compilation_cache(cfg.compilation_cache_dir)
         self.attention = resolve_attention(cfg.attention)
+        sharded = cfg.mesh.tensor > 1 or jax.process_count() > 1
+        self.matmul = resolve_matmul(cfg.matmul, model.dtype, sharded)
         self.shapes = plan_shapes(
             scheduler.max_num_seqs, model.max_model_len, cache.page_size, scheduler.max_num_batched_tokens,
             cfg.token_buckets,
@@ -160,8 +162,9 @@ class JaxExecutor:
             greedy, logits, self.cache = self.tp.step(self.graphdef, self.attention)(self.weights, self.cache, device_batch)
         else:
             greedy, logits, self.cache = model_step(
-                self.weights, self.cache, device_batch, graphdef=self.graphdef, attention=self.attention
-            )
+                self.weights, self.cache, device_batch, graphdef=self.graphdef, attention=self.attention,
+                matmul=self.matmul,
+            )  # fmt: skip
         self.num_step_calls += 1
         if batch.sampling[0].any():  # a row with temperature > 0
             self.num_sampler_calls += 1
@@ -173,7 +176,7 @@ class JaxExecutor:
         (and stored there). The program cache is for single-device weights only."""
         devices = {d for x in jax.tree.leaves(self.weights) for d in x.devices()}
         directory = self.cache_dir if len(devices) == 1 else None
-        key = programs.program_key(self.graphdef, self.attention, args) if directory else ""
+        key = programs.program_key(self.graphdef, self.attention, args, self.matmul) if directory else ""
         compiled = programs.load(directory, key, next(iter(devices)))
         if compiled is not None:
             with self._count_lock:
@@ -182,7 +185,7 @@ class JaxExecutor:
         if self.tp is not None:
             lowered = self.tp.step(self.graphdef, self.attention).lower(*args)
         else:
-            lowered = model_step.lower(*args, graphdef=self.graphdef, attention=self.attention)
+            lowered = model_step.lower(*args, graphdef=self.graphdef, attention=self.attention, matmul=self.matmul)
         hits = thread_cache_hits()
         compiled = lowered.compile()
         # A program jax loaded from its own persistent cache serializes without its kernels on
@@ -216,7 +219,7 @@ class JaxExecutor:
             args = (self.weights, self.cache, batch)
             leaves, treedef = jax.tree.flatten(args)
             mesh = None if self.tp is None else self.tp.mesh
-            key = (self.graphdef, self.attention, mesh, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
+            key = (self.graphdef, self.attention, self.matmul, mesh, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
             if key not in _COMPILED:  # like jit's own cache: same static arguments and shapes, same program
                 _COMPILED[key] = self._load_or_compile(args)
             return bucket, _COMPILED[key]
@@ -293,6 +296,7 @@ class JaxExecutor:
             "device_calls_per_iteration": self.num_step_calls / self.num_steps if self.num_steps else 0.0,
             "sampler_calls": self.num_sampler_calls,
             "attention": self.attention,
+            "matmul": self.matmul,
             "token_buckets": list(self.shapes.token_buckets),
             "bucket_calls": {str(b): n for b, n in sorted(self.bucket_calls.items())},
             "mixed_iterations": self.mixed_iterations,

@@ -50,14 +50,14 @@ def source_digest(root: Path = ROOT) -> str:
     return h.hexdigest()
 
 
-def program_key(graphdef, attention: str, args) -> str:
+def program_key(graphdef, attention: str, args, matmul: str = "xla") -> str:
     """The cache key of `model_step` compiled for `args` (weights, cache, batch)."""
     leaves, treedef = jax.tree.flatten(args)
     devices = jax.devices()
     parts = [
         source_digest(), jax.__version__, _version("jaxlib"),
         devices[0].platform, str(sorted({d.device_kind for d in devices})), str(len(devices)),
-        os.environ.get("XLA_FLAGS", ""), repr(graphdef), attention, str(treedef),
+        os.environ.get("XLA_FLAGS", ""), repr(graphdef), attention, matmul, str(treedef),
         str([(x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]),
     ]  # fmt: skip
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()

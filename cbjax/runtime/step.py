@@ -1,6 +1,6 @@
 """The one jitted model step per iteration: every scheduled token of the plan in one forward.
 
-    greedy, logits, cache = model_step(weights, cache, batch, graphdef=graphdef, attention=name)
+    greedy, logits, cache = model_step(weights, cache, batch, graphdef=graphdef, attention=name, matmul=mm)
 
 The jit boundary is here, defined once: the model's weights and the batch are traced
 arguments, the graph definitions and the attention backend's name are static, and the cache
@@ -81,15 +81,31 @@ def split_model(model) -> tuple[tuple, tuple]:
 LAYER_INDEXED = ("ragged", "native", "reference")
 
 
-def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str, mesh=None):
+def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str, mesh=None, matmul: str = "xla"):
     """The step's body, unjitted: `model_step` jits it for one device, `cbjax.runtime.mesh`
-    with explicit shardings for a tensor-parallel `mesh` (attention then runs per shard)."""
+    with explicit shardings for a tensor-parallel `mesh` (attention then runs per shard).
+
+    matmul="native" (a resolved `executor.matmul`, one device, f32): the layers' weight
+    matrices stay out of the scan's sliced inputs, and the native kernel multiplies by layer
+    `i` of the stacked matrix in place (XLA would copy each layer's weights out of the stack
+    first); the untied LM head runs on it too. "xla": jnp.tensordot on the scan's slices."""
     check_batch(batch)
     outer_def, layer_def = graphdef
     outer_state, layer_states = weights
     model = nnx.merge(outer_def, outer_state)
     attn_fn = attention_op(attention)
     num_layers = cache.k.shape[0]
+    if matmul == "native":
+        from cbjax.kernels import native
+
+        # the kernels [num_layers, ...] are read whole by every layer; the rest is sliced
+        stacked, layer_states = nnx.split_state(layer_states, nnx.PathContains("kernel"), ...)
+        extra = (stacked,)
+        head_mm = lambda x, w, num_in: native.layer_matmul(x, w[None], 0, num_in)  # noqa: E731
+    elif matmul == "xla":
+        extra, head_mm = (), None
+    else:
+        raise ValueError(f"model_step: matmul must be a resolved 'native' or 'xla', got {matmul!r}")
 
     def attend(q, k, v, k_pages, v_pages, md, write_idx, layer_idx):
         k_pages = write_layer(k_pages, layer_idx, write_idx, k)
@@ -108,10 +124,13 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     def layer_step(carry, xs):
         x, k_pages, v_pages = carry
         layer_state, layer_idx = xs
-        layer = nnx.merge(layer_def, layer_state)
-        q, k, v = layer.qkv(x, batch.positions)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
+        layer = nnx.merge(layer_def, layer_state, *extra)
+        mm = None
+        if extra:
+            mm = lambda x, w, num_in: native.layer_matmul(x, w, layer_idx, num_in)  # noqa: E731
+        q, k, v = layer.qkv(x, batch.positions, mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
         attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, batch.md, batch.write_idx, layer_idx)
-        x = layer.finish(x, attn)
+        x = layer.finish(x, attn, mm)
         return (x, k_pages, v_pages), None
 
     x = model.embed(batch.tokens)  # [T, d_model]
@@ -123,7 +142,7 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     # outputs keep their [R] and [R, vocab] shapes, zeros past T (idle rows, never read).
     num_rows = batch.logits_idx.shape[0]
     live = min(num_rows, batch.tokens.shape[0])
-    logits = model.logits(x[batch.logits_idx[:live]])  # f32[live, vocab_size]
+    logits = model.logits(x[batch.logits_idx[:live]], head_mm)  # f32[live, vocab_size]
     greedy = _mark_non_finite(logits, first_argmax(logits))
     if live < num_rows:
         greedy = jnp.pad(greedy, (0, num_rows - live))
@@ -149,7 +168,7 @@ def step_compiler_options(backend: str | None = None) -> dict | None:
 @functools.cache
 def _jitted_step(backend: str):
     return jax.jit(
-        step_fn, static_argnames=("graphdef", "attention", "mesh"), donate_argnames=("cache",),
+        step_fn, static_argnames=("graphdef", "attention", "mesh", "matmul"), donate_argnames=("cache",),
         compiler_options=step_compiler_options(backend),
     )  # fmt: skip
 

@@ -1,0 +1,162 @@
+// Few-row f32 matmuls on the CPU, reading one layer of stacked weights in place: an XLA FFI
+// custom call.
+//
+// cbjax.kernels.native builds this file beside native_decode.cc and registers it as the custom
+// call target "cbjax_layer_matmul". A decode step multiplies a handful of token rows by every
+// weight matrix; XLA:CPU spends 50-100 us on each such dot whatever its size (13-60 GFLOP/s
+// at 4 rows), and inside the step's layer scan it first copies the layer's weights out of the
+// stack. Here each output tile keeps its rows x columns in registers over the whole
+// contraction, so the weights stream once per row tile, straight from the stack.
+//
+// Inputs (row-major):
+//   x      f32[rows, k]
+//   w      f32[layers, k, n]   (layers may be 1: an unstacked matrix)
+//   layer  s32[]               which layer of w; clipped to [0, layers)
+// Output:
+//   y      f32[rows, n]        x @ w[layer]
+//
+// Sums run over k in order for each output, one fused multiply-add at a time, so a row's
+// result does not depend on the other rows or on the thread split. Column tiles are split over
+// XLA's intra-op thread pool, this thread included, when the product is large enough.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
+inline Vec Splat(float s) { return Vec{} + s; }
+
+struct Args {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t rows, k, n;
+};
+
+// y[r0 : r0 + R, c0 : c0 + V * kLanes] with R x V vector accumulators.
+template <int R, int V>
+inline void Tile(const Args& a, int64_t r0, int64_t c0) {
+  Vec acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < V; ++j) acc[i][j] = Vec{};
+  const float* x = a.x + r0 * a.k;
+  const float* w = a.w + c0;
+  for (int64_t kk = 0; kk < a.k; ++kk) {
+    Vec b[V];
+    for (int j = 0; j < V; ++j) b[j] = Load(w + kk * a.n + j * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const Vec s = Splat(x[i * a.k + kk]);
+      for (int j = 0; j < V; ++j) acc[i][j] += s * b[j];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < V; ++j) Store(a.y + (r0 + i) * a.n + c0 + j * kLanes, acc[i][j]);
+}
+
+// Columns [c0, c1) whose width is a multiple of V * kLanes, all rows.
+template <int V>
+void Columns(const Args& a, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; c += V * kLanes) {
+    int64_t r = 0;
+    for (; r + 6 <= a.rows; r += 6) Tile<6, V>(a, r, c);
+    switch (a.rows - r) {
+      case 5: Tile<5, V>(a, r, c); break;
+      case 4: Tile<4, V>(a, r, c); break;
+      case 3: Tile<3, V>(a, r, c); break;
+      case 2: Tile<2, V>(a, r, c); break;
+      case 1: Tile<1, V>(a, r, c); break;
+      default: break;
+    }
+  }
+}
+
+// The last n % kLanes columns, scalar.
+void Ragged(const Args& a, int64_t c0) {
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t c = c0; c < a.n; ++c) {
+      float acc = 0.0f;
+      for (int64_t kk = 0; kk < a.k; ++kk) acc += a.x[r * a.k + kk] * a.w[kk * a.n + c];
+      a.y[r * a.n + c] = acc;
+    }
+}
+
+constexpr int64_t kWide = 4 * kLanes;  // the column tile of the main loop
+
+// Column chunk `c` of `chunks`: whole wide tiles, the last chunk taking the narrow remainder.
+void Chunk(const Args& a, int64_t c, int64_t chunks) {
+  const int64_t tiles = a.n / kWide;
+  const int64_t begin = tiles * c / chunks * kWide, end = tiles * (c + 1) / chunks * kWide;
+  Columns<4>(a, begin, end);
+  if (c == chunks - 1) {
+    const int64_t narrow_end = a.n / kLanes * kLanes;
+    Columns<1>(a, end, narrow_end);
+    Ragged(a, narrow_end);
+  }
+}
+
+ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("cbjax_layer_matmul: x must be [rows, k] and w [layers, k, n]");
+  }
+  const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
+  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2], y->typed_data(), xd[0], xd[1], wd[2]};
+  const int64_t tiles = a.n / kWide;
+  // Threads pay off once a share is worth more than handing it over (a few microseconds).
+  const int64_t flops = 2 * a.rows * a.k * a.n;
+  const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), tiles, flops / 400000});
+  if (threads <= 1) {
+    Chunk(a, 0, 1);
+    return ffi::Error::Success();
+  }
+  // As in native_decode.cc: workers claim chunks; this thread is one of them and waits only for
+  // chunks already claimed; the state is shared with tasks that may start after this returns.
+  struct Shared {
+    Args a;
+    int64_t chunks;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->a = a;
+  shared->chunks = std::min<int64_t>(tiles, threads * 2);
+  auto worker = [shared] {
+    Shared& st = *shared;
+    for (int64_t c; (c = st.next.fetch_add(1, std::memory_order_relaxed)) < st.chunks;) {
+      Chunk(st.a, c, st.chunks);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker] { worker(); });
+  worker();
+  while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmul, LayerMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y

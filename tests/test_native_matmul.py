@@ -1,0 +1,95 @@
+"""The native few-row matmul (`executor.matmul=native`) against float64 numpy, and how it is chosen."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cbjax.config import ExecutorConfig
+from cbjax.kernels import native
+from cbjax.kernels.registry import resolve_matmul
+
+# (rows, k, n): one row to more than a row tile (6); n covering the wide column tiles (4 vectors),
+# single vectors and a scalar remainder on AVX2 (8 lanes) and AVX-512 (16 lanes) alike; one
+# product large enough to be split over threads.
+SHAPES = [(1, 3, 5), (4, 64, 128), (7, 33, 80), (13, 16, 200), (32, 256, 517)]
+
+
+def _draw(rng, *shape):
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+@pytest.mark.parametrize("rows, k, n", SHAPES)
+def test_layer_matmul_equals_float64_numpy_for_the_chosen_layer(rows, k, n):
+    rng = np.random.default_rng(rows * 1000 + n)
+    x, w = _draw(rng, rows, k), _draw(rng, 3, k, n)
+    fn = jax.jit(native.layer_matmul)
+    for layer in (0, 2):
+        got = np.asarray(fn(jnp.asarray(x), jnp.asarray(w), jnp.int32(layer)))
+        want = x.astype(np.float64) @ w[layer].astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"layer {layer}")
+
+
+def test_layer_index_is_clipped_and_several_axes_contract():
+    rng = np.random.default_rng(0)
+    x, w = _draw(rng, 2, 5, 4, 3), _draw(rng, 2, 4, 3, 6, 7)  # x [2, 5, 4, 3] contracts [4, 3] of w's layers
+    got = np.asarray(native.layer_matmul(jnp.asarray(x), jnp.asarray(w), 9, num_in=2))
+    want = np.tensordot(x.astype(np.float64), w[1].astype(np.float64), axes=2)  # layer 9 -> the last, 1
+    assert got.shape == (2, 5, 6, 7)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    got = np.asarray(native.layer_matmul(jnp.asarray(x), jnp.asarray(w), -4, num_in=2))
+    np.testing.assert_allclose(got, np.tensordot(x.astype(np.float64), w[0].astype(np.float64), axes=2), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_is_the_same_alone_and_in_a_threaded_batch():
+    # 32 x 256 x 517 is split over threads; each output still sums over k in order
+    rng = np.random.default_rng(1)
+    x, w = jnp.asarray(_draw(rng, 32, 256)), jnp.asarray(_draw(rng, 1, 256, 517))
+    batch = np.asarray(native.layer_matmul(x, w))
+    for r in (0, 5, 31):
+        np.testing.assert_array_equal(np.asarray(native.layer_matmul(x[r : r + 1], w))[0], batch[r])
+
+
+def test_layer_matmul_names_shapes_that_do_not_contract():
+    x, w = jnp.zeros((2, 8)), jnp.zeros((1, 6, 4))
+    with pytest.raises(ValueError, match=r"x float32\[2, 8\] does not contract with w float32\[1, 6, 4\]"):
+        native.layer_matmul(x, w)
+    with pytest.raises(ValueError, match="both float32"):
+        native.layer_matmul(jnp.zeros((2, 6), jnp.bfloat16), w)
+
+
+def test_auto_runs_native_only_where_it_applies_and_native_says_why_not():
+    assert native.ensure_registered() is None
+    assert resolve_matmul("auto", "float32", False, "cpu") == "native"
+    assert resolve_matmul("auto", "bfloat16", False, "cpu") == "xla"
+    assert resolve_matmul("auto", "float32", True, "cpu") == "xla"
+    assert resolve_matmul("auto", "float32", False, "gpu") == "xla"
+    assert resolve_matmul("xla", "float32", False, "cpu") == "xla"
+    with pytest.raises(ValueError, match="executor.matmul=native: it multiplies float32 only"):
+        resolve_matmul("native", "bfloat16", False, "cpu")
+    with pytest.raises(ValueError, match="executor.matmul=native: it runs on one device"):
+        resolve_matmul("native", "float32", True, "cpu")
+    with pytest.raises(ValueError, match="executor.matmul=native: it is a CPU kernel"):
+        resolve_matmul("native", "float32", False, "tpu")
+    with pytest.raises(ValueError, match="executor.matmul: unknown value 'blas'"):
+        resolve_matmul("blas")
+    with pytest.raises(ValueError, match="executor.matmul"):
+        ExecutorConfig(name="jax", matmul="blas")
+
+
+def test_without_a_compiler_auto_falls_back_to_xla_and_native_names_why(monkeypatch, tmp_path, capsys):
+    assert native.ensure_registered() is None  # registered once per process; kept for the tests after this one
+    saved = dict(native._state)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setenv("CBJAX_NATIVE_DIR", str(tmp_path))
+    native._state.clear()
+    try:
+        assert resolve_matmul("auto", "float32", False, "cpu") == "xla"
+        assert "executor.matmul=auto runs `xla` on this CPU" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="executor.matmul=native: .*no C\\+\\+ compiler found"):
+            resolve_matmul("native", "float32", False, "cpu")
+    finally:
+        native._state.clear()
+        native._state.update(saved)
