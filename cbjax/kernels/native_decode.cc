@@ -92,6 +92,13 @@ void AttendOne(const Args& a, int64_t h, int64_t g, float* scores, float* m, flo
     const int64_t flat = a.page_base[h] + page;
     const float* kp = a.k + flat * PS * D;
     const float* vp = a.v + flat * PS * D;
+    if (p + 1 < pages) {  // pages lie anywhere in the pool: fetch the next one while this one is read
+      const int64_t next = (a.page_base[h] + std::clamp<int64_t>(table[p + 1], 0, a.num_pages - 1)) * PS * D;
+      for (int64_t off = 0; off < PS * D; off += 16) {
+        __builtin_prefetch(a.k + next + off);
+        __builtin_prefetch(a.v + next + off);
+      }
+    }
     const int64_t n = std::min<int64_t>(PS, last + 1 - p * PS);  // keys of this page at or before `last`
     for (int64_t i = 0; i < G; ++i) {
       const float* qi = q + i * D;
