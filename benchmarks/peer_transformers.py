@@ -31,8 +31,8 @@ and an XLA matrix-vector product over `--stream-mb` MB, times cbjax's iteration 
 the fraction of it cbjax reached; and the f32 matmul peak (XLA, 1024^3) with cbjax's model
 FLOP/s (2 x non-embedding params x tokens processed + attention FLOPs, over its serving
 time) as a fraction of it, beside the same work over the time the model's matmuls alone take at
-the step shapes cbjax ran (`gemm_floor_s`): the highest fraction those shapes allow through
-XLA's GEMMs. `--profile` times every model-step call of one more (untimed)
+the step shapes cbjax ran (`gemm_floor_s`), through XLA's GEMMs and through cbjax's native
+kernel: the highest fraction those shapes allow with each. `--profile` times every model-step call of one more (untimed)
 cbjax run by token bucket: where cbjax's time goes.
 """
 
@@ -264,14 +264,16 @@ def matmul_gflop_s(n: int = 1024, repeats: int = 10) -> float:
     return 2 * n**3 / _median_time(lambda: mm(a, b).block_until_ready(), repeats) / 1e9
 
 
-def gemm_floor_s(model: ModelConfig, bucket_calls: dict[int, int], num_rows: int) -> dict[int, float]:
+def gemm_floor_s(model: ModelConfig, bucket_calls: dict[int, int], num_rows: int, matmul: str = "xla") -> dict[int, float]:
     """Seconds per call of the model's matmuls alone at each token bucket: per layer the fused
     q/k/v, o, fused gate/up and down projections on [bucket, ...] rows, then the LM head on the
-    first min(bucket, num_rows) rows (as the step runs it), each layer with weights of its own
-    (no slicing from a stack), in one jitted program per bucket; medians of repeated calls.
-    Summed over a run's bucket calls, it is the time XLA's GEMMs alone need for the step shapes
-    the run used, padding included."""
+    first min(bucket, num_rows) rows (as the step runs it), in one jitted program per bucket;
+    medians of repeated calls. matmul="xla": XLA's dots, each layer with weights of its own (no
+    slicing from a stack); "native": cbjax's kernel (`executor.matmul=native`) on the stacked
+    weights, as the step runs it. Summed over a run's bucket calls, it is the time those GEMMs
+    alone need for the step shapes the run used, padding included."""
     import jax
+    import jax.numpy as jnp
 
     d, q_dim, kv_dim, ffn = model.d_model, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, model.ffn_dim
     rng = np.random.default_rng(0)
@@ -282,13 +284,28 @@ def gemm_floor_s(model: ModelConfig, bucket_calls: dict[int, int], num_rows: int
     layers = [dict(qkv=w(d, q_dim + 2 * kv_dim), o=w(q_dim, d), gate_up=w(d, 2 * ffn), down=w(ffn, d))
               for _ in range(model.num_layers)]  # fmt: skip
     head = w(d, model.vocab_size)
+    if matmul == "native":
+        from cbjax.kernels.native import layer_matmul
 
-    @jax.jit
-    def gemms(x, layers, head):
-        for lw in layers:
-            x = x + (x @ lw["qkv"])[:, :q_dim] @ lw["o"]
-            x = x + (x @ lw["gate_up"])[:, :ffn] @ lw["down"]
-        return x[: min(x.shape[0], num_rows)] @ head
+        layers = {k: jnp.stack([lw[k] for lw in layers]) for k in layers[0]}  # [num_layers, in, out]
+        head = head[None]
+
+        @jax.jit
+        def gemms(x, stacked, head):
+            def body(x, i):
+                x = x + layer_matmul(layer_matmul(x, stacked["qkv"], i)[:, :q_dim], stacked["o"], i)
+                return x + layer_matmul(layer_matmul(x, stacked["gate_up"], i)[:, :ffn], stacked["down"], i), None
+
+            x, _ = jax.lax.scan(body, x, jnp.arange(model.num_layers))
+            return layer_matmul(x[: min(x.shape[0], num_rows)], head)
+    else:
+
+        @jax.jit
+        def gemms(x, layers, head):
+            for lw in layers:
+                x = x + (x @ lw["qkv"])[:, :q_dim] @ lw["o"]
+                x = x + (x @ lw["gate_up"])[:, :ffn] @ lw["down"]
+            return x[: min(x.shape[0], num_rows)] @ head
 
     out = {}
     for bucket in sorted(bucket_calls):
@@ -316,7 +333,7 @@ def model_counts(torch_model, model: ModelConfig, workload) -> dict[str, float]:
     }
 
 
-def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload, gemm_s) -> str:
+def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload, gemm_s, matmul) -> str:
     outputs = sum(o for _, o in workload)
     gb_s = max(bandwidth.values())
     step_s = counts["decode_weight_bytes"] / (gb_s * 1e9)
@@ -337,14 +354,18 @@ def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload
         f"attention ({counts['attn_share']:.0%}) = {counts['flops'] / 1e9:.1f} GFLOP in {cb_span_s:.2f} s = "
         f"{flop_s / 1e9:.1f} GFLOP/s, {flop_s / 1e9 / peak:.0%} of the matmul peak.",
     ]
-    floor_s = sum(n * gemm_s[b] for b, n in result.bucket_calls.items())
+    floors = {name: sum(n * per_call[b] for b, n in result.bucket_calls.items()) for name, per_call in gemm_s.items()}
     lines.append(
         f"  The GEMMs alone: this run's {sum(result.bucket_calls.values())} steps at their token buckets "
-        f"({', '.join(f'{b}: {n}' for b, n in sorted(result.bucket_calls.items()))} calls), as plain XLA matmuls with "
-        f"each layer's own weights, take {floor_s:.2f} s: the model work over that time is "
-        f"{counts['flops'] / floor_s / 1e9:.1f} GFLOP/s, {counts['flops'] / floor_s / 1e9 / peak:.0%} of the matmul peak, "
-        f"the most an engine running these step shapes through XLA's GEMMs can reach. cbjax spends the other "
-        f"{cb_span_s - floor_s:.2f} s of its {cb_span_s:.2f} s in attention, the layers' weight slices, norms, "
+        f"({', '.join(f'{b}: {n}' for b, n in sorted(result.bucket_calls.items()))} calls) take "
+        + "; ".join(
+            f"{s:.2f} s as {'plain XLA matmuls with each layer its own weights' if name == 'xla' else 'cbjax native matmuls on the stacked weights'} "
+            f"(the model work over that time: {counts['flops'] / s / 1e9:.1f} GFLOP/s, {counts['flops'] / s / 1e9 / peak:.0%} "
+            f"of the matmul peak)"
+            for name, s in floors.items()
+        )
+        + f": the most an engine running these step shapes through those GEMMs can reach. cbjax (executor.matmul="
+        f"{matmul}) spends the other {cb_span_s - floors[matmul]:.2f} s of its {cb_span_s:.2f} s in attention, norms, "
         f"host work and dispatch."
     )
     if result.stats.batched_tokens != counts["tokens"]:
@@ -401,7 +422,8 @@ def main() -> None:
     bandwidth = streaming_gb_s(args.stream_mb)
     peak = matmul_gflop_s()
     mid = sorted(range(len(spans)), key=spans.__getitem__)[len(spans) // 2]  # the median cbjax run
-    gemm_s = gemm_floor_s(model, results[mid].bucket_calls, args.slots)
+    kinds = ["xla"] + (["native"] if m["matmul"] == "native" else [])
+    gemm_s = {kind: gemm_floor_s(model, results[mid].bucket_calls, args.slots, kind) for kind in kinds}
 
     ref = outs["cbjax"]
     base = statistics.median(runs["transformers CB"])
@@ -433,7 +455,8 @@ def main() -> None:
           f"{m['warmup_s']:.1f} s for {m['compiled_programs']} programs; compiles after warmup "
           f"{m['compiles_after_warmup']}; step calls by bucket (all runs) {m['bucket_calls']}")  # fmt: skip
     counts = model_counts(torch_model, model, workload)
-    print("\n" + bounds_report(counts, bandwidth, peak, runs["cbjax"][mid], result.makespan_s, result, workload, gemm_s))
+    print("\n" + bounds_report(counts, bandwidth, peak, runs["cbjax"][mid], result.makespan_s, result, workload, gemm_s,
+                               m["matmul"]))  # fmt: skip
     if profile:
         print("\nWhere cbjax's time goes (one extra run, each model step timed to completion):\n" + profile)
 

@@ -52,6 +52,19 @@ def test_a_rows_result_is_the_same_alone_and_in_a_threaded_batch():
         np.testing.assert_array_equal(np.asarray(native.layer_matmul(x[r : r + 1], w))[0], batch[r])
 
 
+@pytest.mark.parametrize("rows, k, n", [(1, 3, 5), (4, 64, 130), (7, 33, 9), (32, 40, 4099)])
+def test_matmul_nt_equals_float64_numpy_and_is_the_same_alone_and_in_a_batch(rows, k, n):
+    # k: whole vectors and a tail; n: column tiles of 4 and a remainder; the last shape is threaded
+    rng = np.random.default_rng(rows + n)
+    x, w = _draw(rng, rows, k), _draw(rng, n, k)
+    got = np.asarray(native.matmul_nt(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    alone = np.asarray(native.matmul_nt(jnp.asarray(x[-1:]), jnp.asarray(w)))[0]
+    np.testing.assert_array_equal(alone, got[-1])
+    with pytest.raises(ValueError, match="on their last axes"):
+        native.matmul_nt(jnp.asarray(x), jnp.asarray(w[:, :-1]))
+
+
 def test_layer_matmul_names_shapes_that_do_not_contract():
     x, w = jnp.zeros((2, 8)), jnp.zeros((1, 6, 4))
     with pytest.raises(ValueError, match=r"x float32\[2, 8\] does not contract with w float32\[1, 6, 4\]"):

@@ -51,7 +51,7 @@ COMMON_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-fPIC"
 SOURCES = {
     "native_decode.cc": (("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"),
                          (("cbjax_single_groups", "CbjaxSingleGroups"),)),
-    "native_gemm.cc": ((), (("cbjax_layer_matmul", "CbjaxLayerMatmul"),)),
+    "native_gemm.cc": ((), (("cbjax_layer_matmul", "CbjaxLayerMatmul"), ("cbjax_matmul_nt", "CbjaxMatmulNT"))),
 }  # fmt: skip
 HERE = Path(__file__).parent
 
@@ -196,3 +196,18 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, num_in:
         x.reshape(rows, k), w.reshape(w.shape[0], k, n), jnp.asarray(layer, jnp.int32)
     )
     return y.reshape(*lead, *out_shape)
+
+
+def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., k] @ w.T -> f32[..., n] for w [n, k] (the tied LM head), w read in place. Each
+    output sums its lanes' residues of k in order, then the lanes in order: the same alone or in
+    a batch."""
+    error = ensure_registered()
+    if error is not None:
+        raise RuntimeError(f"executor.matmul=native: {error}")
+    if w.ndim != 2 or x.shape[-1] != w.shape[1] or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"matmul_nt: x {x.dtype}{list(x.shape)} does not contract with w {w.dtype}{list(w.shape)} "
+                         f"on their last axes (both float32)")  # fmt: skip
+    rows = int(np.prod(x.shape[:-1]))
+    out = jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("cbjax_matmul_nt", out)(x.reshape(rows, w.shape[1]), w).reshape(*x.shape[:-1], w.shape[0])

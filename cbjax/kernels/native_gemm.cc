@@ -15,6 +15,9 @@
 // Output:
 //   y      f32[rows, n]        x @ w[layer]
 //
+// "cbjax_matmul_nt" is x f32[rows, k] times w f32[n, k] transposed (the tied LM head: the
+// embedding table contracted on its last axis, read in place rather than transposed).
+//
 // Sums run over k in order for each output, one fused multiply-add at a time, so a row's
 // result does not depend on the other rows or on the thread split. Column tiles are split over
 // XLA's intra-op thread pool, this thread included, when the product is large enough.
@@ -43,6 +46,8 @@ inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
 inline Vec Splat(float s) { return Vec{} + s; }
 
+constexpr int64_t kPrefetch = 16;  // k rows of weights fetched ahead in Tile
+
 struct Args {
   const float* x;
   const float* w;
@@ -59,6 +64,10 @@ inline void Tile(const Args& a, int64_t r0, int64_t c0) {
   const float* x = a.x + r0 * a.k;
   const float* w = a.w + c0;
   for (int64_t kk = 0; kk < a.k; ++kk) {
+    // Consecutive k rows are n floats apart, a new 4 KB page each for wide matrices, where the
+    // hardware prefetcher stops: fetch kPrefetch rows ahead (weights streamed from memory).
+    if (kk + kPrefetch < a.k)
+      for (int j = 0; j < V; ++j) __builtin_prefetch(w + (kk + kPrefetch) * a.n + j * kLanes);
     Vec b[V];
     for (int j = 0; j < V; ++j) b[j] = Load(w + kk * a.n + j * kLanes);
     for (int i = 0; i < R; ++i) {
@@ -151,7 +160,98 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   return ffi::Error::Success();
 }
 
+// ---- x @ w^T: the tied LM head (the embedding table [n, k], contracted on its last axis) ----
+
+// y[r0 : r0 + R, c0 : c0 + C]: R x C vector accumulators over k, each lane summing its own
+// residue of k in order; then each sums its lanes in order and adds the k % kLanes tail.
+template <int R, int C>
+inline void TileNT(const Args& a, int64_t r0, int64_t c0) {
+  Vec acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) acc[i][j] = Vec{};
+  const int64_t body = a.k / kLanes * kLanes;
+  for (int64_t kk = 0; kk < body; kk += kLanes) {
+    Vec xv[R];
+    for (int i = 0; i < R; ++i) xv[i] = Load(a.x + (r0 + i) * a.k + kk);
+    for (int j = 0; j < C; ++j) {
+      const Vec wv = Load(a.w + (c0 + j) * a.k + kk);
+      for (int i = 0; i < R; ++i) acc[i][j] += xv[i] * wv;
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) {
+      float sum = 0.0f;
+      for (int l = 0; l < kLanes; ++l) sum += acc[i][j][l];
+      for (int64_t kk = body; kk < a.k; ++kk) sum += a.x[(r0 + i) * a.k + kk] * a.w[(c0 + j) * a.k + kk];
+      a.y[(r0 + i) * a.n + c0 + j] = sum;
+    }
+}
+
+template <int C>
+void RowsNT(const Args& a, int64_t c) {
+  int64_t r = 0;
+  for (; r + 4 <= a.rows; r += 4) TileNT<4, C>(a, r, c);
+  switch (a.rows - r) {
+    case 3: TileNT<3, C>(a, r, c); break;
+    case 2: TileNT<2, C>(a, r, c); break;
+    case 1: TileNT<1, C>(a, r, c); break;
+    default: break;
+  }
+}
+
+// Output columns [c0, c1), all rows.
+void ColumnsNT(const Args& a, int64_t c0, int64_t c1) {
+  int64_t c = c0;
+  for (; c + 4 <= c1; c += 4) RowsNT<4>(a, c);
+  for (; c < c1; ++c) RowsNT<1>(a, c);
+}
+
+ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("cbjax_matmul_nt: x must be [rows, k] and w [n, k]");
+  }
+  Args a{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]};
+  const int64_t flops = 2 * a.rows * a.k * a.n;
+  const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), a.n / 4, flops / 400000});
+  if (threads <= 1) {
+    ColumnsNT(a, 0, a.n);
+    return ffi::Error::Success();
+  }
+  struct Shared {
+    Args a;
+    int64_t chunks;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->a = a;
+  shared->chunks = std::min<int64_t>(a.n / 4, threads * 8);
+  auto worker = [shared] {
+    Shared& st = *shared;
+    const int64_t quads = st.a.n / 4;
+    for (int64_t c; (c = st.next.fetch_add(1, std::memory_order_relaxed)) < st.chunks;) {
+      const int64_t begin = quads * c / st.chunks * 4;
+      const int64_t end = c == st.chunks - 1 ? st.a.n : quads * (c + 1) / st.chunks * 4;
+      ColumnsNT(st.a, begin, end);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker] { worker(); });
+  worker();
+  while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxMatmulNT, MatmulNTImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [rows, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [n, k]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [rows, n]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmul, LayerMatmulImpl,
                               ffi::Ffi::Bind()

@@ -259,12 +259,17 @@ class Llama(nnx.Module):
         """tokens i32[...] -> x [..., d_model]."""
         return self.embed_tokens[...][tokens]
 
-    def logits(self, x: jax.Array, matmul: Optional[Matmul] = None) -> jax.Array:
+    def logits(
+        self, x: jax.Array, matmul: Optional[Matmul] = None, matmul_t: Optional[Callable] = None
+    ) -> jax.Array:
         """Final norm and LM head: x [..., d_model] -> f32[..., vocab_size]. `matmul` runs an
-        untied LM head (a tied one contracts the embedding table's last axis: XLA's dot)."""
+        untied LM head; `matmul_t(h, w)` a tied one, contracting the last axes of h and the
+        embedding table w [vocab_size, d_model] (no transposed copy)."""
         h = self.norm(x)
         if self.lm_head is not None and matmul is not None:
             return matmul(h, self.lm_head[...], 1).astype(jnp.float32)
+        if self.lm_head is None and matmul_t is not None:
+            return matmul_t(h, self.embed_tokens[...]).astype(jnp.float32)
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.dot(h, w, preferred_element_type=jnp.float32)
 

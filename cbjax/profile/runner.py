@@ -81,6 +81,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     )
     extra = {
         "attention": executor.attention,
+        "matmul": executor.matmul,
         "machine": {**machine(), "load_average_at_start": load_at_start, "others_cpu_share": others.share()},
         "serving": serving["runs"],
         "wake": wake,
