@@ -29,7 +29,7 @@ def metadata(case, block, chunk):
     return AttentionMetadata(*(jnp.asarray(case[f]) for f in FIELDS), work=work)
 
 
-# native: the single list as the C++ custom call (`cbjax.kernels.native`); it is built here (a
+# native: the single and block lists as the C++ custom calls (`cbjax.kernels.native`); it is built here (a
 # test machine has a compiler), so a failed build fails these cases instead of skipping them.
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("num_kv_heads, group", [(2, 1), (2, 2), (1, 4)])
@@ -67,6 +67,23 @@ def test_token_groups_match_the_oracle(native):
         got = np.asarray(ragged_attention_xla(q, k, v, md, pages_single=3, pages_block=3, native=native))
         np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5, err_msg=name)
         assert not np.abs(got[case["num_real_tokens"] :]).any(), f"{name}: padding tokens must give zeros"
+
+
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_native_vectorized_pages_match_the_oracle(page_size):
+    # The native block kernel's vectorized page routine runs when the page holds one or two
+    # vectors of keys (8 or 16 lanes: AVX2 or AVX-512) and head_dim is whole vectors; pages of 8
+    # and 16 with head_dim 32 take it on either machine (and the scalar loops on the other size).
+    rows = [(40, 20), (33, 1), (17, 17), (16, 9), (5, 5)]  # prefills crossing pages, a decode, boundaries
+    for num_kv_heads, group in ((2, 2), (1, 4)):
+        case = make_case(rows, num_kv_heads=num_kv_heads, group=group, head_dim=32, page_size=page_size,
+                         num_tokens=sum(n for _, n in rows) + 3, num_rows=len(rows) + 1, seed=page_size + group)  # fmt: skip
+        md = metadata(case, block=8, chunk=2)
+        assert md.work.block.q_idx.shape[0] > 0
+        q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
+        got = np.asarray(ragged_attention_xla(q, k, v, md, native=True))
+        np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5, err_msg=f"group {group}")
+        assert not np.abs(got[case["num_real_tokens"] :]).any()
 
 
 def test_bad_shapes_and_missing_tiles_name_the_problem():

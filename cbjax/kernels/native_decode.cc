@@ -1,7 +1,9 @@
-// Paged attention of single-token query groups on the CPU: an XLA FFI custom call.
+// Paged attention of the XLA ragged backend's query groups on the CPU: XLA FFI custom calls.
 //
 // cbjax.kernels.native builds this file with the system C++ compiler at first use and
-// registers it as the custom call target "cbjax_single_groups". It runs the single list of
+// registers it as the custom call targets "cbjax_single_groups" and "cbjax_block_groups"
+// (below: the block list, the same inputs with q_idx s32[capacity, block] and an output
+// [kv_heads, capacity, block, group, head_dim]). The first runs the single list of
 // the XLA ragged backend (cbjax.kernels.xla_ragged): each group is one query token, which
 // attends over its row's keys 0 .. its position, read in place from the paged cache (no
 // gather copies), with an online softmax per page. Keys past the position are never read,
@@ -70,6 +72,15 @@ inline float ExpNonPositive(float x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+inline Vec VLoad(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+inline void VStore(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
 
 // One (kv head, group) pair: `group` query heads over the row's keys.
 void AttendOne(const Args& a, int64_t h, int64_t g, float* scores, float* m, float* l) {
@@ -193,7 +204,277 @@ ffi::Error SingleGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   return ffi::Error::Success();
 }
 
+// ---- the block list: groups of up to `block` consecutive new tokens of one row ----
+
+struct BlockArgs {
+  const float* q;
+  const int32_t* pos;
+  const int32_t* q_idx;  // [capacity, block]
+  const int32_t* row;
+  const int32_t* page_table;
+  const float* k;
+  const float* v;
+  const int32_t* page_base;
+  float* out;  // [kv_heads, capacity, block, group, head_dim]
+  int64_t kv_heads, tokens1, group, head_dim, capacity, block, max_pages, page_size, num_pages;
+};
+
+// Scratch of one thread: a page's keys transposed [head_dim, page_size], the scores of one
+// query, and each query's running max and sum.
+struct BlockScratch {
+  std::vector<float> kt, s, m, l;
+  std::vector<int32_t> qpos;
+  explicit BlockScratch(const BlockArgs& a)
+      : kt(a.head_dim * a.page_size), s(a.page_size), m(a.block * a.group), l(a.block * a.group),
+        qpos(a.block) {}
+};
+
+// One page for query rows [r0, r0 + R) (R <= 4) of a block group, when the page holds NK * kLanes
+// keys and head_dim is ND * kLanes: the scores of R queries as R x NK vectors (the keys
+// transposed in kt), the softmax update, and o += p v with each row's ND output vectors in
+// registers. nb[i]: row i's keys on the page (a prefix); rows with none are skipped by the caller.
+template <int R, int NK, int ND>
+inline void PageRows(const float* const* q, const float* kt, const float* vp, const int64_t* nb, float* m, float* l,
+                     float* const* o) {
+  constexpr int PS = NK * kLanes, D = ND * kLanes;
+  Vec s[R][NK];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NK; ++c) s[i][c] = Vec{};
+  for (int d = 0; d < D; ++d) {
+    Vec k[NK];
+    for (int c = 0; c < NK; ++c) k[c] = VLoad(kt + d * PS + c * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const Vec qd = Vec{} + q[i][d];
+      for (int c = 0; c < NK; ++c) s[i][c] += qd * k[c];
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(64) float p[PS];
+    for (int c = 0; c < NK; ++c) VStore(p + c * kLanes, s[i][c]);
+    float page_max = -INFINITY;
+    for (int j = 0; j < nb[i]; ++j) page_max = std::max(page_max, p[j]);
+    const float m_new = std::max(m[i], page_max);
+    const float corr = m[i] == -INFINITY ? 0.0f : ExpNonPositive(m[i] - m_new);
+    float sum = 0.0f;
+    for (int j = 0; j < PS; ++j) {
+      const float e = ExpNonPositive(p[j] - m_new);
+      p[j] = j < nb[i] ? e : 0.0f;
+      sum += p[j];
+    }
+    l[i] = l[i] * corr + sum;
+    m[i] = m_new;
+    Vec acc[ND];
+    for (int c = 0; c < ND; ++c) acc[c] = VLoad(o[i] + c * kLanes) * corr;
+    for (int j = 0; j < nb[i]; ++j) {  // keys past nb may be unwritten (NaN): never read
+      const Vec pj = Vec{} + p[j];
+      for (int c = 0; c < ND; ++c) acc[c] += pj * VLoad(vp + j * D + c * kLanes);
+    }
+    for (int c = 0; c < ND; ++c) VStore(o[i] + c * kLanes, acc[c]);
+  }
+}
+
+using PageFn = void (*)(int, const float* const*, const float*, const float*, const int64_t*, float*, float*,
+                       float* const*);
+
+template <int NK, int ND>
+void PageAny(int rows, const float* const* q, const float* kt, const float* vp, const int64_t* nb, float* m, float* l,
+             float* const* o) {
+  switch (rows) {
+    case 4: PageRows<4, NK, ND>(q, kt, vp, nb, m, l, o); break;
+    case 3: PageRows<3, NK, ND>(q, kt, vp, nb, m, l, o); break;
+    case 2: PageRows<2, NK, ND>(q, kt, vp, nb, m, l, o); break;
+    default: PageRows<1, NK, ND>(q, kt, vp, nb, m, l, o); break;
+  }
+}
+
+// The vectorized page routine for this page size and head_dim, or nullptr (the scalar loops).
+PageFn FastPage(int64_t page_size, int64_t head_dim) {
+  if (page_size == kLanes) {
+    if (head_dim == kLanes) return PageAny<1, 1>;
+    if (head_dim == 2 * kLanes) return PageAny<1, 2>;
+    if (head_dim == 4 * kLanes) return PageAny<1, 4>;
+    if (head_dim == 8 * kLanes) return PageAny<1, 8>;
+  }
+  if (page_size == 2 * kLanes) {
+    if (head_dim == 2 * kLanes) return PageAny<2, 2>;
+    if (head_dim == 4 * kLanes) return PageAny<2, 4>;
+    if (head_dim == 8 * kLanes) return PageAny<2, 8>;
+    if (head_dim == 16 * kLanes) return PageAny<2, 16>;
+  }
+  return nullptr;
+}
+
+// One (kv head, group) pair: block x group query rows over the row's keys, each query causal
+// to its own position. Per page the keys are transposed once, so a query's scores are one
+// vector multiply-add per head dimension over the page's keys.
+void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
+  const int64_t B = a.block, G = a.group, D = a.head_dim, PS = a.page_size;
+  float* o = a.out + ((h * a.capacity + g) * B * G) * D;
+  std::fill(o, o + B * G * D, 0.0f);
+  int32_t last = -1;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t t = a.q_idx[g * B + b];
+    sc.qpos[b] = (t >= 0 && t < a.tokens1) ? a.pos[t] : -1;
+    last = std::max(last, sc.qpos[b]);
+  }
+  if (last < 0) return;  // a padding group
+  std::fill(sc.m.begin(), sc.m.end(), -INFINITY);
+  std::fill(sc.l.begin(), sc.l.end(), 0.0f);
+  const int32_t* table = a.page_table + static_cast<int64_t>(a.row[g]) * a.max_pages;
+  const int64_t pages = std::min<int64_t>(last / PS + 1, a.max_pages);
+  float* kt = sc.kt.data();
+  float* s = sc.s.data();
+  const PageFn fast = FastPage(PS, D);
+  for (int64_t p = 0; p < pages; ++p) {
+    const int64_t flat = a.page_base[h] + std::clamp<int64_t>(table[p], 0, a.num_pages - 1);
+    const float* kp = a.k + flat * PS * D;
+    const float* vp = a.v + flat * PS * D;
+    if (p + 1 < pages) {
+      const int64_t next = (a.page_base[h] + std::clamp<int64_t>(table[p + 1], 0, a.num_pages - 1)) * PS * D;
+      for (int64_t off = 0; off < PS * D; off += 16) {
+        __builtin_prefetch(a.k + next + off);
+        __builtin_prefetch(a.v + next + off);
+      }
+    }
+    const int64_t n = std::min<int64_t>(PS, last + 1 - p * PS);  // keys at or before the group's last position
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; ++d) kt[d * PS + j] = kp[j * D + d];
+    for (int64_t j = n; j < PS; ++j)
+      for (int64_t d = 0; d < D; ++d) kt[d * PS + j] = 0.0f;  // unwritten keys: finite scores, weight 0
+    if (fast != nullptr) {
+      // rows in tiles of 4 (query rows r = b * G + i), skipping rows with no key on this page
+      const float* qs[4];
+      float* os[4];
+      int64_t nbs[4], rs[4];
+      int t = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t nb = std::min<int64_t>(n, sc.qpos[b] + 1 - p * PS);
+        if (nb <= 0) continue;
+        for (int64_t i = 0; i < G; ++i) {
+          const int64_t r = b * G + i;
+          qs[t] = a.q + ((h * a.tokens1 + a.q_idx[g * B + b]) * G + i) * D;
+          os[t] = o + r * D;
+          nbs[t] = nb;
+          rs[t] = r;
+          if (++t == 4) {
+            float mt[4], lt[4];
+            for (int u = 0; u < 4; ++u) mt[u] = sc.m[rs[u]], lt[u] = sc.l[rs[u]];
+            fast(4, qs, kt, vp, nbs, mt, lt, os);
+            for (int u = 0; u < 4; ++u) sc.m[rs[u]] = mt[u], sc.l[rs[u]] = lt[u];
+            t = 0;
+          }
+        }
+      }
+      if (t > 0) {
+        float mt[4], lt[4];
+        for (int u = 0; u < t; ++u) mt[u] = sc.m[rs[u]], lt[u] = sc.l[rs[u]];
+        fast(t, qs, kt, vp, nbs, mt, lt, os);
+        for (int u = 0; u < t; ++u) sc.m[rs[u]] = mt[u], sc.l[rs[u]] = lt[u];
+      }
+      continue;
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t nb = std::min<int64_t>(n, sc.qpos[b] + 1 - p * PS);  // this query's keys on the page
+      if (nb <= 0) continue;
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t r = b * G + i;
+        const float* qr = a.q + ((h * a.tokens1 + a.q_idx[g * B + b]) * G + i) * D;
+        for (int64_t j = 0; j < PS; ++j) s[j] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qr[d];
+          const float* ktd = kt + d * PS;
+          for (int64_t j = 0; j < PS; ++j) s[j] += qd * ktd[j];
+        }
+        float page_max = -INFINITY;
+        for (int64_t j = 0; j < nb; ++j) page_max = std::max(page_max, s[j]);
+        const float m_new = std::max(sc.m[r], page_max);
+        const float corr = sc.m[r] == -INFINITY ? 0.0f : ExpNonPositive(sc.m[r] - m_new);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < nb; ++j) {
+          s[j] = ExpNonPositive(s[j] - m_new);
+          sum += s[j];
+        }
+        sc.l[r] = sc.l[r] * corr + sum;
+        sc.m[r] = m_new;
+        float* orow = o + r * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] *= corr;
+        for (int64_t j = 0; j < nb; ++j) {
+          const float pj = s[j];
+          const float* vj = vp + j * D;
+          for (int64_t d = 0; d < D; ++d) orow[d] += pj * vj[d];
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < B * G; ++r) {
+    const float inv = sc.l[r] > 0.0f ? 1.0f / sc.l[r] : 0.0f;
+    float* orow = o + r * D;
+    for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
+  }
+}
+
+ffi::Error BlockGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> pos,
+                           ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> row,
+                           ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_base, int64_t num_pages,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto id = q_idx.dimensions();
+  const auto td = page_table.dimensions();
+  const auto kd = k.dimensions();
+  if (qd.size() != 4 || id.size() != 2 || td.size() != 2 || kd.size() != 2) {
+    return ffi::Error::InvalidArgument("cbjax_block_groups: q must be 4-D, q_idx, page_table and k 2-D");
+  }
+  BlockArgs a{q.typed_data(), pos.typed_data(), q_idx.typed_data(), row.typed_data(), page_table.typed_data(),
+              k.typed_data(), v.typed_data(), page_base.typed_data(), out->typed_data(), qd[0], qd[1], qd[2],
+              qd[3], id[0], id[1], td[1], kd[1] / qd[3], num_pages};
+  const int64_t work = a.kv_heads * a.capacity;
+  const int64_t threads = work >= 2 ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 8)) : 1;
+  auto range = [](const BlockArgs& args, int64_t begin, int64_t end) {
+    BlockScratch sc(args);
+    for (int64_t w = begin; w < end; ++w) AttendBlock(args, w / args.capacity, w % args.capacity, sc);
+  };
+  if (threads <= 1) {
+    range(a, 0, work);
+    return ffi::Error::Success();
+  }
+  struct Shared {
+    BlockArgs a;
+    int64_t work, chunks;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->a = a;
+  shared->work = work;
+  shared->chunks = std::min<int64_t>(work, threads * 4);
+  auto worker = [shared, range] {
+    Shared& st = *shared;
+    for (int64_t c; (c = st.next.fetch_add(1, std::memory_order_relaxed)) < st.chunks;) {
+      range(st.a, st.work * c / st.chunks, st.work * (c + 1) / st.chunks);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker] { worker(); });
+  worker();
+  while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxBlockGroups, BlockGroupsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_idx [capacity, block]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_base
+                                  .Attr<int64_t>("num_pages")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxSingleGroups, SingleGroupsImpl,
                               ffi::Ffi::Bind()

@@ -136,7 +136,8 @@ def ragged_attention_xla(
     With `layer`, k_pages and v_pages are the whole cache [num_layers, num_kv_heads, ...] and
     each page is gathered from that layer directly (no copy of the layer's pool). `pages_*`:
     pages each group reads per inner loop step, in the single and block lists. `native`: the
-    single list runs as the C++ custom call of `cbjax.kernels.native` (CPU, an f32 cache)."""
+    single and block lists run as the C++ custom calls of `cbjax.kernels.native` (CPU, an f32
+    cache)."""
     check_shapes("ragged_attention_xla", q, *layer_view(k_pages, v_pages, layer), md)
     if not isinstance(md.work, RaggedWork):
         raise ValueError("ragged_attention_xla: md.work must hold the RaggedWork groups the packer builds")
@@ -162,11 +163,15 @@ def ragged_attention_xla(
     for tiles, step in ((md.work.single, pages_single), (md.work.block, pages_block)):
         if tiles.q_idx.shape[0] == 0:  # an empty list (no block list in a small step): no pass
             continue
-        if native and tiles is md.work.single and k_flat.dtype == jnp.float32:
-            from cbjax.kernels.native import single_groups
+        if native and k_flat.dtype == jnp.float32:
+            from cbjax.kernels import native as kernels
 
-            r = single_groups(q_ext * scale, pos_ext, tiles.q_idx.reshape(-1), tiles.row, md.page_table, k_flat,
-                              v_flat, page_base, num_pages)  # fmt: skip
+            if tiles is md.work.single:
+                r = kernels.single_groups(q_ext * scale, pos_ext, tiles.q_idx.reshape(-1), tiles.row, md.page_table,
+                                          k_flat, v_flat, page_base, num_pages)  # fmt: skip
+            else:
+                r = kernels.block_groups(q_ext * scale, pos_ext, tiles.q_idx, tiles.row, md.page_table, k_flat,
+                                         v_flat, page_base, num_pages)  # fmt: skip
         else:
             r = _group_pass(tiles, q_ext, pos_ext, md.page_table, k_flat, v_flat, page_base, num_pages, step, scale)
         res.append(r.reshape(num_kv_heads, -1, group, head_dim))
