@@ -25,14 +25,15 @@ run one after another within each repeat (cbjax, transformers CB, transformers s
 
 Prints medians and ranges over repeats of tokens/s, each system's ratio to transformers CB,
 the per-repeat paired ratios, and how many outputs are token-for-token identical to cbjax's.
-Then two bounds measured on this machine: the weight-streaming floor (f32 weight bytes read
+Then bounds measured on this machine: the weight-streaming floor (f32 weight bytes read
 per decode step at this machine's streaming bandwidth, the best of an XLA sum, a numpy sum
 and an XLA matrix-vector product over `--stream-mb` MB, times cbjax's iteration count) with
 the fraction of it cbjax reached; and the f32 matmul peak (XLA, 1024^3) with cbjax's model
 FLOP/s (2 x non-embedding params x tokens processed + attention FLOPs, over its serving
 time) as a fraction of it, beside the same work over the time the model's matmuls alone take at
 the step shapes cbjax ran (`gemm_floor_s`), through XLA's GEMMs and through cbjax's native
-kernel: the highest fraction those shapes allow with each. `--profile` times every model-step call of one more (untimed)
+kernel: the highest fraction those shapes allow with each; and with the KV bytes the decode
+tokens must read at the streaming bandwidth added, a bound on the fraction for this workload. `--profile` times every model-step call of one more (untimed)
 cbjax run by token bucket: where cbjax's time goes.
 """
 
@@ -323,7 +324,11 @@ def model_counts(torch_model, model: ModelConfig, workload) -> dict[str, float]:
     tokens = sum(len(p) + o - 1 for p, o in workload)
     contexts = sum((n := len(p) + o - 1) * (n + 1) // 2 for p, o in workload)  # sum of (pos + 1)
     attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim * contexts  # QK^T and PV
+    # each decode token (a request's output tokens but the last) reads its whole context's K and V
+    decode_contexts = sum(len(p) * (o - 1) + (o - 1) * o // 2 for p, o in workload)
+    kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
     return {
+        "decode_kv_bytes": kv_bytes_per_token * decode_contexts,
         "non_embed": non_embed,
         # a decode step reads every layer's weights and the whole output projection
         "decode_weight_bytes": 4 * (non_embed + embed),
@@ -367,6 +372,15 @@ def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload
         + f": the most an engine running these step shapes through those GEMMs can reach. cbjax (executor.matmul="
         f"{matmul}) spends the other {cb_span_s - floors[matmul]:.2f} s of its {cb_span_s:.2f} s in attention, norms, "
         f"host work and dispatch."
+    )
+    kv_s = counts["decode_kv_bytes"] / (gb_s * 1e9)
+    best = min(floors.values()) + kv_s
+    lines.append(
+        f"  Attention's KV reads: each decode token reads its whole context's f32 K and V, "
+        f"{counts['decode_kv_bytes'] / 1e9:.2f} GB over the run, at least {kv_s:.3f} s at {gb_s:.1f} GB/s (the cache is "
+        f"larger than the CPU's caches). The faster GEMM floor plus these reads, {best:.2f} s, bounds this workload at "
+        f"{counts['flops'] / best / 1e9:.1f} GFLOP/s, {counts['flops'] / best / 1e9 / peak:.0%} of the matmul peak, with "
+        f"norms, host work and dispatch at zero."
     )
     if result.stats.batched_tokens != counts["tokens"]:
         lines.append(f"  note: cbjax scheduled {result.stats.batched_tokens} tokens, not {counts['tokens']} "
