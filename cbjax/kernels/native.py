@@ -103,12 +103,17 @@ def _build(cxx: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as objects:
         cmds = [[cxx, *COMMON_FLAGS, *flags, f"-I{jax.ffi.include_dir()}", "-c", str(HERE / name),
                  "-o", str(Path(objects) / f"{name}.o")] for name, (flags, _) in SOURCES.items()]  # fmt: skip
-        cmds.append([cxx, "-shared", *(c[-1] for c in cmds), "-o", tmp])
-        for cmd in cmds:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
+        link = [cxx, "-shared", *(c[-1] for c in cmds), "-o", tmp]
+        # the sources compile side by side, then link
+        procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for cmd in cmds]
+        results = [(cmd, proc.communicate()[0], proc.returncode) for cmd, proc in procs]
+        link_proc = subprocess.run(link, capture_output=True, text=True) if all(rc == 0 for *_, rc in results) else None
+        if link_proc is not None:
+            results.append((link, link_proc.stderr or link_proc.stdout, link_proc.returncode))
+        for cmd, output, rc in results:
+            if rc != 0:
                 os.unlink(tmp)
-                raise RuntimeError(f"{' '.join(cmd)} failed: {(proc.stderr or proc.stdout).strip()[-1500:]}")
+                raise RuntimeError(f"{' '.join(cmd)} failed: {output.strip()[-1500:]}")
     os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
     prune(out.parent, keep=out)
 
