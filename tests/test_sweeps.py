@@ -25,7 +25,7 @@ _spec.loader.exec_module(collect_sweep)
 # Four jobs on two joblib workers: two short ones first, then two long enough (about a second
 # each) that a kill right after the short ones lands while the long ones are running.
 JOBLIB_SWEEP = [
-    "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "workload.num_requests=12,400", "seed=0,1",
+    "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "workload.num_requests=12,3000", "seed=0,1",
     "executor.cost_model=unit", "progress=false",
 ]  # fmt: skip
 SHORT_JOBS, LONG_JOBS = ("0", "1"), ("2", "3")

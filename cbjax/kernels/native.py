@@ -58,6 +58,7 @@ SOURCES = {
     "native_gemm.cc": ((), (("cbjax_layer_matmul", "CbjaxLayerMatmul"), ("cbjax_matmul_nt", "CbjaxMatmulNT"))),
 }  # fmt: skip
 HERE = Path(__file__).parent
+HEADERS = ("native_pool.h",)  # included by the sources
 
 STALE_S = 30 * 24 * 3600.0  # a build nobody loaded for this long is pruned by the next build
 _lock = threading.Lock()
@@ -89,6 +90,7 @@ def _library_path(cxx: str) -> Path:
              _cpu_features().encode()]  # fmt: skip
     for name, (flags, targets) in SOURCES.items():
         parts += [name.encode(), (HERE / name).read_bytes(), " ".join(flags).encode(), repr(targets).encode()]
+    parts += [(HERE / name).read_bytes() for name in HEADERS]
     for part in parts:
         h.update(part)
         h.update(b"\0")

@@ -21,17 +21,15 @@
 // Output:
 //   out        f32[kv_heads, capacity, group, head_dim]     zeros for padding groups
 //
-// The (kv head, group) pairs are split over XLA's intra-op thread pool, this thread included.
+// The (kv head, group) pairs are split over XLA's intra-op thread pool (native_pool.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "native_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -173,34 +171,9 @@ ffi::Error SingleGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int64_t work = a.kv_heads * a.capacity;
   // Split only when there is enough work to pay for handing a share to other threads.
   const int64_t threads = work >= 16 ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 8)) : 1;
-  if (threads <= 1) {
-    AttendRange(a, 0, work);
-    return ffi::Error::Success();
-  }
-  // Workers claim chunks until none is left; this thread is one of them, so it never waits on a
-  // task the pool has not started (a late task finds no chunk and returns). The state lives on
-  // the heap, held by every task, so a task that starts after this call returned is safe.
-  struct Shared {
-    Args a;
-    int64_t work, chunks;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->a = a;
-  shared->work = work;
-  shared->chunks = std::min<int64_t>(work, threads * 4);
-  auto worker = [shared] {
-    Shared& st = *shared;
-    for (int64_t c; (c = st.next.fetch_add(1, std::memory_order_relaxed)) < st.chunks;) {
-      AttendRange(st.a, st.work * c / st.chunks, st.work * (c + 1) / st.chunks);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker] { worker(); });
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < shared->chunks) {
-    std::this_thread::yield();  // another worker finishes its last chunk
-  }
+  const int64_t chunks = threads > 1 ? std::min<int64_t>(work, threads * 4) : 1;
+  cbjax_native::RunChunks(pool, threads, chunks,
+                          [a, work, chunks](int64_t c) { AttendRange(a, work * c / chunks, work * (c + 1) / chunks); });
   return ffi::Error::Success();
 }
 
@@ -430,33 +403,11 @@ ffi::Error BlockGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
               qd[3], id[0], id[1], td[1], kd[1] / qd[3], num_pages};
   const int64_t work = a.kv_heads * a.capacity;
   const int64_t threads = work >= 2 ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 8)) : 1;
-  auto range = [](const BlockArgs& args, int64_t begin, int64_t end) {
-    BlockScratch sc(args);
-    for (int64_t w = begin; w < end; ++w) AttendBlock(args, w / args.capacity, w % args.capacity, sc);
-  };
-  if (threads <= 1) {
-    range(a, 0, work);
-    return ffi::Error::Success();
-  }
-  struct Shared {
-    BlockArgs a;
-    int64_t work, chunks;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->a = a;
-  shared->work = work;
-  shared->chunks = std::min<int64_t>(work, threads * 4);
-  auto worker = [shared, range] {
-    Shared& st = *shared;
-    for (int64_t c; (c = st.next.fetch_add(1, std::memory_order_relaxed)) < st.chunks;) {
-      range(st.a, st.work * c / st.chunks, st.work * (c + 1) / st.chunks);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker] { worker(); });
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+  const int64_t chunks = threads > 1 ? std::min<int64_t>(work, threads * 4) : 1;
+  cbjax_native::RunChunks(pool, threads, chunks, [a, work, chunks](int64_t c) {
+    BlockScratch sc(a);
+    for (int64_t w = work * c / chunks; w < work * (c + 1) / chunks; ++w) AttendBlock(a, w / a.capacity, w % a.capacity, sc);
+  });
   return ffi::Error::Success();
 }
 

@@ -20,15 +20,13 @@
 //
 // Sums run over k in order for each output, one fused multiply-add at a time, so a row's
 // result does not depend on the other rows or on the thread split. Column tiles are split over
-// XLA's intra-op thread pool, this thread included, when the product is large enough.
+// XLA's intra-op thread pool (native_pool.h) when the product is large enough.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "native_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -133,30 +131,8 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   // Threads pay off once a share is worth more than handing it over (a few microseconds).
   const int64_t flops = 2 * a.rows * a.k * a.n;
   const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), tiles, flops / 400000});
-  if (threads <= 1) {
-    Chunk(a, 0, 1);
-    return ffi::Error::Success();
-  }
-  // As in native_decode.cc: workers claim chunks; this thread is one of them and waits only for
-  // chunks already claimed; the state is shared with tasks that may start after this returns.
-  struct Shared {
-    Args a;
-    int64_t chunks;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->a = a;
-  shared->chunks = std::min<int64_t>(tiles, threads * 2);
-  auto worker = [shared] {
-    Shared& st = *shared;
-    for (int64_t c; (c = st.next.fetch_add(1, std::memory_order_relaxed)) < st.chunks;) {
-      Chunk(st.a, c, st.chunks);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker] { worker(); });
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+  const int64_t chunks = threads > 1 ? std::min<int64_t>(tiles, threads * 2) : 1;
+  cbjax_native::RunChunks(pool, threads, chunks, [a, chunks](int64_t c) { Chunk(a, c, chunks); });
   return ffi::Error::Success();
 }
 
@@ -216,31 +192,11 @@ ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   Args a{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]};
   const int64_t flops = 2 * a.rows * a.k * a.n;
   const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), a.n / 4, flops / 400000});
-  if (threads <= 1) {
-    ColumnsNT(a, 0, a.n);
-    return ffi::Error::Success();
-  }
-  struct Shared {
-    Args a;
-    int64_t chunks;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->a = a;
-  shared->chunks = std::min<int64_t>(a.n / 4, threads * 8);
-  auto worker = [shared] {
-    Shared& st = *shared;
-    const int64_t quads = st.a.n / 4;
-    for (int64_t c; (c = st.next.fetch_add(1, std::memory_order_relaxed)) < st.chunks;) {
-      const int64_t begin = quads * c / st.chunks * 4;
-      const int64_t end = c == st.chunks - 1 ? st.a.n : quads * (c + 1) / st.chunks * 4;
-      ColumnsNT(st.a, begin, end);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker] { worker(); });
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+  const int64_t chunks = threads > 1 ? std::min<int64_t>(a.n / 4, threads * 8) : 1;
+  cbjax_native::RunChunks(pool, threads, chunks, [a, chunks](int64_t c) {
+    const int64_t quads = a.n / 4;
+    ColumnsNT(a, quads * c / chunks * 4, c == chunks - 1 ? a.n : quads * (c + 1) / chunks * 4);
+  });
   return ffi::Error::Success();
 }
 

@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @functools.lru_cache(maxsize=4)
 def source_digest(root: Path = ROOT) -> str:
-    """sha256 over the .py and .cc files under the package `root` (path and contents) that the
+    """sha256 over the .py, .cc and .h files under the package `root` (path and contents) that the
     step may trace or call: all but HOST_ONLY's."""
     h = hashlib.sha256()
-    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):  # .cc: the native kernel's source
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc"), *root.rglob("*.h")]):  # .cc, .h: the native kernels
         rel = path.relative_to(root)
         if rel.parts[0] in HOST_ONLY:
             continue
