@@ -327,6 +327,7 @@ def test_a_second_run_loads_its_programs_from_the_compilation_cache(tmp_path, en
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env_cpu, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Resetting cache" not in proc.stdout + proc.stderr  # jax's INFO log stays off the console
         summaries.append(json.loads((out / "summary.json").read_text()))
         rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
         tokens.append({r["request_id"]: r["output_token_ids"] for r in rows})

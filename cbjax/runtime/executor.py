@@ -8,6 +8,7 @@ Its only varying shape is the token bucket, so `warmup` compiles one program per
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -48,10 +49,18 @@ def enable_compilation_cache(path: Optional[str]) -> Optional[str]:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         try:  # the cache object is built at the first compile; rebuild it for the new directory
             from jax._src import compilation_cache
-
+        except ImportError:
+            return directory
+        # quietly: under the CLI's INFO logging jax would print "Resetting cache at <empty>."
+        log = logging.getLogger(compilation_cache.__name__)
+        level = log.level
+        log.setLevel(logging.WARNING)
+        try:
             compilation_cache.reset_cache()
-        except (ImportError, AttributeError):
+        except AttributeError:
             pass
+        finally:
+            log.setLevel(level)
     return directory
 
 
