@@ -78,9 +78,11 @@ def split_model(model) -> tuple[tuple, tuple]:
 
 
 # The most token rows the native matmul takes in a step: its row tiles stream the whole input
-# once per column tile, where XLA's GEMM packs blocks; on the peer tiny shape it is ahead up to
-# 64 rows (4 rows 0.49 against 0.62 ms for a step's matmuls), level at 256 and 1.6x slower at 4096.
-NATIVE_MAX_ROWS = 128
+# once per column tile, where XLA's GEMM packs blocks. A step's matmuls on the peer tiny shape,
+# native against XLA (per-layer weights, no slicing): 4 rows 0.33 against 0.57 ms, 256 rows 5.1-5.5
+# against 6.2-6.4, 512 level, 1024 20-24 against 17-18, 4096 124 against 78; on SmolLM's shape
+# 256 rows 160-171 against 156-178 ms, before the 540 MB of layer slices XLA's path copies.
+NATIVE_MAX_ROWS = 256
 
 # Backends that index the layer inside their own gathers (see cbjax.kernels.metadata).
 LAYER_INDEXED = ("ragged", "native", "reference")
