@@ -112,6 +112,22 @@ class ContentCheckingExecutor(CheckingExecutor):
 
 
 @pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """`cbjax.kernels.native` as on a machine without a C++ compiler; the kernels this process
+    registered come back afterwards (a process registers them once; later tests use them)."""
+    from cbjax.kernels import native
+
+    assert native.ensure_registered() is None
+    saved = dict(native._state)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setenv("CBJAX_NATIVE_DIR", str(tmp_path))
+    native._state.clear()
+    yield
+    native._state.clear()
+    native._state.update(saved)
+
+
+@pytest.fixture
 def env_cpu():
     """Environment for subprocesses: no GPU probing, repo on the path."""
     env = dict(os.environ)

@@ -92,17 +92,8 @@ def test_auto_runs_native_only_where_it_applies_and_native_says_why_not():
         ExecutorConfig(name="jax", matmul="blas")
 
 
-def test_without_a_compiler_auto_falls_back_to_xla_and_native_names_why(monkeypatch, tmp_path, capsys):
-    assert native.ensure_registered() is None  # registered once per process; kept for the tests after this one
-    saved = dict(native._state)
-    monkeypatch.setattr(native, "_compiler", lambda: None)
-    monkeypatch.setenv("CBJAX_NATIVE_DIR", str(tmp_path))
-    native._state.clear()
-    try:
-        assert resolve_matmul("auto", "float32", False, "cpu") == "xla"
-        assert "executor.matmul=auto runs `xla` on this CPU" in capsys.readouterr().err
-        with pytest.raises(ValueError, match="executor.matmul=native: .*no C\\+\\+ compiler found"):
-            resolve_matmul("native", "float32", False, "cpu")
-    finally:
-        native._state.clear()
-        native._state.update(saved)
+def test_without_a_compiler_auto_falls_back_to_xla_and_native_names_why(no_compiler, capsys):
+    assert resolve_matmul("auto", "float32", False, "cpu") == "xla"
+    assert "executor.matmul=auto runs `xla` on this CPU" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="executor.matmul=native: .*no C\\+\\+ compiler found"):
+        resolve_matmul("native", "float32", False, "cpu")

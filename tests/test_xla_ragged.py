@@ -114,22 +114,13 @@ def test_native_kernel_builds_here_and_auto_picks_it_on_cpu():
         resolve_attention("native", "gpu")
 
 
-def test_without_a_compiler_auto_falls_back_to_ragged_and_native_names_why(monkeypatch, tmp_path, capsys):
+def test_without_a_compiler_auto_falls_back_to_ragged_and_native_names_why(no_compiler, capsys):
     from cbjax.kernels.registry import resolve_attention
 
-    assert native.ensure_registered() is None  # registered once per process; kept for the tests after this one
-    saved = dict(native._state)
-    monkeypatch.setattr(native, "_compiler", lambda: None)
-    monkeypatch.setenv("CBJAX_NATIVE_DIR", str(tmp_path))
-    native._state.clear()
-    try:
-        assert resolve_attention("auto", "cpu") == "ragged"
-        assert "no C++ compiler found" in capsys.readouterr().err
-        with pytest.raises(ValueError, match="executor.attention=native: .*no C\\+\\+ compiler found"):
-            resolve_attention("native", "cpu")
-    finally:
-        native._state.clear()
-        native._state.update(saved)
+    assert resolve_attention("auto", "cpu") == "ragged"
+    assert "no C++ compiler found" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="executor.attention=native: .*no C\\+\\+ compiler found"):
+        resolve_attention("native", "cpu")
 
 
 def test_a_build_prunes_stale_builds_and_half_written_ones(tmp_path):

@@ -58,7 +58,7 @@ SOURCES = {
     "native_gemm.cc": ((), (("cbjax_layer_matmul", "CbjaxLayerMatmul"), ("cbjax_matmul_nt", "CbjaxMatmulNT"))),
 }  # fmt: skip
 HERE = Path(__file__).parent
-HEADERS = ("native_pool.h",)  # included by the sources
+HEADERS = ("native_common.h",)  # included by the sources
 
 STALE_S = 30 * 24 * 3600.0  # a build nobody loaded for this long is pruned by the next build
 _lock = threading.Lock()

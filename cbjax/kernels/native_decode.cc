@@ -21,7 +21,7 @@
 // Output:
 //   out        f32[kv_heads, capacity, group, head_dim]     zeros for padding groups
 //
-// The (kv head, group) pairs are split over XLA's intra-op thread pool (native_pool.h).
+// The (kv head, group) pairs are split over XLA's intra-op thread pool (native_common.h).
 
 #include <algorithm>
 #include <cmath>
@@ -29,7 +29,7 @@
 #include <cstring>
 #include <vector>
 
-#include "native_pool.h"
+#include "native_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -71,14 +71,11 @@ inline float ExpNonPositive(float x) {
   return p * scale;
 }
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-inline Vec VLoad(const float* p) { return *reinterpret_cast<const Vec*>(p); }
-inline void VStore(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
+using cbjax_native::kLanes;
+using cbjax_native::Load;
+using cbjax_native::Splat;
+using cbjax_native::Store;
+using cbjax_native::Vec;
 
 // Pages lie anywhere in the pool, so the hardware prefetcher can't follow a row's pages: while
 // page p is read, fetch the K and V of the pages up to kPagesAhead after it (all of them at p 0).
@@ -94,6 +91,38 @@ inline void PrefetchAhead(const float* k, const float* v, int64_t base, const in
       __builtin_prefetch(k + at + off);
       __builtin_prefetch(v + at + off);
     }
+  }
+}
+
+// One query's online-softmax update over one page: its scores s[0, n) (overwritten by their
+// weights), its running max m and sum l, and its output row o[0, D) rescaled, plus the weighted
+// V rows of the page. Keys past n are never read.
+inline void SoftmaxPage(float* __restrict s, int64_t n, float& m, float& l, float* __restrict o,
+                        const float* __restrict vp, int64_t D) {
+  float page_max = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) page_max = std::max(page_max, s[j]);
+  const float m_new = std::max(m, page_max);
+  const float corr = m == -INFINITY ? 0.0f : ExpNonPositive(m - m_new);  // 0 before the first page
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = ExpNonPositive(s[j] - m_new);
+    sum += s[j];
+  }
+  l = l * corr + sum;
+  m = m_new;
+  for (int64_t d = 0; d < D; ++d) o[d] *= corr;
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = s[j];
+    const float* vj = vp + j * D;
+    for (int64_t d = 0; d < D; ++d) o[d] += pj * vj[d];
+  }
+}
+
+// Divides each of `rows` output rows o[r, 0:D) by its softmax sum l[r] (zeros where it is 0).
+inline void Normalize(float* o, const float* l, int64_t rows, int64_t D) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) o[r * D + d] *= inv;
   }
 }
 
@@ -123,37 +152,16 @@ void AttendOne(const Args& a, int64_t h, int64_t g, float* scores, float* m, flo
     for (int64_t i = 0; i < G; ++i) {
       const float* qi = q + i * D;
       float* s = scores + i * PS;
-      float page_max = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
         const float* kj = kp + j * D;
         float acc = 0.0f;
         for (int64_t d = 0; d < D; ++d) acc += qi[d] * kj[d];
         s[j] = acc;
-        page_max = std::max(page_max, acc);
       }
-      const float m_new = std::max(m[i], page_max);
-      const float corr = m[i] == -INFINITY ? 0.0f : ExpNonPositive(m[i] - m_new);  // 0 before the first page
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        s[j] = ExpNonPositive(s[j] - m_new);
-        sum += s[j];
-      }
-      l[i] = l[i] * corr + sum;
-      m[i] = m_new;
-      float* oi = o + i * D;
-      for (int64_t d = 0; d < D; ++d) oi[d] *= corr;
-      for (int64_t j = 0; j < n; ++j) {
-        const float pj = s[j];
-        const float* vj = vp + j * D;
-        for (int64_t d = 0; d < D; ++d) oi[d] += pj * vj[d];
-      }
+      SoftmaxPage(s, n, m[i], l[i], o + i * D, vp, D);
     }
   }
-  for (int64_t i = 0; i < G; ++i) {
-    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    float* oi = o + i * D;
-    for (int64_t d = 0; d < D; ++d) oi[d] *= inv;
-  }
+  Normalize(o, l, G, D);
 }
 
 // Work items [begin, end) of the kv_heads * capacity pairs.
@@ -213,61 +221,65 @@ struct BlockScratch {
         qpos(a.block) {}
 };
 
-// One page for query rows [r0, r0 + R) (R <= 4) of a block group, when the page holds NK * kLanes
-// keys and head_dim is ND * kLanes: the scores of R queries as R x NK vectors (the keys
-// transposed in kt), the softmax update, and o += p v with each row's ND output vectors in
-// registers. nb[i]: row i's keys on the page (a prefix); rows with none are skipped by the caller.
+// One page for R <= 4 query rows r[0, R) of a block group, when the page holds NK * kLanes keys
+// and head_dim is ND * kLanes: the scores of R queries as R x NK vectors (the keys transposed in
+// kt), the softmax update of running max m[r] and sum l[r], and o[r] += p v with each row's ND
+// output vectors in registers. nb[i]: row i's keys on the page (a prefix); rows with none are
+// skipped by the caller.
 template <int R, int NK, int ND>
-inline void PageRows(const float* const* q, const float* kt, const float* vp, const int64_t* nb, float* m, float* l,
-                     float* const* o) {
+inline void PageRows(const float* const* q, const float* kt, const float* vp, const int64_t* nb, const int64_t* r,
+                     float* m, float* l, float* o) {
   constexpr int PS = NK * kLanes, D = ND * kLanes;
   Vec s[R][NK];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < NK; ++c) s[i][c] = Vec{};
   for (int d = 0; d < D; ++d) {
     Vec k[NK];
-    for (int c = 0; c < NK; ++c) k[c] = VLoad(kt + d * PS + c * kLanes);
+    for (int c = 0; c < NK; ++c) k[c] = Load(kt + d * PS + c * kLanes);
     for (int i = 0; i < R; ++i) {
-      const Vec qd = Vec{} + q[i][d];
+      const Vec qd = Splat(q[i][d]);
       for (int c = 0; c < NK; ++c) s[i][c] += qd * k[c];
     }
   }
   for (int i = 0; i < R; ++i) {
     alignas(64) float p[PS];
-    for (int c = 0; c < NK; ++c) VStore(p + c * kLanes, s[i][c]);
+    for (int c = 0; c < NK; ++c) Store(p + c * kLanes, s[i][c]);
+    float& mi = m[r[i]];
+    float& li = l[r[i]];
+    float* oi = o + r[i] * D;
     float page_max = -INFINITY;
     for (int j = 0; j < nb[i]; ++j) page_max = std::max(page_max, p[j]);
-    const float m_new = std::max(m[i], page_max);
-    const float corr = m[i] == -INFINITY ? 0.0f : ExpNonPositive(m[i] - m_new);
+    const float m_new = std::max(mi, page_max);
+    const float corr = mi == -INFINITY ? 0.0f : ExpNonPositive(mi - m_new);
     float sum = 0.0f;
     for (int j = 0; j < PS; ++j) {
       const float e = ExpNonPositive(p[j] - m_new);
       p[j] = j < nb[i] ? e : 0.0f;
       sum += p[j];
     }
-    l[i] = l[i] * corr + sum;
-    m[i] = m_new;
+    li = li * corr + sum;
+    mi = m_new;
     Vec acc[ND];
-    for (int c = 0; c < ND; ++c) acc[c] = VLoad(o[i] + c * kLanes) * corr;
+    for (int c = 0; c < ND; ++c) acc[c] = Load(oi + c * kLanes) * corr;
     for (int j = 0; j < nb[i]; ++j) {  // keys past nb may be unwritten (NaN): never read
-      const Vec pj = Vec{} + p[j];
-      for (int c = 0; c < ND; ++c) acc[c] += pj * VLoad(vp + j * D + c * kLanes);
+      const Vec pj = Splat(p[j]);
+      for (int c = 0; c < ND; ++c) acc[c] += pj * Load(vp + j * D + c * kLanes);
     }
-    for (int c = 0; c < ND; ++c) VStore(o[i] + c * kLanes, acc[c]);
+    for (int c = 0; c < ND; ++c) Store(oi + c * kLanes, acc[c]);
   }
 }
 
-using PageFn = void (*)(int, const float* const*, const float*, const float*, const int64_t*, float*, float*,
-                       float* const*);
+using PageFn = void (*)(int, const float* const*, const float*, const float*, const int64_t*, const int64_t*,
+                       float*, float*, float*);
 
 template <int NK, int ND>
-void PageAny(int rows, const float* const* q, const float* kt, const float* vp, const int64_t* nb, float* m, float* l,
-             float* const* o) {
+void PageAny(int rows, const float* const* q, const float* kt, const float* vp, const int64_t* nb, const int64_t* r,
+             float* m, float* l, float* o) {
   switch (rows) {
-    case 4: PageRows<4, NK, ND>(q, kt, vp, nb, m, l, o); break;
-    case 3: PageRows<3, NK, ND>(q, kt, vp, nb, m, l, o); break;
-    case 2: PageRows<2, NK, ND>(q, kt, vp, nb, m, l, o); break;
-    default: PageRows<1, NK, ND>(q, kt, vp, nb, m, l, o); break;
+    case 4: PageRows<4, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
+    case 3: PageRows<3, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
+    case 2: PageRows<2, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
+    default: PageRows<1, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
   }
 }
 
@@ -322,33 +334,22 @@ void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
     if (fast != nullptr) {
       // rows in tiles of 4 (query rows r = b * G + i), skipping rows with no key on this page
       const float* qs[4];
-      float* os[4];
       int64_t nbs[4], rs[4];
       int t = 0;
       for (int64_t b = 0; b < B; ++b) {
         const int64_t nb = std::min<int64_t>(n, sc.qpos[b] + 1 - p * PS);
         if (nb <= 0) continue;
         for (int64_t i = 0; i < G; ++i) {
-          const int64_t r = b * G + i;
           qs[t] = a.q + ((h * a.tokens1 + a.q_idx[g * B + b]) * G + i) * D;
-          os[t] = o + r * D;
           nbs[t] = nb;
-          rs[t] = r;
+          rs[t] = b * G + i;
           if (++t == 4) {
-            float mt[4], lt[4];
-            for (int u = 0; u < 4; ++u) mt[u] = sc.m[rs[u]], lt[u] = sc.l[rs[u]];
-            fast(4, qs, kt, vp, nbs, mt, lt, os);
-            for (int u = 0; u < 4; ++u) sc.m[rs[u]] = mt[u], sc.l[rs[u]] = lt[u];
+            fast(4, qs, kt, vp, nbs, rs, sc.m.data(), sc.l.data(), o);
             t = 0;
           }
         }
       }
-      if (t > 0) {
-        float mt[4], lt[4];
-        for (int u = 0; u < t; ++u) mt[u] = sc.m[rs[u]], lt[u] = sc.l[rs[u]];
-        fast(t, qs, kt, vp, nbs, mt, lt, os);
-        for (int u = 0; u < t; ++u) sc.m[rs[u]] = mt[u], sc.l[rs[u]] = lt[u];
-      }
+      if (t > 0) fast(t, qs, kt, vp, nbs, rs, sc.m.data(), sc.l.data(), o);
       continue;
     }
     for (int64_t b = 0; b < B; ++b) {
@@ -363,32 +364,11 @@ void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
           const float* ktd = kt + d * PS;
           for (int64_t j = 0; j < PS; ++j) s[j] += qd * ktd[j];
         }
-        float page_max = -INFINITY;
-        for (int64_t j = 0; j < nb; ++j) page_max = std::max(page_max, s[j]);
-        const float m_new = std::max(sc.m[r], page_max);
-        const float corr = sc.m[r] == -INFINITY ? 0.0f : ExpNonPositive(sc.m[r] - m_new);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < nb; ++j) {
-          s[j] = ExpNonPositive(s[j] - m_new);
-          sum += s[j];
-        }
-        sc.l[r] = sc.l[r] * corr + sum;
-        sc.m[r] = m_new;
-        float* orow = o + r * D;
-        for (int64_t d = 0; d < D; ++d) orow[d] *= corr;
-        for (int64_t j = 0; j < nb; ++j) {
-          const float pj = s[j];
-          const float* vj = vp + j * D;
-          for (int64_t d = 0; d < D; ++d) orow[d] += pj * vj[d];
-        }
+        SoftmaxPage(s, nb, sc.m[r], sc.l[r], o + r * D, vp, D);
       }
     }
   }
-  for (int64_t r = 0; r < B * G; ++r) {
-    const float inv = sc.l[r] > 0.0f ? 1.0f / sc.l[r] : 0.0f;
-    float* orow = o + r * D;
-    for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
-  }
+  Normalize(o, sc.l.data(), B * G, D);
 }
 
 ffi::Error BlockGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> pos,

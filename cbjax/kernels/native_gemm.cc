@@ -20,29 +20,24 @@
 //
 // Sums run over k in order for each output, one fused multiply-add at a time, so a row's
 // result does not depend on the other rows or on the thread split. Column tiles are split over
-// XLA's intra-op thread pool (native_pool.h) when the product is large enough.
+// XLA's intra-op thread pool (native_common.h) when the product is large enough.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#include "native_pool.h"
+#include "native_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-
-inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
-inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
-inline Vec Splat(float s) { return Vec{} + s; }
+using cbjax_native::kLanes;
+using cbjax_native::Load;
+using cbjax_native::Splat;
+using cbjax_native::Store;
+using cbjax_native::Vec;
 
 constexpr int64_t kPrefetch = 16;  // k rows of weights fetched ahead in Tile
 

@@ -55,7 +55,7 @@ def resolve_matmul(impl: str = "auto", dtype: str = "float32", sharded: bool = F
         raise ValueError(f"executor.matmul: unknown value {impl!r}; choose one of {', '.join(MATMUL_IMPLS)}")
     if impl == "xla":
         return impl
-    why = None
+    kernel_missing = False
     if backend != "cpu":
         why = f"it is a CPU kernel (backend {backend})"
     elif dtype != "float32":
@@ -64,11 +64,12 @@ def resolve_matmul(impl: str = "auto", dtype: str = "float32", sharded: bool = F
         why = "it runs on one device (executor.mesh.tensor > 1 or several processes)"
     else:
         why = native_kernel_error()
+        kernel_missing = why is not None
     if why is None:
         return "native"
     if impl == "native":
         raise ValueError(f"executor.matmul=native: {why}; use auto or xla")
-    if backend == "cpu" and dtype == "float32" and not sharded:  # auto lost the kernel it would pick: say why
+    if kernel_missing:  # auto lost the kernel it would pick: say why
         _warn_once(f"cbjax: executor.matmul=auto runs `xla` on this CPU: {why}")
     return "xla"
 

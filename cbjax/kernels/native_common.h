@@ -1,4 +1,8 @@
-// Splitting a kernel's work over XLA's CPU intra-op thread pool (the native kernels' one helper).
+// What the native kernels share: a vector of the CPU's float lanes, and splitting a kernel's
+// work over XLA's CPU intra-op thread pool.
+//
+// Vec is kLanes floats (16 with AVX-512, else 8; GCC vector extensions, so any CPU compiles it),
+// loaded and stored unaligned.
 //
 // RunChunks(pool, threads, chunks, fn) calls fn(c) once for each chunk c in [0, chunks): this
 // thread and threads - 1 pool tasks claim chunks until none is left, and it returns when every
@@ -6,8 +10,8 @@
 // started (a late task finds no chunk and returns); fn is copied into state every task holds, so
 // a task that starts after RunChunks returned is safe. fn must be safe to call concurrently.
 
-#ifndef CBJAX_KERNELS_NATIVE_POOL_H_
-#define CBJAX_KERNELS_NATIVE_POOL_H_
+#ifndef CBJAX_KERNELS_NATIVE_COMMON_H_
+#define CBJAX_KERNELS_NATIVE_COMMON_H_
 
 #include <atomic>
 #include <cstdint>
@@ -17,6 +21,17 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace cbjax_native {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
+inline Vec Splat(float s) { return Vec{} + s; }
 
 template <typename Fn>
 void RunChunks(xla::ffi::ThreadPool& pool, int64_t threads, int64_t chunks, const Fn& fn) {
@@ -47,4 +62,4 @@ void RunChunks(xla::ffi::ThreadPool& pool, int64_t threads, int64_t chunks, cons
 
 }  // namespace cbjax_native
 
-#endif  // CBJAX_KERNELS_NATIVE_POOL_H_
+#endif  // CBJAX_KERNELS_NATIVE_COMMON_H_
