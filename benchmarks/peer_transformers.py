@@ -29,21 +29,25 @@ Then bounds measured on this machine: the weight-streaming floor (f32 weight byt
 per decode step at this machine's streaming bandwidth, the best of an XLA sum, a numpy sum
 and an XLA matrix-vector product over `--stream-mb` MB, times cbjax's iteration count) with
 the fraction of it cbjax reached; and the f32 matmul peak (XLA, 1024^3) with cbjax's model
-FLOP/s (2 x non-embedding params x tokens processed + attention FLOPs, over its serving
-time) as a fraction of it, beside the same work over the time the model's matmuls alone take at
+FLOP/s (2 x non-embedding params x tokens processed + attention FLOPs + the LM head, 2 x
+d_model x vocab, at each token whose logits the run needs, over its serving time) as a fraction of it, beside the same work over the time the model's matmuls alone take at
 the step shapes cbjax ran (`gemm_floor_s`), through XLA's GEMMs and through cbjax's native
 kernel: the highest fraction those shapes allow with each; and with the KV bytes the decode
-tokens must read at the streaming bandwidth added, a bound on the fraction for this workload. `--profile` times every model-step call of one more (untimed)
-cbjax run by token bucket: where cbjax's time goes.
+tokens must read at the streaming bandwidth added, a bound on the fraction for this workload.
+`--profile` times every model-step call of one more (untimed) cbjax run by token bucket: where
+cbjax's time goes. Every figure is also written as JSON to `--out`
+(default outputs/peer_transformers_<shape>.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -67,6 +71,7 @@ SHAPES = {
     ),
 }  # fmt: skip
 DEFAULT_REQUESTS = {"tiny": 48, "smollm": 24}
+REPO = Path(__file__).resolve().parent.parent
 INIT_STD = 0.05  # wider than HF's 0.02 so greedy argmaxes are rarely near-ties
 
 
@@ -324,6 +329,9 @@ def model_counts(torch_model, model: ModelConfig, workload) -> dict[str, float]:
     tokens = sum(len(p) + o - 1 for p, o in workload)
     contexts = sum((n := len(p) + o - 1) * (n + 1) // 2 for p, o in workload)  # sum of (pos + 1)
     attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim * contexts  # QK^T and PV
+    # the LM head (Chinchilla's "final logits" term) at the tokens whose logits the run needs:
+    # each output token comes from one row of logits (a prompt's last token, then each decode)
+    head_flops = 2 * model.d_model * model.vocab_size * sum(o for _, o in workload)
     # each decode token (a request's output tokens but the last) reads its whole context's K and V
     decode_contexts = sum(len(p) * (o - 1) + (o - 1) * o // 2 for p, o in workload)
     kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
@@ -333,12 +341,15 @@ def model_counts(torch_model, model: ModelConfig, workload) -> dict[str, float]:
         # a decode step reads every layer's weights and the whole output projection
         "decode_weight_bytes": 4 * (non_embed + embed),
         "tokens": tokens,
-        "flops": 2 * non_embed * tokens + attn_flops,
-        "attn_share": attn_flops / (2 * non_embed * tokens + attn_flops),
+        "flops": 2 * non_embed * tokens + attn_flops + head_flops,
+        "flops_without_head": 2 * non_embed * tokens + attn_flops,
+        "attn_share": attn_flops / (2 * non_embed * tokens + attn_flops + head_flops),
+        "head_share": head_flops / (2 * non_embed * tokens + attn_flops + head_flops),
     }
 
 
-def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload, gemm_s, matmul) -> str:
+def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload, gemm_s, matmul) -> tuple[str, dict]:
+    """The bounds as text, and their figures for the JSON record."""
     outputs = sum(o for _, o in workload)
     gb_s = max(bandwidth.values())
     step_s = counts["decode_weight_bytes"] / (gb_s * 1e9)
@@ -356,8 +367,11 @@ def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload
         f"cbjax at {cb_tok_s * min_iters * step_s / outputs:.0%}.)",
         f"Compute: this machine's XLA f32 matmul at 1024^3 runs {peak:.0f} GFLOP/s (median). cbjax's model work: "
         f"{counts['tokens']} tokens processed x 2 x {counts['non_embed'] / 1e6:.1f} M non-embedding params + "
-        f"attention ({counts['attn_share']:.0%}) = {counts['flops'] / 1e9:.1f} GFLOP in {cb_span_s:.2f} s = "
-        f"{flop_s / 1e9:.1f} GFLOP/s, {flop_s / 1e9 / peak:.0%} of the matmul peak.",
+        f"attention ({counts['attn_share']:.0%}) + the LM head at the {sum(o for _, o in workload)} tokens whose logits "
+        f"are needed ({counts['head_share']:.0%}) = {counts['flops'] / 1e9:.1f} GFLOP in {cb_span_s:.2f} s = "
+        f"{flop_s / 1e9:.1f} GFLOP/s, {flop_s / 1e9 / peak:.0%} of the matmul peak "
+        f"({counts['flops_without_head'] / cb_span_s / 1e9 / peak:.0%} without the LM head, as this script counted "
+        f"before 2026-12-03).",
     ]
     floors = {name: sum(n * per_call[b] for b, n in result.bucket_calls.items()) for name, per_call in gemm_s.items()}
     lines.append(
@@ -385,7 +399,23 @@ def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload
     if result.stats.batched_tokens != counts["tokens"]:
         lines.append(f"  note: cbjax scheduled {result.stats.batched_tokens} tokens, not {counts['tokens']} "
                      f"(preemption recomputes?): the FLOP count assumes none")  # fmt: skip
-    return "\n".join(lines)
+    figures = {
+        "streaming_gb_s": bandwidth,
+        "weight_floor_tok_s": floor_tok_s,
+        "weight_floor_fraction": cb_tok_s / floor_tok_s,
+        "matmul_peak_gflop_s": peak,
+        "model_gflop": counts["flops"] / 1e9,
+        "model_gflop_without_head": counts["flops_without_head"] / 1e9,
+        "model_gflop_s": flop_s / 1e9,
+        "peak_fraction": flop_s / 1e9 / peak,
+        "peak_fraction_without_head": counts["flops_without_head"] / cb_span_s / 1e9 / peak,
+        "gemm_floor_s": floors,
+        "gemm_floor_fraction": {name: counts["flops"] / s / 1e9 / peak for name, s in floors.items()},
+        "decode_kv_gb": counts["decode_kv_bytes"] / 1e9,
+        "bound_s": best,
+        "bound_fraction": counts["flops"] / best / 1e9 / peak,
+    }
+    return "\n".join(lines), figures
 
 
 def main() -> None:
@@ -400,6 +430,8 @@ def main() -> None:
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--stream-mb", type=int, default=1024, help="array size for the bandwidth measurement")
     ap.add_argument("--profile", action="store_true", help="time cbjax's model-step calls in one extra run")
+    ap.add_argument("--out", default=str(REPO / "outputs" / "peer_transformers_{shape}.json"),
+                    help="the figures as JSON ({shape} is replaced by --shape)")
     args = ap.parse_args()
 
     import torch
@@ -469,10 +501,31 @@ def main() -> None:
           f"{m['warmup_s']:.1f} s for {m['compiled_programs']} programs; compiles after warmup "
           f"{m['compiles_after_warmup']}; step calls by bucket (all runs) {m['bucket_calls']}")  # fmt: skip
     counts = model_counts(torch_model, model, workload)
-    print("\n" + bounds_report(counts, bandwidth, peak, runs["cbjax"][mid], result.makespan_s, result, workload, gemm_s,
-                               m["matmul"]))  # fmt: skip
+    text, figures = bounds_report(counts, bandwidth, peak, runs["cbjax"][mid], result.makespan_s, result, workload,
+                                  gemm_s, m["matmul"])  # fmt: skip
+    print("\n" + text)
     if profile:
         print("\nWhere cbjax's time goes (one extra run, each model step timed to completion):\n" + profile)
+    record = {
+        "args": vars(args),
+        "requests": num,
+        "output_tokens": total,
+        "tok_s": runs,
+        "median_tok_s": {name: statistics.median(v) for name, v in runs.items()},
+        "paired_ratio": {name: [a / b for a, b in zip(runs["cbjax"], runs[name])] for name in systems[1:]},
+        "outputs_identical": {name: sum(a == b for a, b in zip(outs[name], ref)) for name in systems},
+        "warmup_s": warm,
+        "cbjax_median_run": {
+            "iterations": stats.iterations, "makespan_s": result.makespan_s, "device_wait_s": result.device_wait_s,
+            "host_pack_s": result.host_pack_s, "bucket_calls": result.bucket_calls,
+        },
+        "cbjax_metrics": m,
+        "bounds": figures,
+    }
+    out = Path(args.out.format(shape=args.shape))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1, default=str))
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
