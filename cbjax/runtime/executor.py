@@ -30,6 +30,7 @@ from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker, HostBatch
 from cbjax.runtime import programs
 from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count, thread_cache_hits
+from cbjax.runtime.host_memory import retain_freed_memory
 from cbjax.runtime.kv_cache import init_cache
 from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.step import DeviceBatch, model_step, sample_step, split_model
@@ -100,6 +101,8 @@ class JaxExecutor:
     ):
         self.model_cfg = model
         self.cache_dir = enable_compilation_cache(cfg.compilation_cache_dir)
+        # XLA:CPU's step buffers are host memory: reuse them instead of faulting them in per call
+        self.host_memory_retained = jax.default_backend() == "cpu" and retain_freed_memory()
         self.attention = resolve_attention(cfg.attention)
         sharded = cfg.mesh.tensor > 1 or jax.process_count() > 1
         self.matmul = resolve_matmul(cfg.matmul, model.dtype, sharded)
