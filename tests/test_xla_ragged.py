@@ -70,16 +70,21 @@ def test_token_groups_match_the_oracle(native):
 
 
 @pytest.mark.parametrize("page_size", [8, 16])
-def test_native_vectorized_pages_match_the_oracle(page_size):
-    # The native block kernel's vectorized page routine runs when the page holds one or two
-    # vectors of keys (8 or 16 lanes: AVX2 or AVX-512) and head_dim is whole vectors; pages of 8
-    # and 16 with head_dim 32 take it on either machine (and the scalar loops on the other size).
+@pytest.mark.parametrize("token_groups", [False, True])
+def test_native_vectorized_pages_match_the_oracle(page_size, token_groups):
+    # The native kernels' fixed-size page routines run when the page holds one or two vectors of
+    # keys (8 or 16 lanes: AVX2 or AVX-512) and head_dim is whole vectors; pages of 8 and 16 with
+    # head_dim 32 take them on either machine (and the scalar loops on the other size). With
+    # token_groups every token is a single group (the decode routine at every position, pages
+    # crossed, a page's last key, unwritten NaN slots after it); else the block list runs too.
     rows = [(40, 20), (33, 1), (17, 17), (16, 9), (5, 5)]  # prefills crossing pages, a decode, boundaries
+    num_tokens = sum(n for _, n in rows) + 3
     for num_kv_heads, group in ((2, 2), (1, 4)):
         case = make_case(rows, num_kv_heads=num_kv_heads, group=group, head_dim=32, page_size=page_size,
-                         num_tokens=sum(n for _, n in rows) + 3, num_rows=len(rows) + 1, seed=page_size + group)  # fmt: skip
+                         num_tokens=num_tokens, num_rows=num_tokens if token_groups else len(rows) + 1,
+                         seed=page_size + group)  # fmt: skip
         md = metadata(case, block=8, chunk=2)
-        assert md.work.block.q_idx.shape[0] > 0
+        assert (md.work.block.q_idx.shape[0] == 0) == token_groups
         q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
         got = np.asarray(ragged_attention_xla(q, k, v, md, native=True))
         np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5, err_msg=f"group {group}")
