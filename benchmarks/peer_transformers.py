@@ -335,16 +335,17 @@ def model_counts(torch_model, model: ModelConfig, workload) -> dict[str, float]:
     # each decode token (a request's output tokens but the last) reads its whole context's K and V
     decode_contexts = sum(len(p) * (o - 1) + (o - 1) * o // 2 for p, o in workload)
     kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
+    flops = 2 * non_embed * tokens + attn_flops + head_flops
     return {
         "decode_kv_bytes": kv_bytes_per_token * decode_contexts,
         "non_embed": non_embed,
         # a decode step reads every layer's weights and the whole output projection
         "decode_weight_bytes": 4 * (non_embed + embed),
         "tokens": tokens,
-        "flops": 2 * non_embed * tokens + attn_flops + head_flops,
-        "flops_without_head": 2 * non_embed * tokens + attn_flops,
-        "attn_share": attn_flops / (2 * non_embed * tokens + attn_flops + head_flops),
-        "head_share": head_flops / (2 * non_embed * tokens + attn_flops + head_flops),
+        "flops": flops,
+        "flops_without_head": flops - head_flops,
+        "attn_share": attn_flops / flops,
+        "head_share": head_flops / flops,
     }
 
 
@@ -357,6 +358,7 @@ def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload
     floor_tok_s = outputs / (iters * step_s)
     min_iters = max(o for _, o in workload)
     flop_s = counts["flops"] / cb_span_s
+    fraction_without_head = counts["flops_without_head"] / cb_span_s / 1e9 / peak
     lines = [
         f"Weight-streaming floor: a decode step reads {counts['decode_weight_bytes'] / 1e6:.0f} MB of f32 weights; "
         f"this machine streams {', '.join(f'{v:.1f} GB/s ({k})' for k, v in bandwidth.items())}; at the best, "
@@ -367,10 +369,10 @@ def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload
         f"cbjax at {cb_tok_s * min_iters * step_s / outputs:.0%}.)",
         f"Compute: this machine's XLA f32 matmul at 1024^3 runs {peak:.0f} GFLOP/s (median). cbjax's model work: "
         f"{counts['tokens']} tokens processed x 2 x {counts['non_embed'] / 1e6:.1f} M non-embedding params + "
-        f"attention ({counts['attn_share']:.0%}) + the LM head at the {sum(o for _, o in workload)} tokens whose logits "
+        f"attention ({counts['attn_share']:.0%}) + the LM head at the {outputs} tokens whose logits "
         f"are needed ({counts['head_share']:.0%}) = {counts['flops'] / 1e9:.1f} GFLOP in {cb_span_s:.2f} s = "
         f"{flop_s / 1e9:.1f} GFLOP/s, {flop_s / 1e9 / peak:.0%} of the matmul peak "
-        f"({counts['flops_without_head'] / cb_span_s / 1e9 / peak:.0%} without the LM head, as this script counted "
+        f"({fraction_without_head:.0%} without the LM head, as this script counted "
         f"before 2026-12-03).",
     ]
     floors = {name: sum(n * per_call[b] for b, n in result.bucket_calls.items()) for name, per_call in gemm_s.items()}
@@ -408,7 +410,7 @@ def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload
         "model_gflop_without_head": counts["flops_without_head"] / 1e9,
         "model_gflop_s": flop_s / 1e9,
         "peak_fraction": flop_s / 1e9 / peak,
-        "peak_fraction_without_head": counts["flops_without_head"] / cb_span_s / 1e9 / peak,
+        "peak_fraction_without_head": fraction_without_head,
         "gemm_floor_s": floors,
         "gemm_floor_fraction": {name: counts["flops"] / s / 1e9 / peak for name, s in floors.items()},
         "decode_kv_gb": counts["decode_kv_bytes"] / 1e9,
