@@ -35,8 +35,9 @@ the step shapes cbjax ran (`gemm_floor_s`), through XLA's GEMMs and through cbja
 kernel: the highest fraction those shapes allow with each; and with the KV bytes the decode
 tokens must read at the streaming bandwidth added, a bound on the fraction for this workload.
 `--profile` times every model-step call of one more (untimed) cbjax run by token bucket: where
-cbjax's time goes. Every figure is also written as JSON to `--out`
-(default outputs/peer_transformers_<shape>.json).
+cbjax's time goes; `--trace` runs one more under JAX's profiler and sums op time by kind (native
+matmuls, XLA dots, native attention, other XLA ops) beside the host-only rest. Every figure is
+also written as JSON to `--out` (default outputs/peer_transformers_<shape>.json).
 """
 
 from __future__ import annotations
@@ -162,6 +163,62 @@ def profile_cbjax(run, ex, workload) -> str:
     rows.append(("host (schedule, pack, postprocess)", result.stats.iterations, f"{span - device:.2f}", "",
                  f"{1 - device / span:.0%}"))  # fmt: skip
     return markdown_table(["cbjax model step", "calls", "total s", "ms/call", "share"], rows)
+
+
+def trace_cbjax(run, ex, workload, slots: int) -> tuple[str, dict]:
+    """One more cbjax run under JAX's profiler: op time by kind (native matmuls, XLA dots,
+    native attention, other XLA ops), for steps of at most `slots` tokens and larger ones,
+    beside XLA's busy wall time and the host-only rest (cbjax.runtime.op_time)."""
+    import jax
+
+    from cbjax.runtime.op_time import KINDS, breakdown, op_kinds, read_trace
+
+    kinds = {b: op_kinds(c.as_text()) for b, c in ex._compiled.items()}
+    marks: list[int] = []  # the bucket of each step, in order
+
+    def annotated(bucket, fn):
+        def call(*a):
+            marks.append(bucket)
+            with jax.profiler.TraceAnnotation("cbjax_step"):
+                return fn(*a)
+
+        return call
+
+    compiled = dict(ex._compiled)
+    ex._compiled.update({b: annotated(b, fn) for b, fn in compiled.items()})
+    with tempfile.TemporaryDirectory() as directory:
+        try:
+            jax.profiler.start_trace(directory)
+            _, _, result = run(workload)
+        finally:
+            jax.profiler.stop_trace()
+            ex._compiled.update(compiled)
+        events = read_trace(directory)
+    starts = sorted(e.start_us for e in events if e.name == "cbjax_step")
+    if len(starts) != len(marks):
+        raise RuntimeError(f"trace: {len(starts)} step annotations for {len(marks)} steps")
+    label = {True: f"steps <= {slots} tokens", False: f"steps > {slots} tokens"}
+    steps = [(t, label[b <= slots], kinds[b]) for t, b in zip(starts, marks)]
+    out = breakdown(events, steps, result.makespan_s)
+    groups = [label[True], label[False]]
+    span = result.makespan_s
+
+    def row(name, values):
+        total = sum(values)
+        return [name, *(f"{v:.3f}" for v in values), f"{total:.3f}", f"{total / span:.0%}"]
+
+    g = out["groups"]
+    rows = [row(k, [g.get(n, {}).get(k, 0.0) for n in groups]) for k in KINDS]
+    rows.append(row("XLA busy, no op event running (wall)", [g.get(n, {}).get("between_ops_s", 0.0) for n in groups]))
+    rows.append(["host only: no XLA op running (wall)", "", "", f"{out['host_only_s']:.3f}", f"{out['host_only_s'] / span:.0%}"])  # fmt: skip
+    header = ["op kind", *(f"{n} ({g.get(n, {}).get('steps', 0)}) s" for n in groups), "total s", "share of span"]
+    text = (
+        f"traced run: {span:.2f} s serving ({len(marks)} steps; the profiler slows it), XLA busy "
+        f"{out['xla_busy_s']:.2f} s; op seconds are summed over XLA's threads; XLA:CPU runs a large dot "
+        "asynchronously after its event ends, so the larger steps' dots count as 'no op event running'\n"
+        + markdown_table(header, rows)
+    )
+    return text, out
 
 
 # ---- transformers continuous batching ----
@@ -432,6 +489,8 @@ def main() -> None:
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--stream-mb", type=int, default=1024, help="array size for the bandwidth measurement")
     ap.add_argument("--profile", action="store_true", help="time cbjax's model-step calls in one extra run")
+    ap.add_argument("--trace", action="store_true",
+                    help="one extra cbjax run under JAX's profiler: op time by kind and the host-only rest")  # fmt: skip
     ap.add_argument("--out", default=str(REPO / "outputs" / "peer_transformers_{shape}.json"),
                     help="the figures as JSON ({shape} is replaced by --shape)")
     args = ap.parse_args()
@@ -464,6 +523,7 @@ def main() -> None:
                     tok_s, outs["transformers static"] = st_run(workload)
                     runs["transformers static"].append(tok_s)
             profile = profile_cbjax(cb_run, ex, workload) if args.profile else None
+            trace = trace_cbjax(cb_run, ex, workload, args.slots) if args.trace else None
             m = ex.metrics()  # before the bounds below compile their own programs
         finally:
             manager.stop(block=True, timeout=10)
@@ -508,6 +568,8 @@ def main() -> None:
     print("\n" + text)
     if profile:
         print("\nWhere cbjax's time goes (one extra run, each model step timed to completion):\n" + profile)
+    if trace:
+        print("\nWhere cbjax's time goes by op kind (one extra run, traced):\n" + trace[0])
     record = {
         "args": vars(args),
         "requests": num,
@@ -523,6 +585,7 @@ def main() -> None:
         },
         "cbjax_metrics": m,
         "bounds": figures,
+        "trace": trace[1] if trace else None,
     }
     out = Path(args.out.format(shape=args.shape))
     out.parent.mkdir(parents=True, exist_ok=True)

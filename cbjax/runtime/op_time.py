@@ -1,0 +1,131 @@
+"""Where a served run's time goes, read from a JAX profiler trace of XLA:CPU.
+
+Each op XLA:CPU runs (a fusion, a dot, a custom call) is one event on an XLA thread, named
+after its HLO instruction. `op_kinds` reads a compiled step's HLO text and sorts its
+instructions into kinds: the native matmul and attention custom calls, XLA's dots, loop
+containers (not counted: their ops are), and everything else (norms, RoPE, KV writes,
+gathers, argmax). `breakdown` takes the trace's events and the steps' start times (each step
+marked by a profiler annotation on the host) and sums every kind's op time per step size,
+beside the wall time XLA was busy and the host-only remainder. `python
+benchmarks/peer_transformers.py --trace` prints it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from bisect import bisect_right
+from pathlib import Path
+from typing import NamedTuple
+
+KINDS = ("matmul (native)", "matmul (XLA dot)", "attention (native)", "other XLA ops")
+_TARGET_KIND = {
+    "cbjax_layer_matmul": "matmul (native)",
+    "cbjax_single_groups": "attention (native)",
+    "cbjax_block_groups": "attention (native)",
+}
+_CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = .*?\s([a-z][\w\-]*)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def op_kinds(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> kind, for every instruction of a compiled program's HLO text
+    (containers map to "container")."""
+    kinds = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m is None:
+            continue
+        name, opcode = m.groups()
+        if opcode in _CONTAINERS:
+            kinds[name] = "container"
+        elif opcode == "custom-call":
+            target = _TARGET.search(line)
+            kinds[name] = _TARGET_KIND.get(target.group(1) if target else "", "other XLA ops")
+        elif opcode in ("dot", "convolution"):
+            kinds[name] = "matmul (XLA dot)"
+        else:
+            kinds[name] = "other XLA ops"
+    return kinds
+
+
+class Event(NamedTuple):
+    thread: str
+    name: str
+    start_us: float
+    dur_us: float
+
+
+def read_trace(directory: str) -> list[Event]:
+    """The complete ('X') events of the newest `*.trace.json.gz` under `directory`."""
+    files = sorted(Path(directory).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {directory}")
+    raw = json.loads(gzip.open(files[-1]).read())["traceEvents"]
+    threads = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in raw
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    return [
+        Event(threads.get((e["pid"], e["tid"]), ""), e["name"], float(e["ts"]), float(e.get("dur", 0.0)))
+        for e in raw
+        if e.get("ph") == "X"
+    ]
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def breakdown(events: list[Event], steps: list[tuple[float, str, dict[str, str]]], makespan_s: float) -> dict:
+    """Seconds per kind and step group.
+
+    `steps`: (start time in the trace's microseconds, group label, that step's `op_kinds`), one
+    per step in order; an XLA event belongs to the last step started before it. Returns
+    {"groups": {group: {kind: op seconds summed over XLA's threads, "steps": count,
+    "xla_busy_s": wall time with any XLA thread at work, "between_ops_s": of that, no op event
+    running}}, "xla_busy_s", "between_ops_s", "host_only_s" (makespan less XLA's busy time)}.
+    XLA:CPU runs a large dot asynchronously on its thread pool after the dot's own event ends,
+    so a group with XLA dots counts their work as between ops."""
+    steps = sorted(steps, key=lambda s: s[0])
+    starts = [s[0] for s in steps]
+    groups: dict[str, dict] = {}
+    busy: dict[str, list] = {}
+    ops: dict[str, list] = {}
+    for _, label, _ in steps:
+        groups.setdefault(label, {k: 0.0 for k in KINDS} | {"steps": 0})
+        groups[label]["steps"] += 1
+        busy.setdefault(label, [])
+        ops.setdefault(label, [])
+    for e in events:
+        if not e.thread.startswith("tf_XLA"):
+            continue
+        k = bisect_right(starts, e.start_us) - 1
+        if k < 0:  # before the first step: not this run's
+            continue
+        label, interval = steps[k][1], (e.start_us, e.start_us + e.dur_us)
+        busy[label].append(interval)
+        kind = steps[k][2].get(e.name)
+        if kind is None or kind == "container":  # the executor's own events, loops
+            continue
+        groups[label][kind] += e.dur_us * 1e-6
+        ops[label].append(interval)
+    for label, g in groups.items():
+        g["xla_busy_s"] = _union_us(busy[label]) * 1e-6
+        g["between_ops_s"] = g["xla_busy_s"] - _union_us(ops[label]) * 1e-6
+    busy_s = sum(g["xla_busy_s"] for g in groups.values())  # steps never overlap: the host waits for each
+    return {
+        "groups": groups,
+        "xla_busy_s": busy_s,
+        "between_ops_s": sum(g["between_ops_s"] for g in groups.values()),
+        "host_only_s": makespan_s - busy_s,
+        "makespan_s": makespan_s,
+    }
