@@ -43,6 +43,7 @@ also written as JSON to `--out` (default outputs/peer_transformers_<shape>.json)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -130,6 +131,17 @@ def cbjax_runner(model_dir: str, args):
     return run, ex.warmup_s, ex, model
 
 
+@contextlib.contextmanager
+def wrapped_steps(ex, wrap):
+    """Within the block, ex's compiled step for each bucket is wrap(bucket, step)."""
+    compiled = dict(ex._compiled)
+    ex._compiled.update({b: wrap(b, fn) for b, fn in compiled.items()})
+    try:
+        yield
+    finally:
+        ex._compiled.update(compiled)
+
+
 def profile_cbjax(run, ex, workload) -> str:
     """One more cbjax run with each model-step call timed to completion, summed by token bucket."""
     import jax
@@ -148,12 +160,8 @@ def profile_cbjax(run, ex, workload) -> str:
 
         return call
 
-    compiled = dict(ex._compiled)
-    ex._compiled.update({b: timed(b, fn) for b, fn in compiled.items()})
-    try:
+    with wrapped_steps(ex, timed):
         _, _, result = run(workload)
-    finally:
-        ex._compiled.update(compiled)
     device = sum(t for _, t in totals.values())
     span = result.makespan_s
     rows = [
@@ -184,17 +192,11 @@ def trace_cbjax(run, ex, workload, slots: int) -> tuple[str, dict]:
 
         return call
 
-    compiled = dict(ex._compiled)
-    ex._compiled.update({b: annotated(b, fn) for b, fn in compiled.items()})
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # no Python function events: the host runs near its own speed
     with tempfile.TemporaryDirectory() as directory:
-        try:
-            options = jax.profiler.ProfileOptions()
-            options.python_tracer_level = 0  # no Python function events: the host runs near its own speed
-            jax.profiler.start_trace(directory, profiler_options=options)
+        with wrapped_steps(ex, annotated), jax.profiler.trace(directory, profiler_options=options):
             _, _, result = run(workload)
-        finally:
-            jax.profiler.stop_trace()
-            ex._compiled.update(compiled)
         events = read_trace(directory)
     starts = sorted(e.start_us for e in events if e.name == "cbjax_step")
     if len(starts) != len(marks):
@@ -536,13 +538,14 @@ def main() -> None:
     gemm_s = {kind: gemm_floor_s(model, results[mid].bucket_calls, args.slots, kind) for kind in kinds}
 
     ref = outs["cbjax"]
+    identical = {name: sum(a == b for a, b in zip(outs[name], ref)) for name in systems}
+    paired = {name: [a / b for a, b in zip(runs["cbjax"], runs[name])] for name in systems[1:]}
     base = statistics.median(runs["transformers CB"])
     rows = []
     for name, values in runs.items():
         med = statistics.median(values)
-        same = sum(a == b for a, b in zip(outs[name], ref))
         rows.append((name, f"{med:.0f}", f"{min(values):.0f}-{max(values):.0f}", f"{med / base:.2f}x",
-                     f"{same}/{len(ref)}", f"{warm[name]:.1f}"))  # fmt: skip
+                     f"{identical[name]}/{len(ref)}", f"{warm[name]:.1f}"))  # fmt: skip
     total = sum(o for _, o in workload)
     prompts = [len(p) for p, _ in workload]
     print(f"--shape {args.shape}: {num} requests (prompts {min(prompts)}-{max(prompts)} tokens, {total} output tokens, "
@@ -552,10 +555,9 @@ def main() -> None:
     print(markdown_table(
         ["system", "tok/s (median)", "range", "vs transformers CB", "outputs identical to cbjax", "warmup s"], rows
     ))  # fmt: skip
-    for name in systems[1:]:
-        paired = [a / b for a, b in zip(runs["cbjax"], runs[name])]
-        print(f"cbjax / {name} per repeat: {', '.join(f'{r:.2f}x' for r in paired)}; "
-              f"median {statistics.median(paired):.2f}x")  # fmt: skip
+    for name, ratios in paired.items():
+        print(f"cbjax / {name} per repeat: {', '.join(f'{r:.2f}x' for r in ratios)}; "
+              f"median {statistics.median(ratios):.2f}x")  # fmt: skip
 
     result = results[mid]
     stats = result.stats
@@ -578,8 +580,8 @@ def main() -> None:
         "output_tokens": total,
         "tok_s": runs,
         "median_tok_s": {name: statistics.median(v) for name, v in runs.items()},
-        "paired_ratio": {name: [a / b for a, b in zip(runs["cbjax"], runs[name])] for name in systems[1:]},
-        "outputs_identical": {name: sum(a == b for a, b in zip(outs[name], ref)) for name in systems},
+        "paired_ratio": paired,
+        "outputs_identical": identical,
         "warmup_s": warm,
         "cbjax_median_run": {
             "iterations": stats.iterations, "makespan_s": result.makespan_s, "device_wait_s": result.device_wait_s,

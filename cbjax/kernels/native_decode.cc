@@ -216,24 +216,39 @@ void AttendOne(const Args& a, int64_t h, int64_t g, float* scores, float* m, flo
   Normalize(o, l, G, D);
 }
 
-using OneFn = void (*)(const Args&, int64_t, int64_t, float*, float*, float*);
+// The shapes the fixed-size routines are built for: a page of NK vectors of keys, head_dim ND
+// vectors. ForFixedShape returns pick(FixedShape<NK, ND>{}) for this page size and head_dim if
+// it is one of them, else `other`; the single and the block lists pick their routines from it.
+template <int NK, int ND>
+struct FixedShape {
+  static constexpr int kNK = NK, kND = ND;
+};
 
-// The single-list routine for this page size and head_dim: fixed-size when the page is one or
-// two vectors of keys and head_dim whole vectors, else the general one.
-OneFn PickOne(int64_t page_size, int64_t head_dim) {
+template <typename R, typename Pick>
+R ForFixedShape(int64_t page_size, int64_t head_dim, Pick pick, R other) {
   if (page_size == kLanes) {
-    if (head_dim == kLanes) return AttendOne<1, 1>;
-    if (head_dim == 2 * kLanes) return AttendOne<1, 2>;
-    if (head_dim == 4 * kLanes) return AttendOne<1, 4>;
-    if (head_dim == 8 * kLanes) return AttendOne<1, 8>;
+    if (head_dim == kLanes) return pick(FixedShape<1, 1>{});
+    if (head_dim == 2 * kLanes) return pick(FixedShape<1, 2>{});
+    if (head_dim == 4 * kLanes) return pick(FixedShape<1, 4>{});
+    if (head_dim == 8 * kLanes) return pick(FixedShape<1, 8>{});
   }
   if (page_size == 2 * kLanes) {
-    if (head_dim == 2 * kLanes) return AttendOne<2, 2>;
-    if (head_dim == 4 * kLanes) return AttendOne<2, 4>;
-    if (head_dim == 8 * kLanes) return AttendOne<2, 8>;
-    if (head_dim == 16 * kLanes) return AttendOne<2, 16>;
+    if (head_dim == 2 * kLanes) return pick(FixedShape<2, 2>{});
+    if (head_dim == 4 * kLanes) return pick(FixedShape<2, 4>{});
+    if (head_dim == 8 * kLanes) return pick(FixedShape<2, 8>{});
+    if (head_dim == 16 * kLanes) return pick(FixedShape<2, 16>{});
   }
-  return AttendOne<0, 0>;
+  return other;
+}
+
+using OneFn = void (*)(const Args&, int64_t, int64_t, float*, float*, float*);
+
+// The single-list routine for this page size and head_dim: fixed-size where ForFixedShape
+// has one, else the general one.
+OneFn PickOne(int64_t page_size, int64_t head_dim) {
+  return ForFixedShape<OneFn>(
+      page_size, head_dim, [](auto s) -> OneFn { return AttendOne<decltype(s)::kNK, decltype(s)::kND>; },
+      AttendOne<0, 0>);
 }
 
 // Work items [begin, end) of the kv_heads * capacity pairs.
@@ -356,19 +371,8 @@ void PageAny(int rows, const float* const* q, const float* kt, const float* vp, 
 
 // The vectorized page routine for this page size and head_dim, or nullptr (the scalar loops).
 PageFn FastPage(int64_t page_size, int64_t head_dim) {
-  if (page_size == kLanes) {
-    if (head_dim == kLanes) return PageAny<1, 1>;
-    if (head_dim == 2 * kLanes) return PageAny<1, 2>;
-    if (head_dim == 4 * kLanes) return PageAny<1, 4>;
-    if (head_dim == 8 * kLanes) return PageAny<1, 8>;
-  }
-  if (page_size == 2 * kLanes) {
-    if (head_dim == 2 * kLanes) return PageAny<2, 2>;
-    if (head_dim == 4 * kLanes) return PageAny<2, 4>;
-    if (head_dim == 8 * kLanes) return PageAny<2, 8>;
-    if (head_dim == 16 * kLanes) return PageAny<2, 16>;
-  }
-  return nullptr;
+  return ForFixedShape<PageFn>(
+      page_size, head_dim, [](auto s) -> PageFn { return PageAny<decltype(s)::kNK, decltype(s)::kND>; }, nullptr);
 }
 
 // One (kv head, group) pair: block x group query rows over the row's keys, each query causal
