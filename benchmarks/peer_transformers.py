@@ -337,7 +337,7 @@ def gemm_floor_s(model: ModelConfig, bucket_calls: dict[int, int], num_rows: int
     first min(bucket, num_rows) rows (as the step runs it), in one jitted program per bucket;
     medians of repeated calls. matmul="xla": XLA's dots, each layer with weights of its own (no
     slicing from a stack); "native": cbjax's kernel (`executor.matmul=native`) on the stacked
-    weights, as the step runs it. Summed over a run's bucket calls, it is the time those GEMMs
+    weights in panel order, as the step runs it. Summed over a run's bucket calls, it is the time those GEMMs
     alone need for the step shapes the run used, padding included."""
     import jax
     import jax.numpy as jnp
@@ -352,10 +352,11 @@ def gemm_floor_s(model: ModelConfig, bucket_calls: dict[int, int], num_rows: int
               for _ in range(model.num_layers)]  # fmt: skip
     head = w(d, model.vocab_size)
     if matmul == "native":
-        from cbjax.kernels.native import layer_matmul
+        from cbjax.kernels.native import layer_matmul, to_panels
 
-        layers = {k: jnp.stack([lw[k] for lw in layers]) for k in layers[0]}  # [num_layers, in, out]
-        head = head[None]
+        # [num_layers, in, out], in panel order as the executor holds them
+        layers = {k: jax.device_put(to_panels(np.stack([lw[k] for lw in layers]))) for k in layers[0]}
+        head = jax.device_put(to_panels(np.asarray(head)[None]))
 
         @jax.jit
         def gemms(x, stacked, head):

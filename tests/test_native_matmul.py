@@ -12,9 +12,10 @@ from cbjax.kernels import native
 from cbjax.kernels.registry import resolve_matmul
 
 # (rows, k, n): one row to more than a row tile (6); n covering the wide column tiles (4 vectors),
-# single vectors and a scalar remainder on AVX2 (8 lanes) and AVX-512 (16 lanes) alike; one
-# product large enough to be split over threads.
-SHAPES = [(1, 3, 5), (4, 64, 128), (7, 33, 80), (13, 16, 200), (32, 256, 517)]
+# single vectors and a scalar remainder on AVX2 (8 lanes) and AVX-512 (16 lanes) alike (one
+# row-major panel), and whole panels of 64 (2 and 8); two products large enough to be split
+# over threads.
+SHAPES = [(1, 3, 5), (4, 64, 128), (7, 33, 80), (13, 16, 200), (32, 256, 517), (32, 96, 512)]
 
 
 def _draw(rng, *shape):
@@ -27,29 +28,52 @@ def test_layer_matmul_equals_float64_numpy_for_the_chosen_layer(rows, k, n):
     x, w = _draw(rng, rows, k), _draw(rng, 3, k, n)
     fn = jax.jit(native.layer_matmul)
     for layer in (0, 2):
-        got = np.asarray(fn(jnp.asarray(x), jnp.asarray(w), jnp.int32(layer)))
+        got = np.asarray(fn(jnp.asarray(x), jnp.asarray(native.to_panels(w)), jnp.int32(layer)))
         want = x.astype(np.float64) @ w[layer].astype(np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"layer {layer}")
 
 
 def test_layer_index_is_clipped_and_several_axes_contract():
     rng = np.random.default_rng(0)
-    x, w = _draw(rng, 2, 5, 4, 3), _draw(rng, 2, 4, 3, 6, 7)  # x [2, 5, 4, 3] contracts [4, 3] of w's layers
-    got = np.asarray(native.layer_matmul(jnp.asarray(x), jnp.asarray(w), 9, num_in=2))
+    # x [2, 5, 4, 3] contracts [4, 3] of w's layers; out [2, 64]: two panels
+    x, w = _draw(rng, 2, 5, 4, 3), _draw(rng, 2, 4, 3, 2, 64)
+    wp = jnp.asarray(native.to_panels(w, num_in=2))
+    got = np.asarray(native.layer_matmul(jnp.asarray(x), wp, 9, num_in=2))
     want = np.tensordot(x.astype(np.float64), w[1].astype(np.float64), axes=2)  # layer 9 -> the last, 1
-    assert got.shape == (2, 5, 6, 7)
+    assert got.shape == (2, 5, 2, 64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    got = np.asarray(native.layer_matmul(jnp.asarray(x), jnp.asarray(w), -4, num_in=2))
+    got = np.asarray(native.layer_matmul(jnp.asarray(x), wp, -4, num_in=2))
     np.testing.assert_allclose(got, np.tensordot(x.astype(np.float64), w[0].astype(np.float64), axes=2), rtol=1e-5, atol=1e-5)
+
+
+def test_panel_order_by_hand_and_back():
+    # a [2, 128] matrix: panel 0 is columns 0-63 of rows 0 and 1, then panel 1 is columns 64-127
+    w = np.arange(2 * 128, dtype=np.float32).reshape(1, 2, 128)
+    flat = native.to_panels(w).reshape(-1)
+    assert native.to_panels(w).shape == (1, 2, 128)
+    np.testing.assert_array_equal(flat[:64], np.arange(0, 64))  # row 0, columns 0-63
+    np.testing.assert_array_equal(flat[64:128], np.arange(128, 192))  # row 1, columns 0-63
+    np.testing.assert_array_equal(flat[128:192], np.arange(64, 128))  # row 0, columns 64-127
+    np.testing.assert_array_equal(flat[192:], np.arange(192, 256))  # row 1, columns 64-127
+    # n = 96 is no multiple of 64: the matrix stays row-major
+    odd = np.arange(3 * 96, dtype=np.float32).reshape(1, 3, 96)
+    np.testing.assert_array_equal(native.to_panels(odd), odd)
+    # from_panels undoes it for one matrix, several axes contracted and out
+    w = np.random.default_rng(0).standard_normal((4, 3, 2, 64)).astype(np.float32)
+    packed = native.to_panels(w, num_in=2, lead=0)
+    assert not np.array_equal(packed, w)
+    np.testing.assert_array_equal(np.asarray(native.from_panels(jnp.asarray(packed), num_in=2)), w)
 
 
 def test_a_rows_result_is_the_same_alone_and_in_a_threaded_batch():
     # 32 x 256 x 517 is split over threads; each output still sums over k in order
     rng = np.random.default_rng(1)
-    x, w = jnp.asarray(_draw(rng, 32, 256)), jnp.asarray(_draw(rng, 1, 256, 517))
-    batch = np.asarray(native.layer_matmul(x, w))
-    for r in (0, 5, 31):
-        np.testing.assert_array_equal(np.asarray(native.layer_matmul(x[r : r + 1], w))[0], batch[r])
+    x = jnp.asarray(_draw(rng, 32, 256))
+    for n in (517, 512):  # row-major, and 8 panels
+        w = jnp.asarray(native.to_panels(_draw(rng, 1, 256, n)))
+        batch = np.asarray(native.layer_matmul(x, w))
+        for r in (0, 5, 31):
+            np.testing.assert_array_equal(np.asarray(native.layer_matmul(x[r : r + 1], w))[0], batch[r], err_msg=f"n {n}")
 
 
 @pytest.mark.parametrize("rows, k, n", [(1, 3, 5), (4, 64, 130), (7, 33, 9), (32, 40, 4099)])

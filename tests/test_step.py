@@ -71,7 +71,7 @@ def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads, mat
     more = dict(attention_bias=True, o_proj_bias=True, mlp_bias=True, tie_embeddings=True) if extras else {}
     cfg = ModelConfig(num_heads=4, num_kv_heads=num_kv_heads, max_model_len=32, **more)
     model = Llama(cfg, seed=1)
-    graphdef, weights = split_model(model.fused())
+    graphdef, weights = split_model(model.fused(), matmul)
     dense_def, dense_state = nnx.split(model)
     dense_fn = jax.jit(lambda state, tokens: forward_dense(nnx.merge(dense_def, state), tokens))
 

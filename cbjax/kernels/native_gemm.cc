@@ -10,10 +10,14 @@
 //
 // Inputs (row-major):
 //   x      f32[rows, k]
-//   w      f32[layers, k, n]   (layers may be 1: an unstacked matrix)
-//   layer  s32[]               which layer of w; clipped to [0, layers)
+//   w      f32[layers, panels, k, P]   the weights in panel order (cbjax.kernels.native.to_panels):
+//                                      panel p holds columns [p * P, (p + 1) * P) of the [k, n]
+//                                      matrix, k rows of P floats, so a column tile streams its
+//                                      weights contiguously; one panel of P = n is the plain
+//                                      row-major matrix. layers may be 1 (an unstacked matrix).
+//   layer  s32[]                       which layer of w; clipped to [0, layers)
 // Output:
-//   y      f32[rows, n]        x @ w[layer]
+//   y      f32[rows, n]                x @ w[layer], n = panels * P
 //
 // "cbjax_matmul_nt" is x f32[rows, k] times w f32[n, k] transposed (the tied LM head: the
 // embedding table contracted on its last axis, read in place rather than transposed).
@@ -46,23 +50,27 @@ struct Args {
   const float* w;
   float* y;
   int64_t rows, k, n;
+  int64_t ld;  // floats from one k row of a panel to the next: the panel width (n for one panel)
 };
 
-// y[r0 : r0 + R, c0 : c0 + V * kLanes] with R x V vector accumulators.
+// y[r0 : r0 + R, c0 : c0 + V * kLanes] with R x V vector accumulators; the tile lies within one
+// panel.
 template <int R, int V>
 inline void Tile(const Args& a, int64_t r0, int64_t c0) {
   Vec acc[R][V];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < V; ++j) acc[i][j] = Vec{};
   const float* x = a.x + r0 * a.k;
-  const float* w = a.w + c0;
+  const float* w = a.w + c0 / a.ld * a.k * a.ld + c0 % a.ld;
+  // Narrow panels stream contiguously, which the hardware prefetcher follows. In the plain
+  // row-major matrix (one panel) consecutive k rows are n floats apart, for wide matrices a new
+  // 4 KB page each, where it stops: there fetch kPrefetch rows ahead.
+  const bool prefetch = a.ld == a.n;
   for (int64_t kk = 0; kk < a.k; ++kk) {
-    // Consecutive k rows are n floats apart, a new 4 KB page each for wide matrices, where the
-    // hardware prefetcher stops: fetch kPrefetch rows ahead (weights streamed from memory).
-    if (kk + kPrefetch < a.k)
-      for (int j = 0; j < V; ++j) __builtin_prefetch(w + (kk + kPrefetch) * a.n + j * kLanes);
+    if (prefetch && kk + kPrefetch < a.k)
+      for (int j = 0; j < V; ++j) __builtin_prefetch(w + (kk + kPrefetch) * a.ld + j * kLanes);
     Vec b[V];
-    for (int j = 0; j < V; ++j) b[j] = Load(w + kk * a.n + j * kLanes);
+    for (int j = 0; j < V; ++j) b[j] = Load(w + kk * a.ld + j * kLanes);
     for (int i = 0; i < R; ++i) {
       const Vec s = Splat(x[i * a.k + kk]);
       for (int j = 0; j < V; ++j) acc[i][j] += s * b[j];
@@ -89,12 +97,12 @@ void Columns(const Args& a, int64_t c0, int64_t c1) {
   }
 }
 
-// The last n % kLanes columns, scalar.
+// The last n % kLanes columns, scalar (one panel: ld == n).
 void Ragged(const Args& a, int64_t c0) {
   for (int64_t r = 0; r < a.rows; ++r)
     for (int64_t c = c0; c < a.n; ++c) {
       float acc = 0.0f;
-      for (int64_t kk = 0; kk < a.k; ++kk) acc += a.x[r * a.k + kk] * a.w[kk * a.n + c];
+      for (int64_t kk = 0; kk < a.k; ++kk) acc += a.x[r * a.k + kk] * a.w[kk * a.ld + c];
       a.y[r * a.n + c] = acc;
     }
 }
@@ -117,11 +125,16 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("cbjax_layer_matmul: x must be [rows, k] and w [layers, k, n]");
+  if (xd.size() != 2 || wd.size() != 4 || xd[1] != wd[2]) {
+    return ffi::Error::InvalidArgument("cbjax_layer_matmul: x must be [rows, k] and w [layers, panels, k, P]");
+  }
+  // Column tiles must not straddle panels: several panels need a width of whole wide tiles.
+  if (wd[1] > 1 && wd[3] % kWide != 0) {
+    return ffi::Error::InvalidArgument("cbjax_layer_matmul: a panel width must be a multiple of the column tile");
   }
   const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
-  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2], y->typed_data(), xd[0], xd[1], wd[2]};
+  const int64_t n = wd[1] * wd[3];
+  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), xd[0], xd[1], n, wd[3]};
   const int64_t tiles = a.n / kWide;
   // Threads pay off once a share is worth more than handing it over (a few microseconds).
   const int64_t flops = 2 * a.rows * a.k * a.n;
@@ -184,7 +197,7 @@ ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("cbjax_matmul_nt: x must be [rows, k] and w [n, k]");
   }
-  Args a{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]};
+  Args a{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], xd[1]};
   const int64_t flops = 2 * a.rows * a.k * a.n;
   const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), a.n / 4, flops / 400000});
   const int64_t chunks = threads > 1 ? std::min<int64_t>(a.n / 4, threads * 8) : 1;
@@ -208,6 +221,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmul, LayerMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [layers, panels, k, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

@@ -113,7 +113,7 @@ class JaxExecutor:
         self.packer = BatchPacker(self.shapes, tiles=self.attention in GROUPED)
         # Serving layout: q/k/v and gate/up fused into one matmul each (same model, same numbers).
         llama = llama if llama is not None else Llama(model, seed=seed)
-        self.graphdef, self.weights = split_model(llama.fused())
+        self.graphdef, self.weights = split_model(llama.fused(), self.matmul)
         cache_args = (model.num_layers, model.num_kv_heads, model.head_dim, cache.num_pages, cache.page_size, model.dtype)
         # executor.mesh.tensor > 1, or several processes: sharded (cbjax.runtime.mesh); else one device.
         self.tp = self.link = None

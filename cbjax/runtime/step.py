@@ -31,6 +31,7 @@ from flax import nnx
 
 from cbjax.kernels.metadata import AttentionMetadata
 from cbjax.kernels.registry import attention_op
+from cbjax.model.llama import Dense
 from cbjax.runtime.kv_cache import KVCache, write_layer
 from cbjax.runtime.sampling import sample
 
@@ -64,17 +65,30 @@ def check_batch(batch: DeviceBatch) -> None:
         )
 
 
-def split_model(model) -> tuple[tuple, tuple]:
-    """(graphdef, weights) of an NNX Llama for `model_step`: graphdef = (the model without its
-    layers, one layer) is static and hashable; weights = (that model's state, every layer's
-    state stacked on a leading num_layers axis)."""
+def split_model(model, matmul: str = "xla") -> tuple[tuple, tuple]:
+    """(graphdef, weights) of an NNX Llama for `model_step` with this resolved `matmul`:
+    graphdef = (the model without its layers, one layer, matmul) is static and hashable;
+    weights = (that model's state, every layer's state stacked on a leading num_layers axis).
+    For matmul="native" the weight matrices (the layers' kernels, an untied LM head) are in
+    panel order (`cbjax.kernels.native.to_panels`), as the native matmul reads them."""
+    if matmul not in ("native", "xla"):
+        raise ValueError(f"split_model: matmul must be a resolved 'native' or 'xla', got {matmul!r}")
     layers = list(model.layers)
     layer_def, _ = nnx.split(layers[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
     shell = nnx.clone(model)
     shell.layers = nnx.List([])
+    if matmul == "native":
+        from cbjax.kernels.native import to_panels
+
+        num_in = {path: dense.num_in for path, dense in nnx.iter_graph(layers[0]) if isinstance(dense, Dense)}
+        for path, var in nnx.to_flat_state(stacked):
+            if path[-1] == "kernel":
+                var.set_value(jax.device_put(to_panels(var.get_value(), num_in[path[:-1]], lead=1)))
+        if shell.lm_head is not None:
+            shell.lm_head.set_value(jax.device_put(to_panels(shell.lm_head.get_value(), 1, lead=0)))
     outer_def, outer_state = nnx.split(shell)
-    return (outer_def, layer_def), (outer_state, stacked)
+    return (outer_def, layer_def, matmul), (outer_state, stacked)
 
 
 # The most token rows the native matmul takes in a step: its row tiles stream the whole input
@@ -99,14 +113,17 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     rows) runs on it too, a tied one reading the embedding table in place. Larger steps, and
     "xla": jnp.tensordot on the scan's slices (XLA's blocked GEMM wins at many rows)."""
     check_batch(batch)
-    outer_def, layer_def = graphdef
+    outer_def, layer_def, split_for = graphdef
     outer_state, layer_states = weights
     model = nnx.merge(outer_def, outer_state)
     attn_fn = attention_op(attention)
     num_layers = cache.k.shape[0]
     if matmul not in ("native", "xla"):
         raise ValueError(f"model_step: matmul must be a resolved 'native' or 'xla', got {matmul!r}")
-    extra, head_mm, head_t = (), None, None
+    if split_for != matmul:  # the weights' layout is the matmul's
+        raise ValueError(f"model_step: matmul={matmul!r} needs weights from split_model(model, matmul={matmul!r}), "
+                         f"got weights split for {split_for!r}")  # fmt: skip
+    extra, head_mm, head_t, large_mm = (), None, None, None
     if matmul == "native":
         from cbjax.kernels import native
 
@@ -116,6 +133,8 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
             # the kernels [num_layers, ...] are read whole by every layer; the rest is sliced
             stacked, layer_states = nnx.split_state(layer_states, nnx.PathContains("kernel"), ...)
             extra = (stacked,)
+        else:  # XLA's GEMM on a row-major copy of each layer's (sliced) panels
+            large_mm = lambda x, w, num_in: jnp.tensordot(x, native.from_panels(w, num_in), num_in)  # noqa: E731
 
     def attend(q, k, v, k_pages, v_pages, md, write_idx, layer_idx):
         k_pages = write_layer(k_pages, layer_idx, write_idx, k)
@@ -135,7 +154,7 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         x, k_pages, v_pages = carry
         layer_state, layer_idx = xs
         layer = nnx.merge(layer_def, layer_state, *extra)
-        mm = None
+        mm = large_mm
         if extra:
             mm = lambda x, w, num_in: native.layer_matmul(x, w, layer_idx, num_in)  # noqa: E731
         q, k, v = layer.qkv(x, batch.positions, mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
