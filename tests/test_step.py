@@ -112,6 +112,12 @@ def test_inconsistent_batch_shapes_name_them():
     cache = KVCache(k=jnp.zeros(shape), v=jnp.zeros(shape))
     with pytest.raises(ValueError, match=r"inconsistent batch shapes: tokens \(8,\), positions \(4,\)"):
         model_step(weights, cache, bad, graphdef=graphdef, attention="reference")
+    # the native matmul reads weights in panel order: row-major ones are refused, naming both
+    with pytest.raises(ValueError, match=r"matmul='native' needs weights from split_model\(model, matmul='native'\), "
+                                         r"got weights split for 'xla'"):  # fmt: skip
+        model_step(weights, cache, batch, graphdef=graphdef, attention="reference", matmul="native")
+    with pytest.raises(ValueError, match="split_model: matmul must be a resolved 'native' or 'xla', got 'auto'"):
+        split_model(Llama(cfg, seed=0).fused(), "auto")
 
 
 def test_first_argmax_is_the_first_maximum():
