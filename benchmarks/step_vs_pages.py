@@ -57,7 +57,7 @@ def main() -> None:
         for bucket in args.buckets:
             host = ex.packer.empty(bucket)
             compiled = model_step.lower(ex.weights, ex.cache, to_device(host), graphdef=ex.graphdef,
-                                        attention=ex.attention).compile()  # fmt: skip
+                                        attention=ex.attention, matmul=ex.matmul).compile()  # fmt: skip
             copies = cache_sized_ops(compiled.as_text(), ex.cache.k.shape)
             times = []
             for i in range(args.calls + 1):
