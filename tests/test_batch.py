@@ -84,6 +84,29 @@ def test_pack_pads_idle_rows_and_refreshes_a_slot_when_its_pages_grow():
     assert b.page_table[0, :3].tolist() == [4, 5, 8] and b.write_idx.tolist() == [16, 0]
 
 
+def test_sampling_knobs_follow_each_slots_request_across_steps():
+    # steady steps reuse the last step's knobs; a new request in a slot, or rows in another
+    # order, must show at once, and an earlier batch's arrays never change
+    shapes = plan_shapes(num_rows=3, max_model_len=16, page_size=2, max_num_batched_tokens=16, token_buckets=[4, 16])
+    packer = BatchPacker(shapes, tiles=True)
+    a = req("a", [1, 2], [3], computed=2, new=1, slot=0)
+    b = req("b", [4, 5], [6], computed=2, new=1, slot=2, temperature=0.25)
+    tables = {"a": [1, 2], "b": [3, 4], "c": [5, 6]}
+
+    def knobs(reqs):
+        batch = packer.pack(Schedule(num_slots=3, decodes=reqs, page_tables=tables, page_size=2))
+        return batch.sampling[0].tolist(), batch.sampling[3].tolist(), batch
+
+    first_t, first_seed, first = knobs([a, b])
+    assert first_t == [0.0, 0.25, 0.0] and first_seed == [7, 7, 0]
+    assert knobs([a, b])[0] == [0.0, 0.25, 0.0]
+    assert knobs([b, a])[0] == [0.25, 0.0, 0.0]  # row order follows the plan
+    c = req("c", [7], [8], computed=1, new=1, slot=0, temperature=0.75)  # a new request in a's slot
+    c.sampling.seed = 9
+    assert knobs([c, b])[:2] == ([0.75, 0.25, 0.0], [9, 7, 0])
+    assert first.sampling[0].tolist() == first_t and first.sampling[3].tolist() == first_seed
+
+
 # The hand-counted step of the tile tests: row 0 one decode token at position 1, row 1 three new
 # tokens at positions 1..3, row 2 one decode token at position 4; a bucket of 6 tokens.
 HAND_QUERY_START = np.array([0, 1, 4, 5], np.int32)

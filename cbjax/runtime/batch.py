@@ -67,6 +67,11 @@ class BatchPacker:
         self._slot_table = np.zeros((num_slots, shapes.max_pages), np.int32)  # i32[num_slots, max_pages]
         self._slot_key: list[tuple[int, int, int]] = [(0, 0, 0)] * num_slots  # (request, admission, pages)
         self._slot_sampling = SamplingArrays(num_slots)
+        # The last step's row-order sampling knobs, reused while the same slots hold the same
+        # requests (a steady decode step); a new request in any slot bumps the version.
+        self._sampling_version = 0
+        self._last_sampling: tuple = (None, None)
+        self._iota = np.arange(max(num_slots, shapes.token_buckets[-1]) + 1, dtype=np.int32)
 
     def capacity(self, bucket: int) -> tuple[tuple[int, int], ...]:
         """Static ((capacity, chunk) single, (capacity, chunk) block) groups for a step of `bucket` tokens."""
@@ -122,7 +127,7 @@ class BatchPacker:
             if total == used:  # every row has one token: decodes
                 tokens[:used] = [c[0] for c in chunks]
                 positions[:used] = starts_a
-                token_row[:used] = np.arange(used)
+                token_row[:used] = self._iota[:used]
             else:
                 tokens[:total] = np.concatenate([np.asarray(c, np.int32) for c in chunks])
                 token_row[:total] = np.repeat(np.arange(used, dtype=np.int32), counts_a)
@@ -133,14 +138,17 @@ class BatchPacker:
         write_idx[:total] = row_pages * page_size + positions[:total] % page_size
         logits_idx = np.zeros(num_rows, np.int32)
         logits_idx[:used] = query_start[1 : used + 1] - 1
-        sp = self._slot_sampling
-        sampling = (
-            _rows(sp.temperature, slots, num_rows, 0.0),
-            _rows(sp.top_k, slots, num_rows, 0),
-            _rows(sp.top_p, slots, num_rows, 1.0),
-            _rows(sp.seed, slots, num_rows, 0),
-            kv_lens.copy(),  # the index of the token each row generates
-        )
+        key = (self._sampling_version, tuple(slots))
+        if self._last_sampling[0] != key:
+            sp = self._slot_sampling
+            knobs = (
+                _rows(sp.temperature, slots, num_rows, 0.0),
+                _rows(sp.top_k, slots, num_rows, 0),
+                _rows(sp.top_p, slots, num_rows, 1.0),
+                _rows(sp.seed, slots, num_rows, 0),
+            )
+            self._last_sampling = (key, knobs)
+        sampling = (*self._last_sampling[1], kv_lens.copy())  # and the index of the token each row generates
         tiles = None
         if self.with_tiles:
             tiles = build_tiles(query_start, kv_lens, bucket, page_size, BLOCK_Q, self.capacity(bucket))
@@ -157,6 +165,7 @@ class BatchPacker:
         if self._slot_key[slot] != key:
             if self._slot_key[slot][:2] != key[:2]:
                 self._slot_sampling.set(slot, req)
+                self._sampling_version += 1
             if len(pages) > self.shapes.max_pages:
                 raise ValueError(
                     f"request {req.request_id}: holds {len(pages)} pages, the page table has {self.shapes.max_pages}"

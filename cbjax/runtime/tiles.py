@@ -15,6 +15,7 @@ block list: its program compiles without the block pass and runs none of it.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -84,8 +85,7 @@ def build_tiles(
         tok_row = np.repeat(np.arange(len(n)), n)
         pos = kv_lens[tok_row] - (query_start[tok_row + 1] - np.arange(total))  # each token's position
         single = _pack(np.arange(total)[:, None], tok_row, pos // page_size + 1, capacity[0], num_tokens)
-        none = np.zeros(0, np.int64)
-        return single, _pack(np.zeros((0, block), np.int64), none, none, capacity[1], num_tokens)
+        return single, _empty_list(block, capacity[1], num_tokens)
     rows1 = np.flatnonzero(n == 1)
     single = _pack(starts[rows1][:, None], rows1, (kv_lens[rows1] - 1) // page_size + 1, capacity[0], num_tokens)
     rows2 = np.flatnonzero(n >= 2)
@@ -144,6 +144,17 @@ def _ranges(counts: np.ndarray) -> np.ndarray:
         return np.zeros(0, np.int64)
     ends = np.cumsum(counts)
     return np.arange(total) - np.repeat(ends - counts, counts)
+
+
+@functools.lru_cache(maxsize=None)
+def _empty_list(block: int, capacity: tuple[int, int], num_tokens: int) -> tuple:
+    """The empty group list of a step without a block list: the same read-only arrays every step
+    (one per bucket), not eight numpy calls each."""
+    none = np.zeros(0, np.int64)
+    out = _pack(np.zeros((0, block), np.int64), none, none, capacity, num_tokens)
+    for a in out[:3]:  # the last is a scalar
+        a.flags.writeable = False
+    return out
 
 
 def _pack(q_idx, row, pages, capacity, num_tokens):
