@@ -24,7 +24,9 @@ def req(rid, prompt, outputs, computed, new, slot, temperature=0.0):
 
 
 def test_default_token_buckets_by_hand():
-    assert default_token_buckets(32, 8192) == [4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert default_token_buckets(32, 8192) == [4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    assert default_token_buckets(32, 2500) == [4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 1536, 2048, 2500]
+    assert default_token_buckets(48, 5000) == [4, 8, 16, 24, 40, 48, 96, 192, 384, 768, 1536, 2304, 3072, 4608, 5000]
     assert default_token_buckets(48, 100) == [4, 8, 16, 24, 40, 48, 96, 100]
     assert default_token_buckets(4, 100) == [4, 8, 16, 32, 64, 100]
     assert default_token_buckets(1, 16) == [1, 2, 4, 8, 16]
