@@ -106,12 +106,14 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     """The step's body, unjitted: `model_step` jits it for one device, `cbjax.runtime.mesh`
     with explicit shardings for a tensor-parallel `mesh` (attention then runs per shard).
 
-    matmul="native" (a resolved `executor.matmul`, one device, f32): in a step of at most
-    NATIVE_MAX_ROWS tokens the layers' weight matrices stay out of the scan's sliced inputs,
-    and the native kernel multiplies by layer `i` of the stacked matrix in place (XLA would
-    copy each layer's weights out of the stack first); the LM head (at most the slot count's
-    rows) runs on it too, a tied one reading the embedding table in place. Larger steps, and
-    "xla": jnp.tensordot on the scan's slices (XLA's blocked GEMM wins at many rows)."""
+    matmul="native" (a resolved `executor.matmul`, one device, f32; the weights from
+    `split_model(model, matmul="native")`, their matrices in panel order): in a step of at
+    most NATIVE_MAX_ROWS tokens the layers' weight matrices stay out of the scan's sliced
+    inputs, and the native kernel multiplies by layer `i` of the stacked matrix in place (XLA
+    would copy each layer's weights out of the stack first); the LM head (at most the slot
+    count's rows) runs on it too, a tied one reading the embedding table in place. Larger
+    steps give XLA's GEMM a row-major copy of each layer's slice (XLA's blocked GEMM wins at
+    many rows); "xla": jnp.tensordot on the scan's slices."""
     check_batch(batch)
     outer_def, layer_def, split_for = graphdef
     outer_state, layer_states = weights
