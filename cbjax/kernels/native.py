@@ -216,26 +216,29 @@ def panel_width(n: int) -> int:
     return PANEL if n % PANEL == 0 else n
 
 
+def _panel_dims(shape: tuple[int, ...], num_in: int, lead: int) -> tuple[int, int, int]:
+    """(k, n, P) of the [k, n] matrices in an array of `shape`: `lead` leading axes, then
+    `num_in` contracted axes, then the output axes; P = `panel_width(n)`."""
+    k = int(np.prod(shape[lead : lead + num_in]))
+    n = int(np.prod(shape[lead + num_in :]))
+    return k, n, panel_width(n)
+
+
 def to_panels(w, num_in: int = 1, lead: int = 1) -> np.ndarray:
     """w [*lead, *in, *out] (`lead` leading axes, `num_in` contracted axes) with each [k, n]
     matrix rearranged in panel order, as `layer_matmul` reads it: the same shape, the columns
     [p * P, (p + 1) * P) of every k row stored together as panel p (P = `panel_width(n)`). On
     the host (numpy): no program compiles for it."""
     w = np.asarray(w)
-    lead_shape = w.shape[:lead]
-    k = int(np.prod(w.shape[lead : lead + num_in]))
-    n = int(np.prod(w.shape[lead + num_in :]))
-    p = panel_width(n)
-    m = w.reshape(*lead_shape, k, n // p, p)
+    k, n, p = _panel_dims(w.shape, num_in, lead)
+    m = w.reshape(*w.shape[:lead], k, n // p, p)
     return np.ascontiguousarray(np.moveaxis(m, -2, -3)).reshape(w.shape)
 
 
 def from_panels(w: jax.Array, num_in: int = 1) -> jax.Array:
     """The inverse of `to_panels` for one matrix w [*in, *out] (no leading axes), in jnp: the
     steps over NATIVE_MAX_ROWS tokens give XLA's GEMM a row-major copy of each layer."""
-    k = int(np.prod(w.shape[:num_in]))
-    n = int(np.prod(w.shape[num_in:]))
-    p = panel_width(n)
+    k, n, p = _panel_dims(w.shape, num_in, 0)
     return jnp.swapaxes(w.reshape(n // p, k, p), 0, 1).reshape(w.shape)
 
 
@@ -249,12 +252,11 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, num_in:
     if error is not None:
         raise RuntimeError(f"executor.matmul=native: {error}")
     in_shape, out_shape = w.shape[1 : 1 + num_in], w.shape[1 + num_in :]
+    k, n, p = _panel_dims(w.shape, num_in, 1)
     if x.shape[x.ndim - num_in :] != in_shape or x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"layer_matmul: x {x.dtype}{list(x.shape)} does not contract with w {w.dtype}{list(w.shape)} "
                          f"over {num_in} axes (both float32)")  # fmt: skip
     lead = x.shape[: x.ndim - num_in]
-    k, n = int(np.prod(in_shape)), int(np.prod(out_shape))
-    p = panel_width(n)
     rows = int(np.prod(lead))
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     y = jax.ffi.ffi_call("cbjax_layer_matmul", out)(

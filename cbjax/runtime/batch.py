@@ -71,7 +71,6 @@ class BatchPacker:
         # requests (a steady decode step); a new request in any slot bumps the version.
         self._sampling_version = 0
         self._last_sampling: tuple = (None, None)
-        self._iota = np.arange(max(num_slots, shapes.token_buckets[-1]) + 1, dtype=np.int32)
 
     def capacity(self, bucket: int) -> tuple[tuple[int, int], ...]:
         """Static ((capacity, chunk) single, (capacity, chunk) block) groups for a step of `bucket` tokens."""
@@ -127,7 +126,7 @@ class BatchPacker:
             if total == used:  # every row has one token: decodes
                 tokens[:used] = [c[0] for c in chunks]
                 positions[:used] = starts_a
-                token_row[:used] = self._iota[:used]
+                token_row[:used] = np.arange(used)
             else:
                 tokens[:total] = np.concatenate([np.asarray(c, np.int32) for c in chunks])
                 token_row[:total] = np.repeat(np.arange(used, dtype=np.int32), counts_a)
