@@ -67,7 +67,11 @@ def serve(
     `on_step(plan, end_s, num_batched_tokens)` runs after each iteration's postprocess.
     `stop` is checked at each iteration boundary (and while idle): once set, the loop ends
     and everything unfinished is aborted. `on_finish` sees each request once, as it ends
-    (rejections included); `tick` is called every loop turn (e.g. to flush a log)."""
+    (rejections included); `tick` is called every loop turn (e.g. to flush a log).
+
+    With a pipelined executor (`executor.async_scheduling`) the loop launches step t+1 before
+    it reads step t's tokens: `Scheduler.advance` at launch, `Scheduler.commit` when the
+    tokens come, and the host's scheduling and packing run while the device computes."""
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     stats = IterationStats()
     bar = _progress_bar(len(requests)) if progress else None
@@ -75,6 +79,10 @@ def serve(
     pool_slots = alloc.num_usable_pages * alloc.page_size
     finish_iteration = stats.finish_iteration
     virtual = executor.virtual_clock
+    # Pipelined (executor.async_scheduling): step t+1 is scheduled, packed and launched before
+    # step t's tokens are read; `inflight` is step t: (plan, launched step, its iteration).
+    pipelined = bool(getattr(executor, "pipelined", False)) and not virtual
+    inflight = None
     wall0 = time.perf_counter()
     t0 = wall0
     now = 0.0
@@ -82,6 +90,50 @@ def serve(
     num_done_reported = 0
     num_seen = 0  # scheduler.finished[:num_seen] went to on_finish
     interrupted = False
+
+    def record(plan: Schedule) -> int:
+        """The iteration's counters, as the plan leaves the scheduler; returns its batched tokens."""
+        batched = plan.num_batched_tokens  # before postprocess clears the requests' num_new_tokens
+        stats.iterations += 1
+        stats.occupied_slot_iterations += plan.num_scheduled
+        stats.batched_tokens += batched
+        used = alloc.num_used_pages
+        stats.pages_used_sum += used
+        if used > stats.pages_used_peak:
+            stats.pages_used_peak = used
+        stats.kv_util_sum += alloc.token_utilization()
+        sums = stats.kv_share_sums
+        for i, slots in enumerate(scheduler.kv_breakdown()):
+            sums[i] += slots / pool_slots
+        if plan.num_scheduled > stats.batch_peak:
+            stats.batch_peak = plan.num_scheduled
+        return batched
+
+    def finished(plan: Schedule, batched: int, done: list[Request], iteration: int, end: float) -> None:
+        nonlocal num_done_reported
+        for req in done:
+            finish_iteration[req.request_id] = iteration
+        if on_step is not None:
+            on_step(plan, end, batched)
+        if bar is not None and len(scheduler.finished) != num_done_reported:
+            bar.update(len(scheduler.finished) - num_done_reported)
+            num_done_reported = len(scheduler.finished)
+
+    def land() -> None:
+        """Pipelined: read the step in flight's tokens and commit them."""
+        nonlocal inflight, now, last_end
+        plan, launched, batched, iteration = inflight
+        inflight = None
+        out = executor.collect(launched)
+        now = time.perf_counter() - t0
+        # the step's share of the wall clock: from its launch, or from the last step's end
+        stats.busy_s += now - max(launched.start - t0, last_end)
+        last_end = now
+        t_post = time.perf_counter()
+        done = scheduler.commit(plan, out.token_ids, now, out.errors)
+        stats.postprocess_s += time.perf_counter() - t_post
+        finished(plan, batched, done, iteration, now)
+
     while True:
         if on_finish is not None and len(scheduler.finished) > num_seen:
             for req in scheduler.finished[num_seen:]:
@@ -96,6 +148,9 @@ def serve(
             now = time.perf_counter() - t0
         while pending and pending[0].arrival_s <= now:
             scheduler.add(pending.popleft(), now)
+        if inflight is not None and (not scheduler.has_work() or scheduler.needs_sync()):
+            land()  # nothing to overlap with, or the next plan may preempt: tokens first
+            continue
         if not scheduler.has_work():
             if not pending:
                 break
@@ -112,43 +167,37 @@ def serve(
         plan = scheduler.schedule(now)
         t_exec = time.perf_counter()
         stats.schedule_s += t_exec - t_sched
-        n = plan.num_scheduled
-        if n == 0:
+        if plan.num_scheduled == 0 and inflight is not None:
+            land()  # the step in flight may end requests whose pages or slots the plan needs
+            continue
+        if plan.num_scheduled == 0:
             raise RuntimeError(
                 f"scheduler made no progress at t={now:.3f}s with {len(scheduler.policy)} waiting and "
                 f"{len(scheduler.running)} running; this is a bug"
             )
+        batched = record(plan)
+        if pipelined:
+            launched = executor.launch(plan)
+            if inflight is not None:
+                land()
+            t_post = time.perf_counter()
+            scheduler.advance(plan, time.perf_counter() - t0)
+            stats.postprocess_s += time.perf_counter() - t_post
+            inflight = (plan, launched, batched, stats.iterations)
+            continue
         out = executor.execute(plan)
         if virtual:
             now += out.duration_s
         else:
             now = time.perf_counter() - t0
         last_end = now
-        stats.iterations += 1
         stats.busy_s += out.duration_s
-        stats.occupied_slot_iterations += n
-        batched = plan.num_batched_tokens
-        stats.batched_tokens += batched
-        used = alloc.num_used_pages
-        stats.pages_used_sum += used
-        if used > stats.pages_used_peak:
-            stats.pages_used_peak = used
-        stats.kv_util_sum += alloc.token_utilization()
-        sums = stats.kv_share_sums
-        for i, slots in enumerate(scheduler.kv_breakdown()):
-            sums[i] += slots / pool_slots
-        if n > stats.batch_peak:
-            stats.batch_peak = n
         t_post = time.perf_counter()
         done = scheduler.postprocess(plan, out.token_ids, now, out.errors)
         stats.postprocess_s += time.perf_counter() - t_post
-        for req in done:
-            finish_iteration[req.request_id] = stats.iterations
-        if on_step is not None:
-            on_step(plan, now, batched)
-        if bar is not None and len(scheduler.finished) != num_done_reported:
-            bar.update(len(scheduler.finished) - num_done_reported)
-            num_done_reported = len(scheduler.finished)
+        finished(plan, batched, done, stats.iterations, now)
+    if inflight is not None:  # stopped (or capped) with a step in flight: its tokens count
+        land()
     if pending or scheduler.has_work():
         for req in pending:
             scheduler.add(req, now)

@@ -69,6 +69,31 @@ def test_pack_mixes_decodes_fresh_prefills_and_a_chunk_in_plan_order():
     assert (b.num_rows_used, b.num_tokens_used) == (4, 7)
 
 
+def test_a_token_still_on_the_device_is_fed_from_the_previous_steps_row():
+    shapes = plan_shapes(num_rows=4, max_model_len=32, page_size=4, max_num_batched_tokens=64, token_buckets=[4, 8, 16, 64])
+    packer = BatchPacker(shapes, tiles=False)
+    # d1 and d2 yielded a token in the step still running (rows 2 and 0 there); d3's is on the host
+    d1 = req("d1", [5, 6, 7], [8, 9], computed=5, new=1, slot=2)
+    d2 = req("d2", [1], [], computed=1, new=1, slot=0)
+    d3 = req("d3", [4, 4], [3], computed=2, new=1, slot=1)
+    p1 = req("p1", [11, 12, 13], [], computed=0, new=3, slot=3)
+    packer.prev_rows = {d2: 0, d1: 2}
+    plan = Schedule(num_slots=4, decodes=[d1, d2, d3], prefills=[p1], page_size=4,
+                    page_tables={"d1": [3, 9], "d2": [4], "d3": [5], "p1": [6]})  # fmt: skip
+    b = packer.pack(plan)
+    assert b.tokens.tolist() == [0, 0, 3, 11, 12, 13, 0, 0]
+    assert b.feed.tolist() == [2, 0, -1, -1, -1, -1, -1, -1]
+    assert b.positions.tolist()[:6] == [5, 1, 2, 0, 1, 2]
+    assert packer.empty(4).feed.tolist() == [-1] * 4
+    # a token neither on the host nor in the step launched last, or a prefill past the known tokens
+    packer.prev_rows = {d1: 2}
+    with pytest.raises(RuntimeError, match="request d2's last token is not on the host"):
+        packer.pack(plan)
+    chunk = req("c", [1, 2], [3], computed=0, new=4, slot=0)
+    with pytest.raises(RuntimeError, match=r"prefills tokens \[0, 4\), only 3 are known"):
+        packer.pack(Schedule(num_slots=4, prefills=[chunk], page_size=4, page_tables={"c": [4]}))
+
+
 def test_pack_pads_idle_rows_and_refreshes_a_slot_when_its_pages_grow():
     shapes = plan_shapes(num_rows=3, max_model_len=16, page_size=2, max_num_batched_tokens=16, token_buckets=[2, 16])
     packer = BatchPacker(shapes, tiles=False)

@@ -1,5 +1,6 @@
 """The JAX engine end to end: continuous batching must produce exactly what decoding alone does."""
 
+import collections
 import functools
 import json
 import shutil
@@ -183,6 +184,55 @@ def test_tight_pool_with_chunked_prefill_and_prefix_caching_preempts_and_keeps_o
     for rid, req in alone.items():
         assert out[rid].finish_reason is FinishReason.LENGTH
         assert out[rid].output_token_ids == req.output_token_ids, rid
+
+
+def test_pipelined_serving_equals_one_step_at_a_time_and_stops_on_tokens():
+    """executor.async_scheduling (the default) launches step t+1 before step t's tokens are
+    read. Outputs and finish reasons must equal one step at a time, requests that stop on a
+    token included (their row in the step launched meanwhile is wasted, then dropped)."""
+    reqs = workload(10, wseed=3, max_prompt=40, max_out=20, stagger_s=0.0)
+    base, _, _ = run_engine(reqs, num_slots=4, chunked=True, async_scheduling=False)
+    counts = collections.Counter(t for r in base.values() for t in r.output_token_ids[1:-1])
+    stop = counts.most_common(1)[0][0]  # a token several requests generate mid-output
+    for req in reqs:
+        req.sampling = SamplingParams(max_tokens=req.sampling.max_tokens, ignore_eos=True, stop_token_ids=[stop])
+
+    def expected(rid):  # the unstopped output cut after its first stop token
+        out = base[rid].output_token_ids
+        return (out[: out.index(stop) + 1], FinishReason.STOP) if stop in out else (out, FinishReason.LENGTH)
+
+    sync, _, sync_ex = run_engine(reqs, num_slots=4, chunked=True, async_scheduling=False)
+    ex = make_executor(4, chunked=True)
+    in_flight, overlapped = [], []
+    launch, collect = ex.launch, ex.collect
+
+    def spy_launch(plan):
+        overlapped.append(bool(in_flight))
+        in_flight.append(launch(plan))
+        return in_flight[-1]
+
+    def spy_collect(launched):
+        in_flight.remove(launched)
+        return collect(launched)
+
+    ex.launch, ex.collect = spy_launch, spy_collect
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=BUDGET, chunked_prefill=True),
+                      CacheConfig(num_pages=512, page_size=4), MODEL.max_model_len, vocab_size=MODEL.vocab_size)  # fmt: skip
+    ex.warmup()
+    result = serve([fresh(r) for r in reqs], sched, ex)
+    assert sum(overlapped) > len(overlapped) // 2 and not in_flight  # most steps launched with one in flight
+    assert ex.metrics()["async_scheduling"] and not sync_ex.metrics()["async_scheduling"]
+    assert ex.metrics()["device_calls_per_iteration"] == 1.0 and ex.metrics()["compiles_after_warmup"] == 0
+    stopped = 0
+    for req in result.requests:
+        want, reason = expected(req.request_id)
+        assert (req.output_token_ids, req.finish_reason) == (want, reason), req.request_id
+        got = sync[req.request_id]
+        assert (got.output_token_ids, got.finish_reason) == (want, reason), req.request_id
+        assert req.num_generated == len(want) and req.scheduled_s <= req.first_token_s <= req.finish_s
+        stopped += reason is FinishReason.STOP and len(want) < req.sampling.max_tokens
+    assert stopped >= 2
+    assert len(result.tbt_s) == sum(len(r.output_token_ids) - 1 for r in result.requests)
 
 
 def test_swap_round_trip_restores_pages_exactly():

@@ -379,3 +379,68 @@ def test_a_swap_in_cancelled_by_the_same_plan_keeps_the_host_copy(reqs, num_slot
     served_or_rejected = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.MAX_MODEL_LEN, FinishReason.REJECTED)
     assert all(r.finish_reason in served_or_rejected for r in requests)
     assert sched.swap_used == 0 and not executor.host
+
+
+# ---- pipelined serving: postprocess split into advance (at launch) and commit (tokens) ----
+
+
+def _pipelined_scheduler(num_slots=2, num_pages=64):
+    cfg = SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=64)
+    return Scheduler(cfg, CacheConfig(num_pages=num_pages, page_size=4), 1000, eos_token_id=2, vocab_size=100)
+
+
+def _req(rid, prompt, max_tokens):
+    return Request(rid, 0.0, len(prompt), list(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def test_advance_then_commit_by_hand_a_late_eos_and_an_early_slot():
+    sched = _pipelined_scheduler()
+    a, b, c = _req("a", [5, 6, 7], 3), _req("b", [8, 9, 10], 5), _req("c", [11, 12], 2)
+    for req in (a, b, c):
+        sched.add(req, 0.0)
+    p1 = sched.schedule(0.0)
+    assert p1.prefills == [a, b] and not sched.needs_sync()
+    sched.advance(p1, 0.0)  # both prefills yield their first token, not on the host yet
+    assert (a.num_generated, b.num_generated) == (1, 1) and a.output_token_ids == [] and a.first_token_s is None
+    p2 = sched.schedule(0.1)  # planned before p1's tokens are read
+    assert p2.decodes == [a, b]
+    assert sched.commit(p1, [10, 11], 0.2) == []
+    assert (a.output_token_ids, b.output_token_ids, a.first_token_s) == ([10], [11], 0.2)
+    sched.advance(p2, 0.2)
+    p3 = sched.schedule(0.3)
+    assert p3.decodes == [a, b]
+    # b's second token is EOS: it ends at commit, after p3 (which holds it) was planned
+    assert sched.commit(p2, [12, 2], 0.4) == [b]
+    assert (b.finish_reason, b.finish_s, b.output_token_ids) == (FinishReason.EOS, 0.4, [11, 2])
+    assert sched.running == [a] and sched.slots[1] is None
+    sched.advance(p3, 0.4)  # b's row in p3 is wasted: skipped; a reaches max_tokens=3 and ends
+    assert b.num_generated == 2 and a.num_generated == 3
+    assert a.is_finished and a.finish_reason is None and a not in sched.finished
+    assert sched.running == [] and sched.slots == [None, None]
+    p4 = sched.schedule(0.5)  # a's slot and pages serve c before a's last token is read
+    assert p4.prefills == [c] and c.slot == 0
+    assert sched.commit(p3, [13, 77], 0.6) == [a]
+    assert (a.output_token_ids, a.finish_reason, a.finish_s, a.last_token_s) == ([10, 12, 13], FinishReason.LENGTH, 0.6, 0.6)
+    assert b.output_token_ids == [11, 2]  # its wasted row's token is dropped
+    with pytest.raises(RuntimeError, match="not the one advanced last"):
+        sched.commit(p3, [0], 0.7)
+    sched.advance(p4, 0.7)
+    with pytest.raises(RuntimeError, match="previous step is not committed"):
+        sched.advance(p4, 0.7)
+    assert sched.commit(p4, [3], 0.8) == [] and c.output_token_ids == [3]
+    assert sched.tbt_s == pytest.approx([0.2, 0.2, 0.2])  # a: 0.2 -> 0.4 -> 0.6; b: 0.2 -> 0.4
+    sched.allocator.check_invariants()
+
+
+def test_a_plan_that_may_preempt_waits_for_the_commit():
+    # 9 usable pages of 4 tokens: two requests at 16 tokens hold 8 and need 2 more at 17
+    sched = _pipelined_scheduler(num_pages=10)
+    a, b = _req("a", list(range(3, 19)), 8), _req("b", list(range(3, 19)), 8)
+    for req in (a, b):
+        sched.add(req, 0.0)
+    p1 = sched.schedule(0.0)
+    assert p1.prefills == [a, b] and len(sched.allocator.page_tables["a"]) == 4
+    sched.advance(p1, 0.0)
+    assert sched.needs_sync()  # the decodes at 17 tokens need 2 pages, 1 is free
+    with pytest.raises(RuntimeError, match="preemption with a step's tokens uncommitted"):
+        sched.schedule(0.1)

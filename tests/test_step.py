@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,10 +109,13 @@ def test_inconsistent_batch_shapes_name_them():
     graphdef, weights = split_model(Llama(cfg, seed=0).fused())
     shapes = plan_shapes(2, 16, PAGE_SIZE, 8, token_buckets=[8])
     batch = to_device(BatchPacker(shapes, tiles=False).empty(8))
-    bad = type(batch)(batch.tokens, batch.positions[:4], batch.write_idx, batch.md, batch.logits_idx, batch.sampling)
+    bad = dataclasses.replace(batch, positions=batch.positions[:4])
     shape = (cfg.num_layers, cfg.num_kv_heads, 8, PAGE_SIZE, cfg.head_dim)
     cache = KVCache(k=jnp.zeros(shape), v=jnp.zeros(shape))
     with pytest.raises(ValueError, match=r"inconsistent batch shapes: tokens \(8,\), positions \(4,\)"):
+        model_step(weights, cache, bad, graphdef=graphdef, attention="reference")
+    bad = dataclasses.replace(batch, prev_tokens=batch.prev_tokens[:1])
+    with pytest.raises(ValueError, match=r"feed \(8,\), prev_tokens \(1,\)"):
         model_step(weights, cache, bad, graphdef=graphdef, attention="reference")
     # the native matmul reads weights in panel order: row-major ones are refused, naming both
     with pytest.raises(ValueError, match=r"matmul='native' needs weights from split_model\(model, matmul='native'\), "

@@ -216,6 +216,11 @@ class ExecutorConfig:
     # JAX's persistent compilation cache: a rerun loads programs instead of compiling them.
     # None (null) turns it off.
     compilation_cache_dir: Optional[str] = "~/.cache/cbjax/jax"
+    # Pipelined serving (vLLM's async scheduling): the host schedules and packs step t+1 while
+    # step t runs, and step t+1 reads step t's tokens on the device. Outputs are the same; a
+    # request that stops on a token (EOS, a stop token) costs one wasted row in the step after.
+    # One process without tensor parallelism only (elsewhere steps run one at a time).
+    async_scheduling: bool = True
     mesh: MeshConfig = field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:

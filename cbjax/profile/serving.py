@@ -26,13 +26,15 @@ MIN_SERVED = 10
 
 class TimedExecutor:
     """Passes each iteration to `inner` and records its rows and clock: `rows_at` (before the
-    recorder's own bookkeeping), `start`/`end` (around `inner.execute`), and `idle`: whether
-    the loop idled waiting for an arrival before it (it turned more than once: `tick`)."""
+    recorder's own bookkeeping), `start`/`end` (around `inner.execute`; when `inner` is
+    pipelined, at `launch` and after `collect`), and `idle`: whether the loop idled waiting
+    for an arrival before it (it turned more than once: `tick`)."""
 
     virtual_clock = False
 
     def __init__(self, inner):
         self.inner = inner
+        self.pipelined = bool(getattr(inner, "pipelined", False))
         self.rows: list[list[tuple[int, int, bool]]] = []
         self.num_scheduled: list[int] = []
         self.rows_at: list[float] = []
@@ -52,13 +54,19 @@ class TimedExecutor:
         """The engine is warm already: the profile warmed it before the grid."""
 
     def execute(self, plan: Schedule) -> StepOutput:
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: Schedule):
         self.rows_at.append(time.perf_counter())
         self.idle.append(self._turns > 1)
         self._turns = 0
         self.rows.append(plan.cost_rows())
         self.num_scheduled.append(plan.num_scheduled)
         self.start.append(time.perf_counter())
-        out = self.inner.execute(plan)
+        return self.inner.launch(plan)
+
+    def collect(self, launched) -> StepOutput:
+        out = self.inner.collect(launched)
         self.end.append(time.perf_counter())
         return out
 
@@ -124,10 +132,17 @@ def served_points(
     """(steps, gaps): per iteration its features, the seconds `execute` took as the loop called
     it, and whether the loop idled before it; per iteration but the last whose next one the
     loop went to straight away, (its rows, the loop's host seconds until that `execute`, the
-    recorder's own bookkeeping excluded)."""
+    recorder's own bookkeeping excluded).
+
+    Pipelined serving overlaps the loop's host work with the step in flight: an iteration's
+    seconds are then its share of the wall clock, from its launch or the previous step's end
+    (whichever is later) to its own end, and there are no gaps."""
     steps = []
     recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the previous iterations' buckets, latest first
-    for rows, t0, t1, idle in zip(timed.rows, timed.start, timed.end, timed.idle):
+    starts = timed.start
+    if timed.pipelined:
+        starts = [max(t0, prev) for t0, prev in zip(timed.start, [float("-inf")] + timed.end[:-1])]
+    for rows, t0, t1, idle in zip(timed.rows, starts, timed.end, timed.idle):
         bucket, features = step_features(rows, shapes, native)
         kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
         steps.append({
@@ -139,7 +154,7 @@ def served_points(
     gaps = [
         (n, nxt - end)
         for n, end, nxt, idle in zip(timed.num_scheduled, timed.end, timed.rows_at[1:], timed.idle[1:])
-        if not idle
+        if not idle and not timed.pipelined
     ]
     return steps, gaps
 

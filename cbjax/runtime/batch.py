@@ -3,7 +3,9 @@
 Rows of the fixed slot array are filled in plan order (decodes, then prefills), so row r's
 sampled token is `plan.requests[r]`'s. Row r's new tokens are its request's tokens
 [num_computed, num_computed + num_new_tokens) of prompt-plus-generated, laid out contiguously
-in the flat buffer; the buffer is padded to the plan's token bucket. The persistent per-slot
+in the flat buffer; the buffer is padded to the plan's token bucket. Under pipelined serving
+a decode's token may not be on the host yet (the step that sampled it is still running): its
+slot in the buffer names that step's output row instead (`feed`), set in `prev_rows`. The persistent per-slot
 buffers (page-table rows, sampling knobs) change only when a slot's request, admission or
 page count changes, so a steady decode step rewrites almost nothing.
 """
@@ -34,6 +36,7 @@ class HostBatch:
     token_row: np.ndarray  # i32[T]
     token_pos: np.ndarray  # i32[T]; padding -1
     logits_idx: np.ndarray  # i32[R]: each row's last flat token (idle rows 0)
+    feed: np.ndarray  # i32[T]: -1, or the previous step's output row whose token goes in this slot
     sampling: tuple[np.ndarray, ...]  # temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], position i32[R]
     tiles: Optional[tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]]  # XLA ragged backend only
     num_rows_used: int
@@ -71,6 +74,8 @@ class BatchPacker:
         # requests (a steady decode step); a new request in any slot bumps the version.
         self._sampling_version = 0
         self._last_sampling: tuple = (None, None)
+        # request -> its row in the step launched last, whose tokens may not be on the host yet
+        self.prev_rows: dict[Request, int] = {}
 
     def capacity(self, bucket: int) -> tuple[tuple[int, int], ...]:
         """Static ((capacity, chunk) single, (capacity, chunk) block) groups for a step of `bucket` tokens."""
@@ -78,22 +83,33 @@ class BatchPacker:
 
     def empty(self, bucket: int) -> HostBatch:
         """An all-padding batch of `bucket` tokens (warmup)."""
-        return self._assemble(bucket, [], [], [], [], [])
+        return self._assemble(bucket, [], [], [], [])
 
     def pack(self, plan: Schedule) -> HostBatch:
         reqs = plan.requests
         if len(reqs) > self.shapes.num_rows:
             raise ValueError(f"pack: {len(reqs)} scheduled requests exceed the {self.shapes.num_rows} slots")
-        slots, starts, counts, chunks = [], [], [], []
+        slots, starts, counts, chunks, fed = [], [], [], [], []
         page_tables = plan.page_tables
-        for req in reqs:
+        for i, req in enumerate(reqs):
             s = req.slot
             self._sync_slot(s, req, page_tables[req.request_id])
             n, lo = req.num_new_tokens, req.num_computed
+            p = req.prompt_len
             if n == 1:  # a decode (or a one-token prefill): the token at position lo
-                p = req.prompt_len
-                chunks.append([req.output_token_ids[lo - p] if lo >= p else req.prompt_ids()[lo]])
+                if lo < p:
+                    chunks.append([req.prompt_ids()[lo]])
+                elif lo - p < len(req.output_token_ids):
+                    chunks.append([req.output_token_ids[lo - p]])
+                else:  # sampled by the step still running: read from its output on the device
+                    chunks.append([0])
+                    fed.append((i, self._prev_row(req)))
             else:
+                if lo + n > p + len(req.output_token_ids):
+                    raise RuntimeError(
+                        f"pack: request {req.request_id} prefills tokens [{lo}, {lo + n}), only "
+                        f"{p + len(req.output_token_ids)} are known; this is a bug"
+                    )
                 seq = req.prompt_ids()
                 if lo + n > len(seq):
                     seq = seq + req.output_token_ids
@@ -102,9 +118,18 @@ class BatchPacker:
             starts.append(lo)
             counts.append(n)
         total = sum(counts)
-        return self._assemble(self.shapes.bucket(max(total, 1)), slots, starts, counts, chunks, reqs)
+        return self._assemble(self.shapes.bucket(max(total, 1)), slots, starts, counts, chunks, fed)
 
-    def _assemble(self, bucket, slots, starts, counts, chunks, reqs) -> HostBatch:
+    def _prev_row(self, req: Request) -> int:
+        row = self.prev_rows.get(req)
+        if row is None:
+            raise RuntimeError(
+                f"pack: request {req.request_id}'s last token is not on the host and it was not in "
+                f"the step launched last; this is a bug"
+            )
+        return row
+
+    def _assemble(self, bucket, slots, starts, counts, chunks, fed=()) -> HostBatch:
         s = self.shapes
         num_rows, page_size = s.num_rows, s.page_size
         used = len(slots)
@@ -137,6 +162,9 @@ class BatchPacker:
         write_idx[:total] = row_pages * page_size + positions[:total] % page_size
         logits_idx = np.zeros(num_rows, np.int32)
         logits_idx[:used] = query_start[1 : used + 1] - 1
+        feed = np.full(bucket, -1, np.int32)
+        for row, prev in fed:
+            feed[query_start[row]] = prev
         key = (self._sampling_version, tuple(slots))
         if self._last_sampling[0] != key:
             sp = self._slot_sampling
@@ -153,7 +181,7 @@ class BatchPacker:
             tiles = build_tiles(query_start, kv_lens, bucket, page_size, BLOCK_Q, self.capacity(bucket))
         return HostBatch(
             tokens=tokens, positions=positions, write_idx=write_idx, page_table=page_table, query_start=query_start,
-            kv_lens=kv_lens, token_row=token_row, token_pos=token_pos, logits_idx=logits_idx, sampling=sampling,
+            kv_lens=kv_lens, token_row=token_row, token_pos=token_pos, logits_idx=logits_idx, feed=feed, sampling=sampling,
             tiles=tiles, num_rows_used=used, num_tokens_used=total,
         )  # fmt: skip
 

@@ -79,7 +79,7 @@ def follow(cfg: RunConfig) -> None:
 def _arrays(batch) -> list[np.ndarray]:
     """The batch's arrays in a fixed order (HostBatch fields, sampling, then tiles)."""
     out = [batch.tokens, batch.positions, batch.write_idx, batch.page_table, batch.query_start, batch.kv_lens]
-    out += [batch.token_row, batch.token_pos, batch.logits_idx, *batch.sampling]
+    out += [batch.token_row, batch.token_pos, batch.logits_idx, batch.feed, *batch.sampling]
     for tiles in batch.tiles or ():
         out += list(tiles)
     return [np.asarray(a) for a in out]
@@ -90,7 +90,7 @@ def _rebuild(template, arrays: list[np.ndarray], num_rows_used: int, num_tokens_
     it = iter(arrays)
     fields = {
         name: next(it)
-        for name in ("tokens", "positions", "write_idx", "page_table", "query_start", "kv_lens", "token_row", "token_pos", "logits_idx")
+        for name in ("tokens", "positions", "write_idx", "page_table", "query_start", "kv_lens", "token_row", "token_pos", "logits_idx", "feed")
     }
     sampling = tuple(next(it) for _ in template.sampling)
     tiles = None if template.tiles is None else tuple(tuple(next(it) for _ in t) for t in template.tiles)

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -70,7 +71,11 @@ def enable_compilation_cache(path: Optional[str]) -> Optional[str]:
 _COMPILED: dict[tuple, object] = {}
 
 
-def to_device(batch: HostBatch) -> DeviceBatch:
+def to_device(batch: HostBatch, prev_tokens=None) -> DeviceBatch:
+    """The step's argument for `batch`; `prev_tokens` (i32[R], default zeros) is the previous
+    step's output, which the batch's `feed` slots read."""
+    if prev_tokens is None:
+        prev_tokens = np.zeros(batch.logits_idx.shape, np.int32)
     work = None
     if batch.tiles is not None:
         single, block = batch.tiles
@@ -81,12 +86,29 @@ def to_device(batch: HostBatch) -> DeviceBatch:
     )  # fmt: skip
     return DeviceBatch(
         tokens=batch.tokens, positions=batch.positions, write_idx=batch.write_idx, md=md,
-        logits_idx=batch.logits_idx, sampling=batch.sampling,
+        logits_idx=batch.logits_idx, sampling=batch.sampling, feed=batch.feed, prev_tokens=prev_tokens,
     )  # fmt: skip
 
 
+@dataclass
+class Launched:
+    """A step dispatched by `JaxExecutor.launch`, its tokens still on the device."""
+
+    plan: Schedule
+    rows: int  # rows used
+    tokens: jax.Array  # i32[R]
+    start: float  # perf_counter at launch
+    dispatch_s: float  # host seconds in the step call (dispatch)
+
+
 class JaxExecutor:
-    """The real-engine side of the executor interface."""
+    """The real-engine side of the executor interface.
+
+    `execute(plan)` runs one step and returns its tokens. Pipelined serving
+    (`executor.async_scheduling`, `cbjax.engine.serve`) splits it: `launch(plan)` packs and
+    dispatches the step and returns at once, `collect(launched)` waits for its tokens. A step
+    launched before the previous one is collected takes that step's tokens on the device
+    (`DeviceBatch.feed`), so the host schedules and packs step t+1 while step t runs."""
 
     virtual_clock = False
 
@@ -117,6 +139,7 @@ class JaxExecutor:
         cache_args = (model.num_layers, model.num_kv_heads, model.head_dim, cache.num_pages, cache.page_size, model.dtype)
         # executor.mesh.tensor > 1, or several processes: sharded (cbjax.runtime.mesh); else one device.
         self.tp = self.link = None
+        self.pipelined = cfg.async_scheduling
         if cfg.mesh.tensor > 1 or jax.process_count() > 1:
             from cbjax.runtime.mesh import TensorParallel
 
@@ -129,6 +152,9 @@ class JaxExecutor:
                 self.link = PlanLink(self.packer, is_source=jax.process_index() == 0)
         else:
             self.cache = init_cache(*cache_args)
+        if self.tp is not None:  # the previous step's tokens are a replicated global array there
+            self.pipelined = False
+        self._prev_tokens = np.zeros(self.shapes.num_rows, np.int32)  # the last launched step's output
         widths, w = [], 1
         while w < self.shapes.max_pages:
             widths.append(w)
@@ -162,7 +188,9 @@ class JaxExecutor:
         return None
 
     def _device_batch(self, batch: HostBatch) -> DeviceBatch:
-        return to_device(batch) if self.tp is None else self.tp.to_global(to_device(batch))
+        if self.tp is not None:
+            return self.tp.to_global(to_device(batch))
+        return to_device(batch, self._prev_tokens)
 
     def _step(self, batch: HostBatch):
         """One model step, then the sampler if any row samples; the tokens, still on the device."""
@@ -268,6 +296,11 @@ class JaxExecutor:
         self.warmup_s = time.perf_counter() - t0
 
     def execute(self, plan: Schedule) -> StepOutput:
+        """One step, run to completion: its tokens on the host."""
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: Schedule) -> Launched:
+        """Swap, pack and dispatch the step; its tokens stay on the device until `collect`."""
         t0 = time.perf_counter()
         if plan.swap_out or plan.swap_in:  # before the step, swap-outs first: they may free swap-in pages
             self._swap.swap_out(self.cache, plan.swap_out)
@@ -279,11 +312,9 @@ class JaxExecutor:
             self.link.send(batch)
         t2 = time.perf_counter()
         out = self._step(batch)
-        out = np.asarray(out) if self.tp is None else self.tp.fetch(out)  # the one device->host copy
-        t3 = time.perf_counter()
-        n = batch.num_rows_used
-        token_ids = out[:n].tolist()
-        errors = {i: "non-finite logits" for i, t in enumerate(token_ids) if t < 0} or None
+        if self.tp is None:  # the next step may read these tokens before the host does
+            self._prev_tokens = out
+            self.packer.prev_rows = {req: i for i, req in enumerate(plan.requests)}
         if plan.decodes and plan.prefills:
             self.mixed_iterations += 1
         if any(r.num_computed > 0 for r in plan.prefills):  # a chunk, recompute, prefix hit or swap-in
@@ -292,8 +323,18 @@ class JaxExecutor:
         self.bucket_calls[bucket] = self.bucket_calls.get(bucket, 0) + 1
         self.num_steps += 1
         self.host_pack_s += t2 - t1
-        self.device_s += t3 - t2
-        return StepOutput(token_ids=token_ids, duration_s=time.perf_counter() - t0, errors=errors)
+        return Launched(plan, batch.num_rows_used, out, t0, time.perf_counter() - t2)
+
+    def collect(self, launched: Launched) -> StepOutput:
+        """Wait for a launched step's tokens: the one device->host copy of the iteration."""
+        t0 = time.perf_counter()
+        out = launched.tokens
+        out = np.asarray(out) if self.tp is None else self.tp.fetch(out)
+        t1 = time.perf_counter()
+        token_ids = out[: launched.rows].tolist()
+        errors = {i: "non-finite logits" for i, t in enumerate(token_ids) if t < 0} or None
+        self.device_s += launched.dispatch_s + t1 - t0
+        return StepOutput(token_ids=token_ids, duration_s=time.perf_counter() - launched.start, errors=errors)
 
     def metrics(self) -> dict:
         after = compile_count() - self._compiles_at_warmup if self._compiles_at_warmup is not None else None
@@ -315,6 +356,7 @@ class JaxExecutor:
             "context_iterations": self.context_iterations,
             "host_pack_s": self.host_pack_s,
             "device_wait_s": self.device_s,
+            "async_scheduling": self.pipelined,
             "swap_s": self.swap_s,
             "compilation_cache_dir": self.cache_dir,
             "mesh_tensor": 1 if self.tp is None else self.tp.tensor,

@@ -38,7 +38,7 @@ from cbjax.runtime.sampling import sample
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "positions", "write_idx", "md", "logits_idx", "sampling"],
+    data_fields=["tokens", "positions", "write_idx", "md", "logits_idx", "sampling", "feed", "prev_tokens"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,10 @@ class DeviceBatch:
     md: AttentionMetadata
     logits_idx: jax.Array  # i32[R]
     sampling: tuple  # temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], position i32[R]
+    # Pipelined serving: token slot t takes prev_tokens[feed[t]] where feed[t] >= 0 (a decode
+    # whose token the previous step sampled and the host has not read yet), else tokens[t].
+    feed: jax.Array  # i32[T]
+    prev_tokens: jax.Array  # i32[R]: the previous step's output (its greedy or sampled tokens)
 
 
 def check_batch(batch: DeviceBatch) -> None:
@@ -56,12 +60,14 @@ def check_batch(batch: DeviceBatch) -> None:
     t = batch.tokens.shape
     r = batch.md.kv_lens.shape
     bad = batch.positions.shape != t or batch.write_idx.shape != t or batch.md.token_pos.shape != t
+    bad |= batch.feed.shape != t or batch.prev_tokens.shape != r
     bad |= batch.logits_idx.shape != r or any(a.shape != r for a in batch.sampling)
     if len(t) != 1 or bad:
         raise ValueError(
             f"model_step: inconsistent batch shapes: tokens {t}, positions {batch.positions.shape}, "
             f"write_idx {batch.write_idx.shape}, token_pos {batch.md.token_pos.shape}, kv_lens {r}, "
-            f"logits_idx {batch.logits_idx.shape}, sampling {[a.shape for a in batch.sampling]}"
+            f"logits_idx {batch.logits_idx.shape}, sampling {[a.shape for a in batch.sampling]}, "
+            f"feed {batch.feed.shape}, prev_tokens {batch.prev_tokens.shape}"
         )
 
 
@@ -164,7 +170,8 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         x = layer.finish(x, attn, mm)
         return (x, k_pages, v_pages), None
 
-    x = model.embed(batch.tokens)  # [T, d_model]
+    tokens = jnp.where(batch.feed >= 0, batch.prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
+    x = model.embed(tokens)  # [T, d_model]
     carry = (x, cache.k, cache.v)
     (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, carry, (layer_states, jnp.arange(num_layers)))
     # A step of T tokens holds at most T rows, and rows are filled first to last: in a bucket

@@ -57,6 +57,12 @@ class Policy:
         """The running request to preempt when pages run out: the latest admitted, as in vLLM."""
         return max(running, key=lambda r: r.admit_seq)
 
+    @property
+    def may_preempt_for(self) -> bool:
+        """Whether `preempt_for` may return a victim (pipelined serving then waits for the step
+        in flight before it schedules)."""
+        return type(self).preempt_for is not Policy.preempt_for
+
     def preempt_for(self, waiting: Request, scheduler: "Scheduler") -> Optional[Request]:
         """A running request to preempt so that `waiting`, the queue's head, can be admitted.
 

@@ -87,6 +87,10 @@ class RankedPolicy(Policy):
     def choose_victim(self, running: list[Request]) -> Request:
         return max(running, key=self.victim_key)
 
+    @property
+    def may_preempt_for(self) -> bool:
+        return self.preempts
+
     def preempt_for(self, waiting: Request, scheduler: "Scheduler") -> Optional[Request]:
         if not self.preempts:
             return None
