@@ -76,6 +76,30 @@ def test_a_rows_result_is_the_same_alone_and_in_a_threaded_batch():
             np.testing.assert_array_equal(np.asarray(native.layer_matmul(x[r : r + 1], w))[0], batch[r], err_msg=f"n {n}")
 
 
+def test_only_the_live_rows_are_multiplied_and_the_padding_rows_are_zeros():
+    # a step's padding tokens: rows past `live` (a traced count) give zeros, the others the
+    # full product's exact values; live is clipped to [0, rows]
+    rng = np.random.default_rng(2)
+    x = _draw(rng, 32, 256)
+    x[20:] = np.nan  # what the padding rows hold never reaches the result
+    w = _draw(rng, 2, 256, 512)
+    wp = jnp.asarray(native.to_panels(w))
+    fn = jax.jit(lambda x, live: native.layer_matmul(x, wp, 1, live=live))
+    full = np.asarray(native.layer_matmul(jnp.asarray(x[:20]), wp, 1))
+    got = np.asarray(fn(jnp.asarray(x), jnp.int32(20)))
+    np.testing.assert_array_equal(got[:20], full)
+    np.testing.assert_array_equal(got[20:], 0.0)
+    np.testing.assert_allclose(full, x[:20].astype(np.float64) @ w[1].astype(np.float64), rtol=1e-5, atol=1e-4)
+    assert not np.asarray(fn(jnp.asarray(x), jnp.int32(-3))).any()
+    assert np.isnan(np.asarray(fn(jnp.asarray(x), jnp.int32(99)))[20:]).all()
+    wt = _draw(rng, 70, 40)
+    xt = _draw(rng, 6, 40)
+    xt[4:] = np.nan
+    got = np.asarray(native.matmul_nt(jnp.asarray(xt), jnp.asarray(wt), live=4))
+    np.testing.assert_array_equal(got[:4], np.asarray(native.matmul_nt(jnp.asarray(xt[:4]), jnp.asarray(wt))))
+    np.testing.assert_array_equal(got[4:], 0.0)
+
+
 @pytest.mark.parametrize("rows, k, n", [(1, 3, 5), (4, 64, 130), (7, 33, 9), (32, 40, 4099)])
 def test_matmul_nt_equals_float64_numpy_and_is_the_same_alone_and_in_a_batch(rows, k, n):
     # k: whole vectors and a tail; n: column tiles of 4 and a remainder; the last shape is threaded

@@ -242,12 +242,15 @@ def from_panels(w: jax.Array, num_in: int = 1) -> jax.Array:
     return jnp.swapaxes(w.reshape(n // p, k, p), 0, 1).reshape(w.shape)
 
 
-def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, num_in: int = 1) -> jax.Array:
+def layer_matmul(
+    x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, num_in: int = 1, live: jax.Array | int | None = None
+) -> jax.Array:
     """x [..., *in] @ w[layer] -> f32[..., *out], w [layers, *in, *out] f32 in panel order
     (`to_panels`, `num_in` axes contracted), read in place; layer is clipped to [0, layers).
     As `jnp.tensordot(x, W[layer], num_in)` up to f32 rounding, W the row-major weights; each
     output sums over the contraction in order, so a row's result does not depend on the other
-    rows."""
+    rows. `live` (a traced count is fine): only the first `live` rows of x (flattened) are
+    multiplied, the others give zeros (a step's padding tokens); None: all."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.matmul=native: {error}")
@@ -260,15 +263,19 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, num_in:
     rows = int(np.prod(lead))
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     y = jax.ffi.ffi_call("cbjax_layer_matmul", out)(
-        x.reshape(rows, k), w.reshape(w.shape[0], n // p, k, p), jnp.asarray(layer, jnp.int32)
+        x.reshape(rows, k), w.reshape(w.shape[0], n // p, k, p), jnp.asarray(layer, jnp.int32), _live(live, rows)
     )
     return y.reshape(*lead, *out_shape)
 
 
-def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+def _live(live, rows: int) -> jax.Array:
+    return jnp.asarray(rows if live is None else live, jnp.int32)
+
+
+def matmul_nt(x: jax.Array, w: jax.Array, live: jax.Array | int | None = None) -> jax.Array:
     """x [..., k] @ w.T -> f32[..., n] for w [n, k] (the tied LM head), w read in place. Each
     output sums its lanes' residues of k in order, then the lanes in order: the same alone or in
-    a batch."""
+    a batch. `live` as `layer_matmul`'s."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.matmul=native: {error}")
@@ -277,4 +284,5 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
                          f"on their last axes (both float32)")  # fmt: skip
     rows = int(np.prod(x.shape[:-1]))
     out = jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("cbjax_matmul_nt", out)(x.reshape(rows, w.shape[1]), w).reshape(*x.shape[:-1], w.shape[0])
+    y = jax.ffi.ffi_call("cbjax_matmul_nt", out)(x.reshape(rows, w.shape[1]), w, _live(live, rows))
+    return y.reshape(*x.shape[:-1], w.shape[0])

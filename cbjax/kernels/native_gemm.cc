@@ -16,11 +16,14 @@
 //                                      weights contiguously; one panel of P = n is the plain
 //                                      row-major matrix. layers may be 1 (an unstacked matrix).
 //   layer  s32[]                       which layer of w; clipped to [0, layers)
+//   live   s32[]                       rows to compute, clipped to [0, rows): the step's tokens
+//                                      short of its bucket's padding; the rows after it are zeros
 // Output:
 //   y      f32[rows, n]                x @ w[layer], n = panels * P
 //
 // "cbjax_matmul_nt" is x f32[rows, k] times w f32[n, k] transposed (the tied LM head: the
-// embedding table contracted on its last axis, read in place rather than transposed).
+// embedding table contracted on its last axis, read in place rather than transposed), with
+// the same `live` row count.
 //
 // Sums run over k in order for each output, one fused multiply-add at a time, so a row's
 // result does not depend on the other rows or on the thread split. Column tiles are split over
@@ -121,8 +124,15 @@ void Chunk(const Args& a, int64_t c, int64_t chunks) {
   }
 }
 
+// The first `live` (clipped) of `rows`; zeros in y's rows after them.
+int64_t LiveRows(const ffi::Buffer<ffi::S32>& live, int64_t rows, int64_t n, float* y) {
+  const int64_t used = std::clamp<int64_t>(live.typed_data()[0], 0, rows);
+  if (used < rows) std::memset(y + used * n, 0, static_cast<size_t>((rows - used) * n) * sizeof(float));
+  return used;
+}
+
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 4 || xd[1] != wd[2]) {
@@ -134,7 +144,8 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   }
   const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
   const int64_t n = wd[1] * wd[3];
-  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), xd[0], xd[1], n, wd[3]};
+  const int64_t rows = LiveRows(live, xd[0], n, y->typed_data());
+  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), rows, xd[1], n, wd[3]};
   const int64_t tiles = a.n / kWide;
   // Threads pay off once a share is worth more than handing it over (a few microseconds).
   const int64_t flops = 2 * a.rows * a.k * a.n;
@@ -191,13 +202,14 @@ void ColumnsNT(const Args& a, int64_t c0, int64_t c1) {
 }
 
 ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::ResultBuffer<ffi::F32> y) {
+                        ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("cbjax_matmul_nt: x must be [rows, k] and w [n, k]");
   }
-  Args a{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], xd[1]};
+  const int64_t rows = LiveRows(live, xd[0], wd[0], y->typed_data());
+  Args a{x.typed_data(), w.typed_data(), y->typed_data(), rows, xd[1], wd[0], xd[1]};
   const int64_t flops = 2 * a.rows * a.k * a.n;
   const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), a.n / 4, flops / 400000});
   const int64_t chunks = threads > 1 ? std::min<int64_t>(a.n / 4, threads * 8) : 1;
@@ -215,6 +227,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxMatmulNT, MatmulNTImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [rows, k]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [n, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [rows, n]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmul, LayerMatmulImpl,
@@ -223,4 +236,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmul, LayerMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [layers, panels, k, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

@@ -132,11 +132,14 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         raise ValueError(f"model_step: matmul={matmul!r} needs weights from split_model(model, matmul={matmul!r}), "
                          f"got weights split for {split_for!r}")  # fmt: skip
     extra, head_mm, head_t, large_mm = (), None, None, None
+    # the tokens of the step and the rows holding them (the native matmul skips the padding)
+    num_tokens = batch.md.query_start[-1]
+    num_rows_used = jnp.sum(batch.md.kv_lens > 0)
     if matmul == "native":
         from cbjax.kernels import native
 
-        head_mm = lambda x, w, num_in: native.layer_matmul(x, w[None], 0, num_in)  # noqa: E731
-        head_t = native.matmul_nt
+        head_mm = lambda x, w, num_in: native.layer_matmul(x, w[None], 0, num_in, live=num_rows_used)  # noqa: E731
+        head_t = lambda h, w: native.matmul_nt(h, w, live=num_rows_used)  # noqa: E731
         if batch.tokens.shape[0] <= NATIVE_MAX_ROWS:
             # the kernels [num_layers, ...] are read whole by every layer; the rest is sliced
             stacked, layer_states = nnx.split_state(layer_states, nnx.PathContains("kernel"), ...)
@@ -164,7 +167,7 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         layer = nnx.merge(layer_def, layer_state, *extra)
         mm = large_mm
         if extra:
-            mm = lambda x, w, num_in: native.layer_matmul(x, w, layer_idx, num_in)  # noqa: E731
+            mm = lambda x, w, num_in: native.layer_matmul(x, w, layer_idx, num_in, live=num_tokens)  # noqa: E731
         q, k, v = layer.qkv(x, batch.positions, mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
         attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, batch.md, batch.write_idx, layer_idx)
         x = layer.finish(x, attn, mm)
