@@ -132,6 +132,119 @@ inline float HSum(Vec v) {
   return s;
 }
 
+// ---- a page of kLanes keys as whole vectors: scores and softmax without lane-by-lane chains ----
+// The lane sums of kLanes score vectors (one per key) fold pairwise in log2(kLanes) shuffle-add
+// stages into one vector of kLanes scores, where one sum per key, lane by lane, was a chain of
+// kLanes dependent adds (most of a decode step's attention time); the softmax's max, exp and
+// sum run on that vector. The additions run in a tree, not in lane order: still the same for a
+// query alone or in any batch.
+
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
+
+constexpr int kFoldStages = kLanes == 16 ? 4 : 3;
+
+// Stage k (half width w = kLanes >> (k + 1)) folds vectors a and b: in each block of 2w lanes the
+// first w output lanes are a's lane pairs (s + o, s + o + w) summed, the last w b's.
+struct FoldMasks {
+  IVec first[kFoldStages], second[kFoldStages];
+  IVec iota;
+};
+
+FoldMasks MakeFoldMasks() {
+  FoldMasks f;
+  for (int k = 0; k < kFoldStages; ++k) {
+    const int w = kLanes >> (k + 1);
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int block = lane - lane % (2 * w), o = lane % (2 * w);
+      f.first[k][lane] = o < w ? block + o : kLanes + block + o - w;
+      f.second[k][lane] = f.first[k][lane] + w;
+    }
+  }
+  for (int lane = 0; lane < kLanes; ++lane) f.iota[lane] = lane;
+  return f;
+}
+
+const FoldMasks kFold = MakeFoldMasks();
+
+// The folds leave vector v's lane sum in lane BitReverse(v): TreeSum's caller stores key j's
+// products at v[BitReverse(j)], so that lane j holds key j's score.
+constexpr int BitReverse(int j) {
+  int r = 0;
+  for (int b = 0; b < kFoldStages; ++b) r |= ((j >> b) & 1) << (kFoldStages - 1 - b);
+  return r;
+}
+
+// Lane j of the result: the sum of v[j]'s lanes, for v in bit-reversed order (above); v is scratch.
+inline Vec TreeSum(Vec* v) {
+  int count = kLanes;
+#pragma GCC unroll 4
+  for (int k = 0; k < kFoldStages; ++k) {
+    count /= 2;
+#pragma GCC unroll 8
+    for (int i = 0; i < count; ++i) {
+      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], kFold.first[k]) +
+             __builtin_shuffle(v[2 * i], v[2 * i + 1], kFold.second[k]);
+    }
+  }
+  return v[0];
+}
+
+// One vector's lanes reduced by max or sum in a tree (pairs kLanes / 2 apart, then closer).
+template <bool kMax>
+inline float TreeReduce(Vec v) {
+  alignas(64) float t[kLanes];
+  Store(t, v);
+#pragma GCC unroll 4
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] = kMax ? std::max(t[i], t[i + w]) : t[i] + t[i + w];
+  return t[0];
+}
+
+// ExpNonPositive on each lane (the same steps, vectorized).
+inline Vec ExpNonPositiveVec(Vec x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  const Vec t = x * 1.44269504088896341f + 0.5f;
+  Vec n = __builtin_convertvector(__builtin_convertvector(t, IVec), Vec);  // truncated toward zero
+  n = n > t ? n - 1.0f : n;                                               // floor
+  const Vec u = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  Vec p = Splat(1.0f / 5040.0f);
+  p = p * u + 1.0f / 720.0f;
+  p = p * u + 1.0f / 120.0f;
+  p = p * u + 1.0f / 24.0f;
+  p = p * u + 1.0f / 6.0f;
+  p = p * u + 0.5f;
+  p = p * u + 1.0f;
+  p = p * u + 1.0f;
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// FixedSoftmaxPage<1, ND> on the page's scores as one vector `sv` (lane j: key j).
+template <int ND>
+inline void VecSoftmaxPage(Vec sv, int64_t n, float& m, float& l, float* __restrict o,
+                           const float* __restrict vp) {
+  constexpr int64_t D = ND * kLanes;
+  const IVec valid = kFold.iota < static_cast<int32_t>(n);
+  const float page_max = TreeReduce<true>(valid ? sv : Splat(-INFINITY));
+  const float m_new = std::max(m, page_max);
+  const float corr = m == -INFINITY ? 0.0f : ExpNonPositive(m - m_new);  // 0 before the first page
+  const Vec e = ExpNonPositiveVec(valid ? sv - m_new : Splat(-87.0f));
+  const Vec p = valid ? e : Vec{};
+  l = l * corr + TreeReduce<false>(p);
+  m = m_new;
+  alignas(64) float ps[kLanes];
+  Store(ps, p);
+  Vec acc[ND];
+  for (int c = 0; c < ND; ++c) acc[c] = Load(o + c * kLanes) * corr;
+  for (int64_t j = 0; j < n; ++j) {  // keys past n may be unwritten (NaN): never read
+    const Vec pj = Splat(ps[j]);
+    for (int c = 0; c < ND; ++c) acc[c] += pj * Load(vp + j * D + c * kLanes);
+  }
+  for (int c = 0; c < ND; ++c) Store(o + c * kLanes, acc[c]);
+}
+
 // SoftmaxPage for a page of NK * kLanes key slots and head_dim ND * kLanes: the softmax runs over
 // every slot, those at or past n (maybe unwritten, NaN) masked out of the max and given weight 0
 // (their exp takes a finite argument), and o += p v keeps the ND output vectors in registers.
@@ -193,7 +306,17 @@ void AttendOne(const Args& a, int64_t h, int64_t g, float* scores, float* m, flo
     for (int64_t i = 0; i < G; ++i) {
       const float* qi = q + i * D;
       float* s = scores + i * PS;
-      if constexpr (kFixed) {
+      if constexpr (NK == 1) {  // one vector of keys: scores folded into one vector
+        Vec qv[ND], acc[kLanes];
+        for (int c = 0; c < ND; ++c) qv[c] = Load(qi + c * kLanes);
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) {
+          Vec a = qv[0] * Load(kp + j * D);
+          for (int c = 1; c < ND; ++c) a += qv[c] * Load(kp + j * D + c * kLanes);
+          acc[BitReverse(j)] = a;
+        }
+        VecSoftmaxPage<ND>(TreeSum(acc), n, m[i], l[i], o + i * D, vp);
+      } else if constexpr (kFixed) {
         Vec qv[ND];
         for (int c = 0; c < ND; ++c) qv[c] = Load(qi + c * kLanes);
         for (int64_t j = 0; j < NK * kLanes; ++j) {
