@@ -34,6 +34,9 @@ d_model x vocab, at each token whose logits the run needs, over its serving time
 the step shapes cbjax ran (`gemm_floor_s`), through XLA's GEMMs and through cbjax's native
 kernel: the highest fraction those shapes allow with each; and with the KV bytes the decode
 tokens must read at the streaming bandwidth added, a bound on the fraction for this workload.
+The VM's speed drifts between phases, so the peak is also measured right after each cbjax run
+and each run's model FLOP/s is divided by the peak next to it: the median of those paired
+fractions is the figure that phase drift moves least.
 `--profile` times every model-step call of one more (untimed) cbjax run by token bucket: where
 cbjax's time goes; `--trace` runs one more under JAX's profiler and sums op time by kind (native
 matmuls, XLA dots, native attention, other XLA ops) beside the host-only rest. Every figure is
@@ -516,12 +519,14 @@ def main() -> None:
         try:
             if not args.skip_static:
                 st_run, warm["transformers static"] = hf_static_runner(torch_model, workload)
-            spans, results = [], []
+            spans, results, peaks = [], [], []
             for _ in range(args.repeats):  # the systems side by side, under the same load
                 tok_s, outs["cbjax"], result = cb_run(workload)
                 runs["cbjax"].append(tok_s)
                 spans.append(result.makespan_s)
                 results.append(result)
+                # the matmul peak right after the run, in the same phase of a VM whose speed drifts
+                peaks.append(matmul_gflop_s(repeats=5))
                 tok_s, outs["transformers CB"] = hf_run(workload)
                 runs["transformers CB"].append(tok_s)
                 if not args.skip_static:
@@ -570,6 +575,15 @@ def main() -> None:
     counts = model_counts(torch_model, model, workload)
     text, figures = bounds_report(counts, bandwidth, peak, runs["cbjax"][mid], result.makespan_s, result, workload,
                                   gemm_s, m["matmul"])  # fmt: skip
+    shares = [counts["flops"] / span / 1e9 / p for span, p in zip(spans, peaks)]
+    figures["paired_peaks_gflop_s"] = peaks
+    figures["paired_peak_fractions"] = shares
+    figures["paired_peak_fraction_median"] = statistics.median(shares)
+    text += (
+        f"\n  Each run against the matmul peak measured right after it (the VM's speed drifts between phases): "
+        f"{', '.join(f'{f:.0%} ({p:.0f} GFLOP/s, {span:.2f} s)' for f, p, span in zip(shares, peaks, spans))}; "
+        f"median {statistics.median(shares):.0%} of the matmul peak."
+    )
     print("\n" + text)
     if profile:
         print("\nWhere cbjax's time goes (one extra run, each model step timed to completion):\n" + profile)
