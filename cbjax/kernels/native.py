@@ -177,18 +177,22 @@ def ensure_registered() -> Optional[str]:
         return error
 
 
-def single_groups(q_ext, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int) -> jax.Array:
+def single_groups(
+    q_ext, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int, token_order: bool = False
+) -> jax.Array:
     """f32[kv_heads, capacity, group, head_dim]: each single group's attention output (zeros
     for padding groups), as `cbjax.kernels.xla_ragged._group_pass` computes it for block 1.
-    q_ext f32[kv_heads, T + 1, group, head_dim] is already scaled; q_idx i32[capacity]."""
+    q_ext f32[kv_heads, T + 1, group, head_dim] is already scaled; q_idx i32[capacity].
+    `token_order`: f32[T, kv_heads, group, head_dim] instead, each group's result at its token
+    (zeros for tokens in no group), for a step whose tokens are all single groups."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.attention=native: {error}")
-    kvh, _, group, head_dim = q_ext.shape
-    out = jax.ShapeDtypeStruct((kvh, q_idx.shape[0], group, head_dim), jnp.float32)
-    return jax.ffi.ffi_call("cbjax_single_groups", out)(
+    kvh, tokens1, group, head_dim = q_ext.shape
+    shape = (tokens1 - 1, kvh, group, head_dim) if token_order else (kvh, q_idx.shape[0], group, head_dim)
+    return jax.ffi.ffi_call("cbjax_single_groups", jax.ShapeDtypeStruct(shape, jnp.float32))(
         q_ext, pos_ext, q_idx, row, page_table.astype(jnp.int32), k_flat, v_flat, page_base,
-        num_pages=np.int64(num_pages),
+        num_pages=np.int64(num_pages), token_order=np.int64(token_order),
     )  # fmt: skip
 
 

@@ -17,9 +17,14 @@
 //   page_table s32[rows, max_pages]
 //   k, v       f32[num_flat_pages, page_size * head_dim]    the cache, one page per row
 //   page_base  s32[kv_heads]                                flat row of page 0 for each kv head
-// Attributes: num_pages (pages per kv head of one layer; page ids are clipped to it).
+// Attributes: num_pages (pages per kv head of one layer; page ids are clipped to it);
+//   token_order (single list only): 1 writes the output in token order (below), 0 by group.
 // Output:
-//   out        f32[kv_heads, capacity, group, head_dim]     zeros for padding groups
+//   out        f32[kv_heads, capacity, group, head_dim]     zeros for padding groups; with
+//                                                          token_order f32[tokens, kv_heads,
+//              group, head_dim]: each group's result at its token's row (the layer's [tokens,
+//              heads, head_dim] attention output as is), zeros for tokens in no group. For a
+//              step where every token is a single group: no scatter into token order after.
 //
 // The (kv head, group) pairs are split over XLA's intra-op thread pool (native_common.h).
 
@@ -47,6 +52,7 @@ struct Args {
   const int32_t* page_base;
   float* out;
   int64_t kv_heads, tokens1, group, head_dim, capacity, max_pages, page_size, num_pages;
+  bool token_order;
 };
 
 // exp(x) for the softmax's x <= 0, vectorizable (the library's expf is a scalar call and took
@@ -283,10 +289,12 @@ void AttendOne(const Args& a, int64_t h, int64_t g, float* scores, float* m, flo
   constexpr bool kFixed = NK > 0;
   const int64_t G = a.group;
   const int64_t D = kFixed ? ND * kLanes : a.head_dim, PS = kFixed ? NK * kLanes : a.page_size;
-  float* o = a.out + ((h * a.capacity + g) * G) * D;
-  std::fill(o, o + G * D, 0.0f);
   const int32_t t = a.q_idx[g];
-  if (t < 0 || t >= a.tokens1 - 1) return;  // padding group
+  const bool padding = t < 0 || t >= a.tokens1 - 1;
+  if (a.token_order && padding) return;  // its token's row (if any) is zeroed up front
+  float* o = a.out + (a.token_order ? (t * a.kv_heads + h) * G : (h * a.capacity + g) * G) * D;
+  std::fill(o, o + G * D, 0.0f);
+  if (padding) return;  // padding group
   const int32_t last = a.pos[t];
   if (last < 0) return;  // padding token
   const float* q = a.q + ((h * a.tokens1 + t) * G) * D;
@@ -385,7 +393,7 @@ ffi::Error SingleGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> row,
                             ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> k,
                             ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_base, int64_t num_pages,
-                            ffi::ResultBuffer<ffi::F32> out) {
+                            int64_t token_order, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto td = page_table.dimensions();
   const auto kd = k.dimensions();
@@ -395,7 +403,14 @@ ffi::Error SingleGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   Args a{q.typed_data(),     pos.typed_data(),  q_idx.typed_data(), row.typed_data(),
          page_table.typed_data(), k.typed_data(), v.typed_data(),     page_base.typed_data(),
          out->typed_data(), qd[0], qd[1], qd[2], qd[3],
-         static_cast<int64_t>(q_idx.element_count()), td[1], kd[1] / qd[3], num_pages};
+         static_cast<int64_t>(q_idx.element_count()), td[1], kd[1] / qd[3], num_pages, token_order != 0};
+  if (a.token_order) {  // tokens in no group keep zeros; each group's token row is written whole
+    const auto od = out->dimensions();
+    if (od.size() != 4 || od[0] != a.tokens1 - 1 || od[1] != a.kv_heads) {
+      return ffi::Error::InvalidArgument("cbjax_single_groups: token_order needs out [tokens, kv_heads, group, head_dim]");
+    }
+    std::memset(out->typed_data(), 0, static_cast<size_t>(out->element_count()) * sizeof(float));
+  }
   const int64_t work = a.kv_heads * a.capacity;
   // Split only when there is enough work to pay for handing a share to other threads.
   const int64_t threads = work >= 16 ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 8)) : 1;
@@ -622,4 +637,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxSingleGroups, SingleGroupsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_base
                                   .Attr<int64_t>("num_pages")
+                                  .Attr<int64_t>("token_order")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out

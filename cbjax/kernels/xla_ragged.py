@@ -159,6 +159,14 @@ def ragged_attention_xla(
     q_ext = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_ext = jnp.concatenate([q_ext, jnp.zeros((num_kv_heads, 1, group, head_dim), jnp.float32)], axis=1)
     pos_ext = jnp.concatenate([md.token_pos.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
+    if native and k_flat.dtype == jnp.float32 and md.work.block.q_idx.shape[0] == 0:
+        # every token is a single group: the kernel writes token order, no scatter after
+        from cbjax.kernels import native as kernels
+
+        single = md.work.single
+        out = kernels.single_groups(q_ext * scale, pos_ext, single.q_idx.reshape(-1), single.row, md.page_table,
+                                    k_flat, v_flat, page_base, num_pages, token_order=True)  # fmt: skip
+        return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
     res, idx = [], []
     for tiles, step in ((md.work.single, pages_single), (md.work.block, pages_block)):
         if tiles.q_idx.shape[0] == 0:  # an empty list (no block list in a small step): no pass
