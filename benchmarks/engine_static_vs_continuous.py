@@ -17,7 +17,9 @@ Two workloads, all requests at t=0, on the profile's model, slot count, page siz
 benchmark's workload) and `azure_code` (the first requests of the Azure code trace, prompts
 /16, as experiments/calibrate.py scales them). Per workload and policy: the engine's wall-clock
 tokens/s (median of repeats, the two policies run side by side in each repeat), iterations, ms
-per iteration, host share, and the simulator's tokens/s with `executor.cost_model=profiled`;
+per iteration, host share (the scheduler's and the packer's seconds over the makespan; under
+pipelined serving they overlap the device's), and the simulator's tokens/s with
+`executor.cost_model=profiled`;
 then the fcfs/static throughput ratio, engine against simulator, with the error; at the end the
 errors of all rounds and their median (target within 5%). The engine's ratio is the median of
 the per-repeat pairs, each pair run back to back.
