@@ -527,7 +527,7 @@ def main() -> None:
                 spans.append(result.makespan_s)
                 results.append(result)
                 # the matmul peak right after the run, in the same phase of a VM whose speed drifts
-                peaks.append(matmul_gflop_s(repeats=5))
+                peaks.append(matmul_gflop_s(repeats=10))
                 tok_s, outs["transformers CB"] = hf_run(workload)
                 runs["transformers CB"].append(tok_s)
                 if not args.skip_static:
