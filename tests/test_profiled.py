@@ -413,3 +413,25 @@ def test_other_processes_cpu_share_by_hand():
     assert others_share(14.0, 9.0, 10.0, 2) == pytest.approx(0.25)
     assert others_share(9.0, 9.5, 10.0, 2) == 0.0  # clock ticks round below our own time: none
     assert others_share(30.0, 0.0, 10.0, 2) == 1.0 and others_share(1.0, 0.0, 0.0, 2) == 0.0
+
+
+def test_served_iterations_of_a_pipelined_engine_are_their_share_of_the_wall_clock_by_hand():
+    # One step at a time: an iteration is its execute, the loop's gap after it counted apart.
+    # Pipelined: step t+1 launches before step t ends, so an iteration runs from its launch or
+    # the previous end, whichever is later, to its end, and no gaps are left to fit.
+    from cbjax.profile.serving import TimedExecutor, served_points
+
+    class Inner:
+        pipelined = True
+
+    shapes = plan_shapes(4, 64, 16, 64, token_buckets=[4, 16, 64])
+    timed = TimedExecutor(Inner())
+    rows = [(1, 10, True)] * 2
+    timed.rows, timed.num_scheduled, timed.idle = [rows] * 3, [2] * 3, [False] * 3
+    timed.rows_at = timed.start = [0.0, 1.0, 4.0]
+    timed.end = [2.0, 3.5, 5.0]
+    steps, gaps = served_points("run", timed, shapes)
+    assert [s["measured_s"] for s in steps] == [2.0, 1.5, 1.0] and gaps == []
+    timed.pipelined = False
+    steps, gaps = served_points("run", timed, shapes)
+    assert [s["measured_s"] for s in steps] == [2.0, 2.5, 1.0] and gaps == [(2, -1.0), (2, 0.5)]

@@ -94,7 +94,6 @@ def to_device(batch: HostBatch, prev_tokens=None) -> DeviceBatch:
 class Launched:
     """A step dispatched by `JaxExecutor.launch`, its tokens still on the device."""
 
-    plan: Schedule
     rows: int  # rows used
     tokens: jax.Array  # i32[R]
     start: float  # perf_counter at launch
@@ -323,7 +322,7 @@ class JaxExecutor:
         self.bucket_calls[bucket] = self.bucket_calls.get(bucket, 0) + 1
         self.num_steps += 1
         self.host_pack_s += t2 - t1
-        return Launched(plan, batch.num_rows_used, out, t0, time.perf_counter() - t2)
+        return Launched(batch.num_rows_used, out, t0, time.perf_counter() - t2)
 
     def collect(self, launched: Launched) -> StepOutput:
         """Wait for a launched step's tokens: the one device->host copy of the iteration."""
