@@ -59,18 +59,25 @@ struct Args {
 // most of the kernel's time): x = n ln2 + u with |u| <= ln2 / 2 (Cody-Waite), e^u by its Taylor
 // series to u^7 (relative error below 1e-8, under float's rounding), times 2^n built in the
 // exponent bits. Below -87 it returns 2^-126 scaled (about 1e-38, no denormals); NaN stays NaN.
-inline float ExpNonPositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float u = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.0f / 5040.0f;
+// e^u for x = n ln2 + u (n an integer-valued T), the steps between the reduction and the
+// scaling: float or a vector of floats alike.
+template <typename T>
+inline T ExpOfRemainder(T x, T n) {
+  const T u = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  T p = T{} + 1.0f / 5040.0f;
   p = p * u + 1.0f / 720.0f;
   p = p * u + 1.0f / 120.0f;
   p = p * u + 1.0f / 24.0f;
   p = p * u + 1.0f / 6.0f;
   p = p * u + 0.5f;
   p = p * u + 1.0f;
-  p = p * u + 1.0f;
+  return p * u + 1.0f;
+}
+
+inline float ExpNonPositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float p = ExpOfRemainder(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -212,15 +219,7 @@ inline Vec ExpNonPositiveVec(Vec x) {
   const Vec t = x * 1.44269504088896341f + 0.5f;
   Vec n = __builtin_convertvector(__builtin_convertvector(t, IVec), Vec);  // truncated toward zero
   n = n > t ? n - 1.0f : n;                                               // floor
-  const Vec u = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  Vec p = Splat(1.0f / 5040.0f);
-  p = p * u + 1.0f / 720.0f;
-  p = p * u + 1.0f / 120.0f;
-  p = p * u + 1.0f / 24.0f;
-  p = p * u + 1.0f / 6.0f;
-  p = p * u + 0.5f;
-  p = p * u + 1.0f;
-  p = p * u + 1.0f;
+  const Vec p = ExpOfRemainder(x, n);
   const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
   Vec scale;
   std::memcpy(&scale, &bits, sizeof scale);

@@ -132,11 +132,12 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         raise ValueError(f"model_step: matmul={matmul!r} needs weights from split_model(model, matmul={matmul!r}), "
                          f"got weights split for {split_for!r}")  # fmt: skip
     extra, head_mm, head_t, large_mm = (), None, None, None
-    # the tokens of the step and the rows holding them (the native matmul skips the padding)
-    num_tokens = batch.md.query_start[-1]
-    num_rows_used = jnp.sum(batch.md.kv_lens > 0)
     if matmul == "native":
         from cbjax.kernels import native
+
+        # the tokens of the step and the rows holding them (the native matmul skips the padding)
+        num_tokens = batch.md.query_start[-1]
+        num_rows_used = jnp.sum(batch.md.kv_lens > 0)
 
         head_mm = lambda x, w, num_in: native.layer_matmul(x, w[None], 0, num_in, live=num_rows_used)  # noqa: E731
         head_t = lambda h, w: native.matmul_nt(h, w, live=num_rows_used)  # noqa: E731

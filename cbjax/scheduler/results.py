@@ -1,0 +1,171 @@
+"""What a step's results do to the scheduler's requests (no jax): `postprocess` after a step
+run to completion, or its two halves under pipelined serving, `advance` at launch and `commit`
+when the tokens arrive. `Scheduler` (`cbjax.scheduler.core`) inherits them; they read and
+update its running set, allocator, prefix cache, policy and finished list."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from cbjax.plan import Schedule
+from cbjax.request import FinishReason, Request, Status
+
+
+class StepResults:
+    """Postprocessing of a step's results, mixed into `Scheduler`."""
+
+    def postprocess(
+        self,
+        plan: Schedule,
+        token_ids: Optional[Sequence[int]],
+        now: float,
+        errors: Optional[dict[int, str]] = None,
+    ) -> list[Request]:
+        """Record one new token per scheduled request; retire the finished. Returns them.
+
+        `token_ids` follows `plan.requests` order; None means simulated tokens. `errors` maps
+        an index into `plan.requests` to why its step failed: that request ends with reason
+        `error` (its token and this step's K/V are dropped) and the others go on.
+        """
+        done: list[Request] = []
+        for i, req in enumerate(plan.requests):
+            if errors and i in errors:
+                req.num_new_tokens = 0
+                req.error = errors[i]
+                self._finish(req, FinishReason.ERROR, now)
+                done.append(req)
+                continue
+            if not self._computed(req):
+                continue  # a partial prefill yields no token
+            self._stamp(req, now)
+            reason = None
+            if token_ids is not None:
+                reason = self._take_token(req, int(token_ids[i]))
+            if reason is None:
+                reason = self._length_reason(req)
+            if reason is not None:
+                self._finish(req, reason, now)
+                done.append(req)
+        if done:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+            self.finished.extend(done)
+        self.policy.on_step(plan.requests, now)
+        return done
+
+    # ---- pipelined serving: postprocess in two halves ----
+    # The engine launches step t+1 before it reads step t's tokens (executor.async_scheduling).
+    # `advance(plan)` runs when the step is launched and does what needs no token: counts, the
+    # prefix index, and retiring requests that reach their length (their slots and pages free
+    # for the next plan). `commit(plan, token_ids)` runs when the tokens arrive: it appends
+    # them, stamps the times and ends requests that stopped on a token. Such a request is in
+    # the step launched meanwhile: its row there is wasted and `advance` skips it. A plan that
+    # may preempt waits for the commit first (`needs_sync`), so every preempted or swapped
+    # request has all its tokens on the host.
+
+    def needs_sync(self) -> bool:
+        """Whether the next `schedule` may preempt, so the step in flight must be committed
+        before it: the running requests' next tokens could need more pages than are free, or
+        the policy may evict a running request for a waiting one."""
+        if self.policy.may_preempt_for and len(self.policy):
+            return True
+        alloc = self.allocator
+        need = 0
+        for req in self.running:
+            n = min(req.num_tokens - req.num_computed, self.token_budget)
+            need += alloc.pages_to_append(req.request_id, req.num_computed + n)
+        return need > alloc.num_free_pages
+
+    def advance(self, plan: Schedule, now: float) -> None:
+        """The token-free half of `postprocess`, for a launched step (see above)."""
+        if self._uncommitted is not None:
+            raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
+        yielded = []
+        for i, req in enumerate(plan.requests):
+            if req.status is not Status.RUNNING:  # stopped on a token since this plan was made
+                req.num_new_tokens = 0
+                continue
+            if not self._computed(req):
+                continue
+            reason = self._length_reason(req)
+            if reason is not None:  # ends here; its reason and time are recorded at commit
+                self._finish(req, None, None)
+            yielded.append((i, req, reason))
+        self.running = [r for r in self.running if r.status is Status.RUNNING]
+        self._uncommitted = (plan, yielded)
+        self.policy.on_step(plan.requests, now)
+
+    def commit(
+        self,
+        plan: Schedule,
+        token_ids: Optional[Sequence[int]],
+        now: float,
+        errors: Optional[dict[int, str]] = None,
+    ) -> list[Request]:
+        """The token half of `postprocess` for the step `advance` saw last: record each token
+        (an errored row's is dropped), retire the finished. Returns them."""
+        if self._uncommitted is None or self._uncommitted[0] is not plan:
+            raise RuntimeError("commit: the plan is not the one advanced last; this is a bug")
+        _, yielded = self._uncommitted
+        self._uncommitted = None
+        done: list[Request] = []
+        for i, req, reason in yielded:
+            if errors and i in errors:
+                req.num_generated -= 1
+                req.error = errors[i]
+                reason = FinishReason.ERROR
+            else:
+                self._stamp(req, now)
+                if token_ids is not None:
+                    reason = self._take_token(req, int(token_ids[i])) or reason
+            if reason is None:
+                continue
+            if req.status is Status.RUNNING:
+                self._finish(req, reason, now)
+            else:  # retired at advance
+                req.finish_reason = reason
+                req.finish_s = now
+            done.append(req)
+        if done:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+            self.finished.extend(done)
+        return done
+
+    def _computed(self, req: Request) -> bool:
+        """Count the request's step as computed (and its full pages in the prefix index);
+        whether it yields a token, which it then counts: a partial prefill yields none."""
+        req.num_computed += req.num_new_tokens
+        req.num_new_tokens = 0
+        if self.prefix is not None:
+            self.prefix.register(req)
+        if req.num_computed < req.num_tokens:
+            return False
+        req.num_generated += 1
+        return True
+
+    def _stamp(self, req: Request, now: float) -> None:
+        """A token of `req` came at `now`."""
+        if req.first_token_s is None:
+            req.first_token_s = now
+        else:
+            self.tbt_s.append(now - req.last_token_s)
+        req.last_token_s = now
+
+    def _take_token(self, req: Request, tok: int) -> Optional[FinishReason]:
+        """Append a generated token; the reason it ends the request, if it does."""
+        req.output_token_ids.append(tok)
+        if tok in req.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if tok == self.eos_token_id and not req.sampling.ignore_eos:
+            return FinishReason.EOS
+        return None
+
+    def _length_reason(self, req: Request) -> Optional[FinishReason]:
+        """Why the request ends at its current length, if it does (no token needed)."""
+        if req.num_generated < req.max_output_len:
+            return None
+        hit_target = req.target_output_len is not None and req.num_generated >= req.target_output_len
+        if hit_target and req.num_generated < req.sampling.max_tokens and req.num_tokens < self.max_model_len:
+            return FinishReason.EOS
+        if req.num_generated < req.stop_length():
+            return FinishReason.MAX_MODEL_LEN  # the context is full before its own limit
+        return FinishReason.LENGTH
