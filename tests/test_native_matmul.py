@@ -14,8 +14,8 @@ from cbjax.kernels.registry import resolve_matmul
 # (rows, k, n): one row to more than a row tile (6); n covering the wide column tiles (4 vectors),
 # single vectors and a scalar remainder on AVX2 (8 lanes) and AVX-512 (16 lanes) alike (one
 # row-major panel), and whole panels of 64 (2 and 8); two products large enough to be split
-# over threads.
-SHAPES = [(1, 3, 5), (4, 64, 128), (7, 33, 80), (13, 16, 200), (32, 256, 517), (32, 96, 512)]
+# over threads; and rows over three row blocks (48 rows at k 2048, the last block 4 rows).
+SHAPES = [(1, 3, 5), (4, 64, 128), (7, 33, 80), (13, 16, 200), (32, 256, 517), (32, 96, 512), (100, 2048, 128)]
 
 
 def _draw(rng, *shape):
@@ -58,11 +58,6 @@ def test_panel_order_by_hand_and_back():
     # n = 96 is no multiple of 64: the matrix stays row-major
     odd = np.arange(3 * 96, dtype=np.float32).reshape(1, 3, 96)
     np.testing.assert_array_equal(native.to_panels(odd), odd)
-    # from_panels undoes it for one matrix, several axes contracted and out
-    w = np.random.default_rng(0).standard_normal((4, 3, 2, 64)).astype(np.float32)
-    packed = native.to_panels(w, num_in=2, lead=0)
-    assert not np.array_equal(packed, w)
-    np.testing.assert_array_equal(np.asarray(native.from_panels(jnp.asarray(packed), num_in=2)), w)
 
 
 def test_a_rows_result_is_the_same_alone_and_in_a_threaded_batch():
@@ -74,6 +69,15 @@ def test_a_rows_result_is_the_same_alone_and_in_a_threaded_batch():
         batch = np.asarray(native.layer_matmul(x, w))
         for r in (0, 5, 31):
             np.testing.assert_array_equal(np.asarray(native.layer_matmul(x[r : r + 1], w))[0], batch[r], err_msg=f"n {n}")
+    # 100 rows at k 2048 run in row blocks of 48 (and 70 live rows end inside the second): the
+    # rows at each block's edges as alone
+    x = jnp.asarray(_draw(rng, 100, 2048))
+    w = jnp.asarray(native.to_panels(_draw(rng, 1, 2048, 128)))
+    for live in (100, 70):
+        batch = np.asarray(native.layer_matmul(x, w, live=live))
+        for r in (0, 47, 48, 69, 95, 99):
+            alone = np.asarray(native.layer_matmul(x[r : r + 1], w))[0]
+            np.testing.assert_array_equal(batch[r], alone if r < live else 0.0, err_msg=f"row {r} of {live} live")
 
 
 def test_only_the_live_rows_are_multiplied_and_the_padding_rows_are_zeros():

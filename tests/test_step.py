@@ -18,7 +18,6 @@ from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.executor import to_device
 from cbjax.runtime.kv_cache import KVCache
 from cbjax.runtime.shapes import plan_shapes
-from cbjax.runtime import step as step_module
 from cbjax.runtime.step import first_argmax, model_step, split_model
 
 PAGE_SIZE = 4
@@ -61,15 +60,13 @@ def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages, mat
 # The XLA formulation over GQA groups 1, 2 and 4 (and with its native decode pass at 2 and 1);
 # the Pallas kernel (interpreted on CPU, so slow to compile) at group 4, its own tests cover
 # groups 1, 2 and 4 against the reference. The native matmul at groups 2 and 1, the second with
-# every bias and a tied LM head, and steps over 4 tokens taking XLA's matmuls (NATIVE_MAX_ROWS).
+# every bias and a tied LM head.
 @pytest.mark.parametrize(
     "attention, num_kv_heads, matmul, extras",
     [("ragged", 4, "xla", False), ("ragged", 2, "xla", False), ("ragged", 1, "xla", False),
      ("native", 2, "native", False), ("native", 1, "native", True), ("pallas", 1, "xla", False)],
 )  # fmt: skip
-def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads, matmul, extras, monkeypatch):
-    if extras:
-        monkeypatch.setattr(step_module, "NATIVE_MAX_ROWS", 4)
+def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads, matmul, extras):
     more = dict(attention_bias=True, o_proj_bias=True, mlp_bias=True, tie_embeddings=True) if extras else {}
     cfg = ModelConfig(num_heads=4, num_kv_heads=num_kv_heads, max_model_len=32, **more)
     model = Llama(cfg, seed=1)

@@ -97,13 +97,6 @@ def split_model(model, matmul: str = "xla") -> tuple[tuple, tuple]:
     return (outer_def, layer_def, matmul), (outer_state, stacked)
 
 
-# The most token rows the native matmul takes in a step: its row tiles stream the whole input
-# once per column tile, where XLA's GEMM packs blocks. A step's matmuls on the peer tiny shape,
-# native against XLA (per-layer weights, no slicing): 4 rows 0.33 against 0.57 ms, 256 rows 5.1-5.5
-# against 6.2-6.4, 512 level, 1024 20-24 against 17-18, 4096 124 against 78; on SmolLM's shape
-# 256 rows 160-171 against 156-178 ms, before the 540 MB of layer slices XLA's path copies.
-NATIVE_MAX_ROWS = 256
-
 # Backends that index the layer inside their own gathers (see cbjax.kernels.metadata).
 LAYER_INDEXED = ("ragged", "native", "reference")
 
@@ -113,13 +106,13 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     with explicit shardings for a tensor-parallel `mesh` (attention then runs per shard).
 
     matmul="native" (a resolved `executor.matmul`, one device, f32; the weights from
-    `split_model(model, matmul="native")`, their matrices in panel order): in a step of at
-    most NATIVE_MAX_ROWS tokens the layers' weight matrices stay out of the scan's sliced
-    inputs, and the native kernel multiplies by layer `i` of the stacked matrix in place (XLA
-    would copy each layer's weights out of the stack first); the LM head (at most the slot
-    count's rows) runs on it too, a tied one reading the embedding table in place. Larger
-    steps give XLA's GEMM a row-major copy of each layer's slice (XLA's blocked GEMM wins at
-    many rows); "xla": jnp.tensordot on the scan's slices."""
+    `split_model(model, matmul="native")`, their matrices in panel order): the layers' weight
+    matrices stay out of the scan's sliced inputs, and the native kernel multiplies the step's
+    tokens (not its bucket's padding) by layer `i` of the stacked matrix in place, at every
+    step size (XLA would copy each layer's weights out of the stack first); the LM head runs
+    on it too, a tied one reading the embedding table in place. "xla": jnp.tensordot on the
+    scan's slices.
+    """
     check_batch(batch)
     outer_def, layer_def, split_for = graphdef
     outer_state, layer_states = weights
@@ -131,7 +124,7 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     if split_for != matmul:  # the weights' layout is the matmul's
         raise ValueError(f"model_step: matmul={matmul!r} needs weights from split_model(model, matmul={matmul!r}), "
                          f"got weights split for {split_for!r}")  # fmt: skip
-    extra, head_mm, head_t, large_mm = (), None, None, None
+    extra, head_mm, head_t = (), None, None
     if matmul == "native":
         from cbjax.kernels import native
 
@@ -141,12 +134,9 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
 
         head_mm = lambda x, w, num_in: native.layer_matmul(x, w[None], 0, num_in, live=num_rows_used)  # noqa: E731
         head_t = lambda h, w: native.matmul_nt(h, w, live=num_rows_used)  # noqa: E731
-        if batch.tokens.shape[0] <= NATIVE_MAX_ROWS:
-            # the kernels [num_layers, ...] are read whole by every layer; the rest is sliced
-            stacked, layer_states = nnx.split_state(layer_states, nnx.PathContains("kernel"), ...)
-            extra = (stacked,)
-        else:  # XLA's GEMM on a row-major copy of each layer's (sliced) panels
-            large_mm = lambda x, w, num_in: jnp.tensordot(x, native.from_panels(w, num_in), num_in)  # noqa: E731
+        # the kernels [num_layers, ...] are read whole by every layer; the rest is sliced
+        stacked, layer_states = nnx.split_state(layer_states, nnx.PathContains("kernel"), ...)
+        extra = (stacked,)
 
     def attend(q, k, v, k_pages, v_pages, md, write_idx, layer_idx):
         k_pages = write_layer(k_pages, layer_idx, write_idx, k)
@@ -166,7 +156,7 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         x, k_pages, v_pages = carry
         layer_state, layer_idx = xs
         layer = nnx.merge(layer_def, layer_state, *extra)
-        mm = large_mm
+        mm = None
         if extra:
             mm = lambda x, w, num_in: native.layer_matmul(x, w, layer_idx, num_in, live=num_tokens)  # noqa: E731
         q, k, v = layer.qkv(x, batch.positions, mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
