@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbjax.cache import PageAllocator, make_allocator
-from cbjax.cache.allocator import ROOT_HASH, chain_hashes
+from cbjax.cache.allocator import ROOM_TOKENS, ROOT_HASH, chain_hashes
 
 
 def test_page_zero_is_never_handed_out_and_pages_are_reused_at_once():
@@ -32,6 +32,40 @@ def test_paged_grows_on_demand_one_page_per_page_size_tokens():
     assert len(alloc.page_tables["r"]) == 2
     # token-state utilization: 5 tokens stored in 2 pages of 4
     assert alloc.token_utilization() == pytest.approx(5 / 8)
+
+
+def test_a_requests_pages_are_consecutive_with_room_between_requests():
+    # page_size 16: ROOM_TOKENS (256) is 16 pages of room. Placement by hand: a new stretch of n
+    # pages takes the first run of 16 + n + 16 free pages from the cursor and starts after its
+    # first 16; the cursor moves to the stretch's end.
+    assert ROOM_TOKENS == 256
+    alloc = PageAllocator(num_pages=200, page_size=16)
+    assert alloc.allocate("a", 48, 48) == [17, 18, 19]  # the run 1-35; cursor 20
+    assert alloc.allocate("b", 32, 32) == [36, 37]  # the run 20-53: a's 16 pages of room stay free
+    alloc.append("a", 5 * 16)
+    assert alloc.page_tables["a"] == [17, 18, 19, 20, 21]  # grows into its room
+    alloc.append("a", 20 * 16)  # 17-35 are a's 19 pages; 36 is b's: a new stretch, the run 38-70
+    assert alloc.page_tables["a"] == list(range(17, 36)) + [54]
+    alloc.free("b")
+    alloc.append("a", 22 * 16)
+    assert alloc.page_tables["a"][-3:] == [54, 55, 56]
+    assert alloc.num_used_pages == 22 and alloc.num_free_pages == 199 - 22
+    alloc.check_invariants()
+
+
+def test_placement_falls_back_to_shorter_runs_and_any_free_page():
+    # 9 usable pages, fewer than the room: first fit, then any free page after the cursor
+    alloc = PageAllocator(num_pages=10, page_size=16)
+    assert alloc.allocate("a", 48, 48) == [1, 2, 3]  # cursor 4
+    assert alloc.allocate("b", 32, 32) == [4, 5]  # cursor 6
+    alloc.append("a", 4 * 16)  # page 4 is b's: the first free page from the cursor
+    assert alloc.page_tables["a"] == [1, 2, 3, 6]
+    alloc.free("b")
+    # 7, 8 and 9 each after the last; then no free page after the cursor (7): the first from 1
+    alloc.append("a", 8 * 16)
+    assert alloc.page_tables["a"] == [1, 2, 3, 6, 7, 8, 9, 4]
+    assert alloc.num_free_pages == 1
+    alloc.check_invariants()
 
 
 def test_reserve_max_reserves_the_maximum_length_at_admission():
@@ -107,7 +141,7 @@ def test_shared_pages_are_refcounted_and_cached_after_the_last_user():
     alloc.check_invariants()
 
 
-def test_cached_pages_are_evicted_lru_only_once_the_free_list_is_empty():
+def test_cached_pages_are_evicted_lru_only_once_no_page_is_free():
     alloc = PageAllocator(num_pages=6, page_size=2, prefix_caching=True)  # 5 usable pages
     x = chain_hashes(ROOT_HASH, [1, 2, 3, 4], 2)
     y = chain_hashes(ROOT_HASH, [5, 6], 2)
@@ -117,7 +151,7 @@ def test_cached_pages_are_evicted_lru_only_once_the_free_list_is_empty():
     alloc.register("y", y, 1)
     alloc.free("x")  # released first: its tail page, then its head, are the least recent
     alloc.free("y")
-    assert alloc.num_cached_pages == 3 and len(alloc._free) == 2
+    assert alloc.num_cached_pages == 3 and alloc.num_free_pages - alloc.num_cached_pages == 2
     alloc.allocate("z", 4, 4)  # the 2 free pages: nothing evicted
     assert alloc.num_evictions == 0 and alloc.match(x) != [] and len(alloc.match(x)) == 2
     alloc.append("z", 6)  # one more page: evicts x's tail page

@@ -12,6 +12,9 @@ ROOT_HASH = 0
 # cache.allocation modes, the one list the config checks against.
 ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
 
+# Tokens of growth room a placed run leaves after the request before it (see PageAllocator).
+ROOM_TOKENS = 256
+
 
 def chain_hashes(parent: int, token_ids: Sequence[int], page_size: int) -> list[int]:
     """Chained hashes of the full pages of `token_ids`: page i hashes (hash of page i-1, its ids).
@@ -33,14 +36,24 @@ class PageAllocator:
     reservations (`reserve_*`) are `cbjax.cache.reservation.ReservationAllocator`; build
     either with `make_allocator`.
 
-    Every page is in exactly one state: free (on the free list), cached (holds a registered
+    Every page is in exactly one state: free, cached (holds a registered
     full page of tokens, referenced by nobody, evictable in LRU order), or owned (its refcount
     is the number of page tables holding it). Without prefix caching nothing is registered, so
     no page is ever cached or shared, and refcounts (all 1) are not kept. With it, `register`
     records a request's full pages under their chained hashes, `match` finds the longest
     cached prefix of a hash chain, and `allocate(..., cached=pages)` shares those pages. A
-    released page whose refcount drops to 0 stays cached until the free list is empty and a
-    new page is needed: then the least recently released cached page is evicted.
+    released page whose refcount drops to 0 stays cached until no page is free and a new
+    page is needed: then the least recently released cached page is evicted.
+
+    Placement: a request's pages are consecutive page ids wherever the pool allows, so each
+    (layer, kv head) of its K/V is one stretch of memory that the CPU's prefetchers stream,
+    not pages scattered over the pool. A request's next page is the one after its last page
+    when that one is free; else a new stretch starts in the first run of free pages after a
+    cursor (next fit) long enough that `ROOM_TOKENS` of free pages stay between the stretch
+    and the pages before it, the room the request ending there grows into, and as much again
+    after it for its own growth. Where the pool has no such run the demands shrink, down to any free page.
+    Placement changes only which pages, never how many: counts, admission and preemption are
+    the same under any placement.
     """
 
     NULL_PAGE = 0
@@ -56,8 +69,10 @@ class PageAllocator:
         self.page_size = page_size
         self.reserve = False
         self.prefix_caching = prefix_caching
-        # Popping from the end hands out low page numbers first.
-        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._is_free = bytearray(b"\0") + bytearray(b"\1") * (num_pages - 1)  # page -> 1 if free
+        self._num_free = num_pages - 1
+        self._cursor = 1  # where the next stretch's search starts
+        self._room = max(1, ROOM_TOKENS // page_size)  # pages
         self._refs: dict[int, int] = {}  # owned page -> page tables holding it (prefix caching only)
         self._cached: OrderedDict[int, None] = OrderedDict()  # refcount-0 registered pages, LRU first
         self._page_of: dict[int, int] = {}  # hash -> registered page
@@ -76,7 +91,7 @@ class PageAllocator:
     @property
     def num_free_pages(self) -> int:
         """Pages that can be handed out: free, or cached and unreferenced (evictable)."""
-        return len(self._free) + len(self._cached)
+        return self._num_free + len(self._cached)
 
     @property
     def num_cached_pages(self) -> int:
@@ -86,7 +101,7 @@ class PageAllocator:
     @property
     def num_used_pages(self) -> int:
         """Pages referenced by at least one page table (a shared page counts once)."""
-        return self.num_pages - 1 - len(self._free) - len(self._cached)
+        return self.num_pages - 1 - self._num_free - len(self._cached)
 
     def token_utilization(self) -> float:
         """Tokens stored / token capacity of the owned pages (1.0 when nothing is owned).
@@ -153,7 +168,7 @@ class PageAllocator:
             if page not in self._hash_of:
                 raise ValueError(f"request {request_id}: page {page} is not a cached page")
             self._hold(page)
-        table = list(cached) + self._take(need - len(cached))
+        table = list(cached) + self._take(need - len(cached), cached[-1] if cached else None)
         self.page_tables[request_id] = table
         self._num_hashed[request_id] = len(cached)
         self._stored[request_id] = num_tokens
@@ -168,16 +183,16 @@ class PageAllocator:
     def can_append(self, request_id: str, num_tokens: int) -> bool:
         # the scheduler's hottest call: num_free_pages and pages_to_append inlined
         need = -(-num_tokens // self.page_size) - len(self.page_tables[request_id])
-        return need <= len(self._free) + len(self._cached)
+        return need <= self._num_free + len(self._cached)
 
     def append(self, request_id: str, num_tokens: int) -> None:
         """Grow the request's page table to hold `num_tokens` tokens in all."""
         table = self.page_tables[request_id]
         need = -(-num_tokens // self.page_size) - len(table)
-        if need > len(self._free) + len(self._cached):
+        if need > self._num_free + len(self._cached):
             raise ValueError(f"request {request_id}: needs {need} more pages, {self.num_free_pages} free")
         if need > 0:
-            table.extend(self._take(need))
+            table.extend(self._take(need, table[-1] if table else None))
         self.num_stored_tokens += num_tokens - self._stored[request_id]
         self._stored[request_id] = num_tokens
 
@@ -189,7 +204,9 @@ class PageAllocator:
         self.num_stored_tokens -= self._stored.pop(request_id)
         del self._num_hashed[request_id]
         if not self.prefix_caching:
-            self._free.extend(reversed(table))
+            for page in table:
+                self._is_free[page] = 1
+            self._num_free += len(table)
             return
         # Tail first, so a sequence's last pages are evicted before the prefix they extend.
         for page in reversed(table):
@@ -201,20 +218,28 @@ class PageAllocator:
             if page in self._hash_of:
                 self._cached[page] = None
             else:
-                self._free.append(page)
+                self._is_free[page] = 1
+                self._num_free += 1
 
     def _hold(self, page: int) -> None:
         if page in self._cached:
             del self._cached[page]
         self._refs[page] = self._refs.get(page, 0) + 1
 
-    def _take(self, n: int) -> list[int]:
-        """`n` pages for new contents: free ones, then the least recently released cached ones."""
-        free = self._free
-        k = min(n, len(free))
-        pages = free[len(free) - k :][::-1]  # as if popped one by one
-        del free[len(free) - k :]
-        for _ in range(n - k):
+    def _take(self, n: int, after: int | None = None) -> list[int]:
+        """`n` pages for new contents at the end of a table whose last page is `after` (None: an
+        empty table): free ones, placed (see the class), then the least recently released
+        cached ones."""
+        is_free, pages = self._is_free, []
+        page = -1 if after is None else after + 1
+        while len(pages) < n and self._num_free:
+            if not (0 < page < self.num_pages and is_free[page]):
+                page = self._place(n - len(pages))
+            is_free[page] = 0
+            self._num_free -= 1
+            pages.append(page)
+            page += 1
+        for _ in range(n - len(pages)):
             page, _ = self._cached.popitem(last=False)
             del self._page_of[self._hash_of.pop(page)]
             self.num_evictions += 1
@@ -222,6 +247,21 @@ class PageAllocator:
         if self.prefix_caching:
             self._refs.update(dict.fromkeys(pages, 1))
         return pages
+
+    def _place(self, n: int) -> int:
+        """The first page of a new stretch for `n` pages (some page is free): the first run from
+        the cursor (then from page 1) of room + n + room free pages, starting after its first
+        room; else of n + room, then n, then 1 free page, starting at its first."""
+        room, is_free = self._room, self._is_free
+        for length, offset in ((room + n + room, room), (n + room, 0), (n, 0), (1, 0)):
+            run = b"\1" * length
+            at = is_free.find(run, self._cursor)
+            if at < 0:
+                at = is_free.find(run, 1)
+            if at > 0:
+                self._cursor = at + offset + n
+                return at + offset
+        raise AssertionError("_place: no free page")  # _take checks _num_free first
 
     # ---- the pool's five shares ----
     def slot_breakdown(self, final_tokens: Iterable[tuple[str, int]], min_waiting_pages: int) -> tuple[int, int, int, int, int]:
@@ -266,8 +306,8 @@ class PageAllocator:
             assert counts == self._refs, "a refcount differs from the page tables holding the page"
         else:
             assert not self._refs and all(c == 1 for c in counts.values()), "a page is shared without prefix caching"
-        free, cached, owned = set(self._free), set(self._cached), set(counts)
-        assert len(free) == len(self._free), "a page is on the free list twice"
+        free, cached, owned = {p for p, f in enumerate(self._is_free) if f}, set(self._cached), set(counts)
+        assert len(free) == self._num_free, "the free count differs from the free pages"
         assert not free & owned and not free & cached and not cached & owned, "a page is in two states"
         assert self.NULL_PAGE not in free | cached | owned, "the null page was handed out"
         assert free | cached | owned == set(range(1, self.num_pages)), "a page was lost"

@@ -31,7 +31,7 @@ class ReservationAllocator(PageAllocator):
         self.allocation = allocation
         self.buddy = fit == "buddy"
         self.reserve = True
-        self._free = []  # unused: free pages live in the runs below
+        self._is_free = bytearray()  # unused: free pages live in the runs below
         self._run_starts: list[int] = [1]  # sorted starts of the maximal free runs
         self._run_len: dict[int, int] = {1: num_pages - 1}
         self._num_free = num_pages - 1
@@ -169,4 +169,4 @@ class ReservationAllocator(PageAllocator):
             pos = start + length
         assert pos == self.num_pages, "a page was lost"
         assert self.num_stored_tokens == sum(self._stored.values())
-        assert not self._free and not self._cached and not self._refs
+        assert not self._is_free and not self._cached and not self._refs
