@@ -54,7 +54,7 @@ def test_step_features_of_the_native_backend_count_groups_not_loop_steps_by_hand
     assert bucket == 4
     assert dict(zip(STEP_TERMS, xla)) == {
         "iter_s": 1.0, "seq_s": 3.0, "single_chunk_s": 3.0, "block_chunk_s": 0.0, "single_chunk_token_s": 12.0,
-        "block_chunk_token_s": 0.0, "single_page_s": 10.0, "block_page_s": 0.0,
+        "block_chunk_token_s": 0.0, "single_page_s": 10.0, "block_page_s": 0.0, "token_s": 3.0,
     }  # fmt: skip
     _, native = step_features(rows, shapes, native=True)
     assert dict(zip(STEP_TERMS, native)) == {**dict(zip(STEP_TERMS, xla)), "single_chunk_s": 3.0, "single_chunk_token_s": 0.0}

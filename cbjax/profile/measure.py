@@ -229,7 +229,7 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
         "model": cfg.model.name,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "token_buckets": list(shapes.token_buckets),
-        "formula": "step + loop_s + loop_seq_s*requests, step = fixed(bucket) + iter_s + seq_s*rows"
+        "formula": "step + loop_s + loop_seq_s*requests, step = fixed(bucket) + iter_s + seq_s*rows + token_s*tokens"
         " + (single_chunk_s + single_chunk_token_s*bucket)*single_steps + (block_chunk_s + block_chunk_token_s*bucket)*block_steps"
         " + single_page_s*single_pages + block_page_s*block_pages, fixed(bucket) = served_bucket_s[bucket] where"
         " served, else bucket_scale*bucket_s[bucket] (+ cold_s, cold2_s, cold3_s or cold4_s on the 1st to 4th step"

@@ -6,7 +6,7 @@ over pages (`*_chunk_s`: each inner loop step of the XLA ragged attention runs a
 query groups, counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, `count_steps`;
 the native decode pass is charged per group), plus its swap copies:
 
-    step = fixed(bucket) + iter_s + seq_s * rows
+    step = fixed(bucket) + iter_s + seq_s * rows + token_s * tokens
            + (single_chunk_s + single_chunk_token_s * bucket) * single_steps   (native: single groups, token term 0)
            + (block_chunk_s + block_chunk_token_s * bucket) * block_steps
            + single_page_s * single_pages + block_page_s * block_pages  (KV pages really read)
@@ -26,9 +26,12 @@ the native decode pass is charged per group), plus its swap copies:
 The step terms are fitted on the grid's steps, which reach long contexts and large prefills;
 the fixed costs (and, when asked, the cold terms) on the iterations the profile serves through
 the real loop over them, since a step there costs what a run pays, not what the same step costs
-run back to back (`cbjax.profile.serving.fit_served`). A step's work does not grow with the
-bucket, so the `*_token_s` terms should fit near 0; they stay for kernels whose steps touch
-every token of the bucket. A bucket the profile did not time
+run back to back (`cbjax.profile.serving.fit_served`). `token_s` is the work per token the step
+really holds: the native matmul multiplies those and skips the bucket's padding, so the model's
+matmuls grow with the tokens, not the bucket (XLA's matmuls compute the padding too: their cost
+is the bucket's, and `token_s` fits near 0). The attention's work does not grow with the
+bucket, so the `*_chunk_token_s` terms should fit near 0; they stay for kernels whose steps
+touch every token of the bucket. A bucket the profile did not time
 gets its intercept interpolated linearly in the bucket size.
 
 Pure numpy: no jax import.
@@ -52,13 +55,14 @@ from cbjax.runtime.tiles import count_steps, group_pages, steps_of
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
 STEP_TERMS = (
     "iter_s", "seq_s", "single_chunk_s", "block_chunk_s", "single_chunk_token_s", "block_chunk_token_s",
-    "single_page_s", "block_page_s",
+    "single_page_s", "block_page_s", "token_s",
 )  # fmt: skip
 SWAP_TERMS = ("swap_iter_s", "swap_page_s")
 SERVE_TERMS = ("bucket_scale",)
 # The cold terms: what the 1st .. 4th step after the last step of a larger bucket pays more.
 COLD_TERMS = ("cold_s", "cold2_s", "cold3_s", "cold4_s")
-OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS, 0.0)  # absent from profiles made before the terms: charged 0
+# absent from profiles made before the terms: charged 0
+OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s",), 0.0)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -112,7 +116,7 @@ def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan, nati
     single_x, single_token_x = (float(len(single_groups)), 0.0) if native else (float(single), float(single * bucket))
     return bucket, [
         1.0, float(len(rows)), single_x, float(block), single_token_x, float(block * bucket),
-        float(sum(single_groups)), float(sum(block_groups)),
+        float(sum(single_groups)), float(sum(block_groups)), float(tokens),
     ]  # fmt: skip
 
 
@@ -147,7 +151,8 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
     try:
         profile = json.loads(p.read_text())
         made_for = dict(profile["made_for"])
-        coef = {k: float(profile["coefficients"][k]) for k in STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS}
+        required = [k for k in STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS if k not in OPTIONAL_TERMS]
+        coef = {k: float(profile["coefficients"][k]) for k in required}
         coef.update({k: float(profile["coefficients"].get(k, v)) for k, v in OPTIONAL_TERMS.items()})
         coef["bucket_s"] = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
         served = profile["coefficients"].get("served_bucket_s", {})  # absent from earlier profiles
