@@ -4,9 +4,10 @@ Each op XLA:CPU runs (a fusion, a dot, a custom call) is one event on an XLA thr
 after its HLO instruction. `op_kinds` reads a compiled step's HLO text and sorts its
 instructions into kinds: the native matmul and attention custom calls, XLA's dots, loop
 containers (not counted: their ops are), and everything else (norms, RoPE, KV writes,
-gathers, argmax). `breakdown` takes the trace's events and the steps' start times (each step
-marked by a profiler annotation on the host) and sums every kind's op time per step size,
-beside the wall time XLA was busy and the host-only remainder. `python
+gathers, argmax). `breakdown` takes the trace's events and the steps in launch order (each
+marked by a profiler annotation on the host), pairs them with XLA's program executions in
+order, and sums every kind's op time per step size, beside the wall time XLA was busy and the
+host-only remainder. `python
 benchmarks/peer_transformers.py --trace` prints it.
 """
 
@@ -22,6 +23,7 @@ from typing import NamedTuple
 KINDS = ("matmul (native)", "matmul (XLA dot)", "attention (native)", "other XLA ops")
 _TARGET_KIND = {
     "cbjax_layer_matmul": "matmul (native)",
+    "cbjax_matmul_nt": "matmul (native)",
     "cbjax_single_groups": "attention (native)",
     "cbjax_block_groups": "attention (native)",
 }
@@ -85,43 +87,72 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+EXECUTE = "ThunkExecutor::Execute"  # XLA:CPU's event for running a program's thunks
+
+
+def executions(events: list[Event]) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of each program execution, in order: a top-level `EXECUTE`
+    event on a PjRt client thread (not inside another one on that thread; loop bodies nest),
+    extended over the `EXECUTE (wait for completion)` event that follows it there."""
+    by_thread: dict[str, list[Event]] = {}
+    for e in events:
+        if e.thread.startswith("tf_XLAPjRtCpuClient") and e.name.startswith(EXECUTE):
+            by_thread.setdefault(e.thread, []).append(e)
+    out = []
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e.start_us, -e.dur_us))
+        end = float("-inf")
+        for e in evs:
+            if e.start_us < end:  # nested
+                continue
+            end = e.start_us + e.dur_us
+            if e.name == EXECUTE:
+                out.append([e.start_us, end])
+            elif out:  # the wait that follows this thread's execution
+                out[-1][1] = max(out[-1][1], end)
+    return sorted((a, b) for a, b in out)
+
+
 def breakdown(events: list[Event], steps: list[tuple[float, str, dict[str, str]]], makespan_s: float) -> dict:
     """Seconds per kind and step group.
 
-    `steps`: (start time in the trace's microseconds, group label, that step's `op_kinds`), one
-    per step in order; an XLA event belongs to the last step started before it. Returns
-    {"groups": {group: {kind: op seconds summed over XLA's threads, "steps": count,
-    "xla_busy_s": wall time with any XLA thread at work, "between_ops_s": of that, no op event
-    running}}, "xla_busy_s", "between_ops_s", "host_only_s" (makespan less XLA's busy time)}.
-    XLA:CPU runs a large dot asynchronously on its thread pool after the dot's own event ends,
-    so a group with XLA dots counts their work as between ops."""
+    `steps`: (the host's launch time in the trace's microseconds, group label, that step's
+    `op_kinds`), one per step. The k-th step launched is the k-th program execution
+    (`executions`): an XLA event belongs to the execution it starts in. Under pipelined serving
+    the host launches step t+1 while step t runs, so the launch times do not bound the steps'
+    work; the executions do. Returns {"groups": {group: {kind: op seconds summed over XLA's
+    threads, "steps": count, "xla_busy_s": wall time of its executions, "between_ops_s": of
+    that, no op event running}}, "xla_busy_s", "between_ops_s", "host_only_s" (makespan less
+    XLA's busy time)}. A ValueError names both counts when the trace holds another number of
+    executions than steps (another program ran in between, as the sampler does)."""
     steps = sorted(steps, key=lambda s: s[0])
-    starts = [s[0] for s in steps]
+    runs = executions(events)
+    if len(runs) != len(steps):
+        raise ValueError(f"breakdown: {len(runs)} program executions in the trace for {len(steps)} steps")
+    starts = [a for a, _ in runs]
     groups: dict[str, dict] = {}
     busy: dict[str, list] = {}
     ops: dict[str, list] = {}
-    for _, label, _ in steps:
+    for (_, label, _), run in zip(steps, runs):
         groups.setdefault(label, {k: 0.0 for k in KINDS} | {"steps": 0})
         groups[label]["steps"] += 1
-        busy.setdefault(label, [])
+        busy.setdefault(label, []).append(tuple(run))
         ops.setdefault(label, [])
     for e in events:
         if not e.thread.startswith("tf_XLA"):
             continue
         k = bisect_right(starts, e.start_us) - 1
-        if k < 0:  # before the first step: not this run's
+        if k < 0 or e.start_us > runs[k][1]:  # outside every execution
             continue
-        label, interval = steps[k][1], (e.start_us, e.start_us + e.dur_us)
-        busy[label].append(interval)
-        kind = steps[k][2].get(e.name)
+        label, kind = steps[k][1], steps[k][2].get(e.name)
         if kind is None or kind == "container":  # the executor's own events, loops
             continue
         groups[label][kind] += e.dur_us * 1e-6
-        ops[label].append(interval)
+        ops[label].append((e.start_us, e.start_us + e.dur_us))
     for label, g in groups.items():
         g["xla_busy_s"] = _union_us(busy[label]) * 1e-6
         g["between_ops_s"] = g["xla_busy_s"] - _union_us(ops[label]) * 1e-6
-    busy_s = sum(g["xla_busy_s"] for g in groups.values())  # steps never overlap: the host waits for each
+    busy_s = _union_us([tuple(r) for r in runs]) * 1e-6  # the device runs one program at a time
     return {
         "groups": groups,
         "xla_busy_s": busy_s,
