@@ -348,6 +348,25 @@ def test_steps_after_a_larger_buckets_pay_the_cold_costs_by_hand(tmp_path):
     assert old(big) == pytest.approx(7.0) and old(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.0)
 
 
+def test_each_token_a_step_holds_pays_token_s_by_hand(tmp_path):
+    # the native matmul's work follows the tokens, not the bucket: a decode (1 token, bucket 4)
+    # costs 1.0 + 0.5; with a 40-token prefill (41 tokens, bucket 64) 7.0 + 41 x 0.5
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, token_s=0.5)
+    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
+                                                                             num_slots=4)))  # fmt: skip
+    d = Request("d", 0.0, 5)
+    d.num_computed, d.num_new_tokens = 4, 1
+    p = Request("p", 0.0, 40)
+    p.num_computed, p.num_new_tokens = 0, 40
+    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.5)
+    assert cost(Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(27.5)
+    del coef["token_s"]  # a profile made before the term charges nothing for it
+    old = make_cost_model(
+        "profiled", MODEL, None, **configs(write_profile(tmp_path / "old.json", coef, page_size=4, num_slots=4))
+    )
+    assert old(Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(7.0)
+
+
 def test_a_served_buckets_own_fixed_cost_replaces_the_scaled_grid_timing_by_hand(tmp_path):
     # bucket 4 has a served fixed cost of its own (1.5, not scaled); bucket 64 is the grid's 7.0 x 2
     coef = {**only_bucket_costs({"4": 1.0, "64": 7.0}), "bucket_scale": 2.0, "served_bucket_s": {"4": 1.5}}

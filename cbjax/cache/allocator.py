@@ -51,9 +51,9 @@ class PageAllocator:
     when that one is free; else a new stretch starts in the first run of free pages after a
     cursor (next fit) long enough that `ROOM_TOKENS` of free pages stay between the stretch
     and the pages before it, the room the request ending there grows into, and as much again
-    after it for its own growth. Where the pool has no such run the demands shrink, down to any free page.
-    Placement changes only which pages, never how many: counts, admission and preemption are
-    the same under any placement.
+    after it for its own growth. Where the pool has no such run the demands shrink, down to
+    any free page. Placement changes only which pages, never how many: counts, admission and
+    preemption are the same under any placement.
     """
 
     NULL_PAGE = 0

@@ -101,15 +101,17 @@ def executions(events: list[Event]) -> list[tuple[float, float]]:
     out = []
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e.start_us, -e.dur_us))
+        runs: list[list[float]] = []  # this thread's
         end = float("-inf")
         for e in evs:
             if e.start_us < end:  # nested
                 continue
             end = e.start_us + e.dur_us
             if e.name == EXECUTE:
-                out.append([e.start_us, end])
-            elif out:  # the wait that follows this thread's execution
-                out[-1][1] = max(out[-1][1], end)
+                runs.append([e.start_us, end])
+            elif runs:  # the wait that follows this thread's execution
+                runs[-1][1] = max(runs[-1][1], end)
+        out += runs
     return sorted((a, b) for a, b in out)
 
 
