@@ -264,6 +264,15 @@ def only_bucket_costs(bucket_s: dict, **terms) -> dict:
     return {**zero, "bucket_s": bucket_s, "bucket_scale": 1.0, "wake_ramp_s": 1.0, **terms}
 
 
+def decode_and_prefill() -> tuple[Request, Request]:
+    """A decode at position 4 (1 token) and a fresh 40-token prefill."""
+    d = Request("d", 0.0, 5)
+    d.num_computed, d.num_new_tokens = 4, 1
+    p = Request("p", 0.0, 40)
+    p.num_computed, p.num_new_tokens = 0, 40
+    return d, p
+
+
 def test_profiled_cost_by_hand(tmp_path):
     coef = {"bucket_s": {"4": 1.0, "64": 7.0}, "iter_s": 0.5, "seq_s": 0.001, "single_chunk_s": 10.0, "block_chunk_s": 100.0,
             "single_chunk_token_s": 0.0, "block_chunk_token_s": 1e-5, "single_page_s": 0.0, "block_page_s": 0.0, "bucket_scale": 2.0,
@@ -325,10 +334,7 @@ def test_steps_after_a_larger_buckets_pay_the_cold_costs_by_hand(tmp_path):
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, cold_s=0.25, cold2_s=0.125, cold3_s=0.0625, cold4_s=0.03125)
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))
-    d = Request("d", 0.0, 5)
-    d.num_computed, d.num_new_tokens = 4, 1
-    p = Request("p", 0.0, 40)
-    p.num_computed, p.num_new_tokens = 0, 40
+    d, p = decode_and_prefill()
 
     def step(*reqs):
         return cost(Schedule(num_slots=4, decodes=[r for r in reqs if r is d], prefills=[r for r in reqs if r is p],
@@ -354,10 +360,7 @@ def test_each_token_a_step_holds_pays_token_s_by_hand(tmp_path):
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, token_s=0.5)
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
-    d = Request("d", 0.0, 5)
-    d.num_computed, d.num_new_tokens = 4, 1
-    p = Request("p", 0.0, 40)
-    p.num_computed, p.num_new_tokens = 0, 40
+    d, p = decode_and_prefill()
     assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.5)
     assert cost(Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(27.5)
     del coef["token_s"]  # a profile made before the term charges nothing for it
@@ -372,10 +375,7 @@ def test_a_served_buckets_own_fixed_cost_replaces_the_scaled_grid_timing_by_hand
     coef = {**only_bucket_costs({"4": 1.0, "64": 7.0}), "bucket_scale": 2.0, "served_bucket_s": {"4": 1.5}}
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
-    d = Request("d", 0.0, 5)
-    d.num_computed, d.num_new_tokens = 4, 1
-    p = Request("p", 0.0, 40)
-    p.num_computed, p.num_new_tokens = 0, 40
+    d, p = decode_and_prefill()
     assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.5)
     assert cost(Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(14.0)
 

@@ -226,11 +226,25 @@ inline Vec ExpNonPositiveVec(Vec x) {
   return p * scale;
 }
 
+// The online softmax's output update for one query over one page: o[0, D) = o * corr + the sum of
+// p[j] * V row j over the page's first n keys, with the ND output vectors in registers. Keys past
+// n may be unwritten (NaN): never read.
+template <int ND>
+inline void AddWeightedValues(float* __restrict o, float corr, const float* p, int64_t n, const float* __restrict vp) {
+  constexpr int64_t D = ND * kLanes;
+  Vec acc[ND];
+  for (int c = 0; c < ND; ++c) acc[c] = Load(o + c * kLanes) * corr;
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec pj = Splat(p[j]);
+    for (int c = 0; c < ND; ++c) acc[c] += pj * Load(vp + j * D + c * kLanes);
+  }
+  for (int c = 0; c < ND; ++c) Store(o + c * kLanes, acc[c]);
+}
+
 // FixedSoftmaxPage<1, ND> on the page's scores as one vector `sv` (lane j: key j).
 template <int ND>
 inline void VecSoftmaxPage(Vec sv, int64_t n, float& m, float& l, float* __restrict o,
                            const float* __restrict vp) {
-  constexpr int64_t D = ND * kLanes;
   const IVec valid = kFold.iota < static_cast<int32_t>(n);
   const float page_max = TreeReduce<true>(valid ? sv : Splat(-INFINITY));
   const float m_new = std::max(m, page_max);
@@ -241,13 +255,7 @@ inline void VecSoftmaxPage(Vec sv, int64_t n, float& m, float& l, float* __restr
   m = m_new;
   alignas(64) float ps[kLanes];
   Store(ps, p);
-  Vec acc[ND];
-  for (int c = 0; c < ND; ++c) acc[c] = Load(o + c * kLanes) * corr;
-  for (int64_t j = 0; j < n; ++j) {  // keys past n may be unwritten (NaN): never read
-    const Vec pj = Splat(ps[j]);
-    for (int c = 0; c < ND; ++c) acc[c] += pj * Load(vp + j * D + c * kLanes);
-  }
-  for (int c = 0; c < ND; ++c) Store(o + c * kLanes, acc[c]);
+  AddWeightedValues<ND>(o, corr, ps, n, vp);
 }
 
 // SoftmaxPage for a page of NK * kLanes key slots and head_dim ND * kLanes: the softmax runs over
@@ -257,7 +265,7 @@ inline void VecSoftmaxPage(Vec sv, int64_t n, float& m, float& l, float* __restr
 template <int NK, int ND>
 inline void FixedSoftmaxPage(float* __restrict s, int64_t n, float& m, float& l, float* __restrict o,
                              const float* __restrict vp) {
-  constexpr int64_t PS = NK * kLanes, D = ND * kLanes;
+  constexpr int64_t PS = NK * kLanes;
   float page_max = -INFINITY;
   for (int64_t j = 0; j < PS; ++j) page_max = std::max(page_max, j < n ? s[j] : -INFINITY);
   const float m_new = std::max(m, page_max);
@@ -270,13 +278,7 @@ inline void FixedSoftmaxPage(float* __restrict s, int64_t n, float& m, float& l,
   }
   l = l * corr + sum;
   m = m_new;
-  Vec acc[ND];
-  for (int c = 0; c < ND; ++c) acc[c] = Load(o + c * kLanes) * corr;
-  for (int64_t j = 0; j < n; ++j) {  // keys past n may be unwritten (NaN): never read
-    const Vec pj = Splat(s[j]);
-    for (int c = 0; c < ND; ++c) acc[c] += pj * Load(vp + j * D + c * kLanes);
-  }
-  for (int c = 0; c < ND; ++c) Store(o + c * kLanes, acc[c]);
+  AddWeightedValues<ND>(o, corr, s, n, vp);
 }
 
 // One (kv head, group) pair: `group` query heads over the row's keys. NK = ND = 0: any page
@@ -469,7 +471,6 @@ inline void PageRows(const float* const* q, const float* kt, const float* vp, co
     for (int c = 0; c < NK; ++c) Store(p + c * kLanes, s[i][c]);
     float& mi = m[r[i]];
     float& li = l[r[i]];
-    float* oi = o + r[i] * D;
     float page_max = -INFINITY;
     for (int j = 0; j < nb[i]; ++j) page_max = std::max(page_max, p[j]);
     const float m_new = std::max(mi, page_max);
@@ -482,13 +483,7 @@ inline void PageRows(const float* const* q, const float* kt, const float* vp, co
     }
     li = li * corr + sum;
     mi = m_new;
-    Vec acc[ND];
-    for (int c = 0; c < ND; ++c) acc[c] = Load(oi + c * kLanes) * corr;
-    for (int j = 0; j < nb[i]; ++j) {  // keys past nb may be unwritten (NaN): never read
-      const Vec pj = Splat(p[j]);
-      for (int c = 0; c < ND; ++c) acc[c] += pj * Load(vp + j * D + c * kLanes);
-    }
-    for (int c = 0; c < ND; ++c) Store(oi + c * kLanes, acc[c]);
+    AddWeightedValues<ND>(o + r[i] * D, corr, p, nb[i], vp);
   }
 }
 
