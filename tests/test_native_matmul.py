@@ -80,6 +80,38 @@ def test_a_rows_result_is_the_same_alone_and_in_a_threaded_batch():
             np.testing.assert_array_equal(batch[r], alone if r < live else 0.0, err_msg=f"row {r} of {live} live")
 
 
+def test_threaded_products_run_every_chunk_once_when_kernels_overlap():
+    # Threaded products share one team of helper threads; a second kernel that finds the team
+    # busy falls back to XLA's pool. Two Python threads, each a program of two independent
+    # threaded products (XLA may run them at once), 20 times over: every result equals float64
+    # numpy and, bit for bit, the same product run alone.
+    import threading
+
+    rng = np.random.default_rng(7)
+    w, wt = _draw(rng, 1, 256, 512), _draw(rng, 512, 256)
+    wp = jnp.asarray(native.to_panels(w))
+    fn = jax.jit(lambda x: (native.layer_matmul(x, wp), native.matmul_nt(x, jnp.asarray(wt))))
+    xs = [_draw(rng, 32, 256) for _ in range(2)]
+    alone = [[np.asarray(y) for y in fn(jnp.asarray(x))] for x in xs]
+    for x, (a, b) in zip(xs, alone):
+        np.testing.assert_allclose(a, x.astype(np.float64) @ w[0].astype(np.float64), rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(b, x.astype(np.float64) @ wt.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+    failures = []
+
+    def hammer(i):
+        for _ in range(20):
+            got = [np.asarray(y) for y in fn(jnp.asarray(xs[i]))]
+            if not all(np.array_equal(g, w) for g, w in zip(got, alone[i])):
+                failures.append(i)
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
 def test_only_the_live_rows_are_multiplied_and_the_padding_rows_are_zeros():
     # a step's padding tokens: rows past `live` (a traced count) give zeros, the others the
     # full product's exact values; live is clipped to [0, rows]

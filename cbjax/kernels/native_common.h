@@ -1,22 +1,31 @@
 // What the native kernels share: a vector of the CPU's float lanes, and splitting a kernel's
-// work over XLA's CPU intra-op thread pool.
+// work over threads.
 //
 // Vec is kLanes floats (16 with AVX-512, else 8; GCC vector extensions, so any CPU compiles it),
 // loaded and stored unaligned.
 //
-// RunChunks(pool, threads, chunks, fn) calls fn(c) once for each chunk c in [0, chunks): this
-// thread and threads - 1 pool tasks claim chunks until none is left, and it returns when every
-// chunk is done. This thread is one of the workers, so it never waits on a task the pool has not
-// started (a late task finds no chunk and returns); fn is copied into state every task holds, so
-// a task that starts after RunChunks returned is safe. fn must be safe to call concurrently.
-
+// RunChunks(pool, threads, chunks, fn) calls fn(c) once for each chunk c in [0, chunks) and
+// returns when every chunk is done; fn must be safe to call concurrently. This thread claims
+// chunks alongside a Team of helper threads. A decode step runs some twenty short kernels one
+// after another, each worth tens of microseconds; XLA's intra-op pool lets its threads sleep
+// between them, and waking a sleeping thread costs about as much on a virtual machine, so the
+// pool's thread took a fifth of the chunks and the calling thread did the rest. Team helpers
+// stay awake for kAwake after each job, yielding the core to any other runnable thread, so the
+// next kernel finds them. When another thread holds the team (two kernels at once), the job
+// falls back to XLA's pool: this thread and threads - 1 pool tasks claim chunks, and a task
+// that starts late finds none and returns.
 #ifndef CBJAX_KERNELS_NATIVE_COMMON_H_
 #define CBJAX_KERNELS_NATIVE_COMMON_H_
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -33,12 +42,103 @@ inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
 inline Vec Splat(float s) { return Vec{} + s; }
 
+// The helpers of RunChunks (see the top of the file); one team per process.
+class Team {
+ public:
+  // The team, started on first use with `helpers` threads (more are not added later).
+  static Team& Get(int64_t helpers) {
+    static Team* team = new Team(helpers);  // never destroyed: its threads run until the process exits
+    return *team;
+  }
+
+  // fn(c) for c in [0, chunks) on this thread and the helpers. False, with nothing run, when
+  // another thread is using the team or the chunks do not fit the state word.
+  template <typename Fn>
+  bool Run(int64_t chunks, const Fn& fn) {
+    if (threads_.empty() || chunks >= kMaxChunks) return false;
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    ctx_ = &fn;
+    call_ = [](const void* f, int64_t c) { (*static_cast<const Fn*>(f))(c); };
+    done_.store(0, std::memory_order_relaxed);
+    gen_ = (gen_ + 1) & 0xffffffffu;
+    // Publishes ctx_ and call_ with the job; sequentially consistent with the helpers' check
+    // before they sleep, so either they see the job or this thread sees them asleep.
+    state_.store(gen_ << 32 | static_cast<uint64_t>(chunks) << 16, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+      wake_.notify_all();
+    }
+    for (int64_t c; (c = Claim(gen_)) >= 0;) {
+      fn(c);
+      done_.fetch_add(1, std::memory_order_release);
+    }
+    while (done_.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+    return true;
+  }
+
+ private:
+  static constexpr int64_t kMaxChunks = 1 << 16;
+  static constexpr std::chrono::microseconds kAwake{2000};
+
+  explicit Team(int64_t helpers) {
+    for (int64_t i = 0; i < helpers; ++i) threads_.emplace_back([this] { Help(); });
+    for (auto& t : threads_) t.detach();
+  }
+
+  // The next unclaimed chunk of job `gen`, or -1 when it has none left (or a later job runs).
+  int64_t Claim(uint64_t gen) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t next = s & 0xffff, chunks = (s >> 16) & 0xffff;
+      if ((s >> 32) != gen || next >= chunks) return -1;
+      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) return static_cast<int64_t>(next);
+    }
+  }
+
+  void Help() {
+    uint64_t seen = 0;  // the last job with no chunk left for us
+    auto idle = std::chrono::steady_clock::now();
+    for (;;) {
+      const uint64_t gen = state_.load(std::memory_order_acquire) >> 32;
+      if (gen != seen) {
+        if (const int64_t c = Claim(gen); c >= 0) {
+          call_(ctx_, c);  // the job cannot end, nor ctx_ change, before this chunk counts as done
+          done_.fetch_add(1, std::memory_order_release);
+          continue;
+        }
+        seen = gen;
+        idle = std::chrono::steady_clock::now();
+      }
+      if (std::chrono::steady_clock::now() - idle < kAwake) {
+        std::this_thread::yield();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(sleep_mu_);
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      wake_.wait(lock, [&] { return (state_.load(std::memory_order_seq_cst) >> 32) != seen; });
+      sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex run_mu_, sleep_mu_;
+  std::condition_variable wake_;
+  std::atomic<int> sleepers_{0};
+  std::atomic<uint64_t> state_{0};  // job generation (32 bits) | chunks (16) | next unclaimed chunk (16)
+  std::atomic<int64_t> done_{0};
+  uint64_t gen_ = 0;  // the current job's generation; written only under run_mu_
+  const void* ctx_ = nullptr;
+  void (*call_)(const void*, int64_t) = nullptr;
+};
+
 template <typename Fn>
 void RunChunks(xla::ffi::ThreadPool& pool, int64_t threads, int64_t chunks, const Fn& fn) {
   if (threads <= 1 || chunks <= 1) {
     for (int64_t c = 0; c < chunks; ++c) fn(c);
     return;
   }
+  if (Team::Get(std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), 8) - 1)).Run(chunks, fn)) return;
   struct Shared {
     explicit Shared(const Fn& f, int64_t n) : fn(f), chunks(n) {}
     Fn fn;
