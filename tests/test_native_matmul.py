@@ -80,6 +80,56 @@ def test_a_rows_result_is_the_same_alone_and_in_a_threaded_batch():
             np.testing.assert_array_equal(batch[r], alone if r < live else 0.0, err_msg=f"row {r} of {live} live")
 
 
+def _silu_times_f64(gate, up):
+    gate = gate.astype(np.float64)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+@pytest.mark.parametrize("rows, k, ffn", [(1, 16, 64), (7, 40, 128), (13, 256, 768), (100, 2048, 64)])
+def test_layer_matmul_glu_equals_float64_silu_of_gate_times_up(rows, k, ffn):
+    # a row tile and less, two row tiles and a remainder, a threaded product, rows over three
+    # row blocks; values spread wide enough that silu meets large negative and positive gates
+    rng = np.random.default_rng(rows + ffn)
+    x, w = _draw(rng, rows, k), _draw(rng, 2, k, 2, ffn) * (8.0 / np.sqrt(k))
+    wp = jnp.asarray(native.to_panels(w))
+    for layer in (0, 1):
+        got = np.asarray(native.layer_matmul_glu(jnp.asarray(x), wp, layer))
+        gate_up = x.astype(np.float64) @ w[layer].reshape(k, 2 * ffn).astype(np.float64)
+        want = _silu_times_f64(gate_up[:, :ffn], gate_up[:, ffn:])
+        assert got.shape == (rows, ffn)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5 * np.sqrt(k), err_msg=f"layer {layer}")
+    # a row alone as in the batch, and rows past `live` zeros (NaN there never reaches the result)
+    x[rows // 2 + 1 :] = np.nan
+    live = rows // 2 + 1
+    batch = np.asarray(native.layer_matmul_glu(jnp.asarray(x), wp, 1, live=live))
+    np.testing.assert_array_equal(batch[live:], 0.0)
+    alone = np.asarray(native.layer_matmul_glu(jnp.asarray(x[live - 1 : live]), wp, 1))
+    np.testing.assert_array_equal(alone[0], batch[live - 1])
+
+
+def test_layer_matmul_glu_silu_at_extreme_gates():
+    # gates of -100 ... 100 through an identity-like product: silu(g) * 1 against float64
+    g = np.array([-100.0, -88.0, -20.0, -1.0, -1e-3, 0.0, 1e-3, 1.0, 20.0, 100.0], np.float32)
+    x = np.zeros((len(g), 64), np.float32)
+    x[:, 0], x[:, 1] = g, 1.0
+    w = np.zeros((1, 64, 2, 64), np.float32)
+    w[0, 0, 0, :] = 1.0  # gate = x[:, 0]
+    w[0, 1, 1, :] = 1.0  # up = x[:, 1] = 1
+    got = np.asarray(native.layer_matmul_glu(jnp.asarray(x), jnp.asarray(native.to_panels(w))))
+    want = _silu_times_f64(g.astype(np.float64), 1.0)
+    np.testing.assert_allclose(got[:, 0], want, rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(got, np.repeat(got[:, :1], 64, axis=1))
+    assert np.isfinite(got).all()
+
+
+def test_layer_matmul_glu_names_kernels_it_cannot_split():
+    x = jnp.zeros((2, 8), jnp.float32)
+    for shape in ((1, 8, 2, 96), (1, 8, 3, 64), (1, 8, 128)):  # ffn not whole panels; not gate/up
+        with pytest.raises(ValueError, match=r"\[layers, k, 2, ffn\]"):
+            native.layer_matmul_glu(x, jnp.zeros(shape, jnp.float32))
+    assert native.glu_applies((4, 8, 2, 128)) and not native.glu_applies((4, 8, 2, 96))
+
+
 def test_threaded_products_run_every_chunk_once_when_kernels_overlap():
     # Threaded products share one team of helper threads; a second kernel that finds the team
     # busy falls back to XLA's pool. Two Python threads, each a program of two independent

@@ -62,7 +62,11 @@ COMMON_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-fPIC"
 SOURCES = {
     "native_decode.cc": (("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"),
                          (("cbjax_single_groups", "CbjaxSingleGroups"), ("cbjax_block_groups", "CbjaxBlockGroups"))),
-    "native_gemm.cc": ((), (("cbjax_layer_matmul", "CbjaxLayerMatmul"), ("cbjax_matmul_nt", "CbjaxMatmulNT"))),
+    "native_gemm.cc": (
+        (),
+        (("cbjax_layer_matmul", "CbjaxLayerMatmul"), ("cbjax_layer_matmul_glu", "CbjaxLayerMatmulGlu"),
+         ("cbjax_matmul_nt", "CbjaxMatmulNT")),
+    ),
 }  # fmt: skip
 HERE = Path(__file__).parent
 HEADERS = ("native_common.h",)  # included by the sources
@@ -265,6 +269,34 @@ def layer_matmul(
         x.reshape(rows, k), w.reshape(w.shape[0], n // p, k, p), jnp.asarray(layer, jnp.int32), _live(live, rows)
     )
     return y.reshape(*lead, *out_shape)
+
+
+def glu_applies(w_shape: tuple[int, ...]) -> bool:
+    """Whether `layer_matmul_glu` takes a stacked gate/up kernel of this shape: [layers, k, 2,
+    ffn] with ffn a multiple of PANEL, so the gate's and the up's columns lie in panels of their own."""
+    return len(w_shape) == 4 and w_shape[2] == 2 and w_shape[3] % PANEL == 0
+
+
+def layer_matmul_glu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, live: jax.Array | int | None = None):
+    """silu(x @ W[layer][:, 0]) * (x @ W[layer][:, 1]) -> f32[..., ffn]: the SwiGLU of a fused
+    gate/up kernel w [layers, k, 2, ffn] f32 in panel order (`to_panels`), read in place, the
+    activation computed as the product's tiles leave the registers (no [..., 2, ffn] product in
+    memory, no XLA op after). As `jax.nn.silu(gate) * up` up to f32 rounding; `live` and the
+    order of sums as `layer_matmul`'s."""
+    error = ensure_registered()
+    if error is not None:
+        raise RuntimeError(f"executor.matmul=native: {error}")
+    if not glu_applies(w.shape) or x.shape[-1] != w.shape[1] or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"layer_matmul_glu: x {x.dtype}{list(x.shape)} and w {w.dtype}{list(w.shape)} must be "
+                         f"[..., k] and [layers, k, 2, ffn] (ffn a multiple of {PANEL}), both float32")  # fmt: skip
+    k, ffn = w.shape[1], w.shape[3]
+    rows = int(np.prod(x.shape[:-1]))
+    out = jax.ShapeDtypeStruct((rows, ffn), jnp.float32)
+    y = jax.ffi.ffi_call("cbjax_layer_matmul_glu", out)(
+        x.reshape(rows, k), w.reshape(w.shape[0], 2 * ffn // PANEL, k, PANEL), jnp.asarray(layer, jnp.int32),
+        _live(live, rows),
+    )
+    return y.reshape(*x.shape[:-1], ffn)
 
 
 def _live(live, rows: int) -> jax.Array:

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -41,6 +42,42 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)
 inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
 inline Vec Splat(float s) { return Vec{} + s; }
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
+
+// exp(x) for x <= 0 (the softmax's scores less their max; SiLU's -|x|), vectorizable (the
+// library's expf is a scalar call and took most of the attention's time): x = n ln2 + u with
+// |u| <= ln2 / 2 (Cody-Waite), e^u by its Taylor series to u^7 (relative error below 1e-8, under
+// float's rounding), times 2^n built in the exponent bits. Below -87 it returns 2^-126 scaled
+// (about 1e-38, no denormals); NaN stays NaN.
+// ExpOfRemainder: e^u for x = n ln2 + u (n an integer-valued T), the steps between the reduction
+// and the scaling: float or a vector of floats alike.
+// Both are static: each source compiles its own copy with its own flags (the attention's
+// reassociate; the matmul's do not), where one inline definition would serve both.
+template <typename T>
+static inline T ExpOfRemainder(T x, T n) {
+  const T u = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  T p = T{} + 1.0f / 5040.0f;
+  p = p * u + 1.0f / 720.0f;
+  p = p * u + 1.0f / 120.0f;
+  p = p * u + 1.0f / 24.0f;
+  p = p * u + 1.0f / 6.0f;
+  p = p * u + 0.5f;
+  p = p * u + 1.0f;
+  return p * u + 1.0f;
+}
+
+// exp(x) on each lane, x <= 0 (above).
+static inline Vec ExpNonPositiveVec(Vec x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  const Vec t = x * 1.44269504088896341f + 0.5f;
+  Vec n = __builtin_convertvector(__builtin_convertvector(t, IVec), Vec);  // truncated toward zero
+  n = n > t ? n - 1.0f : n;                                               // floor
+  const Vec p = ExpOfRemainder(x, n);
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 // The helpers of RunChunks (see the top of the file); one team per process.
 class Team {

@@ -55,25 +55,10 @@ struct Args {
   bool token_order;
 };
 
-// exp(x) for the softmax's x <= 0, vectorizable (the library's expf is a scalar call and took
-// most of the kernel's time): x = n ln2 + u with |u| <= ln2 / 2 (Cody-Waite), e^u by its Taylor
-// series to u^7 (relative error below 1e-8, under float's rounding), times 2^n built in the
-// exponent bits. Below -87 it returns 2^-126 scaled (about 1e-38, no denormals); NaN stays NaN.
-// e^u for x = n ln2 + u (n an integer-valued T), the steps between the reduction and the
-// scaling: float or a vector of floats alike.
-template <typename T>
-inline T ExpOfRemainder(T x, T n) {
-  const T u = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  T p = T{} + 1.0f / 5040.0f;
-  p = p * u + 1.0f / 720.0f;
-  p = p * u + 1.0f / 120.0f;
-  p = p * u + 1.0f / 24.0f;
-  p = p * u + 1.0f / 6.0f;
-  p = p * u + 0.5f;
-  p = p * u + 1.0f;
-  return p * u + 1.0f;
-}
+using cbjax_native::ExpNonPositiveVec;
+using cbjax_native::ExpOfRemainder;
 
+// ExpNonPositiveVec (native_common.h) on one float.
 inline float ExpNonPositive(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -84,6 +69,7 @@ inline float ExpNonPositive(float x) {
   return p * scale;
 }
 
+using cbjax_native::IVec;
 using cbjax_native::kLanes;
 using cbjax_native::Load;
 using cbjax_native::Splat;
@@ -152,8 +138,6 @@ inline float HSum(Vec v) {
 // sum run on that vector. The additions run in a tree, not in lane order: still the same for a
 // query alone or in any batch.
 
-typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
-
 constexpr int kFoldStages = kLanes == 16 ? 4 : 3;
 
 // Stage k (half width w = kLanes >> (k + 1)) folds vectors a and b: in each block of 2w lanes the
@@ -211,19 +195,6 @@ inline float TreeReduce(Vec v) {
   for (int w = kLanes / 2; w >= 1; w /= 2)
     for (int i = 0; i < w; ++i) t[i] = kMax ? std::max(t[i], t[i + w]) : t[i] + t[i + w];
   return t[0];
-}
-
-// ExpNonPositive on each lane (the same steps, vectorized).
-inline Vec ExpNonPositiveVec(Vec x) {
-  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
-  const Vec t = x * 1.44269504088896341f + 0.5f;
-  Vec n = __builtin_convertvector(__builtin_convertvector(t, IVec), Vec);  // truncated toward zero
-  n = n > t ? n - 1.0f : n;                                               // floor
-  const Vec p = ExpOfRemainder(x, n);
-  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
-  Vec scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // The online softmax's output update for one query over one page: o[0, D) = o * corr + the sum of

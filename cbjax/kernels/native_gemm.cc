@@ -22,6 +22,11 @@
 // Output:
 //   y      f32[rows, n]                x @ w[layer], n = panels * P
 //
+// "cbjax_layer_matmul_glu" is the fused gate/up matmul with its SwiGLU: w's panels hold the gate's
+// n / 2 columns, then the up's, and y f32[rows, n / 2] = silu(x @ gate) * (x @ up), each output
+// tile's gate and up sums taken in registers and combined as they leave them (no [rows, n]
+// product in memory, no XLA op after).
+//
 // "cbjax_matmul_nt" is x f32[rows, k] times w f32[n, k] transposed (the tied LM head: the
 // embedding table contracted on its last axis, read in place rather than transposed), with
 // the same `live` row count.
@@ -33,6 +38,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "native_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -57,11 +63,10 @@ struct Args {
   int64_t ld;  // floats from one k row of a panel to the next: the panel width (n for one panel)
 };
 
-// y[r0 : r0 + R, c0 : c0 + V * kLanes] with R x V vector accumulators; the tile lies within one
-// panel.
+// acc = x[r0 : r0 + R] @ w[:, c0 : c0 + V * kLanes] with R x V vector accumulators; the columns
+// lie within one panel.
 template <int R, int V>
-inline void Tile(const Args& a, int64_t r0, int64_t c0) {
-  Vec acc[R][V];
+inline void Accumulate(const Args& a, int64_t r0, int64_t c0, Vec (&acc)[R][V]) {
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < V; ++j) acc[i][j] = Vec{};
   const float* x = a.x + r0 * a.k;
@@ -80,22 +85,55 @@ inline void Tile(const Args& a, int64_t r0, int64_t c0) {
       for (int j = 0; j < V; ++j) acc[i][j] += s * b[j];
     }
   }
+}
+
+// y[r0 : r0 + R, c0 : c0 + V * kLanes].
+template <int R, int V>
+inline void Tile(const Args& a, int64_t r0, int64_t c0) {
+  Vec acc[R][V];
+  Accumulate<R, V>(a, r0, c0, acc);
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < V; ++j) Store(a.y + (r0 + i) * a.n + c0 + j * kLanes, acc[i][j]);
 }
 
-// Columns [c0, c1) whose width is a multiple of V * kLanes, rows [r0, r1).
-template <int V>
+// silu(g) * u lane by lane, silu(g) = g * sigmoid(g) as jax.nn.silu, the sigmoid from e = exp(-|g|)
+// (no overflow): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+inline Vec SiluTimes(Vec g, Vec u) {
+  const Vec e = cbjax_native::ExpNonPositiveVec(g < Splat(0.0f) ? g : -g);
+  const Vec sigmoid = (g < Splat(0.0f) ? e : Splat(1.0f)) / (e + 1.0f);
+  return g * sigmoid * u;
+}
+
+// The SwiGLU epilogue: y[r0 : r0 + R, c0 : c0 + V * kLanes] (y's rows a.n / 2 wide) = silu of
+// the gate columns c0 ... times the up columns a.n / 2 + c0 ... of w.
+template <int R, int V>
+inline void TileGlu(const Args& a, int64_t r0, int64_t c0) {
+  const int64_t half = a.n / 2;
+  Vec gate[R][V], up[R][V];
+  Accumulate<R, V>(a, r0, c0, gate);
+  Accumulate<R, V>(a, r0, half + c0, up);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < V; ++j) Store(a.y + (r0 + i) * half + c0 + j * kLanes, SiluTimes(gate[i][j], up[i][j]));
+}
+
+// Columns [c0, c1) whose width is a multiple of V * kLanes, rows [r0, r1); kGlu: TileGlu's
+// output columns.
+template <int V, bool kGlu = false>
 void Columns(const Args& a, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
   for (int64_t c = c0; c < c1; c += V * kLanes) {
     int64_t r = r0;
-    for (; r + 6 <= r1; r += 6) Tile<6, V>(a, r, c);
+    auto tile = [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if constexpr (kGlu) TileGlu<R, V>(a, r, c);
+      else Tile<R, V>(a, r, c);
+    };
+    for (; r + 6 <= r1; r += 6) tile(std::integral_constant<int, 6>{});
     switch (r1 - r) {
-      case 5: Tile<5, V>(a, r, c); break;
-      case 4: Tile<4, V>(a, r, c); break;
-      case 3: Tile<3, V>(a, r, c); break;
-      case 2: Tile<2, V>(a, r, c); break;
-      case 1: Tile<1, V>(a, r, c); break;
+      case 5: tile(std::integral_constant<int, 5>{}); break;
+      case 4: tile(std::integral_constant<int, 4>{}); break;
+      case 3: tile(std::integral_constant<int, 3>{}); break;
+      case 2: tile(std::integral_constant<int, 2>{}); break;
+      case 1: tile(std::integral_constant<int, 1>{}); break;
       default: break;
     }
   }
@@ -164,6 +202,35 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   cbjax_native::RunChunks(pool, threads, blocks * chunks, [a, chunks, block](int64_t u) {
     const int64_t r0 = u / chunks * block;
     Chunk(a, u % chunks, chunks, r0, std::min(a.rows, r0 + block));
+  });
+  return ffi::Error::Success();
+}
+
+// ---- the gate/up matmul with its SwiGLU: silu(x @ gate) * (x @ up) ----
+
+ffi::Error LayerMatmulGluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  // The gate's columns and the up's must lie in panels of their own, in whole wide tiles.
+  if (xd.size() != 2 || wd.size() != 4 || xd[1] != wd[2] || wd[1] % 2 != 0 || (wd[1] / 2 * wd[3]) % kWide != 0) {
+    return ffi::Error::InvalidArgument(
+        "cbjax_layer_matmul_glu: x must be [rows, k] and w [layers, panels, k, P], the gate's panels then "
+        "the up's, each half a multiple of the column tile wide");
+  }
+  const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
+  const int64_t n = wd[1] * wd[3], half = n / 2;
+  const int64_t rows = LiveRows(live, xd[0], half, y->typed_data());
+  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), rows, xd[1], n, wd[3]};
+  const int64_t tiles = half / kWide;
+  const int64_t flops = 2 * a.rows * a.k * a.n;
+  const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), tiles, flops / 400000});
+  const int64_t chunks = threads > 1 ? std::min<int64_t>(tiles, threads * 2) : 1;
+  const int64_t block = RowBlock(a.k), blocks = std::max<int64_t>(1, (a.rows + block - 1) / block);
+  cbjax_native::RunChunks(pool, threads, blocks * chunks, [a, chunks, block, tiles](int64_t u) {
+    const int64_t r0 = u / chunks * block, c = u % chunks;
+    Columns<4, true>(a, tiles * c / chunks * kWide, tiles * (c + 1) / chunks * kWide, r0, std::min(a.rows, r0 + block));
   });
   return ffi::Error::Success();
 }
@@ -251,3 +318,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmul, LayerMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmulGlu, LayerMatmulGluImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [layers, panels, k, P]: gate, then up
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [rows, n / 2]

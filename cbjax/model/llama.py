@@ -63,6 +63,7 @@ Axes = tuple[Optional[str], ...]
 # place of jnp.tensordot: the serving step passes one that reads the kernel as a layer of
 # the stacked weights (see cbjax.runtime.step); None everywhere else.
 Matmul = Callable[[jax.Array, jax.Array, int], jax.Array]
+Glu = Callable[[jax.Array, jax.Array], jax.Array]  # (h, fused gate/up kernel) -> silu(gate) * up
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -192,10 +193,16 @@ class DecoderLayer(nnx.Module):
             q, k, v = self.q_proj(h, matmul), self.k_proj(h, matmul), self.v_proj(h, matmul)
         return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
 
-    def finish(self, x: jax.Array, attn: jax.Array, matmul: Optional[Matmul] = None) -> jax.Array:
-        """Residual o_proj of attn [..., num_heads, head_dim], then the residual SwiGLU block."""
+    def finish(
+        self, x: jax.Array, attn: jax.Array, matmul: Optional[Matmul] = None, glu: Optional[Glu] = None
+    ) -> jax.Array:
+        """Residual o_proj of attn [..., num_heads, head_dim], then the residual SwiGLU block.
+        `glu(h, kernel)`: silu(gate) * up in one call from the fused gate/up kernel [d_model, 2,
+        ffn_dim] (unbiased), where the caller has one (the native matmul)."""
         x = x + self.o_proj(attn.astype(x.dtype), matmul)
         h = self.post_attention_layernorm(x)
+        if glu is not None and self.gate_up_proj is not None and self.gate_up_proj.bias is None:
+            return x + self.down_proj(glu(h, self.gate_up_proj.kernel[...]), matmul)
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(h, matmul)  # [..., 2, ffn_dim]
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]

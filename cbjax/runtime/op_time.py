@@ -23,6 +23,7 @@ from typing import NamedTuple
 KINDS = ("matmul (native)", "matmul (XLA dot)", "attention (native)", "other XLA ops")
 _TARGET_KIND = {
     "cbjax_layer_matmul": "matmul (native)",
+    "cbjax_layer_matmul_glu": "matmul (native)",
     "cbjax_matmul_nt": "matmul (native)",
     "cbjax_single_groups": "attention (native)",
     "cbjax_block_groups": "attention (native)",

@@ -109,9 +109,9 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     `split_model(model, matmul="native")`, their matrices in panel order): the layers' weight
     matrices stay out of the scan's sliced inputs, and the native kernel multiplies the step's
     tokens (not its bucket's padding) by layer `i` of the stacked matrix in place, at every
-    step size (XLA would copy each layer's weights out of the stack first); the LM head runs
-    on it too, a tied one reading the embedding table in place. "xla": jnp.tensordot on the
-    scan's slices.
+    step size (XLA would copy each layer's weights out of the stack first); the fused gate/up
+    matmul applies SwiGLU to its tiles as they leave the registers; the LM head runs on it too,
+    a tied one reading the embedding table in place. "xla": jnp.tensordot on the scan's slices.
     """
     check_batch(batch)
     outer_def, layer_def, split_for = graphdef
@@ -156,12 +156,19 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         x, k_pages, v_pages = carry
         layer_state, layer_idx = xs
         layer = nnx.merge(layer_def, layer_state, *extra)
-        mm = None
+        mm = glu = None
         if extra:
             mm = lambda x, w, num_in: native.layer_matmul(x, w, layer_idx, num_in, live=num_tokens)  # noqa: E731
+
+            def glu(h, w):  # w: the stacked gate/up kernel [num_layers, d_model, 2, ffn_dim]
+                if native.glu_applies(w.shape):  # SwiGLU in the matmul's epilogue
+                    return native.layer_matmul_glu(h, w, layer_idx, live=num_tokens)
+                gate_up = mm(h, w, 1)
+                return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+
         q, k, v = layer.qkv(x, batch.positions, mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
         attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, batch.md, batch.write_idx, layer_idx)
-        x = layer.finish(x, attn, mm)
+        x = layer.finish(x, attn, mm, glu)
         return (x, k_pages, v_pages), None
 
     tokens = jnp.where(batch.feed >= 0, batch.prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
