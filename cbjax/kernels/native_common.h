@@ -79,6 +79,59 @@ static inline Vec ExpNonPositiveVec(Vec x) {
   return p * scale;
 }
 
+// ---- kLanes vectors' lane sums as one vector (TreeSum) ----
+// The vectors fold pairwise in log2(kLanes) shuffle-add stages into one vector of kLanes sums, in
+// place of kLanes chains of kLanes dependent scalar adds: the attention's scores of a page of
+// keys, the tied LM head's outputs. Each sum runs in a tree over its lanes.
+
+constexpr int kFoldStages = kLanes == 16 ? 4 : 3;
+
+// Stage k (half width w = kLanes >> (k + 1)) folds vectors a and b: in each block of 2w lanes the
+// first w output lanes are a's lane pairs (s + o, s + o + w) summed, the last w b's.
+struct FoldMasks {
+  IVec first[kFoldStages], second[kFoldStages];
+  IVec iota;
+};
+
+static FoldMasks MakeFoldMasks() {
+  FoldMasks f;
+  for (int k = 0; k < kFoldStages; ++k) {
+    const int w = kLanes >> (k + 1);
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int block = lane - lane % (2 * w), o = lane % (2 * w);
+      f.first[k][lane] = o < w ? block + o : kLanes + block + o - w;
+      f.second[k][lane] = f.first[k][lane] + w;
+    }
+  }
+  for (int lane = 0; lane < kLanes; ++lane) f.iota[lane] = lane;
+  return f;
+}
+
+static const FoldMasks kFold = MakeFoldMasks();
+
+// The folds leave vector v's lane sum in lane BitReverse(v): TreeSum's caller stores the
+// j-th vector at v[BitReverse(j)], so that lane j holds its sum.
+constexpr int BitReverse(int j) {
+  int r = 0;
+  for (int b = 0; b < kFoldStages; ++b) r |= ((j >> b) & 1) << (kFoldStages - 1 - b);
+  return r;
+}
+
+// Lane j of the result: the sum of v[j]'s lanes, for v in bit-reversed order (above); v is scratch.
+static inline Vec TreeSum(Vec* v) {
+  int count = kLanes;
+#pragma GCC unroll 4
+  for (int k = 0; k < kFoldStages; ++k) {
+    count /= 2;
+#pragma GCC unroll 8
+    for (int i = 0; i < count; ++i) {
+      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], kFold.first[k]) +
+             __builtin_shuffle(v[2 * i], v[2 * i + 1], kFold.second[k]);
+    }
+  }
+  return v[0];
+}
+
 // The helpers of RunChunks (see the top of the file); one team per process.
 class Team {
  public:

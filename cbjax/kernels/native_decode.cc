@@ -135,56 +135,12 @@ inline float HSum(Vec v) {
 // The lane sums of kLanes score vectors (one per key) fold pairwise in log2(kLanes) shuffle-add
 // stages into one vector of kLanes scores, where one sum per key, lane by lane, was a chain of
 // kLanes dependent adds (most of a decode step's attention time); the softmax's max, exp and
-// sum run on that vector. The additions run in a tree, not in lane order: still the same for a
-// query alone or in any batch.
+// sum run on that vector (TreeSum, native_common.h). The additions run in a tree, not in lane
+// order: still the same for a query alone or in any batch.
 
-constexpr int kFoldStages = kLanes == 16 ? 4 : 3;
-
-// Stage k (half width w = kLanes >> (k + 1)) folds vectors a and b: in each block of 2w lanes the
-// first w output lanes are a's lane pairs (s + o, s + o + w) summed, the last w b's.
-struct FoldMasks {
-  IVec first[kFoldStages], second[kFoldStages];
-  IVec iota;
-};
-
-FoldMasks MakeFoldMasks() {
-  FoldMasks f;
-  for (int k = 0; k < kFoldStages; ++k) {
-    const int w = kLanes >> (k + 1);
-    for (int lane = 0; lane < kLanes; ++lane) {
-      const int block = lane - lane % (2 * w), o = lane % (2 * w);
-      f.first[k][lane] = o < w ? block + o : kLanes + block + o - w;
-      f.second[k][lane] = f.first[k][lane] + w;
-    }
-  }
-  for (int lane = 0; lane < kLanes; ++lane) f.iota[lane] = lane;
-  return f;
-}
-
-const FoldMasks kFold = MakeFoldMasks();
-
-// The folds leave vector v's lane sum in lane BitReverse(v): TreeSum's caller stores key j's
-// products at v[BitReverse(j)], so that lane j holds key j's score.
-constexpr int BitReverse(int j) {
-  int r = 0;
-  for (int b = 0; b < kFoldStages; ++b) r |= ((j >> b) & 1) << (kFoldStages - 1 - b);
-  return r;
-}
-
-// Lane j of the result: the sum of v[j]'s lanes, for v in bit-reversed order (above); v is scratch.
-inline Vec TreeSum(Vec* v) {
-  int count = kLanes;
-#pragma GCC unroll 4
-  for (int k = 0; k < kFoldStages; ++k) {
-    count /= 2;
-#pragma GCC unroll 8
-    for (int i = 0; i < count; ++i) {
-      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], kFold.first[k]) +
-             __builtin_shuffle(v[2 * i], v[2 * i + 1], kFold.second[k]);
-    }
-  }
-  return v[0];
-}
+using cbjax_native::BitReverse;
+using cbjax_native::kFold;
+using cbjax_native::TreeSum;
 
 // One vector's lanes reduced by max or sum in a tree (pairs kLanes / 2 apart, then closer).
 template <bool kMax>
