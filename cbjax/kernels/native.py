@@ -7,7 +7,8 @@ about half the time. This backend runs its two group lists as XLA FFI custom cal
 (`native_decode.cc`): the single list (one query token per group) and the block list (up to
 `block` consecutive new tokens of a row, each causal to its own position). Each group reads
 its row's pages in place, up to its last position, with an online softmax per page and the
-next page prefetched; (kv head, group) pairs are split over XLA's CPU thread pool. In the
+next page prefetched; (kv head, group) pairs are split over threads (a team of helpers that
+stay awake between a step's kernels, `native_common.h`). In the
 block list a page's keys are transposed once, so 4 queries' scores are a few vector
 multiply-adds per head dimension (a 4096-token prefill step of the peer tiny shape: 19 ms of
 attention against 39 ms in XLA).

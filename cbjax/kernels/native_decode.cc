@@ -26,7 +26,7 @@
 //              heads, head_dim] attention output as is), zeros for tokens in no group. For a
 //              step where every token is a single group: no scatter into token order after.
 //
-// The (kv head, group) pairs are split over XLA's intra-op thread pool (native_common.h).
+// The (kv head, group) pairs are split over threads: RunChunks's helper team (native_common.h).
 
 #include <algorithm>
 #include <cmath>

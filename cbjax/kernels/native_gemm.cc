@@ -33,7 +33,7 @@
 //
 // Sums run over k in order for each output, one fused multiply-add at a time, so a row's
 // result does not depend on the other rows or on the thread split. Column tiles are split over
-// XLA's intra-op thread pool (native_common.h) when the product is large enough.
+// threads (RunChunks, native_common.h) when the product is large enough.
 
 #include <algorithm>
 #include <cstdint>
