@@ -306,8 +306,9 @@ def _live(live, rows: int) -> jax.Array:
 
 def matmul_nt(x: jax.Array, w: jax.Array, live: jax.Array | int | None = None) -> jax.Array:
     """x [..., k] @ w.T -> f32[..., n] for w [n, k] (the tied LM head), w read in place. Each
-    output sums its lanes' residues of k in order, then the lanes in order: the same alone or in
-    a batch. `live` as `layer_matmul`'s."""
+    output sums its lanes' residues of k in order, then the lanes in a tree (16 columns' sums
+    folded together by shuffle-add stages; columns past the last whole 16 in lane order), then
+    the k % lanes tail: the same alone or in a batch. `live` as `layer_matmul`'s."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.matmul=native: {error}")
