@@ -60,14 +60,18 @@ def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages, mat
 # The XLA formulation over GQA groups 1, 2 and 4 (and with its native decode pass at 2 and 1);
 # the Pallas kernel (interpreted on CPU, so slow to compile) at group 4, its own tests cover
 # groups 1, 2 and 4 against the reference. The native matmul at groups 2 and 1, the second with
-# every bias and a tied LM head.
+# every bias and a tied LM head (so the gate/up matmul and its SwiGLU run apart), and at group 2
+# with an ffn of 96, not whole 64-column panels (the same, through the step's own fallback).
 @pytest.mark.parametrize(
     "attention, num_kv_heads, matmul, extras",
     [("ragged", 4, "xla", False), ("ragged", 2, "xla", False), ("ragged", 1, "xla", False),
-     ("native", 2, "native", False), ("native", 1, "native", True), ("pallas", 1, "xla", False)],
+     ("native", 2, "native", False), ("native", 1, "native", True), ("native", 2, "native", "ffn96"),
+     ("pallas", 1, "xla", False)],
 )  # fmt: skip
 def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads, matmul, extras):
-    more = dict(attention_bias=True, o_proj_bias=True, mlp_bias=True, tie_embeddings=True) if extras else {}
+    more = dict(attention_bias=True, o_proj_bias=True, mlp_bias=True, tie_embeddings=True) if extras is True else {}
+    if extras == "ffn96":
+        more = dict(ffn_dim=96)
     cfg = ModelConfig(num_heads=4, num_kv_heads=num_kv_heads, max_model_len=32, **more)
     model = Llama(cfg, seed=1)
     graphdef, weights = split_model(model.fused(), matmul)
