@@ -61,7 +61,7 @@ def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages, mat
 # the Pallas kernel (interpreted on CPU, so slow to compile) at group 4, its own tests cover
 # groups 1, 2 and 4 against the reference. The native matmul at groups 2 and 1, the second with
 # every bias and a tied LM head (so the gate/up matmul and its SwiGLU run apart), and at group 2
-# with an ffn of 96, not whole 64-column panels (the same, through the step's own fallback).
+# with an ffn of 96, not whole 64-column panels (apart too).
 @pytest.mark.parametrize(
     "attention, num_kv_heads, matmul, extras",
     [("ragged", 4, "xla", False), ("ragged", 2, "xla", False), ("ragged", 1, "xla", False),

@@ -178,6 +178,23 @@ int64_t LiveRows(const ffi::Buffer<ffi::S32>& live, int64_t rows, int64_t n, flo
   return used;
 }
 
+// The product's work units, a row block (RowBlock) by a column chunk of its `tiles` wide column
+// tiles, over threads once it is large enough: chunk(c, chunks, r0, r1) computes column chunk c
+// of `chunks` for rows [r0, r1).
+template <typename ChunkFn>
+void RunBlocks(ffi::ThreadPool& pool, const Args& a, int64_t tiles, const ChunkFn& chunk) {
+  // Threads pay off once a share is worth more than handing it over (a few microseconds).
+  const int64_t flops = 2 * a.rows * a.k * a.n;
+  const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), tiles, flops / 400000});
+  const int64_t chunks = threads > 1 ? std::min<int64_t>(tiles, threads * 2) : 1;
+  const int64_t block = RowBlock(a.k), blocks = std::max<int64_t>(1, (a.rows + block - 1) / block);
+  const int64_t rows = a.rows;
+  cbjax_native::RunChunks(pool, threads, blocks * chunks, [chunk, chunks, block, rows](int64_t u) {
+    const int64_t r0 = u / chunks * block;
+    chunk(u % chunks, chunks, r0, std::min(rows, r0 + block));
+  });
+}
+
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -193,16 +210,7 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t n = wd[1] * wd[3];
   const int64_t rows = LiveRows(live, xd[0], n, y->typed_data());
   Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), rows, xd[1], n, wd[3]};
-  const int64_t tiles = a.n / kWide;
-  // Threads pay off once a share is worth more than handing it over (a few microseconds).
-  const int64_t flops = 2 * a.rows * a.k * a.n;
-  const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), tiles, flops / 400000});
-  const int64_t chunks = threads > 1 ? std::min<int64_t>(tiles, threads * 2) : 1;
-  const int64_t block = RowBlock(a.k), blocks = std::max<int64_t>(1, (a.rows + block - 1) / block);
-  cbjax_native::RunChunks(pool, threads, blocks * chunks, [a, chunks, block](int64_t u) {
-    const int64_t r0 = u / chunks * block;
-    Chunk(a, u % chunks, chunks, r0, std::min(a.rows, r0 + block));
-  });
+  RunBlocks(pool, a, a.n / kWide, [a](int64_t c, int64_t chunks, int64_t r0, int64_t r1) { Chunk(a, c, chunks, r0, r1); });
   return ffi::Error::Success();
 }
 
@@ -224,13 +232,8 @@ ffi::Error LayerMatmulGluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   const int64_t rows = LiveRows(live, xd[0], half, y->typed_data());
   Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), rows, xd[1], n, wd[3]};
   const int64_t tiles = half / kWide;
-  const int64_t flops = 2 * a.rows * a.k * a.n;
-  const int64_t threads = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), tiles, flops / 400000});
-  const int64_t chunks = threads > 1 ? std::min<int64_t>(tiles, threads * 2) : 1;
-  const int64_t block = RowBlock(a.k), blocks = std::max<int64_t>(1, (a.rows + block - 1) / block);
-  cbjax_native::RunChunks(pool, threads, blocks * chunks, [a, chunks, block, tiles](int64_t u) {
-    const int64_t r0 = u / chunks * block, c = u % chunks;
-    Columns<4, true>(a, tiles * c / chunks * kWide, tiles * (c + 1) / chunks * kWide, r0, std::min(a.rows, r0 + block));
+  RunBlocks(pool, a, tiles, [a, tiles](int64_t c, int64_t chunks, int64_t r0, int64_t r1) {
+    Columns<4, true>(a, tiles * c / chunks * kWide, tiles * (c + 1) / chunks * kWide, r0, r1);
   });
   return ffi::Error::Success();
 }

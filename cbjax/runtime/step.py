@@ -159,13 +159,9 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         mm = glu = None
         if extra:
             mm = lambda x, w, num_in: native.layer_matmul(x, w, layer_idx, num_in, live=num_tokens)  # noqa: E731
-
-            def glu(h, w):  # w: the stacked gate/up kernel [num_layers, d_model, 2, ffn_dim]
-                if native.glu_applies(w.shape):  # SwiGLU in the matmul's epilogue
-                    return native.layer_matmul_glu(h, w, layer_idx, live=num_tokens)
-                gate_up = mm(h, w, 1)
-                return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-
+            gate_up = layer.gate_up_proj  # its kernel stacked: [num_layers, d_model, 2, ffn_dim]
+            if gate_up is not None and native.glu_applies(gate_up.kernel.shape):  # SwiGLU in the epilogue
+                glu = lambda h, w: native.layer_matmul_glu(h, w, layer_idx, live=num_tokens)  # noqa: E731
         q, k, v = layer.qkv(x, batch.positions, mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
         attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, batch.md, batch.write_idx, layer_idx)
         x = layer.finish(x, attn, mm, glu)
