@@ -27,7 +27,7 @@ def test_op_kinds_sorts_custom_calls_by_target():
     text = "\n".join([
         '  %ffi_call.3 = f32[4,8]{1,0} custom-call(%a, %b), custom_call_target="cbjax_layer_matmul", api_version=API_VERSION_TYPED_FFI',
         '  ROOT %ffi_call.4 = (f32[4,2,8]{2,1,0}, f32[1]{0}) custom-call(%q, %k), custom_call_target="cbjax_single_groups"',
-        '  %ffi_call.5 = f32[4]{0} custom-call(%q), custom_call_target="cbjax_block_groups"',
+        '  %ffi_call.5 = f32[4]{0} custom-call(%q), custom_call_target="cbjax_block_groups_into"',
         '  %cc = f32[4]{0} custom-call(%q), custom_call_target="something_else"',
         '  %ffi_call.6 = f32[4,9]{1,0} custom-call(%h, %e), custom_call_target="cbjax_matmul_nt"',
     ])  # fmt: skip

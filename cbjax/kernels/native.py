@@ -62,7 +62,7 @@ COMMON_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-fPIC"
 # row's result is the same alone or in a batch).
 SOURCES = {
     "native_decode.cc": (("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"),
-                         (("cbjax_single_groups", "CbjaxSingleGroups"), ("cbjax_block_groups", "CbjaxBlockGroups"))),
+                         (("cbjax_single_groups", "CbjaxSingleGroups"), ("cbjax_block_groups_into", "CbjaxBlockGroupsInto"))),
     "native_gemm.cc": (
         (),
         (("cbjax_layer_matmul", "CbjaxLayerMatmul"), ("cbjax_layer_matmul_glu", "CbjaxLayerMatmulGlu"),
@@ -203,17 +203,25 @@ def single_groups(
     )  # fmt: skip
 
 
-def block_groups(q_ext, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int) -> jax.Array:
-    """f32[kv_heads, capacity, block, group, head_dim]: each block group's attention output
-    (zeros for padding), as `cbjax.kernels.xla_ragged._group_pass` computes it; q_idx
-    i32[capacity, block]; the rest as `single_groups`."""
+def block_groups_into(base, q_ext, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int) -> jax.Array:
+    """`base` f32[T, kv_heads, group, head_dim] with each block group's real tokens' attention
+    output written at their rows (in place: the output is `base`'s buffer), every other row as
+    in `base`: the single list's `single_groups(..., token_order=True)` then this give a mixed
+    step's attention in token order, with no concatenation, scatter or transpose after; as
+    `cbjax.kernels.xla_ragged._group_pass` computes the block list. q_idx i32[capacity, block];
+    the rest as `single_groups`."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.attention=native: {error}")
-    kvh, _, group, head_dim = q_ext.shape
-    out = jax.ShapeDtypeStruct((kvh, *q_idx.shape, group, head_dim), jnp.float32)
-    return jax.ffi.ffi_call("cbjax_block_groups", out)(
-        q_ext, pos_ext, q_idx, row, page_table.astype(jnp.int32), k_flat, v_flat, page_base,
+    kvh, tokens1, group, head_dim = q_ext.shape
+    if base.shape != (tokens1 - 1, kvh, group, head_dim):
+        raise ValueError(
+            f"block_groups_into: base has shape {base.shape}, not [tokens, kv_heads, group, head_dim] = "
+            f"{(tokens1 - 1, kvh, group, head_dim)}"
+        )
+    out = jax.ShapeDtypeStruct(base.shape, jnp.float32)
+    return jax.ffi.ffi_call("cbjax_block_groups_into", out, input_output_aliases={8: 0})(
+        q_ext, pos_ext, q_idx, row, page_table.astype(jnp.int32), k_flat, v_flat, page_base, base.astype(jnp.float32),
         num_pages=np.int64(num_pages),
     )  # fmt: skip
 

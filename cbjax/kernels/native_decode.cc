@@ -1,9 +1,9 @@
 // Paged attention of the XLA ragged backend's query groups on the CPU: XLA FFI custom calls.
 //
 // cbjax.kernels.native builds this file with the system C++ compiler at first use and
-// registers it as the custom call targets "cbjax_single_groups" and "cbjax_block_groups"
-// (below: the block list, the same inputs with q_idx s32[capacity, block] and an output
-// [kv_heads, capacity, block, group, head_dim]). The first runs the single list of
+// registers it as the custom call targets "cbjax_single_groups" and "cbjax_block_groups_into"
+// (below: the block list, the same inputs with q_idx s32[capacity, block], written in token
+// order into the single list's output). The first runs the single list of
 // the XLA ragged backend (cbjax.kernels.xla_ragged): each group is one query token, which
 // attends over its row's keys 0 .. its position, read in place from the paged cache (no
 // gather copies), with an online softmax per page. Keys past the position are never read,
@@ -23,8 +23,9 @@
 //   out        f32[kv_heads, capacity, group, head_dim]     zeros for padding groups; with
 //                                                          token_order f32[tokens, kv_heads,
 //              group, head_dim]: each group's result at its token's row (the layer's [tokens,
-//              heads, head_dim] attention output as is), zeros for tokens in no group. For a
-//              step where every token is a single group: no scatter into token order after.
+//              heads, head_dim] attention output as is), zeros for tokens in no group; the
+//              block list then writes its tokens' rows into it in place, so a mixed step's
+//              attention leaves in token order with no scatter or transpose after.
 //
 // The (kv head, group) pairs are split over threads: RunChunks's helper team (native_common.h).
 
@@ -359,18 +360,18 @@ struct BlockArgs {
   const float* k;
   const float* v;
   const int32_t* page_base;
-  float* out;  // [kv_heads, capacity, block, group, head_dim]
+  float* out;  // token order [tokens, kv_heads, group, head_dim]
   int64_t kv_heads, tokens1, group, head_dim, capacity, block, max_pages, page_size, num_pages;
 };
 
 // Scratch of one thread: a page's keys transposed [head_dim, page_size], the scores of one
-// query, and each query's running max and sum.
+// query, each query's running max and sum, and the group's output rows [block, group, head_dim].
 struct BlockScratch {
-  std::vector<float> kt, s, m, l;
+  std::vector<float> kt, s, m, l, o;
   std::vector<int32_t> qpos;
   explicit BlockScratch(const BlockArgs& a)
       : kt(a.head_dim * a.page_size), s(a.page_size), m(a.block * a.group), l(a.block * a.group),
-        qpos(a.block) {}
+        o(a.block * a.group * a.head_dim), qpos(a.block) {}
 };
 
 // One page for R <= 4 query rows r[0, R) of a block group, when the page holds NK * kLanes keys
@@ -434,12 +435,23 @@ PageFn FastPage(int64_t page_size, int64_t head_dim) {
       page_size, head_dim, [](auto s) -> PageFn { return PageAny<decltype(s)::kNK, decltype(s)::kND>; }, nullptr);
 }
 
+// The group's rows `o` [block, group, head_dim] to the output in token order: each real
+// token's rows at its token; padding slots write nothing.
+void StoreBlock(const BlockArgs& a, int64_t h, int64_t g, const float* o) {
+  const int64_t B = a.block, G = a.group, D = a.head_dim;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t t = a.q_idx[g * B + b];
+    if (t < 0 || t >= a.tokens1 - 1) continue;
+    std::copy(o + b * G * D, o + (b + 1) * G * D, a.out + ((t * a.kv_heads + h) * G) * D);
+  }
+}
+
 // One (kv head, group) pair: block x group query rows over the row's keys, each query causal
 // to its own position. Per page the keys are transposed once, so a query's scores are one
 // vector multiply-add per head dimension over the page's keys.
 void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
   const int64_t B = a.block, G = a.group, D = a.head_dim, PS = a.page_size;
-  float* o = a.out + ((h * a.capacity + g) * B * G) * D;
+  float* o = sc.o.data();
   std::fill(o, o + B * G * D, 0.0f);
   int32_t last = -1;
   for (int64_t b = 0; b < B; ++b) {
@@ -503,19 +515,30 @@ void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
     }
   }
   Normalize(o, sc.l.data(), B * G, D);
+  StoreBlock(a, h, g, o);
 }
 
-ffi::Error BlockGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> pos,
-                           ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> row,
-                           ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_base, int64_t num_pages,
-                           ffi::ResultBuffer<ffi::F32> out) {
+// "cbjax_block_groups_into": the block list in token order, into `base` [tokens, kv_heads, group,
+// head_dim] (aliased to the output): each block group's real tokens are written, every other
+// row keeps base's value.
+ffi::Error BlockGroupsIntoImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> pos,
+                               ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> row,
+                               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                               ffi::Buffer<ffi::S32> page_base, ffi::Buffer<ffi::F32> base, int64_t num_pages,
+                               ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto id = q_idx.dimensions();
   const auto td = page_table.dimensions();
   const auto kd = k.dimensions();
+  const auto od = out->dimensions();
   if (qd.size() != 4 || id.size() != 2 || td.size() != 2 || kd.size() != 2) {
-    return ffi::Error::InvalidArgument("cbjax_block_groups: q must be 4-D, q_idx, page_table and k 2-D");
+    return ffi::Error::InvalidArgument("cbjax_block_groups_into: q must be 4-D, q_idx, page_table and k 2-D");
+  }
+  if (od.size() != 4 || od[0] != qd[1] - 1 || od[1] != qd[0] || od[2] != qd[2] || od[3] != qd[3]) {
+    return ffi::Error::InvalidArgument("cbjax_block_groups_into: base and out must be [tokens, kv_heads, group, head_dim]");
+  }
+  if (base.typed_data() != out->typed_data()) {  // not aliased (XLA kept base alive): start from a copy
+    std::memcpy(out->typed_data(), base.typed_data(), static_cast<size_t>(base.element_count()) * sizeof(float));
   }
   BlockArgs a{q.typed_data(), pos.typed_data(), q_idx.typed_data(), row.typed_data(), page_table.typed_data(),
               k.typed_data(), v.typed_data(), page_base.typed_data(), out->typed_data(), qd[0], qd[1], qd[2],
@@ -532,7 +555,7 @@ ffi::Error BlockGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxBlockGroups, BlockGroupsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxBlockGroupsInto, BlockGroupsIntoImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
@@ -543,8 +566,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxBlockGroups, BlockGroupsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_base
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // base [tokens, kv_heads, group, head_dim]
                                   .Attr<int64_t>("num_pages")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: base with the block list's tokens
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxSingleGroups, SingleGroupsImpl,
                               ffi::Ffi::Bind()

@@ -159,29 +159,27 @@ def ragged_attention_xla(
     q_ext = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_ext = jnp.concatenate([q_ext, jnp.zeros((num_kv_heads, 1, group, head_dim), jnp.float32)], axis=1)
     pos_ext = jnp.concatenate([md.token_pos.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
-    if native and k_flat.dtype == jnp.float32 and md.work.block.q_idx.shape[0] == 0:
-        # every token is a single group: the kernel writes token order, no scatter after
+    if native and k_flat.dtype == jnp.float32:
+        # the kernels write token order: the single list's tokens (zeros elsewhere), then the
+        # block list's over them in place; no concatenation, scatter or transpose after
         from cbjax.kernels import native as kernels
 
-        single = md.work.single
-        out = kernels.single_groups(q_ext * scale, pos_ext, single.q_idx.reshape(-1), single.row, md.page_table,
-                                    k_flat, v_flat, page_base, num_pages, token_order=True)  # fmt: skip
+        single, block = md.work.single, md.work.block
+        q_scaled = q_ext * scale
+        if single.q_idx.shape[0]:
+            out = kernels.single_groups(q_scaled, pos_ext, single.q_idx.reshape(-1), single.row, md.page_table,
+                                        k_flat, v_flat, page_base, num_pages, token_order=True)  # fmt: skip
+        else:
+            out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
+        if block.q_idx.shape[0]:
+            out = kernels.block_groups_into(out, q_scaled, pos_ext, block.q_idx, block.row, md.page_table, k_flat,
+                                            v_flat, page_base, num_pages)  # fmt: skip
         return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
     res, idx = [], []
     for tiles, step in ((md.work.single, pages_single), (md.work.block, pages_block)):
         if tiles.q_idx.shape[0] == 0:  # an empty list (no block list in a small step): no pass
             continue
-        if native and k_flat.dtype == jnp.float32:
-            from cbjax.kernels import native as kernels
-
-            if tiles is md.work.single:
-                r = kernels.single_groups(q_ext * scale, pos_ext, tiles.q_idx.reshape(-1), tiles.row, md.page_table,
-                                          k_flat, v_flat, page_base, num_pages)  # fmt: skip
-            else:
-                r = kernels.block_groups(q_ext * scale, pos_ext, tiles.q_idx, tiles.row, md.page_table, k_flat,
-                                         v_flat, page_base, num_pages)  # fmt: skip
-        else:
-            r = _group_pass(tiles, q_ext, pos_ext, md.page_table, k_flat, v_flat, page_base, num_pages, step, scale)
+        r = _group_pass(tiles, q_ext, pos_ext, md.page_table, k_flat, v_flat, page_base, num_pages, step, scale)
         res.append(r.reshape(num_kv_heads, -1, group, head_dim))
         idx.append(tiles.q_idx.reshape(-1))
     # Each real token sits in one group; padding slots all write zeros to token T.

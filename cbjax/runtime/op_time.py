@@ -26,7 +26,7 @@ _TARGET_KIND = {
     "cbjax_layer_matmul_glu": "matmul (native)",
     "cbjax_matmul_nt": "matmul (native)",
     "cbjax_single_groups": "attention (native)",
-    "cbjax_block_groups": "attention (native)",
+    "cbjax_block_groups_into": "attention (native)",
 }
 _CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = .*?\s([a-z][\w\-]*)\(")
