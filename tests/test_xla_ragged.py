@@ -101,24 +101,24 @@ def test_native_block_list_writes_its_tokens_into_base_and_nothing_else():
     num_tokens, num_heads, head_dim = case["q"].shape
     num_kv_heads, num_pages, page_size = case["k_pages"].shape[:3]
     group = num_heads // num_kv_heads
-    q = jnp.asarray(case["q"]).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_ext = jnp.concatenate([q, jnp.zeros((num_kv_heads, 1, group, head_dim))], axis=1) / np.sqrt(head_dim)
+    q = jnp.asarray(case["q"]).reshape(num_tokens, num_kv_heads, group, head_dim)  # token order, unscaled
     pos_ext = jnp.concatenate([md.token_pos, jnp.full((1,), -1, jnp.int32)])
     k_flat = jnp.asarray(case["k_pages"]).reshape(-1, page_size * head_dim)
     v_flat = jnp.asarray(case["v_pages"]).reshape(-1, page_size * head_dim)
     page_base = jnp.arange(num_kv_heads, dtype=jnp.int32) * num_pages
     base = jnp.full((num_tokens, num_kv_heads, group, head_dim), 7.0, jnp.float32)
-    got = np.asarray(native.block_groups_into(base, q_ext, pos_ext, block.q_idx, block.row, md.page_table, k_flat,
-                                              v_flat, page_base, num_pages)).reshape(num_tokens, num_heads, head_dim)  # fmt: skip
+    got = np.asarray(native.block_groups_into(base, q, pos_ext, block.q_idx, block.row, md.page_table, k_flat, v_flat,
+                                              page_base, num_pages, 1 / np.sqrt(head_dim)))  # fmt: skip
+    got = got.reshape(num_tokens, num_heads, head_dim)
     idx = np.asarray(block.q_idx).reshape(-1)
     mine = np.zeros(num_tokens, bool)
     mine[idx[(idx >= 0) & (idx < num_tokens)]] = True
     assert 0 < mine.sum() < case["num_real_tokens"]  # the block list holds some of the real tokens, not all
     np.testing.assert_allclose(got[mine], oracle(case)[mine], atol=1e-5, rtol=1e-5)
     assert (got[~mine] == 7.0).all()
-    with pytest.raises(ValueError, match=r"base has shape \(3, 2, 2, 16\), not \[tokens, kv_heads, group, head_dim\] = \(17, 2, 2, 16\)"):
-        native.block_groups_into(base[:3], q_ext, pos_ext, block.q_idx, block.row, md.page_table, k_flat, v_flat,
-                                 page_base, num_pages)  # fmt: skip
+    with pytest.raises(ValueError, match=r"base has shape \(3, 2, 2, 16\), not q's \[tokens, kv_heads, group, head_dim\] = \(17, 2, 2, 16\)"):
+        native.block_groups_into(base[:3], q, pos_ext, block.q_idx, block.row, md.page_table, k_flat, v_flat,
+                                 page_base, num_pages, 1.0)  # fmt: skip
 
 
 def test_bad_shapes_and_missing_tiles_name_the_problem():

@@ -184,45 +184,40 @@ def ensure_registered() -> Optional[str]:
         return error
 
 
-def single_groups(
-    q_ext, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int, token_order: bool = False
-) -> jax.Array:
-    """f32[kv_heads, capacity, group, head_dim]: each single group's attention output (zeros
-    for padding groups), as `cbjax.kernels.xla_ragged._group_pass` computes it for block 1.
-    q_ext f32[kv_heads, T + 1, group, head_dim] is already scaled; q_idx i32[capacity].
-    `token_order`: f32[T, kv_heads, group, head_dim] instead, each group's result at its token
-    (zeros for tokens in no group), for a step whose tokens are all single groups."""
+def single_groups(q, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int, scale: float) -> jax.Array:
+    """f32[T, kv_heads, group, head_dim]: each single group's attention output at its token's
+    row, zeros for tokens in no group, as `cbjax.kernels.xla_ragged._group_pass` computes it
+    for block 1. q f32[T, kv_heads, group, head_dim] is the layer's [T, heads, head_dim] queries
+    as they are (the kernel multiplies them by `scale`); pos_ext i32[T + 1] (-1 at T, padding's
+    token); q_idx i32[capacity], T for a padding group."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.attention=native: {error}")
-    kvh, tokens1, group, head_dim = q_ext.shape
-    shape = (tokens1 - 1, kvh, group, head_dim) if token_order else (kvh, q_idx.shape[0], group, head_dim)
-    return jax.ffi.ffi_call("cbjax_single_groups", jax.ShapeDtypeStruct(shape, jnp.float32))(
-        q_ext, pos_ext, q_idx, row, page_table.astype(jnp.int32), k_flat, v_flat, page_base,
-        num_pages=np.int64(num_pages), token_order=np.int64(token_order),
+    return jax.ffi.ffi_call("cbjax_single_groups", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, pos_ext, q_idx, row, page_table.astype(jnp.int32), k_flat, v_flat, page_base,
+        num_pages=np.int64(num_pages), scale=np.float32(scale),
     )  # fmt: skip
 
 
-def block_groups_into(base, q_ext, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int) -> jax.Array:
+def block_groups_into(
+    base, q, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int, scale: float
+) -> jax.Array:
     """`base` f32[T, kv_heads, group, head_dim] with each block group's real tokens' attention
     output written at their rows (in place: the output is `base`'s buffer), every other row as
-    in `base`: the single list's `single_groups(..., token_order=True)` then this give a mixed
-    step's attention in token order, with no concatenation, scatter or transpose after; as
-    `cbjax.kernels.xla_ragged._group_pass` computes the block list. q_idx i32[capacity, block];
-    the rest as `single_groups`."""
+    in `base`: `single_groups` then this give a mixed step's attention in token order, with no
+    concatenation, scatter or transpose after; as `cbjax.kernels.xla_ragged._group_pass`
+    computes the block list. q_idx i32[capacity, block]; the rest as `single_groups`."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.attention=native: {error}")
-    kvh, tokens1, group, head_dim = q_ext.shape
-    if base.shape != (tokens1 - 1, kvh, group, head_dim):
+    if base.shape != q.shape:
         raise ValueError(
-            f"block_groups_into: base has shape {base.shape}, not [tokens, kv_heads, group, head_dim] = "
-            f"{(tokens1 - 1, kvh, group, head_dim)}"
+            f"block_groups_into: base has shape {base.shape}, not q's [tokens, kv_heads, group, head_dim] = {q.shape}"
         )
     out = jax.ShapeDtypeStruct(base.shape, jnp.float32)
     return jax.ffi.ffi_call("cbjax_block_groups_into", out, input_output_aliases={8: 0})(
-        q_ext, pos_ext, q_idx, row, page_table.astype(jnp.int32), k_flat, v_flat, page_base, base.astype(jnp.float32),
-        num_pages=np.int64(num_pages),
+        q, pos_ext, q_idx, row, page_table.astype(jnp.int32), k_flat, v_flat, page_base, base.astype(jnp.float32),
+        num_pages=np.int64(num_pages), scale=np.float32(scale),
     )  # fmt: skip
 
 

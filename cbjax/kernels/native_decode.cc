@@ -10,22 +10,22 @@
 // so unwritten slots (NaN in tests) and other rows' pages never reach the result.
 //
 // Inputs (row-major):
-//   q          f32[kv_heads, tokens + 1, group, head_dim]  queries, already scaled
+//   q          f32[tokens, kv_heads, group, head_dim]      queries, unscaled (the layer's [tokens,
+//                                                          heads, head_dim] projection as is)
 //   pos        s32[tokens + 1]                              each token's position; -1 for padding
 //   q_idx      s32[capacity]                                the group's token; `tokens` for padding
 //   row        s32[capacity]                                the group's page-table row
 //   page_table s32[rows, max_pages]
 //   k, v       f32[num_flat_pages, page_size * head_dim]    the cache, one page per row
 //   page_base  s32[kv_heads]                                flat row of page 0 for each kv head
-// Attributes: num_pages (pages per kv head of one layer; page ids are clipped to it);
-//   token_order (single list only): 1 writes the output in token order (below), 0 by group.
+// Attributes: num_pages (pages per kv head of one layer; page ids are clipped to it); scale
+//   (each query is multiplied by it, in f32, before its scores).
 // Output:
-//   out        f32[kv_heads, capacity, group, head_dim]     zeros for padding groups; with
-//                                                          token_order f32[tokens, kv_heads,
-//              group, head_dim]: each group's result at its token's row (the layer's [tokens,
-//              heads, head_dim] attention output as is), zeros for tokens in no group; the
-//              block list then writes its tokens' rows into it in place, so a mixed step's
-//              attention leaves in token order with no scatter or transpose after.
+//   out        f32[tokens, kv_heads, group, head_dim]      each group's result at its token's row
+//              (the layer's [tokens, heads, head_dim] attention output as is), zeros for tokens
+//              in no group; the block list then writes its tokens' rows into it in place, so a
+//              mixed step's attention leaves in token order, its queries came in token order,
+//              and no transpose, scatter or scaling pass runs around the kernels.
 //
 // The (kv head, group) pairs are split over threads: RunChunks's helper team (native_common.h).
 
@@ -53,7 +53,7 @@ struct Args {
   const int32_t* page_base;
   float* out;
   int64_t kv_heads, tokens1, group, head_dim, capacity, max_pages, page_size, num_pages;
-  bool token_order;
+  float scale;
 };
 
 using cbjax_native::ExpNonPositiveVec;
@@ -209,24 +209,26 @@ inline void FixedSoftmaxPage(float* __restrict s, int64_t n, float& m, float& l,
   AddWeightedValues<ND>(o, corr, s, n, vp);
 }
 
+// q[0, n) = src[0, n) * scale, each an f32 product (as XLA's `q * scale` before the kernel was).
+inline void ScaledQueries(const float* src, int64_t n, float scale, float* q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = src[i] * scale;
+}
+
 // One (kv head, group) pair: `group` query heads over the row's keys. NK = ND = 0: any page
 // size and head_dim. Else a page holds NK * kLanes keys and head_dim is ND * kLanes, and every
 // loop's trip count is known to the compiler: a query's score against a key is ND vector
 // multiply-adds and one lane sum, computed for all the page's slots, then FixedSoftmaxPage.
 template <int NK, int ND>
-void AttendOne(const Args& a, int64_t h, int64_t g, float* scores, float* m, float* l) {
+void AttendOne(const Args& a, int64_t h, int64_t g, float* scores, float* m, float* l, float* q) {
   constexpr bool kFixed = NK > 0;
   const int64_t G = a.group;
   const int64_t D = kFixed ? ND * kLanes : a.head_dim, PS = kFixed ? NK * kLanes : a.page_size;
   const int32_t t = a.q_idx[g];
-  const bool padding = t < 0 || t >= a.tokens1 - 1;
-  if (a.token_order && padding) return;  // its token's row (if any) is zeroed up front
-  float* o = a.out + (a.token_order ? (t * a.kv_heads + h) * G : (h * a.capacity + g) * G) * D;
-  std::fill(o, o + G * D, 0.0f);
-  if (padding) return;  // padding group
+  if (t < 0 || t >= a.tokens1 - 1) return;  // a padding group; its token's row (if any) is zeroed up front
+  float* o = a.out + ((t * a.kv_heads + h) * G) * D;
   const int32_t last = a.pos[t];
-  if (last < 0) return;  // padding token
-  const float* q = a.q + ((h * a.tokens1 + t) * G) * D;
+  if (last < 0) return;  // a padding token: zeros
+  ScaledQueries(a.q + ((t * a.kv_heads + h) * G) * D, G * D, a.scale, q);
   const int32_t* table = a.page_table + static_cast<int64_t>(a.row[g]) * a.max_pages;
   for (int64_t i = 0; i < G; ++i) {
     m[i] = -INFINITY;
@@ -301,7 +303,7 @@ R ForFixedShape(int64_t page_size, int64_t head_dim, Pick pick, R other) {
   return other;
 }
 
-using OneFn = void (*)(const Args&, int64_t, int64_t, float*, float*, float*);
+using OneFn = void (*)(const Args&, int64_t, int64_t, float*, float*, float*, float*);
 
 // The single-list routine for this page size and head_dim: fixed-size where ForFixedShape
 // has one, else the general one.
@@ -313,33 +315,33 @@ OneFn PickOne(int64_t page_size, int64_t head_dim) {
 
 // Work items [begin, end) of the kv_heads * capacity pairs.
 void AttendRange(const Args& a, int64_t begin, int64_t end) {
-  std::vector<float> scores(a.group * a.page_size), m(a.group), l(a.group);
+  std::vector<float> scores(a.group * a.page_size), m(a.group), l(a.group), q(a.group * a.head_dim);
   const OneFn attend = PickOne(a.page_size, a.head_dim);
-  for (int64_t w = begin; w < end; ++w) attend(a, w / a.capacity, w % a.capacity, scores.data(), m.data(), l.data());
+  for (int64_t w = begin; w < end; ++w)
+    attend(a, w / a.capacity, w % a.capacity, scores.data(), m.data(), l.data(), q.data());
 }
 
 ffi::Error SingleGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> pos,
                             ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> row,
                             ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> k,
                             ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_base, int64_t num_pages,
-                            int64_t token_order, ffi::ResultBuffer<ffi::F32> out) {
+                            float scale, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto td = page_table.dimensions();
   const auto kd = k.dimensions();
+  const auto od = out->dimensions();
   if (qd.size() != 4 || td.size() != 2 || kd.size() != 2) {
     return ffi::Error::InvalidArgument("cbjax_single_groups: q must be 4-D, page_table and k 2-D");
   }
+  if (od.size() != 4 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != qd[3]) {
+    return ffi::Error::InvalidArgument("cbjax_single_groups: out must be q's shape [tokens, kv_heads, group, head_dim]");
+  }
   Args a{q.typed_data(),     pos.typed_data(),  q_idx.typed_data(), row.typed_data(),
          page_table.typed_data(), k.typed_data(), v.typed_data(),     page_base.typed_data(),
-         out->typed_data(), qd[0], qd[1], qd[2], qd[3],
-         static_cast<int64_t>(q_idx.element_count()), td[1], kd[1] / qd[3], num_pages, token_order != 0};
-  if (a.token_order) {  // tokens in no group keep zeros; each group's token row is written whole
-    const auto od = out->dimensions();
-    if (od.size() != 4 || od[0] != a.tokens1 - 1 || od[1] != a.kv_heads) {
-      return ffi::Error::InvalidArgument("cbjax_single_groups: token_order needs out [tokens, kv_heads, group, head_dim]");
-    }
-    std::memset(out->typed_data(), 0, static_cast<size_t>(out->element_count()) * sizeof(float));
-  }
+         out->typed_data(), qd[1], qd[0] + 1, qd[2], qd[3],
+         static_cast<int64_t>(q_idx.element_count()), td[1], kd[1] / qd[3], num_pages, scale};
+  // tokens in no group keep zeros; each group's token row is written whole
+  std::memset(out->typed_data(), 0, static_cast<size_t>(out->element_count()) * sizeof(float));
   const int64_t work = a.kv_heads * a.capacity;
   // Split only when there is enough work to pay for handing a share to other threads.
   const int64_t threads = work >= 16 ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 8)) : 1;
@@ -362,16 +364,18 @@ struct BlockArgs {
   const int32_t* page_base;
   float* out;  // token order [tokens, kv_heads, group, head_dim]
   int64_t kv_heads, tokens1, group, head_dim, capacity, block, max_pages, page_size, num_pages;
+  float scale;
 };
 
 // Scratch of one thread: a page's keys transposed [head_dim, page_size], the scores of one
-// query, each query's running max and sum, and the group's output rows [block, group, head_dim].
+// query, each query's running max and sum, and the group's scaled queries and output rows
+// [block, group, head_dim].
 struct BlockScratch {
-  std::vector<float> kt, s, m, l, o;
+  std::vector<float> kt, s, m, l, q, o;
   std::vector<int32_t> qpos;
   explicit BlockScratch(const BlockArgs& a)
       : kt(a.head_dim * a.page_size), s(a.page_size), m(a.block * a.group), l(a.block * a.group),
-        o(a.block * a.group * a.head_dim), qpos(a.block) {}
+        q(a.block * a.group * a.head_dim), o(a.block * a.group * a.head_dim), qpos(a.block) {}
 };
 
 // One page for R <= 4 query rows r[0, R) of a block group, when the page holds NK * kLanes keys
@@ -460,6 +464,9 @@ void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
     last = std::max(last, sc.qpos[b]);
   }
   if (last < 0) return;  // a padding group
+  for (int64_t b = 0; b < B; ++b)  // the real tokens' queries, scaled, as [block, group, head_dim]
+    if (sc.qpos[b] >= 0)
+      ScaledQueries(a.q + ((a.q_idx[g * B + b] * a.kv_heads + h) * G) * D, G * D, a.scale, sc.q.data() + b * G * D);
   std::fill(sc.m.begin(), sc.m.end(), -INFINITY);
   std::fill(sc.l.begin(), sc.l.end(), 0.0f);
   const int32_t* table = a.page_table + static_cast<int64_t>(a.row[g]) * a.max_pages;
@@ -486,7 +493,7 @@ void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
         const int64_t nb = std::min<int64_t>(n, sc.qpos[b] + 1 - p * PS);
         if (nb <= 0) continue;
         for (int64_t i = 0; i < G; ++i) {
-          qs[t] = a.q + ((h * a.tokens1 + a.q_idx[g * B + b]) * G + i) * D;
+          qs[t] = sc.q.data() + (b * G + i) * D;
           nbs[t] = nb;
           rs[t] = b * G + i;
           if (++t == 4) {
@@ -503,7 +510,7 @@ void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
       if (nb <= 0) continue;
       for (int64_t i = 0; i < G; ++i) {
         const int64_t r = b * G + i;
-        const float* qr = a.q + ((h * a.tokens1 + a.q_idx[g * B + b]) * G + i) * D;
+        const float* qr = sc.q.data() + r * D;
         for (int64_t j = 0; j < PS; ++j) s[j] = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
           const float qd = qr[d];
@@ -525,7 +532,7 @@ ffi::Error BlockGroupsIntoImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> row,
                                ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                                ffi::Buffer<ffi::S32> page_base, ffi::Buffer<ffi::F32> base, int64_t num_pages,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               float scale, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto id = q_idx.dimensions();
   const auto td = page_table.dimensions();
@@ -534,15 +541,15 @@ ffi::Error BlockGroupsIntoImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   if (qd.size() != 4 || id.size() != 2 || td.size() != 2 || kd.size() != 2) {
     return ffi::Error::InvalidArgument("cbjax_block_groups_into: q must be 4-D, q_idx, page_table and k 2-D");
   }
-  if (od.size() != 4 || od[0] != qd[1] - 1 || od[1] != qd[0] || od[2] != qd[2] || od[3] != qd[3]) {
-    return ffi::Error::InvalidArgument("cbjax_block_groups_into: base and out must be [tokens, kv_heads, group, head_dim]");
+  if (od.size() != 4 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != qd[3]) {
+    return ffi::Error::InvalidArgument("cbjax_block_groups_into: base and out must be q's shape [tokens, kv_heads, group, head_dim]");
   }
   if (base.typed_data() != out->typed_data()) {  // not aliased (XLA kept base alive): start from a copy
     std::memcpy(out->typed_data(), base.typed_data(), static_cast<size_t>(base.element_count()) * sizeof(float));
   }
   BlockArgs a{q.typed_data(), pos.typed_data(), q_idx.typed_data(), row.typed_data(), page_table.typed_data(),
-              k.typed_data(), v.typed_data(), page_base.typed_data(), out->typed_data(), qd[0], qd[1], qd[2],
-              qd[3], id[0], id[1], td[1], kd[1] / qd[3], num_pages};
+              k.typed_data(), v.typed_data(), page_base.typed_data(), out->typed_data(), qd[1], qd[0] + 1, qd[2],
+              qd[3], id[0], id[1], td[1], kd[1] / qd[3], num_pages, scale};
   const int64_t work = a.kv_heads * a.capacity;
   const int64_t threads = work >= 2 ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 8)) : 1;
   const int64_t chunks = threads > 1 ? std::min<int64_t>(work, threads * 4) : 1;
@@ -568,6 +575,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxBlockGroupsInto, BlockGroupsIntoImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_base
                                   .Arg<ffi::Buffer<ffi::F32>>()  // base [tokens, kv_heads, group, head_dim]
                                   .Attr<int64_t>("num_pages")
+                                  .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out: base with the block list's tokens
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxSingleGroups, SingleGroupsImpl,
@@ -582,5 +590,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxSingleGroups, SingleGroupsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_base
                                   .Attr<int64_t>("num_pages")
-                                  .Attr<int64_t>("token_order")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [tokens, kv_heads, group, head_dim]

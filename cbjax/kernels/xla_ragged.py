@@ -156,25 +156,26 @@ def ragged_attention_xla(
     v_flat = v_pages.reshape(-1, page_size * head_dim)
     first = 0 if layer is None else layer * num_kv_heads
     page_base = (first + jnp.arange(num_kv_heads, dtype=jnp.int32)) * num_pages
-    q_ext = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_ext = jnp.concatenate([q_ext, jnp.zeros((num_kv_heads, 1, group, head_dim), jnp.float32)], axis=1)
     pos_ext = jnp.concatenate([md.token_pos.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
     if native and k_flat.dtype == jnp.float32:
-        # the kernels write token order: the single list's tokens (zeros elsewhere), then the
-        # block list's over them in place; no concatenation, scatter or transpose after
+        # The kernels take the queries in token order and scale them, and write token order: the
+        # single list's tokens (zeros elsewhere), then the block list's over them in place; no
+        # transpose, concatenation or scatter around them.
         from cbjax.kernels import native as kernels
 
         single, block = md.work.single, md.work.block
-        q_scaled = q_ext * scale
+        q_tok = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
         if single.q_idx.shape[0]:
-            out = kernels.single_groups(q_scaled, pos_ext, single.q_idx.reshape(-1), single.row, md.page_table,
-                                        k_flat, v_flat, page_base, num_pages, token_order=True)  # fmt: skip
+            out = kernels.single_groups(q_tok, pos_ext, single.q_idx.reshape(-1), single.row, md.page_table,
+                                        k_flat, v_flat, page_base, num_pages, scale)  # fmt: skip
         else:
-            out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
+            out = jnp.zeros(q_tok.shape, jnp.float32)
         if block.q_idx.shape[0]:
-            out = kernels.block_groups_into(out, q_scaled, pos_ext, block.q_idx, block.row, md.page_table, k_flat,
-                                            v_flat, page_base, num_pages)  # fmt: skip
+            out = kernels.block_groups_into(out, q_tok, pos_ext, block.q_idx, block.row, md.page_table, k_flat,
+                                            v_flat, page_base, num_pages, scale)  # fmt: skip
         return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    q_ext = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_ext = jnp.concatenate([q_ext, jnp.zeros((num_kv_heads, 1, group, head_dim), jnp.float32)], axis=1)
     res, idx = [], []
     for tiles, step in ((md.work.single, pages_single), (md.work.block, pages_block)):
         if tiles.q_idx.shape[0] == 0:  # an empty list (no block list in a small step): no pass
