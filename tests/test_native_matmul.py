@@ -130,6 +130,68 @@ def test_layer_matmul_glu_names_kernels_it_cannot_split():
     assert native.glu_applies((4, 8, 2, 128)) and not native.glu_applies((4, 8, 2, 96))
 
 
+def _rope_f64(qkv, positions, group, theta=10000.0):
+    """float64 rotate_half RoPE of the q and k heads of a fused [rows, kv, group + 2, head_dim]
+    product, v as is: the oracle written out from Hugging Face's formula."""
+    head_dim = qkv.shape[-1]
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    angles = np.concatenate([np.outer(positions, inv_freq)] * 2, axis=-1)[:, None, None, :]
+    qk = qkv[:, :, : group + 1]
+    rotated = np.concatenate([-qk[..., half:], qk[..., :half]], axis=-1)
+    out = qkv.copy()
+    out[:, :, : group + 1] = qk * np.cos(angles) + rotated * np.sin(angles)
+    return out
+
+
+# (rows, k, kv_heads, group, head_dim): a row, a row tile and a remainder, a threaded product;
+# heads of 16 (eight lanes' halves: a scalar-looped epilogue), 32 and 64 (a whole column tile on
+# AVX-512); one, two and three query heads a kv head
+@pytest.mark.parametrize("rows, k, kv, group, head_dim", [(1, 16, 2, 2, 16), (13, 96, 3, 3, 64), (40, 256, 4, 2, 32), (9, 64, 4, 1, 32)])
+def test_layer_matmul_rope_equals_float64_matmul_then_rope(rows, k, kv, group, head_dim):
+    from cbjax.model.llama import rope_tables
+
+    rng = np.random.default_rng(rows + head_dim)
+    x, w = _draw(rng, rows, k), _draw(rng, 2, k, kv, group + 2, head_dim) / np.sqrt(k)
+    positions = rng.integers(0, 4000, rows).astype(np.int32)  # angles of many turns
+    assert native.rope_applies(w.shape, head_dim)
+    wp = jnp.asarray(native.to_panels(w))
+    cos, sin = rope_tables(jnp.asarray(positions), head_dim, 10000.0)
+    for layer in (0, 1):
+        got = np.asarray(native.layer_matmul_rope(jnp.asarray(x), wp, layer, cos, sin))
+        qkv = np.tensordot(x.astype(np.float64), w[layer].astype(np.float64), 1)
+        assert got.shape == (rows, kv, group + 2, head_dim)
+        # f32 angles: cos and sin off by up to ~4000 * 2^-24 at position 4000 against float64's
+        np.testing.assert_allclose(got, _rope_f64(qkv, positions, group), rtol=1e-4, atol=1e-3, err_msg=f"layer {layer}")
+        # against the model's own XLA RoPE on the plain native product, to f32 rounding
+        plain = native.layer_matmul(jnp.asarray(x), wp, layer)
+        q = plain[:, :, :group].reshape(rows, kv * group, head_dim)
+        from cbjax.model.llama import rope
+
+        np.testing.assert_allclose(got[:, :, :group].reshape(rows, kv * group, head_dim),
+                                   np.asarray(rope(q, jnp.asarray(positions), 10000.0)), rtol=1e-5, atol=1e-5)  # fmt: skip
+        np.testing.assert_array_equal(got[:, :, group + 1], np.asarray(plain)[:, :, group + 1])  # v: the product itself
+    # rows past `live` are zeros (NaN there never reaches the result), a row alone as in the batch
+    x[rows // 2 + 1 :] = np.nan
+    live = rows // 2 + 1
+    batch = np.asarray(native.layer_matmul_rope(jnp.asarray(x), wp, 1, cos, sin, live=live))
+    np.testing.assert_array_equal(batch[live:], 0.0)
+    alone = np.asarray(native.layer_matmul_rope(jnp.asarray(x[live - 1 : live]), wp, 1, cos[live - 1 : live],
+                                                sin[live - 1 : live]))  # fmt: skip
+    np.testing.assert_array_equal(alone[0], batch[live - 1])
+
+
+def test_layer_matmul_rope_names_what_it_cannot_take():
+    x = jnp.zeros((2, 8), jnp.float32)
+    cos = jnp.zeros((2, 16), jnp.float32)
+    # columns not whole panels (2 x 3 x 16 = 96), a head of 12 (does not divide a column tile),
+    # cos for another row count
+    assert not native.rope_applies((1, 8, 2, 3, 16), 16) and not native.rope_applies((1, 8, 4, 4, 12), 12)
+    for shape, c in (((1, 8, 2, 3, 16), cos), ((1, 8, 4, 4, 12), cos[:, :12]), ((1, 8, 2, 4, 16), cos[:1])):
+        with pytest.raises(ValueError, match=r"layer_matmul_rope: .*\[layers, k, kv_heads, group \+ 2, head_dim\]"):
+            native.layer_matmul_rope(x, jnp.zeros(shape, jnp.float32), 0, c, c)
+
+
 def test_threaded_products_run_every_chunk_once_when_kernels_overlap():
     # Threaded products share one team of helper threads; a second kernel that finds the team
     # busy falls back to XLA's pool. Two Python threads, each a program of two independent

@@ -66,6 +66,7 @@ SOURCES = {
     "native_gemm.cc": (
         (),
         (("cbjax_layer_matmul", "CbjaxLayerMatmul"), ("cbjax_layer_matmul_glu", "CbjaxLayerMatmulGlu"),
+         ("cbjax_layer_matmul_rope", "CbjaxLayerMatmulRope"),
          ("cbjax_matmul_nt", "CbjaxMatmulNT")),
     ),
 }  # fmt: skip
@@ -301,6 +302,50 @@ def layer_matmul_glu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, liv
         _live(live, rows),
     )
     return y.reshape(*x.shape[:-1], ffn)
+
+
+def rope_applies(w_shape: tuple[int, ...], head_dim: int) -> bool:
+    """Whether `layer_matmul_rope` takes a stacked fused q/k/v kernel of this shape, [layers, k,
+    kv_heads, group + 2, head_dim]: its columns in whole panels and column tiles, and head_dim
+    even and dividing the kernel's column tile (so a head's halves meet in one tile). False
+    where the kernels do not build."""
+    if ensure_registered() is not None or len(w_shape) != 5 or w_shape[-1] != head_dim:
+        return False
+    lib = _state["lib"]
+    lib.cbjax_matmul_tile_columns.restype = ctypes.c_int64
+    tile = int(lib.cbjax_matmul_tile_columns())
+    n = int(np.prod(w_shape[2:]))
+    return n % PANEL == 0 and n % tile == 0 and head_dim % 2 == 0 and tile % head_dim == 0
+
+
+def layer_matmul_rope(
+    x: jax.Array, w: jax.Array, layer: jax.Array | int, cos: jax.Array, sin: jax.Array,
+    live: jax.Array | int | None = None,
+) -> jax.Array:  # fmt: skip
+    """x [..., k] @ w[layer] -> f32[..., kv_heads, group + 2, head_dim], the fused q/k/v product
+    with the rotary embedding (`cbjax.model.llama.rope`) applied to each kv head's group of q
+    heads and its k head as the tiles leave the registers; its v head as is. w [layers, k,
+    kv_heads, group + 2, head_dim] f32 in panel order (`to_panels`); cos and sin f32[...,
+    head_dim] (`cbjax.model.llama.rope_tables`). As `rope` after `layer_matmul` up to f32
+    rounding; `live` and the order of sums as `layer_matmul`'s."""
+    error = ensure_registered()
+    if error is not None:
+        raise RuntimeError(f"executor.matmul=native: {error}")
+    head_dim = w.shape[-1]
+    if (not rope_applies(w.shape, head_dim) or x.shape[-1] != w.shape[1] or cos.shape != (*x.shape[:-1], head_dim)
+            or sin.shape != cos.shape or x.dtype != jnp.float32 or w.dtype != jnp.float32):
+        raise ValueError(f"layer_matmul_rope: x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)} and cos/sin "
+                         f"{list(cos.shape)}/{list(sin.shape)} must be [..., k], [layers, k, kv_heads, group + 2, "
+                         f"head_dim] (rope_applies) and [..., head_dim], float32")  # fmt: skip
+    k, n, p = _panel_dims(w.shape, 1, 1)
+    rows = int(np.prod(x.shape[:-1]))
+    out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+    y = jax.ffi.ffi_call("cbjax_layer_matmul_rope", out)(
+        x.reshape(rows, k), w.reshape(w.shape[0], n // p, k, p), jnp.asarray(layer, jnp.int32), _live(live, rows),
+        cos.astype(jnp.float32).reshape(rows, head_dim), sin.astype(jnp.float32).reshape(rows, head_dim),
+        period=np.int64(w.shape[-2]),
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], *w.shape[2:])
 
 
 def _live(live, rows: int) -> jax.Array:

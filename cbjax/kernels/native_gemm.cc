@@ -116,27 +116,71 @@ inline void TileGlu(const Args& a, int64_t r0, int64_t c0) {
     for (int j = 0; j < V; ++j) Store(a.y + (r0 + i) * half + c0 + j * kLanes, SiluTimes(gate[i][j], up[i][j]));
 }
 
+// The rotary embedding of a q/k/v product's tiles (cbjax.model.llama.rope, Hugging Face's
+// rotate_half): each output row's head of head_dim columns, halves x1 and x2, becomes
+// x1 * cos - x2 * sin, x2 * cos + x1 * sin with the row's cos and sin [head_dim]; in each run of
+// `period` heads (a kv head's group of query heads, its k head, its v head) the last, v, is
+// left as it is.
+struct Rope {
+  const float* cos;  // [rows, head_dim]
+  const float* sin;
+  int64_t head_dim, period;
+};
+
+// Tile's product, stored with the rotary embedding applied (a head never straddles a tile:
+// the tile's width is a multiple of head_dim).
+template <int R, int V>
+inline void TileRope(const Args& a, const Rope& ro, int64_t r0, int64_t c0) {
+  constexpr int64_t W = V * kLanes;
+  Vec acc[R][V];
+  Accumulate<R, V>(a, r0, c0, acc);
+  const int64_t D = ro.head_dim, half = D / 2;
+  alignas(64) float t[W];
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < V; ++j) Store(t + j * kLanes, acc[i][j]);
+    const float* cs = ro.cos + (r0 + i) * D;
+    const float* sn = ro.sin + (r0 + i) * D;
+    float* y = a.y + (r0 + i) * a.n + c0;
+    for (int64_t h = 0; h < W; h += D) {
+      if ((c0 + h) / D % ro.period == ro.period - 1) {  // a v head
+        std::memcpy(y + h, t + h, static_cast<size_t>(D) * sizeof(float));
+        continue;
+      }
+      for (int64_t d = 0; d < half; ++d) {
+        y[h + d] = t[h + d] * cs[d] - t[h + half + d] * sn[d];
+        y[h + half + d] = t[h + half + d] * cs[half + d] + t[h + d] * sn[half + d];
+      }
+    }
+  }
+}
+
+// fn(rows, r, c) for each tile of columns [c0, c1) (a multiple of V * kLanes wide) by rows
+// [r0, r1): rows a std::integral_constant of 6, or of the 1-5 left at the end.
+template <int V, typename Fn>
+void ForTiles(int64_t c0, int64_t c1, int64_t r0, int64_t r1, const Fn& fn) {
+  for (int64_t c = c0; c < c1; c += V * kLanes) {
+    int64_t r = r0;
+    for (; r + 6 <= r1; r += 6) fn(std::integral_constant<int, 6>{}, r, c);
+    switch (r1 - r) {
+      case 5: fn(std::integral_constant<int, 5>{}, r, c); break;
+      case 4: fn(std::integral_constant<int, 4>{}, r, c); break;
+      case 3: fn(std::integral_constant<int, 3>{}, r, c); break;
+      case 2: fn(std::integral_constant<int, 2>{}, r, c); break;
+      case 1: fn(std::integral_constant<int, 1>{}, r, c); break;
+      default: break;
+    }
+  }
+}
+
 // Columns [c0, c1) whose width is a multiple of V * kLanes, rows [r0, r1); kGlu: TileGlu's
 // output columns.
 template <int V, bool kGlu = false>
 void Columns(const Args& a, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
-  for (int64_t c = c0; c < c1; c += V * kLanes) {
-    int64_t r = r0;
-    auto tile = [&](auto rows) {
-      constexpr int R = decltype(rows)::value;
-      if constexpr (kGlu) TileGlu<R, V>(a, r, c);
-      else Tile<R, V>(a, r, c);
-    };
-    for (; r + 6 <= r1; r += 6) tile(std::integral_constant<int, 6>{});
-    switch (r1 - r) {
-      case 5: tile(std::integral_constant<int, 5>{}); break;
-      case 4: tile(std::integral_constant<int, 4>{}); break;
-      case 3: tile(std::integral_constant<int, 3>{}); break;
-      case 2: tile(std::integral_constant<int, 2>{}); break;
-      case 1: tile(std::integral_constant<int, 1>{}); break;
-      default: break;
-    }
-  }
+  ForTiles<V>(c0, c1, r0, r1, [&a](auto rows, int64_t r, int64_t c) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (kGlu) TileGlu<R, V>(a, r, c);
+    else Tile<R, V>(a, r, c);
+  });
 }
 
 // The last n % kLanes columns, scalar (one panel: ld == n), rows [r0, r1).
@@ -238,6 +282,37 @@ ffi::Error LayerMatmulGluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   return ffi::Error::Success();
 }
 
+// ---- the q/k/v matmul with the rotary embedding of q and k ----
+
+ffi::Error LayerMatmulRopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> cos,
+                               ffi::Buffer<ffi::F32> sin, int64_t period, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto cd = cos.dimensions();
+  const auto sd = sin.dimensions();
+  const int64_t D = cd.size() == 2 ? cd[1] : 0;
+  const bool tables = cd.size() == 2 && sd.size() == 2 && cd[0] == xd[0] && sd[0] == cd[0] && sd[1] == D;
+  // Whole wide tiles, each holding whole heads: a head's halves meet in one tile.
+  if (xd.size() != 2 || wd.size() != 4 || xd[1] != wd[2] || (wd[1] * wd[3]) % kWide != 0 || (wd[1] > 1 && wd[3] % kWide != 0) ||
+      !tables || D < 2 || D % 2 != 0 || kWide % D != 0 || period < 1) {
+    return ffi::Error::InvalidArgument(
+        "cbjax_layer_matmul_rope: x must be [rows, k], w [layers, panels, k, P] in whole column tiles, cos and sin "
+        "[rows, head_dim] with head_dim even and dividing the column tile, period >= 1");
+  }
+  const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
+  const int64_t n = wd[1] * wd[3];
+  const int64_t rows = LiveRows(live, xd[0], n, y->typed_data());
+  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), rows, xd[1], n, wd[3]};
+  const Rope ro{cos.typed_data(), sin.typed_data(), D, period};
+  const int64_t tiles = n / kWide;
+  RunBlocks(pool, a, tiles, [a, ro, tiles](int64_t c, int64_t chunks, int64_t r0, int64_t r1) {
+    ForTiles<4>(tiles * c / chunks * kWide, tiles * (c + 1) / chunks * kWide, r0, r1,
+                [&](auto rows, int64_t r, int64_t col) { TileRope<decltype(rows)::value, 4>(a, ro, r, col); });
+  });
+  return ffi::Error::Success();
+}
+
 // ---- x @ w^T: the tied LM head (the embedding table [n, k], contracted on its last axis) ----
 
 // y[:, c0 : c0 + kLanes], every row: one vector accumulator per column, each lane summing its own
@@ -334,6 +409,10 @@ ffi::Error MatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 
 }  // namespace
 
+// The column tile's width in floats: whole heads of a head_dim dividing it take the rotary
+// embedding in cbjax_layer_matmul_rope's epilogue (cbjax.kernels.native.rope_applies).
+extern "C" int64_t cbjax_matmul_tile_columns() { return kWide; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxMatmulNT, MatmulNTImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -350,6 +429,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmul, LayerMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmulRope, LayerMatmulRopeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [layers, panels, k, P]: the fused q/k/v kernel
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos [rows, head_dim]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin [rows, head_dim]
+                                  .Attr<int64_t>("period")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [rows, n]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmulGlu, LayerMatmulGluImpl,
                               ffi::Ffi::Bind()

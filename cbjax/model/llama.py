@@ -64,6 +64,8 @@ Axes = tuple[Optional[str], ...]
 # the stacked weights (see cbjax.runtime.step); None everywhere else.
 Matmul = Callable[[jax.Array, jax.Array, int], jax.Array]
 Glu = Callable[[jax.Array, jax.Array], jax.Array]  # (h, fused gate/up kernel) -> silu(gate) * up
+# (h, fused q/k/v kernel, cos, sin) -> the q/k/v product with RoPE applied to its q and k heads
+RopeMatmul = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -137,16 +139,22 @@ class Dense(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, Hugging Face rotate_half convention: x [..., n, head_dim], positions i32[...]."""
-    head_dim = x.shape[-1]
-    half = head_dim // 2
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin f32[..., head_dim] of each position's rotary angles (each frequency twice:
+    the rotate_half convention's halves share them), positions i32[...]."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # f32[half]
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # f32[..., half]
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # f32[..., 1, head_dim]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # f32[..., head_dim]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, Hugging Face rotate_half convention: x [..., n, head_dim], positions i32[...]."""
+    half = x.shape[-1] // 2
+    cos, sin = rope_tables(positions, x.shape[-1], theta)
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -179,14 +187,22 @@ class DecoderLayer(nnx.Module):
         self.down_proj = dense((ffn, d), ("mlp", "embed"), cfg.mlp_bias)
 
     def qkv(
-        self, x: jax.Array, positions: jax.Array, matmul: Optional[Matmul] = None
+        self, x: jax.Array, positions: jax.Array, matmul: Optional[Matmul] = None, rope_matmul: Optional[RopeMatmul] = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [..., d_model], positions i32[...] -> q [..., num_heads, head_dim], k and v
-        [..., num_kv_heads, head_dim], RoPE applied to q and k."""
+        [..., num_kv_heads, head_dim], RoPE applied to q and k. `rope_matmul(h, kernel, cos,
+        sin)`: the fused q/k/v product [..., num_kv_heads, group + 2, head_dim] with RoPE
+        applied to its q and k heads in one call (`rope_tables`' cos and sin), where the caller
+        has one (the native matmul) and the fused kernel is unbiased."""
         h = self.input_layernorm(x)
+        group = self.num_heads // self.num_kv_heads
+        if rope_matmul is not None and self.qkv_proj is not None and self.qkv_proj.bias is None:
+            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+            qkv = rope_matmul(h, self.qkv_proj.kernel[...], cos, sin)
+            q = qkv[..., :group, :].reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+            return q, qkv[..., group, :], qkv[..., group + 1, :]
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(h, matmul)  # [..., num_kv_heads, group + 2, head_dim]
-            group = self.num_heads // self.num_kv_heads
             q = qkv[..., :group, :].reshape(*x.shape[:-1], self.num_heads, self.head_dim)
             k, v = qkv[..., group, :], qkv[..., group + 1, :]
         else:

@@ -24,6 +24,7 @@ KINDS = ("matmul (native)", "matmul (XLA dot)", "attention (native)", "other XLA
 _TARGET_KIND = {
     "cbjax_layer_matmul": "matmul (native)",
     "cbjax_layer_matmul_glu": "matmul (native)",
+    "cbjax_layer_matmul_rope": "matmul (native)",
     "cbjax_matmul_nt": "matmul (native)",
     "cbjax_single_groups": "attention (native)",
     "cbjax_block_groups_into": "attention (native)",

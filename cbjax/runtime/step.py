@@ -156,13 +156,16 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         x, k_pages, v_pages = carry
         layer_state, layer_idx = xs
         layer = nnx.merge(layer_def, layer_state, *extra)
-        mm = glu = None
+        mm = glu = rope_mm = None
         if extra:
             mm = lambda x, w, num_in: native.layer_matmul(x, w, layer_idx, num_in, live=num_tokens)  # noqa: E731
             gate_up = layer.gate_up_proj  # its kernel stacked: [num_layers, d_model, 2, ffn_dim]
             if gate_up is not None and native.glu_applies(gate_up.kernel.shape):  # SwiGLU in the epilogue
                 glu = lambda h, w: native.layer_matmul_glu(h, w, layer_idx, live=num_tokens)  # noqa: E731
-        q, k, v = layer.qkv(x, batch.positions, mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
+            qkv_proj = layer.qkv_proj  # [num_layers, d_model, num_kv_heads, group + 2, head_dim]
+            if qkv_proj is not None and native.rope_applies(qkv_proj.kernel.shape, layer.head_dim):  # RoPE in the epilogue
+                rope_mm = lambda h, w, c, s: native.layer_matmul_rope(h, w, layer_idx, c, s, live=num_tokens)  # noqa: E731
+        q, k, v = layer.qkv(x, batch.positions, mm, rope_mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
         attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, batch.md, batch.write_idx, layer_idx)
         x = layer.finish(x, attn, mm, glu)
         return (x, k_pages, v_pages), None
