@@ -378,7 +378,9 @@ struct BlockScratch {
         q(a.block * a.group * a.head_dim), o(a.block * a.group * a.head_dim), qpos(a.block) {}
 };
 
-// One page for R <= 4 query rows r[0, R) of a block group, when the page holds NK * kLanes keys
+constexpr int kTileRows = 8;  // query rows scored together against a page's keys
+
+// One page for R <= kTileRows query rows r[0, R) of a block group, when the page holds NK * kLanes keys
 // and head_dim is ND * kLanes: the scores of R queries as R x NK vectors (the keys transposed in
 // kt), the softmax update of running max m[r] and sum l[r], and o[r] += p v with each row's ND
 // output vectors in registers. nb[i]: row i's keys on the page (a prefix); rows with none are
@@ -426,6 +428,10 @@ template <int NK, int ND>
 void PageAny(int rows, const float* const* q, const float* kt, const float* vp, const int64_t* nb, const int64_t* r,
              float* m, float* l, float* o) {
   switch (rows) {
+    case 8: PageRows<8, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
+    case 7: PageRows<7, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
+    case 6: PageRows<6, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
+    case 5: PageRows<5, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
     case 4: PageRows<4, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
     case 3: PageRows<3, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
     case 2: PageRows<2, NK, ND>(q, kt, vp, nb, r, m, l, o); break;
@@ -485,9 +491,9 @@ void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
     for (int64_t j = n; j < PS; ++j)
       for (int64_t d = 0; d < D; ++d) kt[d * PS + j] = 0.0f;  // unwritten keys: finite scores, weight 0
     if (fast != nullptr) {
-      // rows in tiles of 4 (query rows r = b * G + i), skipping rows with no key on this page
-      const float* qs[4];
-      int64_t nbs[4], rs[4];
+      // rows in tiles of kTileRows (query rows r = b * G + i), skipping rows with no key on this page
+      const float* qs[kTileRows];
+      int64_t nbs[kTileRows], rs[kTileRows];
       int t = 0;
       for (int64_t b = 0; b < B; ++b) {
         const int64_t nb = std::min<int64_t>(n, sc.qpos[b] + 1 - p * PS);
@@ -496,8 +502,8 @@ void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
           qs[t] = sc.q.data() + (b * G + i) * D;
           nbs[t] = nb;
           rs[t] = b * G + i;
-          if (++t == 4) {
-            fast(4, qs, kt, vp, nbs, rs, sc.m.data(), sc.l.data(), o);
+          if (++t == kTileRows) {
+            fast(kTileRows, qs, kt, vp, nbs, rs, sc.m.data(), sc.l.data(), o);
             t = 0;
           }
         }
