@@ -9,7 +9,7 @@ about half the time. This backend runs its two group lists as XLA FFI custom cal
 its row's pages in place, up to its last position, with an online softmax per page and the
 next page prefetched; (kv head, group) pairs are split over threads (a team of helpers that
 stay awake between a step's kernels, `native_common.h`). In the
-block list a page's keys are transposed once, so 4 queries' scores are a few vector
+block list a page's keys are transposed once, so 8 queries' scores are a few vector
 multiply-adds per head dimension (a 4096-token prefill step of the peer tiny shape: 19 ms of
 attention against 39 ms in XLA).
 
@@ -178,6 +178,8 @@ def ensure_registered() -> Optional[str]:
             for _, targets in SOURCES.values():
                 for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            lib.cbjax_matmul_tile_columns.restype = ctypes.c_int64
+            _state["tile_columns"] = int(lib.cbjax_matmul_tile_columns())  # for rope_applies
             _state["lib"] = lib  # keep the library loaded
         except Exception as exc:  # any failure leaves the XLA backend in charge
             error = f"the native CPU kernels are unavailable: {exc}"
@@ -311,9 +313,7 @@ def rope_applies(w_shape: tuple[int, ...], head_dim: int) -> bool:
     where the kernels do not build."""
     if ensure_registered() is not None or len(w_shape) != 5 or w_shape[-1] != head_dim:
         return False
-    lib = _state["lib"]
-    lib.cbjax_matmul_tile_columns.restype = ctypes.c_int64
-    tile = int(lib.cbjax_matmul_tile_columns())
+    tile = _state["tile_columns"]
     n = int(np.prod(w_shape[2:]))
     return n % PANEL == 0 and n % tile == 0 and head_dim % 2 == 0 and tile % head_dim == 0
 

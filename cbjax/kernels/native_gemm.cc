@@ -239,6 +239,17 @@ void RunBlocks(ffi::ThreadPool& pool, const Args& a, int64_t tiles, const ChunkF
   });
 }
 
+// The product x @ w[layer] (layer clipped to w's) over x's live rows: Args for a [k, n] matrix
+// of w [layers, panels, k, P], y's rows `y_cols` wide, its rows past the live ones zeroed.
+Args LayerArgs(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::S32>& layer,
+               const ffi::Buffer<ffi::S32>& live, int64_t y_cols, float* y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
+  const int64_t rows = LiveRows(live, xd[0], y_cols, y);
+  return Args{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y, rows, xd[1], wd[1] * wd[3], wd[3]};
+}
+
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -250,10 +261,7 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (wd[1] > 1 && wd[3] % kWide != 0) {
     return ffi::Error::InvalidArgument("cbjax_layer_matmul: a panel width must be a multiple of the column tile");
   }
-  const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
-  const int64_t n = wd[1] * wd[3];
-  const int64_t rows = LiveRows(live, xd[0], n, y->typed_data());
-  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), rows, xd[1], n, wd[3]};
+  const Args a = LayerArgs(x, w, layer, live, wd[1] * wd[3], y->typed_data());
   RunBlocks(pool, a, a.n / kWide, [a](int64_t c, int64_t chunks, int64_t r0, int64_t r1) { Chunk(a, c, chunks, r0, r1); });
   return ffi::Error::Success();
 }
@@ -271,11 +279,8 @@ ffi::Error LayerMatmulGluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
         "cbjax_layer_matmul_glu: x must be [rows, k] and w [layers, panels, k, P], the gate's panels then "
         "the up's, each half a multiple of the column tile wide");
   }
-  const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
-  const int64_t n = wd[1] * wd[3], half = n / 2;
-  const int64_t rows = LiveRows(live, xd[0], half, y->typed_data());
-  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), rows, xd[1], n, wd[3]};
-  const int64_t tiles = half / kWide;
+  const Args a = LayerArgs(x, w, layer, live, wd[1] * wd[3] / 2, y->typed_data());
+  const int64_t tiles = a.n / 2 / kWide;
   RunBlocks(pool, a, tiles, [a, tiles](int64_t c, int64_t chunks, int64_t r0, int64_t r1) {
     Columns<4, true>(a, tiles * c / chunks * kWide, tiles * (c + 1) / chunks * kWide, r0, r1);
   });
@@ -300,12 +305,9 @@ ffi::Error LayerMatmulRopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
         "cbjax_layer_matmul_rope: x must be [rows, k], w [layers, panels, k, P] in whole column tiles, cos and sin "
         "[rows, head_dim] with head_dim even and dividing the column tile, period >= 1");
   }
-  const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
-  const int64_t n = wd[1] * wd[3];
-  const int64_t rows = LiveRows(live, xd[0], n, y->typed_data());
-  Args a{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y->typed_data(), rows, xd[1], n, wd[3]};
+  const Args a = LayerArgs(x, w, layer, live, wd[1] * wd[3], y->typed_data());
   const Rope ro{cos.typed_data(), sin.typed_data(), D, period};
-  const int64_t tiles = n / kWide;
+  const int64_t tiles = a.n / kWide;
   RunBlocks(pool, a, tiles, [a, ro, tiles](int64_t c, int64_t chunks, int64_t r0, int64_t r1) {
     ForTiles<4>(tiles * c / chunks * kWide, tiles * (c + 1) / chunks * kWide, r0, r1,
                 [&](auto rows, int64_t r, int64_t col) { TileRope<decltype(rows)::value, 4>(a, ro, r, col); });

@@ -195,18 +195,20 @@ class DecoderLayer(nnx.Module):
         applied to its q and k heads in one call (`rope_tables`' cos and sin), where the caller
         has one (the native matmul) and the fused kernel is unbiased."""
         h = self.input_layernorm(x)
-        group = self.num_heads // self.num_kv_heads
-        if rope_matmul is not None and self.qkv_proj is not None and self.qkv_proj.bias is None:
-            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
-            qkv = rope_matmul(h, self.qkv_proj.kernel[...], cos, sin)
-            q = qkv[..., :group, :].reshape(*x.shape[:-1], self.num_heads, self.head_dim)
-            return q, qkv[..., group, :], qkv[..., group + 1, :]
+        fused_rope = rope_matmul is not None and self.qkv_proj is not None and self.qkv_proj.bias is None
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(h, matmul)  # [..., num_kv_heads, group + 2, head_dim]
+            if fused_rope:
+                cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+                qkv = rope_matmul(h, self.qkv_proj.kernel[...], cos, sin)
+            else:
+                qkv = self.qkv_proj(h, matmul)  # [..., num_kv_heads, group + 2, head_dim]
+            group = self.num_heads // self.num_kv_heads
             q = qkv[..., :group, :].reshape(*x.shape[:-1], self.num_heads, self.head_dim)
             k, v = qkv[..., group, :], qkv[..., group + 1, :]
         else:
             q, k, v = self.q_proj(h, matmul), self.k_proj(h, matmul), self.v_proj(h, matmul)
+        if fused_rope:
+            return q, k, v
         return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
 
     def finish(
