@@ -293,3 +293,51 @@ def test_without_a_compiler_auto_falls_back_to_xla_and_native_names_why(no_compi
     assert "executor.matmul=auto runs `xla` on this CPU" in capsys.readouterr().err
     with pytest.raises(ValueError, match="executor.matmul=native: .*no C\\+\\+ compiler found"):
         resolve_matmul("native", "float32", False, "cpu")
+
+
+# ---- greedy tokens (cbjax_greedy) ----
+
+
+def _greedy_oracle(logits: np.ndarray, live: int) -> np.ndarray:
+    """numpy: the first index of each live row's maximum, -1 for a row with a non-finite logit,
+    0 past `live`."""
+    want = np.zeros(logits.shape[0], np.int64)
+    for r in range(min(live, logits.shape[0])):
+        want[r] = np.argmax(logits[r]) if np.isfinite(logits[r]).all() else -1
+    return want
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 5), (4, 16), (6, 300), (33, 4103), (40, 20000)])
+def test_greedy_is_the_first_maximum_and_marks_non_finite_rows(rows, vocab):
+    rng = np.random.default_rng(rows * 7 + vocab)
+    # few distinct values: many ties, so the first index matters in every lane
+    logits = rng.integers(-4, 4, (rows, vocab)).astype(np.float32)
+    logits[0, vocab // 2] = 9.0
+    logits[0, vocab - 1] = 9.0  # a tie with an earlier index: the earlier wins
+    if rows > 3:
+        logits[1] = rng.standard_normal(vocab).astype(np.float32)  # distinct values
+        logits[2, vocab - 1] = np.nan  # in the tail (or the vectors)
+        logits[3, 0] = np.inf
+    if rows > 5:
+        logits[4] = -np.inf
+        logits[5, :] = 3.0  # all equal: index 0
+        logits[5, min(vocab - 1, 17)] = -np.inf
+    for live in (rows, max(1, rows - 2)):
+        got = np.asarray(native.greedy(jnp.asarray(logits), live))
+        np.testing.assert_array_equal(got, _greedy_oracle(logits, live), err_msg=f"live {live}")
+
+
+def test_greedy_equals_the_steps_xla_reductions():
+    from cbjax.runtime.step import first_argmax
+
+    rng = np.random.default_rng(3)
+    logits = rng.integers(0, 3, (8, 4096)).astype(np.float32)
+    logits[6, 100] = -np.inf
+    xla = np.asarray(jnp.where(jnp.all(jnp.isfinite(logits), -1), first_argmax(jnp.asarray(logits)), -1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(native.greedy)(jnp.asarray(logits), jnp.int32(8))), xla)
+    assert xla[6] == -1
+
+
+def test_greedy_rejects_a_bad_logits_shape():
+    with pytest.raises(ValueError, match=r"greedy: logits must be \[rows, vocab\]"):
+        native.greedy(jnp.zeros((2, 3, 4)))

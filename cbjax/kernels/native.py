@@ -24,6 +24,11 @@ alternating rounds); its 4-token steps' matmuls took 0.61 against 1.05 ms. Its r
 blocks that stay in the L2 cache, so it serves every step size: at 4096 rows it matches XLA's
 GEMM, with none of the bucket's padding and no row-major copy of the layer.
 
+`greedy` (`native_greedy.cc`) takes a step's greedy tokens from its logits in one vectorized pass
+a row, the first index of the maximum or -1 for a non-finite row: XLA:CPU runs the maximum, the
+first index and the finiteness check as three scalar reductions, about 0.25 ms for [32, 4096]
+logits against 0.02 ms here.
+
 The kernels are compiled from source with the system C++ compiler (`CXX`, else `c++`) at first
 use and kept in `~/.cache/cbjax/native` (`CBJAX_NATIVE_DIR` overrides), keyed by the source,
 the compiler, the flags, jaxlib's version and the CPU (it is built for this CPU's
@@ -69,6 +74,7 @@ SOURCES = {
          ("cbjax_layer_matmul_rope", "CbjaxLayerMatmulRope"),
          ("cbjax_matmul_nt", "CbjaxMatmulNT")),
     ),
+    "native_greedy.cc": ((), (("cbjax_greedy", "CbjaxGreedy"),)),
 }  # fmt: skip
 HERE = Path(__file__).parent
 HEADERS = ("native_common.h",)  # included by the sources
@@ -367,3 +373,19 @@ def matmul_nt(x: jax.Array, w: jax.Array, live: jax.Array | int | None = None) -
     out = jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32)
     y = jax.ffi.ffi_call("cbjax_matmul_nt", out)(x.reshape(rows, w.shape[1]), w, _live(live, rows))
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def greedy(logits: jax.Array, live: jax.Array | int | None = None) -> jax.Array:
+    """i32[rows]: each of the first `live` rows' first index of its maximum logit, -1 where any
+    of its logits is NaN or infinite, 0 for the rows after (`native_greedy.cc`). As
+    `cbjax.runtime.step.first_argmax` with the step's non-finite mark, in one vectorized pass per
+    row where XLA:CPU runs three scalar reductions."""
+    error = ensure_registered()
+    if error is not None:
+        raise RuntimeError(f"executor.matmul=native: {error}")
+    if logits.ndim != 2 or logits.shape[1] < 1:
+        raise ValueError(f"greedy: logits must be [rows, vocab] with vocab >= 1, got shape {logits.shape}")
+    rows = logits.shape[0]
+    out = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    return jax.ffi.ffi_call("cbjax_greedy", out)(logits.astype(jnp.float32), _live(live, rows))
+
