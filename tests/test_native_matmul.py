@@ -341,3 +341,20 @@ def test_greedy_equals_the_steps_xla_reductions():
 def test_greedy_rejects_a_bad_logits_shape():
     with pytest.raises(ValueError, match=r"greedy: logits must be \[rows, vocab\]"):
         native.greedy(jnp.zeros((2, 3, 4)))
+
+
+def test_embed_takes_the_table_rows_of_the_batchs_or_the_fed_tokens():
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((50, 24)).astype(np.float32)
+    tokens = np.array([3, 0, 49, -1, 7, 60, 12], np.int32)  # -1 counts from the end; 60 is clipped
+    feed = np.array([-1, 2, -1, -1, 0, -1, 1], np.int32)  # rows 1, 4 and 6 take the previous step's tokens
+    prev = np.array([11, 22, 33], np.int32)
+    got = np.asarray(jax.jit(native.embed)(jnp.asarray(table), jnp.asarray(tokens), jnp.asarray(feed), jnp.asarray(prev)))
+    want_ids = [3, 33, 49, 49, 11, 49, 22]  # by hand
+    np.testing.assert_array_equal(got, table[want_ids])
+    # the same as the XLA select-and-gather the step ran before
+    xla = jnp.asarray(table)[jnp.where(jnp.asarray(feed) >= 0, jnp.asarray(prev)[jnp.maximum(jnp.asarray(feed), 0)],
+                                       jnp.asarray(tokens))]  # fmt: skip
+    np.testing.assert_array_equal(got, np.asarray(xla))
+    with pytest.raises(ValueError, match=r"embed: table must be float32 \[vocab, d\]"):
+        native.embed(jnp.zeros((4,)), jnp.asarray(tokens), jnp.asarray(feed), jnp.asarray(prev))

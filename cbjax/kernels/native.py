@@ -24,7 +24,10 @@ alternating rounds); its 4-token steps' matmuls took 0.61 against 1.05 ms. Its r
 blocks that stay in the L2 cache, so it serves every step size: at 4096 rows it matches XLA's
 GEMM, with none of the bucket's padding and no row-major copy of the layer.
 
-`greedy` (`native_greedy.cc`) takes a step's greedy tokens from its logits in one vectorized pass
+`embed` and `greedy` (`native_tokens.cc`) are the step's token kernels. `embed` copies each
+token's table row, picking the fed tokens from the previous step's output in the same pass
+(XLA split that select-and-gather over two threads, sizing it by the whole table: 25-57 us a
+small step). `greedy` takes a step's greedy tokens from its logits in one vectorized pass
 a row, the first index of the maximum or -1 for a non-finite row: XLA:CPU runs the maximum, the
 first index and the finiteness check as three scalar reductions, about 0.25 ms for [32, 4096]
 logits against 0.02 ms here.
@@ -74,7 +77,7 @@ SOURCES = {
          ("cbjax_layer_matmul_rope", "CbjaxLayerMatmulRope"),
          ("cbjax_matmul_nt", "CbjaxMatmulNT")),
     ),
-    "native_greedy.cc": ((), (("cbjax_greedy", "CbjaxGreedy"),)),
+    "native_tokens.cc": ((), (("cbjax_embed", "CbjaxEmbed"), ("cbjax_greedy", "CbjaxGreedy"))),
 }  # fmt: skip
 HERE = Path(__file__).parent
 HEADERS = ("native_common.h",)  # included by the sources
@@ -377,7 +380,7 @@ def matmul_nt(x: jax.Array, w: jax.Array, live: jax.Array | int | None = None) -
 
 def greedy(logits: jax.Array, live: jax.Array | int | None = None) -> jax.Array:
     """i32[rows]: each of the first `live` rows' first index of its maximum logit, -1 where any
-    of its logits is NaN or infinite, 0 for the rows after (`native_greedy.cc`). As
+    of its logits is NaN or infinite, 0 for the rows after (`native_tokens.cc`). As
     `cbjax.runtime.step.first_argmax` with the step's non-finite mark, in one vectorized pass per
     row where XLA:CPU runs three scalar reductions."""
     error = ensure_registered()
@@ -388,4 +391,20 @@ def greedy(logits: jax.Array, live: jax.Array | int | None = None) -> jax.Array:
     rows = logits.shape[0]
     out = jax.ShapeDtypeStruct((rows,), jnp.int32)
     return jax.ffi.ffi_call("cbjax_greedy", out)(logits.astype(jnp.float32), _live(live, rows))
+
+
+def embed(table: jax.Array, tokens: jax.Array, feed: jax.Array, prev: jax.Array) -> jax.Array:
+    """f32[T, d]: the embedding table's row for each token, where a token with feed >= 0 is the
+    previous step's output `prev[feed]` (`native_tokens.cc`). As
+    `table[jnp.where(feed >= 0, prev[feed], tokens)]`, without XLA's threads."""
+    error = ensure_registered()
+    if error is not None:
+        raise RuntimeError(f"executor.matmul=native: {error}")
+    if table.ndim != 2 or table.dtype != jnp.float32 or tokens.ndim != 1 or feed.shape != tokens.shape or prev.ndim != 1:
+        raise ValueError(f"embed: table must be float32 [vocab, d], tokens and feed [T], prev [R]; got table "
+                         f"{table.dtype}{list(table.shape)}, tokens {list(tokens.shape)}, feed {list(feed.shape)}, "
+                         f"prev {list(prev.shape)}")  # fmt: skip
+    out = jax.ShapeDtypeStruct((tokens.shape[0], table.shape[1]), jnp.float32)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    return jax.ffi.ffi_call("cbjax_embed", out)(table, i32(tokens), i32(feed), i32(prev))
 

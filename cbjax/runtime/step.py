@@ -170,8 +170,11 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         x = layer.finish(x, attn, mm, glu)
         return (x, k_pages, v_pages), None
 
-    tokens = jnp.where(batch.feed >= 0, batch.prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
-    x = model.embed(tokens)  # [T, d_model]
+    if matmul == "native":  # model.embed's lookup, with the fed tokens picked in the same pass
+        x = native.embed(model.embed_tokens[...], batch.tokens, batch.feed, batch.prev_tokens)  # [T, d_model]
+    else:
+        tokens = jnp.where(batch.feed >= 0, batch.prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
+        x = model.embed(tokens)  # [T, d_model]
     carry = (x, cache.k, cache.v)
     (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, carry, (layer_states, jnp.arange(num_layers)))
     # A step of T tokens holds at most T rows, and rows are filled first to last: in a bucket

@@ -1,10 +1,26 @@
-// Greedy tokens from a step's logits on the CPU: an XLA FFI custom call.
+// A step's tokens on the CPU, in and out: XLA FFI custom calls.
 //
-// cbjax.kernels.native builds this file beside the others and registers it as the custom call
-// target "cbjax_greedy". XLA:CPU runs a row's maximum, the first index that reaches it and the
-// check that every logit is finite as three scalar reductions, each a chain of dependent
-// compare-selects over the vocabulary: about 0.3 ms for [32, 4096] logits on this project's
-// CPU, a tenth of a decode step. Here one pass per row keeps a vector of running maxima with the
+// cbjax.kernels.native builds this file beside the others and registers its targets.
+//
+// "cbjax_embed": the step's input rows. Each token is the batch's own, or, where the packer fed
+// it from the step before (feed >= 0), that step's output token at row `feed`, still on the
+// device; its row of the embedding table is copied out. XLA:CPU ran this select-and-gather as
+// one fusion split over two threads (it sizes the work by the whole table): 25-57 us a small
+// step, for a few kilobytes.
+//
+// Inputs:
+//   table  f32[vocab, d]       the embedding table
+//   tokens s32[T]              the batch's tokens
+//   feed   s32[T]              the previous step's row for each token, or -1
+//   prev   s32[R]              the previous step's output tokens
+// Output:
+//   x      f32[T, d]           table[token] for each token, the index as jnp's: a negative one
+//                              counts from the end, then it is clipped to [0, vocab)
+//
+// "cbjax_greedy": greedy tokens from a step's logits. XLA:CPU runs a row's maximum, the first
+// index that reaches it and the check that every logit is finite as three scalar reductions,
+// each a chain of dependent compare-selects over the vocabulary: about 0.3 ms for [32, 4096]
+// logits on this project's CPU, a tenth of a decode step. Here one pass per row keeps a vector of running maxima with the
 // index where each lane first reached its maximum, and a running flag of any non-finite lane.
 //
 // Inputs:
@@ -73,6 +89,27 @@ int32_t RowToken(const float* x, int64_t n) {
   return bad ? -1 : best_idx;
 }
 
+ffi::Error EmbedImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> feed,
+                     ffi::Buffer<ffi::S32> prev, ffi::ResultBuffer<ffi::F32> x) {
+  const auto td = table.dimensions();
+  const auto xd = x->dimensions();
+  const int64_t t = tokens.element_count(), r = prev.element_count();
+  if (td.size() != 2 || td[0] < 1 || xd.size() != 2 || xd[0] != t || xd[1] != td[1] || feed.element_count() != t ||
+      r < 1) {
+    return ffi::Error::InvalidArgument(
+        "cbjax_embed: table must be [vocab, d] with vocab >= 1, tokens and feed [T], prev [R >= 1], x [T, d]");
+  }
+  const int64_t vocab = td[0], d = td[1];
+  for (int64_t i = 0; i < t; ++i) {
+    const int32_t f = feed.typed_data()[i];
+    int64_t token = f >= 0 ? prev.typed_data()[std::min<int64_t>(f, r - 1)] : tokens.typed_data()[i];
+    if (token < 0) token += vocab;
+    token = std::clamp<int64_t>(token, 0, vocab - 1);
+    std::copy(table.typed_data() + token * d, table.typed_data() + (token + 1) * d, x->typed_data() + i * d);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error GreedyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> live,
                       ffi::ResultBuffer<ffi::S32> tokens) {
   const auto ld = logits.dimensions();
@@ -94,6 +131,14 @@ ffi::Error GreedyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::B
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxEmbed, EmbedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // table [vocab, d]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tokens [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // feed [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // prev [R]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // x [T, d]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxGreedy, GreedyImpl,
                               ffi::Ffi::Bind()
