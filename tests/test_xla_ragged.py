@@ -172,3 +172,48 @@ def test_a_build_prunes_stale_builds_and_half_written_ones(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "cbjax_native_current.so", "cbjax_native_recent.so", "tmpfresh.so", "unrelated.so"
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("num_kv_heads, group", [(2, 2), (1, 4)])
+def test_native_reads_the_queries_in_place_in_the_fused_product(num_kv_heads, group):
+    # The native kernels given the fused q/k/v product [T, kv_heads, group + 2, head_dim] read each
+    # kv head's queries there (the first `group` on axis 2, then k and v): the same result as the
+    # sliced queries, with both lists running (a mixed step: decodes, prefills, block groups).
+    case = make_case(CASES["mixed"], num_kv_heads=num_kv_heads, group=group,
+                     num_tokens=sum(n for _, n in CASES["mixed"]) + 3, num_rows=len(CASES["mixed"]) + 2, seed=11)  # fmt: skip
+    md = metadata(case, block=4, chunk=2)
+    assert md.work.single.q_idx.shape[0] and md.work.block.q_idx.shape[0]
+    q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
+    num_tokens, _, head_dim = q.shape
+    rng = np.random.default_rng(0)
+    kv_rows = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads, 2, head_dim)).astype(np.float32) * 100)
+    product = jnp.concatenate([q.reshape(num_tokens, num_kv_heads, group, head_dim), kv_rows], axis=2)
+    got = np.asarray(ragged_attention_xla(q, k, v, md, native=True, qkv=product))
+    np.testing.assert_array_equal(got, np.asarray(ragged_attention_xla(q, k, v, md, native=True)))
+    np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"qkv \(.*\) is not the fused product"):
+        ragged_attention_xla(q, k, v, md, native=True, qkv=product[:, :, :group])
+
+
+def test_native_write_kv_equals_write_layer_on_the_sliced_k_and_v():
+    from cbjax.runtime.kv_cache import write_layer
+
+    rng = np.random.default_rng(1)
+    layers, kv_heads, pages, page_size, head_dim, group, tokens = 3, 2, 5, 4, 8, 2, 7
+    shape = (layers, kv_heads, pages, page_size, head_dim)
+    k_pages = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    v_pages = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    product = rng.standard_normal((tokens, kv_heads, group + 2, head_dim)).astype(np.float32)
+    product[3:5] = 0.0  # padding tokens: the matmul's zero rows (XLA's scatter leaves the order of duplicates open)
+    product = jnp.asarray(product)
+    # slots across pages, two padding tokens on slot 0 (the null page), one from the end, one past it (dropped)
+    write_idx = jnp.asarray([5, 6, 13, 0, 0, -1, pages * page_size + 3], jnp.int32)
+    for layer in (0, 2):
+        k_want = write_layer(k_pages, layer, write_idx, product[:, :, group])
+        v_want = write_layer(v_pages, layer, write_idx, product[:, :, group + 1])
+        k_got, v_got = native.write_kv(product, write_idx, jnp.int32(layer), k_pages, v_pages)
+        np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want), err_msg=f"k, layer {layer}")
+        np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want), err_msg=f"v, layer {layer}")
+        assert not np.array_equal(np.asarray(k_got), np.asarray(k_pages))  # it wrote something
+    with pytest.raises(ValueError, match=r"write_kv: qkv must be \[T, kv_heads, group \+ 2, head_dim\]"):
+        native.write_kv(product[:, :, :2], write_idx, 0, k_pages, v_pages)

@@ -11,7 +11,10 @@ next page prefetched; (kv head, group) pairs are split over threads (a team of h
 stay awake between a step's kernels, `native_common.h`). In the
 block list a page's keys are transposed once, so 8 queries' scores are a few vector
 multiply-adds per head dimension (a 4096-token prefill step of the peer tiny shape: 19 ms of
-attention against 39 ms in XLA).
+attention against 39 ms in XLA). Where the layer's q/k/v come from one fused product (the native
+matmul with RoPE in its epilogue), `write_kv` copies its k and v rows into the cache in place and
+both lists read their queries from it in place: no slice copies, no XLA scatters and their index
+arithmetic (the peer tiny run's recorded steps replayed 0.90x as long, 14 of 16 rounds faster).
 
 `layer_matmul` (`native_gemm.cc`) multiplies token rows by one layer of the step's stacked
 weights, read in place: XLA:CPU spends 50-100 us on each few-row dot (13-60 GFLOP/s at 4
@@ -70,7 +73,8 @@ COMMON_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-fPIC"
 # row's result is the same alone or in a batch).
 SOURCES = {
     "native_decode.cc": (("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"),
-                         (("cbjax_single_groups", "CbjaxSingleGroups"), ("cbjax_block_groups_into", "CbjaxBlockGroupsInto"))),
+                         (("cbjax_single_groups", "CbjaxSingleGroups"), ("cbjax_block_groups_into", "CbjaxBlockGroupsInto"),
+                          ("cbjax_write_kv", "CbjaxWriteKV"))),
     "native_gemm.cc": (
         (),
         (("cbjax_layer_matmul", "CbjaxLayerMatmul"), ("cbjax_layer_matmul_glu", "CbjaxLayerMatmulGlu"),
@@ -196,16 +200,24 @@ def ensure_registered() -> Optional[str]:
         return error
 
 
-def single_groups(q, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int, scale: float) -> jax.Array:
+def single_groups(
+    q, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int, scale: float, group: int | None = None
+) -> jax.Array:
     """f32[T, kv_heads, group, head_dim]: each single group's attention output at its token's
     row, zeros for tokens in no group, as `cbjax.kernels.xla_ragged._group_pass` computes it
     for block 1. q f32[T, kv_heads, group, head_dim] is the layer's [T, heads, head_dim] queries
-    as they are (the kernel multiplies them by `scale`); pos_ext i32[T + 1] (-1 at T, padding's
-    token); q_idx i32[capacity], T for a padding group."""
+    as they are (the kernel multiplies them by `scale`), or, with `group` given, any
+    [T, kv_heads, group or more, head_dim] whose first `group` entries on axis 2 are the queries
+    (the fused q/k/v product, read in place); pos_ext i32[T + 1] (-1 at T, padding's token);
+    q_idx i32[capacity], T for a padding group."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.attention=native: {error}")
-    return jax.ffi.ffi_call("cbjax_single_groups", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    group = q.shape[2] if group is None else group
+    if not 1 <= group <= q.shape[2]:
+        raise ValueError(f"single_groups: group {group} must be in [1, {q.shape[2]}] (q's axis 2, shape {q.shape})")
+    out = jax.ShapeDtypeStruct((*q.shape[:2], group, q.shape[3]), jnp.float32)
+    return jax.ffi.ffi_call("cbjax_single_groups", out)(
         q, pos_ext, q_idx, row, page_table.astype(jnp.int32), k_flat, v_flat, page_base,
         num_pages=np.int64(num_pages), scale=np.float32(scale),
     )  # fmt: skip
@@ -218,19 +230,43 @@ def block_groups_into(
     output written at their rows (in place: the output is `base`'s buffer), every other row as
     in `base`: `single_groups` then this give a mixed step's attention in token order, with no
     concatenation, scatter or transpose after; as `cbjax.kernels.xla_ragged._group_pass`
-    computes the block list. q_idx i32[capacity, block]; the rest as `single_groups`."""
+    computes the block list. q_idx i32[capacity, block]; q may hold more than base's group on
+    its axis 2 (the fused q/k/v product); the rest as `single_groups`."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.attention=native: {error}")
-    if base.shape != q.shape:
+    if base.ndim != 4 or base.shape[:2] != q.shape[:2] or base.shape[3] != q.shape[3] or base.shape[2] > q.shape[2]:
         raise ValueError(
-            f"block_groups_into: base has shape {base.shape}, not q's [tokens, kv_heads, group, head_dim] = {q.shape}"
+            f"block_groups_into: base has shape {base.shape}, not q's [tokens, kv_heads, group, head_dim] = {q.shape} "
+            f"(or a group of fewer query heads)"
         )
     out = jax.ShapeDtypeStruct(base.shape, jnp.float32)
     return jax.ffi.ffi_call("cbjax_block_groups_into", out, input_output_aliases={8: 0})(
         q, pos_ext, q_idx, row, page_table.astype(jnp.int32), k_flat, v_flat, page_base, base.astype(jnp.float32),
         num_pages=np.int64(num_pages), scale=np.float32(scale),
     )  # fmt: skip
+
+
+def write_kv(qkv: jax.Array, write_idx: jax.Array, layer, k_pages: jax.Array, v_pages: jax.Array):
+    """(k_pages, v_pages) with layer `layer`'s slots write_idx[t] set to token t's k and v rows
+    of the fused product qkv f32[T, kv_heads, group + 2, head_dim] (each kv head's query heads,
+    then its k, then its v), in place (the caches are aliased to the outputs): as
+    `cbjax.runtime.kv_cache.write_layer` on the sliced k and v, in one call with no copies.
+    k_pages, v_pages f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]."""
+    error = ensure_registered()
+    if error is not None:
+        raise RuntimeError(f"executor.attention=native: {error}")
+    if (qkv.ndim != 4 or qkv.shape[2] < 3 or k_pages.ndim != 5 or k_pages.shape != v_pages.shape
+            or k_pages.shape[1] != qkv.shape[1] or k_pages.shape[4] != qkv.shape[3] or write_idx.shape != qkv.shape[:1]
+            or k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32):  # fmt: skip
+        raise ValueError(f"write_kv: qkv must be [T, kv_heads, group + 2, head_dim] and write_idx [T], k_pages and "
+                         f"v_pages float32 [layers, kv_heads, pages, page_size, head_dim] alike; got qkv "
+                         f"{list(qkv.shape)}, write_idx {list(write_idx.shape)}, k_pages {k_pages.dtype}"
+                         f"{list(k_pages.shape)}, v_pages {v_pages.dtype}{list(v_pages.shape)}")  # fmt: skip
+    outs = (jax.ShapeDtypeStruct(k_pages.shape, jnp.float32), jax.ShapeDtypeStruct(v_pages.shape, jnp.float32))
+    return jax.ffi.ffi_call("cbjax_write_kv", outs, input_output_aliases={3: 0, 4: 1})(
+        qkv.astype(jnp.float32), write_idx.astype(jnp.int32), jnp.asarray(layer, jnp.int32), k_pages, v_pages
+    )
 
 
 # Columns in one panel of `to_panels`; a matrix whose n it does not divide stays row-major.

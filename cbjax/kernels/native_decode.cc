@@ -1,17 +1,21 @@
 // Paged attention of the XLA ragged backend's query groups on the CPU: XLA FFI custom calls.
 //
 // cbjax.kernels.native builds this file with the system C++ compiler at first use and
-// registers it as the custom call targets "cbjax_single_groups" and "cbjax_block_groups_into"
+// registers it as the custom call targets "cbjax_single_groups", "cbjax_block_groups_into"
 // (below: the block list, the same inputs with q_idx s32[capacity, block], written in token
-// order into the single list's output). The first runs the single list of
+// order into the single list's output) and "cbjax_write_kv" (below: a layer's new K/V rows into
+// the cache, in place, from the fused q/k/v product). The first runs the single list of
 // the XLA ragged backend (cbjax.kernels.xla_ragged): each group is one query token, which
 // attends over its row's keys 0 .. its position, read in place from the paged cache (no
 // gather copies), with an online softmax per page. Keys past the position are never read,
 // so unwritten slots (NaN in tests) and other rows' pages never reach the result.
 //
 // Inputs (row-major):
-//   q          f32[tokens, kv_heads, group, head_dim]      queries, unscaled (the layer's [tokens,
-//                                                          heads, head_dim] projection as is)
+//   q          f32[tokens, kv_heads, G, head_dim]          queries, unscaled: the layer's [tokens,
+//                                                          heads, head_dim] projection as is (G =
+//                                                          group), or the fused q/k/v product read
+//                                                          in place (G = group + 2: each kv head's
+//                                                          queries, then its k and v rows)
 //   pos        s32[tokens + 1]                              each token's position; -1 for padding
 //   q_idx      s32[capacity]                                the group's token; `tokens` for padding
 //   row        s32[capacity]                                the group's page-table row
@@ -20,7 +24,7 @@
 //   page_base  s32[kv_heads]                                flat row of page 0 for each kv head
 // Attributes: num_pages (pages per kv head of one layer; page ids are clipped to it); scale
 //   (each query is multiplied by it, in f32, before its scores).
-// Output:
+// Output (its shape gives `group`):
 //   out        f32[tokens, kv_heads, group, head_dim]      each group's result at its token's row
 //              (the layer's [tokens, heads, head_dim] attention output as is), zeros for tokens
 //              in no group; the block list then writes its tokens' rows into it in place, so a
@@ -33,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "native_common.h"
@@ -54,6 +59,7 @@ struct Args {
   float* out;
   int64_t kv_heads, tokens1, group, head_dim, capacity, max_pages, page_size, num_pages;
   float scale;
+  int64_t q_group;  // q's third axis: the group's query heads first (more may follow, as in the q/k/v product)
 };
 
 using cbjax_native::ExpNonPositiveVec;
@@ -228,7 +234,7 @@ void AttendOne(const Args& a, int64_t h, int64_t g, float* scores, float* m, flo
   float* o = a.out + ((t * a.kv_heads + h) * G) * D;
   const int32_t last = a.pos[t];
   if (last < 0) return;  // a padding token: zeros
-  ScaledQueries(a.q + ((t * a.kv_heads + h) * G) * D, G * D, a.scale, q);
+  ScaledQueries(a.q + ((t * a.kv_heads + h) * a.q_group) * D, G * D, a.scale, q);
   const int32_t* table = a.page_table + static_cast<int64_t>(a.row[g]) * a.max_pages;
   for (int64_t i = 0; i < G; ++i) {
     m[i] = -INFINITY;
@@ -333,13 +339,15 @@ ffi::Error SingleGroupsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   if (qd.size() != 4 || td.size() != 2 || kd.size() != 2) {
     return ffi::Error::InvalidArgument("cbjax_single_groups: q must be 4-D, page_table and k 2-D");
   }
-  if (od.size() != 4 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != qd[3]) {
-    return ffi::Error::InvalidArgument("cbjax_single_groups: out must be q's shape [tokens, kv_heads, group, head_dim]");
+  if (od.size() != 4 || od[0] != qd[0] || od[1] != qd[1] || od[2] < 1 || od[2] > qd[2] || od[3] != qd[3]) {
+    return ffi::Error::InvalidArgument(
+        "cbjax_single_groups: out must be [tokens, kv_heads, group, head_dim] with q [tokens, kv_heads, group or more, "
+        "head_dim]");
   }
   Args a{q.typed_data(),     pos.typed_data(),  q_idx.typed_data(), row.typed_data(),
          page_table.typed_data(), k.typed_data(), v.typed_data(),     page_base.typed_data(),
-         out->typed_data(), qd[1], qd[0] + 1, qd[2], qd[3],
-         static_cast<int64_t>(q_idx.element_count()), td[1], kd[1] / qd[3], num_pages, scale};
+         out->typed_data(), qd[1], qd[0] + 1, od[2], qd[3],
+         static_cast<int64_t>(q_idx.element_count()), td[1], kd[1] / qd[3], num_pages, scale, qd[2]};
   // tokens in no group keep zeros; each group's token row is written whole
   std::memset(out->typed_data(), 0, static_cast<size_t>(out->element_count()) * sizeof(float));
   const int64_t work = a.kv_heads * a.capacity;
@@ -365,6 +373,7 @@ struct BlockArgs {
   float* out;  // token order [tokens, kv_heads, group, head_dim]
   int64_t kv_heads, tokens1, group, head_dim, capacity, block, max_pages, page_size, num_pages;
   float scale;
+  int64_t q_group;  // as Args's
 };
 
 // Scratch of one thread: a page's keys transposed [head_dim, page_size], the scores of one
@@ -472,7 +481,8 @@ void AttendBlock(const BlockArgs& a, int64_t h, int64_t g, BlockScratch& sc) {
   if (last < 0) return;  // a padding group
   for (int64_t b = 0; b < B; ++b)  // the real tokens' queries, scaled, as [block, group, head_dim]
     if (sc.qpos[b] >= 0)
-      ScaledQueries(a.q + ((a.q_idx[g * B + b] * a.kv_heads + h) * G) * D, G * D, a.scale, sc.q.data() + b * G * D);
+      ScaledQueries(a.q + ((a.q_idx[g * B + b] * a.kv_heads + h) * a.q_group) * D, G * D, a.scale,
+                    sc.q.data() + b * G * D);
   std::fill(sc.m.begin(), sc.m.end(), -INFINITY);
   std::fill(sc.l.begin(), sc.l.end(), 0.0f);
   const int32_t* table = a.page_table + static_cast<int64_t>(a.row[g]) * a.max_pages;
@@ -547,15 +557,20 @@ ffi::Error BlockGroupsIntoImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   if (qd.size() != 4 || id.size() != 2 || td.size() != 2 || kd.size() != 2) {
     return ffi::Error::InvalidArgument("cbjax_block_groups_into: q must be 4-D, q_idx, page_table and k 2-D");
   }
-  if (od.size() != 4 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != qd[3]) {
-    return ffi::Error::InvalidArgument("cbjax_block_groups_into: base and out must be q's shape [tokens, kv_heads, group, head_dim]");
+  if (od.size() != 4 || od[0] != qd[0] || od[1] != qd[1] || od[2] < 1 || od[2] > qd[2] || od[3] != qd[3]) {
+    return ffi::Error::InvalidArgument(
+        "cbjax_block_groups_into: base and out must be [tokens, kv_heads, group, head_dim] with q [tokens, kv_heads, "
+        "group or more, head_dim]");
+  }
+  if (base.element_count() != out->element_count()) {
+    return ffi::Error::InvalidArgument("cbjax_block_groups_into: base must be out's shape");
   }
   if (base.typed_data() != out->typed_data()) {  // not aliased (XLA kept base alive): start from a copy
     std::memcpy(out->typed_data(), base.typed_data(), static_cast<size_t>(base.element_count()) * sizeof(float));
   }
   BlockArgs a{q.typed_data(), pos.typed_data(), q_idx.typed_data(), row.typed_data(), page_table.typed_data(),
-              k.typed_data(), v.typed_data(), page_base.typed_data(), out->typed_data(), qd[1], qd[0] + 1, qd[2],
-              qd[3], id[0], id[1], td[1], kd[1] / qd[3], num_pages, scale};
+              k.typed_data(), v.typed_data(), page_base.typed_data(), out->typed_data(), qd[1], qd[0] + 1, od[2],
+              qd[3], id[0], id[1], td[1], kd[1] / qd[3], num_pages, scale, qd[2]};
   const int64_t work = a.kv_heads * a.capacity;
   const int64_t threads = work >= 2 ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 8)) : 1;
   const int64_t chunks = threads > 1 ? std::min<int64_t>(work, threads * 4) : 1;
@@ -566,7 +581,62 @@ ffi::Error BlockGroupsIntoImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   return ffi::Error::Success();
 }
 
+// ---- "cbjax_write_kv": one layer's new keys and values into the cache, in place ----
+// qkv f32[tokens, kv_heads, group + 2, head_dim] is the fused q/k/v product (each kv head's
+// query heads, then its k head, then its v head); token t's k and v rows go to slot write_idx[t]
+// (page * page_size + offset; negative counts from the end, past the end is dropped, as XLA's
+// scatter) of layer `layer` (clipped) of k and v [layers, kv_heads, pages, page_size, head_dim],
+// aliased to the outputs. The XLA path slices k and v out of the product, copies them and
+// scatters them in two ops split over threads, with their index arithmetic in more.
+ffi::Error WriteKVImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::S32> write_idx, ffi::Buffer<ffi::S32> layer,
+                       ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> k_out,
+                       ffi::ResultBuffer<ffi::F32> v_out) {
+  const auto qd = qkv.dimensions();
+  const auto kd = k.dimensions();
+  const auto vd = v.dimensions();
+  if (qd.size() != 4 || qd[2] < 3 || kd.size() != 5 || vd.size() != 5 || kd[1] != qd[1] || kd[4] != qd[3] ||
+      write_idx.element_count() != qd[0] || k.element_count() != v.element_count() ||
+      k_out->element_count() != k.element_count() || v_out->element_count() != v.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "cbjax_write_kv: qkv must be [tokens, kv_heads, group + 2, head_dim], write_idx [tokens], k and v (and the "
+        "outputs) [layers, kv_heads, pages, page_size, head_dim] alike");
+  }
+  for (auto [in, out] : {std::pair{&k, &k_out}, std::pair{&v, &v_out}}) {
+    if (in->typed_data() != (*out)->typed_data()) {  // not aliased: start from a copy (slow, but right)
+      std::memcpy((*out)->typed_data(), in->typed_data(), static_cast<size_t>(in->element_count()) * sizeof(float));
+    }
+  }
+  const int64_t tokens = qd[0], heads = qd[1], q_group = qd[2], D = qd[3];
+  const int64_t slots = kd[2] * kd[3];  // per (layer, kv head)
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, kd[0] - 1);
+  const float* src = qkv.typed_data();
+  float* kp = k_out->typed_data();
+  float* vp = v_out->typed_data();
+  for (int64_t t = 0; t < tokens; ++t) {
+    int64_t slot = write_idx.typed_data()[t];
+    if (slot < 0) slot += slots;
+    if (slot < 0 || slot >= slots) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* row = src + ((t * heads + h) * q_group + q_group - 2) * D;  // its k, then its v
+      const int64_t at = ((l * heads + h) * slots + slot) * D;
+      std::copy(row, row + D, kp + at);
+      std::copy(row + D, row + 2 * D, vp + at);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxWriteKV, WriteKVImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv [tokens, kv_heads, group + 2, head_dim]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // write_idx [tokens]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [layers, kv_heads, pages, page_size, head_dim]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k, aliased
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // v, aliased
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxBlockGroupsInto, BlockGroupsIntoImpl,
                               ffi::Ffi::Bind()

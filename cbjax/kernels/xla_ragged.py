@@ -130,6 +130,7 @@ def ragged_attention_xla(
     pages_single: int = 2,
     pages_block: int = 2,
     native: bool = False,
+    qkv: Optional[jax.Array] = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """See `cbjax.kernels.metadata` for the contract and the module docstring for the method.
 
@@ -137,7 +138,8 @@ def ragged_attention_xla(
     each page is gathered from that layer directly (no copy of the layer's pool). `pages_*`:
     pages each group reads per inner loop step, in the single and block lists. `native`: the
     single and block lists run as the C++ custom calls of `cbjax.kernels.native` (CPU, an f32
-    cache)."""
+    cache); `qkv`, the fused q/k/v product [T, num_kv_heads, group + 2, head_dim] that q was
+    sliced from, lets them read the queries there in place (no copy of the slice)."""
     check_shapes("ragged_attention_xla", q, *layer_view(k_pages, v_pages, layer), md)
     if not isinstance(md.work, RaggedWork):
         raise ValueError("ragged_attention_xla: md.work must hold the RaggedWork groups the packer builds")
@@ -164,12 +166,16 @@ def ragged_attention_xla(
         from cbjax.kernels import native as kernels
 
         single, block = md.work.single, md.work.block
-        q_tok = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+        if qkv is not None and (qkv.shape[:2] != (num_tokens, num_kv_heads) or qkv.shape[2] < group + 2
+                                or qkv.shape[3] != head_dim):  # fmt: skip
+            raise ValueError(f"ragged_attention_xla: qkv {qkv.shape} is not the fused product [T, num_kv_heads, "
+                             f"group + 2, head_dim] = [{num_tokens}, {num_kv_heads}, {group + 2}, {head_dim}] of q")  # fmt: skip
+        q_tok = (q.reshape(num_tokens, num_kv_heads, group, head_dim) if qkv is None else qkv).astype(jnp.float32)
         if single.q_idx.shape[0]:
             out = kernels.single_groups(q_tok, pos_ext, single.q_idx.reshape(-1), single.row, md.page_table,
-                                        k_flat, v_flat, page_base, num_pages, scale)  # fmt: skip
+                                        k_flat, v_flat, page_base, num_pages, scale, group)  # fmt: skip
         else:
-            out = jnp.zeros(q_tok.shape, jnp.float32)
+            out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
         if block.q_idx.shape[0]:
             out = kernels.block_groups_into(out, q_tok, pos_ext, block.q_idx, block.row, md.page_table, k_flat,
                                             v_flat, page_base, num_pages, scale)  # fmt: skip

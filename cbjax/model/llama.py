@@ -194,22 +194,31 @@ class DecoderLayer(nnx.Module):
         sin)`: the fused q/k/v product [..., num_kv_heads, group + 2, head_dim] with RoPE
         applied to its q and k heads in one call (`rope_tables`' cos and sin), where the caller
         has one (the native matmul) and the fused kernel is unbiased."""
+        product = self.rope_qkv(x, positions, rope_matmul)
+        if product is not None:
+            return self.split_qkv(product)
         h = self.input_layernorm(x)
-        fused_rope = rope_matmul is not None and self.qkv_proj is not None and self.qkv_proj.bias is None
         if self.qkv_proj is not None:
-            if fused_rope:
-                cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
-                qkv = rope_matmul(h, self.qkv_proj.kernel[...], cos, sin)
-            else:
-                qkv = self.qkv_proj(h, matmul)  # [..., num_kv_heads, group + 2, head_dim]
-            group = self.num_heads // self.num_kv_heads
-            q = qkv[..., :group, :].reshape(*x.shape[:-1], self.num_heads, self.head_dim)
-            k, v = qkv[..., group, :], qkv[..., group + 1, :]
+            q, k, v = self.split_qkv(self.qkv_proj(h, matmul))
         else:
             q, k, v = self.q_proj(h, matmul), self.k_proj(h, matmul), self.v_proj(h, matmul)
-        if fused_rope:
-            return q, k, v
         return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+
+    def rope_qkv(self, x: jax.Array, positions: jax.Array, rope_matmul: Optional[RopeMatmul]) -> Optional[jax.Array]:
+        """The fused q/k/v product [..., num_kv_heads, group + 2, head_dim] of x's normed rows with
+        RoPE applied by `rope_matmul` (see `qkv`); None where there is no such call (no
+        rope_matmul, unfused or biased projections)."""
+        if rope_matmul is None or self.qkv_proj is None or self.qkv_proj.bias is not None:
+            return None
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+        return rope_matmul(self.input_layernorm(x), self.qkv_proj.kernel[...], cos, sin)
+
+    def split_qkv(self, product: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [..., num_heads, head_dim], k and v [..., num_kv_heads, head_dim] of a fused q/k/v
+        product [..., num_kv_heads, group + 2, head_dim]."""
+        group = self.num_heads // self.num_kv_heads
+        q = product[..., :group, :].reshape(*product.shape[:-3], self.num_heads, self.head_dim)
+        return q, product[..., group, :], product[..., group + 1, :]
 
     def finish(
         self, x: jax.Array, attn: jax.Array, matmul: Optional[Matmul] = None, glu: Optional[Glu] = None

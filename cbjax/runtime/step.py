@@ -165,8 +165,16 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
             qkv_proj = layer.qkv_proj  # [num_layers, d_model, num_kv_heads, group + 2, head_dim]
             if qkv_proj is not None and native.rope_applies(qkv_proj.kernel.shape, layer.head_dim):  # RoPE in the epilogue
                 rope_mm = lambda h, w, c, s: native.layer_matmul_rope(h, w, layer_idx, c, s, live=num_tokens)  # noqa: E731
-        q, k, v = layer.qkv(x, batch.positions, mm, rope_mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
-        attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, batch.md, batch.write_idx, layer_idx)
+        # The native attention reads the fused q/k/v product in place, and the layer's K/V go into
+        # the cache from it in one call: no copies of the q, k and v slices, no XLA scatters.
+        product = layer.rope_qkv(x, batch.positions, rope_mm) if attention == "native" and mesh is None else None
+        if product is not None:
+            q, _, _ = layer.split_qkv(product)  # for its shape: the kernels read the product
+            k_pages, v_pages = native.write_kv(product, batch.write_idx, layer_idx, k_pages, v_pages)
+            attn = attn_fn(q, k_pages, v_pages, batch.md, layer=layer_idx, qkv=product)
+        else:
+            q, k, v = layer.qkv(x, batch.positions, mm, rope_mm)  # q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim]
+            attn, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, batch.md, batch.write_idx, layer_idx)
         x = layer.finish(x, attn, mm, glu)
         return (x, k_pages, v_pages), None
 
