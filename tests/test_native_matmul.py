@@ -358,3 +358,53 @@ def test_embed_takes_the_table_rows_of_the_batchs_or_the_fed_tokens():
     np.testing.assert_array_equal(got, np.asarray(xla))
     with pytest.raises(ValueError, match=r"embed: table must be float32 \[vocab, d\]"):
         native.embed(jnp.zeros((4,)), jnp.asarray(tokens), jnp.asarray(feed), jnp.asarray(prev))
+
+
+# ---- the RMS norm before a matmul and the residual after ----
+
+
+def _rms_norm_xla(x, scale, eps=1e-5):
+    """The model's RMSNorm (cbjax.model.llama.RMSNorm) in XLA: its factor and its output."""
+    factor = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return factor, scale * (x * factor)
+
+
+# rows: one, a row tile and a remainder, over the threaded norm pass (rows * k >= 65536), and past `live`
+@pytest.mark.parametrize("rows, k", [(1, 64), (13, 128), (300, 256)])
+def test_norm_prologue_and_residual_epilogue_equal_xla_around_the_matmul(rows, k):
+    from cbjax.model.llama import rope_tables
+
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(_draw(rng, rows, k) * 3.0)
+    scale = jnp.asarray(1.0 + 0.1 * _draw(rng, k))
+    factor, normed = _rms_norm_xla(x, scale)
+    live = rows - rows // 3
+    w_rows = _draw(rng, 2, k, 192) / np.sqrt(k)
+    w = jnp.asarray(native.to_panels(w_rows))
+    residual = jnp.asarray(_draw(rng, rows, 192))
+    # the plain matmul: normed in the kernel, bit for bit the same as normed by XLA before it
+    want = np.asarray(native.layer_matmul(normed, w, 1, live=live))
+    got = np.asarray(native.layer_matmul(x, w, 1, live=live, norm=(factor, scale)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(want[:live], np.asarray(normed, np.float64)[:live] @ w_rows[1].astype(np.float64),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    np.testing.assert_array_equal(want[live:], 0.0)
+    # the residual: added as the tiles are stored, one f32 add as XLA's; the rows past live keep it
+    got = np.asarray(native.layer_matmul(x, w, 1, live=live, norm=(factor, scale), residual=residual))
+    np.testing.assert_array_equal(got, np.asarray(residual + jnp.asarray(want)))
+    # the SwiGLU and the RoPE kernels take the same norm
+    wg = jnp.asarray(native.to_panels(_draw(rng, 1, k, 2, 128) / np.sqrt(k)))
+    np.testing.assert_array_equal(np.asarray(native.layer_matmul_glu(x, wg, 0, live=live, norm=(factor, scale))),
+                                  np.asarray(native.layer_matmul_glu(normed, wg, 0, live=live)))  # fmt: skip
+    wr = jnp.asarray(native.to_panels(_draw(rng, 1, k, 2, 2, 32) / np.sqrt(k)))
+    cos, sin = rope_tables(jnp.arange(rows, dtype=jnp.int32), 32, 10000.0)
+    np.testing.assert_array_equal(np.asarray(native.layer_matmul_rope(x, wr, 0, cos, sin, live, norm=(factor, scale))),
+                                  np.asarray(native.layer_matmul_rope(normed, wr, 0, cos, sin, live)))  # fmt: skip
+
+
+def test_norm_and_residual_shapes_are_named():
+    x, w = jnp.zeros((3, 64), jnp.float32), jnp.zeros((1, 64, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"norm: factor \[2\] must hold one value a row \(3\)"):
+        native.layer_matmul(x, w, norm=(jnp.zeros((2,)), jnp.ones((64,))))
+    with pytest.raises(ValueError, match=r"residual \[3, 32\] is not the product's \[3, 64\]"):
+        native.layer_matmul(x, w, residual=jnp.zeros((3, 32)))

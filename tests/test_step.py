@@ -12,6 +12,7 @@ from flax import nnx
 
 from cbjax.config import ModelConfig
 from cbjax.model import Llama, forward_dense
+from cbjax.model.llama import RMSNorm
 from cbjax.plan import Schedule
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker
@@ -74,6 +75,11 @@ def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads, mat
         more = dict(ffn_dim=96)
     cfg = ModelConfig(num_heads=4, num_kv_heads=num_kv_heads, max_model_len=32, **more)
     model = Llama(cfg, seed=1)
+    # every norm its own scale (the init's are ones): a norm applied in the wrong place shows
+    norm_rng = np.random.default_rng(7)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, RMSNorm):
+            node.scale[...] = jnp.asarray(1.0 + 0.2 * norm_rng.standard_normal(node.scale[...].shape), jnp.float32)
     graphdef, weights = split_model(model.fused(), matmul)
     dense_def, dense_state = nnx.split(model)
     dense_fn = jax.jit(lambda state, tokens: forward_dense(nnx.merge(dense_def, state), tokens))

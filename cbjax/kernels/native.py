@@ -25,7 +25,12 @@ tile streams one contiguous block instead of four cache lines from each of k pag
 tiny workload served in 1.18-1.51 s against 1.57-1.84 s row-major (medians of 5 runs, two
 alternating rounds); its 4-token steps' matmuls took 0.61 against 1.05 ms. Its rows go in
 blocks that stay in the L2 cache, so it serves every step size: at 4096 rows it matches XLA's
-GEMM, with none of the bucket's padding and no row-major copy of the layer.
+GEMM, with none of the bucket's padding and no row-major copy of the layer. It also takes the
+RMS norm before it (`norm`: XLA's per-row factor, applied with the scale as XLA's multiply did,
+into a scratch copy of the rows) and the residual add after it (`residual`, added as the tiles
+are stored), as the SwiGLU and RoPE variants take the norm: a decoder layer runs no XLA op
+between its matmuls but the norm's factor, bit for bit the same (the recorded tiny run's steps
+replayed 0.89x as long, 13 of 16 alternating rounds faster).
 
 `embed` and `greedy` (`native_tokens.cc`) are the step's token kernels. `embed` copies each
 token's table row, picking the fed tokens from the previous step's output in the same pass
@@ -297,15 +302,23 @@ def to_panels(w, num_in: int = 1, lead: int = 1) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(m, -2, -3)).reshape(w.shape)
 
 
+# A norm applied to x before a matmul: (factor, scale), x's rows becoming scale * (x * factor) (an
+# RMS norm's: factor f32[..., 1] the rsqrt of each row's mean square plus eps, scale f32[k]).
+Norm = tuple[jax.Array, jax.Array]
+
+
 def layer_matmul(
-    x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, num_in: int = 1, live: jax.Array | int | None = None
-) -> jax.Array:
+    x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, num_in: int = 1, live: jax.Array | int | None = None,
+    norm: Optional[Norm] = None, residual: Optional[jax.Array] = None,
+) -> jax.Array:  # fmt: skip
     """x [..., *in] @ w[layer] -> f32[..., *out], w [layers, *in, *out] f32 in panel order
     (`to_panels`, `num_in` axes contracted), read in place; layer is clipped to [0, layers).
     As `jnp.tensordot(x, W[layer], num_in)` up to f32 rounding, W the row-major weights; each
     output sums over the contraction in order, so a row's result does not depend on the other
     rows. `live` (a traced count is fine): only the first `live` rows of x (flattened) are
-    multiplied, the others give zeros (a step's padding tokens); None: all."""
+    multiplied, the others give zeros (a step's padding tokens); None: all. `norm` (one-axis x):
+    x's rows normed first, as `scale * (x * factor)` in f32; `residual` [..., *out]: added to the
+    product as it is stored (`residual + x @ W`, one f32 add): no XLA op before or after."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.matmul=native: {error}")
@@ -317,9 +330,13 @@ def layer_matmul(
     lead = x.shape[: x.ndim - num_in]
     rows = int(np.prod(lead))
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+    if residual is not None and residual.shape != (*lead, *out_shape):
+        raise ValueError(f"layer_matmul: residual {list(residual.shape)} is not the product's {[*lead, *out_shape]}")
+    res = jnp.zeros((0,), jnp.float32) if residual is None else residual.astype(jnp.float32).reshape(rows, n)
     y = jax.ffi.ffi_call("cbjax_layer_matmul", out)(
-        x.reshape(rows, k), w.reshape(w.shape[0], n // p, k, p), jnp.asarray(layer, jnp.int32), _live(live, rows)
-    )
+        x.reshape(rows, k), w.reshape(w.shape[0], n // p, k, p), jnp.asarray(layer, jnp.int32), _live(live, rows),
+        *_norm_args(norm, rows, k, num_in), res,
+    )  # fmt: skip
     return y.reshape(*lead, *out_shape)
 
 
@@ -329,12 +346,15 @@ def glu_applies(w_shape: tuple[int, ...]) -> bool:
     return len(w_shape) == 4 and w_shape[2] == 2 and w_shape[3] % PANEL == 0
 
 
-def layer_matmul_glu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, live: jax.Array | int | None = None):
+def layer_matmul_glu(
+    x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, live: jax.Array | int | None = None,
+    norm: Optional[Norm] = None,
+):  # fmt: skip
     """silu(x @ W[layer][:, 0]) * (x @ W[layer][:, 1]) -> f32[..., ffn]: the SwiGLU of a fused
     gate/up kernel w [layers, k, 2, ffn] f32 in panel order (`to_panels`), read in place, the
     activation computed as the product's tiles leave the registers (no [..., 2, ffn] product in
-    memory, no XLA op after). As `jax.nn.silu(gate) * up` up to f32 rounding; `live` and the
-    order of sums as `layer_matmul`'s."""
+    memory, no XLA op after). As `jax.nn.silu(gate) * up` up to f32 rounding; `live`, `norm` and
+    the order of sums as `layer_matmul`'s."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.matmul=native: {error}")
@@ -346,7 +366,7 @@ def layer_matmul_glu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, liv
     out = jax.ShapeDtypeStruct((rows, ffn), jnp.float32)
     y = jax.ffi.ffi_call("cbjax_layer_matmul_glu", out)(
         x.reshape(rows, k), w.reshape(w.shape[0], 2 * ffn // PANEL, k, PANEL), jnp.asarray(layer, jnp.int32),
-        _live(live, rows),
+        _live(live, rows), *_norm_args(norm, rows, k),
     )
     return y.reshape(*x.shape[:-1], ffn)
 
@@ -365,14 +385,14 @@ def rope_applies(w_shape: tuple[int, ...], head_dim: int) -> bool:
 
 def layer_matmul_rope(
     x: jax.Array, w: jax.Array, layer: jax.Array | int, cos: jax.Array, sin: jax.Array,
-    live: jax.Array | int | None = None,
+    live: jax.Array | int | None = None, norm: Optional[Norm] = None,
 ) -> jax.Array:  # fmt: skip
     """x [..., k] @ w[layer] -> f32[..., kv_heads, group + 2, head_dim], the fused q/k/v product
     with the rotary embedding (`cbjax.model.llama.rope`) applied to each kv head's group of q
     heads and its k head as the tiles leave the registers; its v head as is. w [layers, k,
     kv_heads, group + 2, head_dim] f32 in panel order (`to_panels`); cos and sin f32[...,
     head_dim] (`cbjax.model.llama.rope_tables`). As `rope` after `layer_matmul` up to f32
-    rounding; `live` and the order of sums as `layer_matmul`'s."""
+    rounding; `live`, `norm` and the order of sums as `layer_matmul`'s."""
     error = ensure_registered()
     if error is not None:
         raise RuntimeError(f"executor.matmul=native: {error}")
@@ -388,9 +408,20 @@ def layer_matmul_rope(
     y = jax.ffi.ffi_call("cbjax_layer_matmul_rope", out)(
         x.reshape(rows, k), w.reshape(w.shape[0], n // p, k, p), jnp.asarray(layer, jnp.int32), _live(live, rows),
         cos.astype(jnp.float32).reshape(rows, head_dim), sin.astype(jnp.float32).reshape(rows, head_dim),
-        period=np.int64(w.shape[-2]),
+        *_norm_args(norm, rows, k), period=np.int64(w.shape[-2]),
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], *w.shape[2:])
+
+
+def _norm_args(norm: Optional[Norm], rows: int, k: int, num_in: int = 1) -> tuple[jax.Array, jax.Array]:
+    """The kernels' factor [rows] and scale [k] operands (both empty: no norm)."""
+    if norm is None:
+        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
+    factor, scale = norm
+    if num_in != 1 or factor.size != rows or scale.shape != (k,):
+        raise ValueError(f"native matmul norm: factor {list(factor.shape)} must hold one value a row ({rows}) and "
+                         f"scale {list(scale.shape)} be [k] = [{k}], over one contracted axis")  # fmt: skip
+    return factor.astype(jnp.float32).reshape(rows), scale.astype(jnp.float32)
 
 
 def _live(live, rows: int) -> jax.Array:

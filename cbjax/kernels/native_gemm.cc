@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "native_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -61,6 +62,7 @@ struct Args {
   float* y;
   int64_t rows, k, n;
   int64_t ld;  // floats from one k row of a panel to the next: the panel width (n for one panel)
+  const float* residual = nullptr;  // [rows, n] added to the product as it is stored, or none
 };
 
 // acc = x[r0 : r0 + R] @ w[:, c0 : c0 + V * kLanes] with R x V vector accumulators; the columns
@@ -87,13 +89,16 @@ inline void Accumulate(const Args& a, int64_t r0, int64_t c0, Vec (&acc)[R][V]) 
   }
 }
 
-// y[r0 : r0 + R, c0 : c0 + V * kLanes].
+// y[r0 : r0 + R, c0 : c0 + V * kLanes] (plus the residual's, if any: one f32 add, as XLA's).
 template <int R, int V>
 inline void Tile(const Args& a, int64_t r0, int64_t c0) {
   Vec acc[R][V];
   Accumulate<R, V>(a, r0, c0, acc);
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < V; ++j) Store(a.y + (r0 + i) * a.n + c0 + j * kLanes, acc[i][j]);
+    for (int j = 0; j < V; ++j) {
+      const int64_t at = (r0 + i) * a.n + c0 + j * kLanes;
+      Store(a.y + at, a.residual == nullptr ? acc[i][j] : Load(a.residual + at) + acc[i][j]);
+    }
 }
 
 // silu(g) * u lane by lane, silu(g) = g * sigmoid(g) as jax.nn.silu, the sigmoid from e = exp(-|g|)
@@ -189,7 +194,7 @@ void Ragged(const Args& a, int64_t c0, int64_t r0, int64_t r1) {
     for (int64_t c = c0; c < a.n; ++c) {
       float acc = 0.0f;
       for (int64_t kk = 0; kk < a.k; ++kk) acc += a.x[r * a.k + kk] * a.w[kk * a.ld + c];
-      a.y[r * a.n + c] = acc;
+      a.y[r * a.n + c] = a.residual == nullptr ? acc : a.residual[r * a.n + c] + acc;
     }
 }
 
@@ -239,19 +244,54 @@ void RunBlocks(ffi::ThreadPool& pool, const Args& a, int64_t tiles, const ChunkF
   });
 }
 
+// ---- the RMS norm before a matmul: its rows are scale * (x * factor) ----
+// The norm's per-row factor (rsqrt of the mean square plus eps) comes from XLA; the kernel applies
+// it and the scale as XLA's multiply did, one f32 product then the other, into a scratch copy of
+// x's live rows, so the product is the same bit for bit and no XLA op runs between the calls.
+
+// Whether the norm operands are given (factor [rows] and scale [k]), absent (both empty), or wrong.
+enum class NormArgs { kNone, kGiven, kBad };
+
+NormArgs CheckNorm(const ffi::Buffer<ffi::F32>& factor, const ffi::Buffer<ffi::F32>& scale, int64_t rows, int64_t k) {
+  if (factor.element_count() == 0 && scale.element_count() == 0) return NormArgs::kNone;
+  return factor.element_count() == rows && scale.element_count() == k ? NormArgs::kGiven : NormArgs::kBad;
+}
+
+// x's first `rows` rows [rows, k] normed into this thread's scratch (kept between calls).
+const float* NormedRows(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t k, const float* factor,
+                        const float* scale) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < rows * k) scratch.resize(rows * k);
+  float* out = scratch.data();
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), rows * k / 65536);
+  const int64_t chunks = threads > 1 ? threads * 2 : 1;
+  cbjax_native::RunChunks(pool, threads, chunks, [=](int64_t c) {
+    for (int64_t r = rows * c / chunks; r < rows * (c + 1) / chunks; ++r) {
+      const float f = factor[r];
+      for (int64_t kk = 0; kk < k; ++kk) out[r * k + kk] = scale[kk] * (x[r * k + kk] * f);
+    }
+  });
+  return out;
+}
+
 // The product x @ w[layer] (layer clipped to w's) over x's live rows: Args for a [k, n] matrix
-// of w [layers, panels, k, P], y's rows `y_cols` wide, its rows past the live ones zeroed.
-Args LayerArgs(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::S32>& layer,
-               const ffi::Buffer<ffi::S32>& live, int64_t y_cols, float* y) {
+// of w [layers, panels, k, P], y's rows `y_cols` wide, its rows past the live ones zeroed. With
+// `norm`, x's live rows are normed first (factor [rows], scale [k]).
+Args LayerArgs(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w,
+               const ffi::Buffer<ffi::S32>& layer, const ffi::Buffer<ffi::S32>& live, int64_t y_cols, float* y,
+               NormArgs norm = NormArgs::kNone, const float* factor = nullptr, const float* scale = nullptr) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
   const int64_t rows = LiveRows(live, xd[0], y_cols, y);
-  return Args{x.typed_data(), w.typed_data() + index * wd[1] * wd[2] * wd[3], y, rows, xd[1], wd[1] * wd[3], wd[3]};
+  const float* rows_x = norm == NormArgs::kGiven ? NormedRows(pool, x.typed_data(), rows, xd[1], factor, scale)
+                                                 : x.typed_data();
+  return Args{rows_x, w.typed_data() + index * wd[1] * wd[2] * wd[3], y, rows, xd[1], wd[1] * wd[3], wd[3]};
 }
 
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> factor,
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 4 || xd[1] != wd[2]) {
@@ -261,7 +301,18 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (wd[1] > 1 && wd[3] % kWide != 0) {
     return ffi::Error::InvalidArgument("cbjax_layer_matmul: a panel width must be a multiple of the column tile");
   }
-  const Args a = LayerArgs(x, w, layer, live, wd[1] * wd[3], y->typed_data());
+  const NormArgs norm = CheckNorm(factor, scale, xd[0], xd[1]);
+  const int64_t n = wd[1] * wd[3];
+  if (norm == NormArgs::kBad || (residual.element_count() != 0 && residual.element_count() != xd[0] * n)) {
+    return ffi::Error::InvalidArgument(
+        "cbjax_layer_matmul: the norm's factor must be [rows] and scale [k] (or both empty), residual [rows, n] or empty");
+  }
+  Args a = LayerArgs(pool, x, w, layer, live, n, y->typed_data(), norm, factor.typed_data(), scale.typed_data());
+  if (residual.element_count() != 0) {
+    a.residual = residual.typed_data();
+    // the rows past the live ones: the residual plus the product's zeros
+    std::copy(a.residual + a.rows * n, a.residual + xd[0] * n, a.y + a.rows * n);
+  }
   RunBlocks(pool, a, a.n / kWide, [a](int64_t c, int64_t chunks, int64_t r0, int64_t r1) { Chunk(a, c, chunks, r0, r1); });
   return ffi::Error::Success();
 }
@@ -269,8 +320,8 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 // ---- the gate/up matmul with its SwiGLU: silu(x @ gate) * (x @ up) ----
 
 ffi::Error LayerMatmulGluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live,
-                              ffi::ResultBuffer<ffi::F32> y) {
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> factor,
+                              ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   // The gate's columns and the up's must lie in panels of their own, in whole wide tiles.
@@ -279,7 +330,12 @@ ffi::Error LayerMatmulGluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
         "cbjax_layer_matmul_glu: x must be [rows, k] and w [layers, panels, k, P], the gate's panels then "
         "the up's, each half a multiple of the column tile wide");
   }
-  const Args a = LayerArgs(x, w, layer, live, wd[1] * wd[3] / 2, y->typed_data());
+  const NormArgs norm = CheckNorm(factor, scale, xd[0], xd[1]);
+  if (norm == NormArgs::kBad) {
+    return ffi::Error::InvalidArgument("cbjax_layer_matmul_glu: the norm's factor must be [rows] and scale [k], or both empty");
+  }
+  const Args a = LayerArgs(pool, x, w, layer, live, wd[1] * wd[3] / 2, y->typed_data(), norm, factor.typed_data(),
+                           scale.typed_data());
   const int64_t tiles = a.n / 2 / kWide;
   RunBlocks(pool, a, tiles, [a, tiles](int64_t c, int64_t chunks, int64_t r0, int64_t r1) {
     Columns<4, true>(a, tiles * c / chunks * kWide, tiles * (c + 1) / chunks * kWide, r0, r1);
@@ -291,7 +347,8 @@ ffi::Error LayerMatmulGluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 
 ffi::Error LayerMatmulRopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> cos,
-                               ffi::Buffer<ffi::F32> sin, int64_t period, ffi::ResultBuffer<ffi::F32> y) {
+                               ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> factor, ffi::Buffer<ffi::F32> scale,
+                               int64_t period, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto cd = cos.dimensions();
@@ -305,7 +362,12 @@ ffi::Error LayerMatmulRopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
         "cbjax_layer_matmul_rope: x must be [rows, k], w [layers, panels, k, P] in whole column tiles, cos and sin "
         "[rows, head_dim] with head_dim even and dividing the column tile, period >= 1");
   }
-  const Args a = LayerArgs(x, w, layer, live, wd[1] * wd[3], y->typed_data());
+  const NormArgs norm = CheckNorm(factor, scale, xd[0], xd[1]);
+  if (norm == NormArgs::kBad) {
+    return ffi::Error::InvalidArgument("cbjax_layer_matmul_rope: the norm's factor must be [rows] and scale [k], or both empty");
+  }
+  const Args a = LayerArgs(pool, x, w, layer, live, wd[1] * wd[3], y->typed_data(), norm, factor.typed_data(),
+                           scale.typed_data());
   const Rope ro{cos.typed_data(), sin.typed_data(), D, period};
   const int64_t tiles = a.n / kWide;
   RunBlocks(pool, a, tiles, [a, ro, tiles](int64_t c, int64_t chunks, int64_t r0, int64_t r1) {
@@ -430,6 +492,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmul, LayerMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [layers, panels, k, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm factor [rows] or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm scale [k] or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual [rows, n] or empty
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmulRope, LayerMatmulRopeImpl,
@@ -441,6 +506,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmulRope, LayerMatmulRopeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cos [rows, head_dim]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sin [rows, head_dim]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm factor [rows] or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm scale [k] or empty
                                   .Attr<int64_t>("period")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [rows, n]
 
@@ -451,4 +518,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CbjaxLayerMatmulGlu, LayerMatmulGluImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [layers, panels, k, P]: gate, then up
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm factor [rows] or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm scale [k] or empty
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [rows, n / 2]

@@ -62,10 +62,17 @@ Axes = tuple[Optional[str], ...]
 # matmul(x, kernel, num_in) -> x's last num_in axes contracted with the kernel's first, in
 # place of jnp.tensordot: the serving step passes one that reads the kernel as a layer of
 # the stacked weights (see cbjax.runtime.step); None everywhere else.
-Matmul = Callable[[jax.Array, jax.Array, int], jax.Array]
-Glu = Callable[[jax.Array, jax.Array], jax.Array]  # (h, fused gate/up kernel) -> silu(gate) * up
+Matmul = Callable[..., jax.Array]
+# (h, fused gate/up kernel) -> silu(gate) * up
+Glu = Callable[..., jax.Array]
 # (h, fused q/k/v kernel, cos, sin) -> the q/k/v product with RoPE applied to its q and k heads
-RopeMatmul = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+RopeMatmul = Callable[..., jax.Array]
+# The serving step's native calls also take keywords that fuse the ops around them (`norm`
+# there means `RMSNorm.parts`; then x, not h, is the input):
+#   matmul(x, kernel, num_in, residual=r) -> r + the product;
+#   matmul(x, kernel, 1, norm=(factor, scale)), glu(x, kernel, norm=...), rope_matmul(x, kernel,
+#   cos, sin, norm=...) -> the product of the normed x.
+# DecoderLayer.finish and Llama.logits use them when the layer's calls are unbiased.
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -120,9 +127,17 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        y = x.astype(jnp.float32) * self.factor(x)
         return self.scale[...] * y.astype(x.dtype)
+
+    def factor(self, x: jax.Array) -> jax.Array:
+        """f32[..., 1]: each row's rsqrt of its mean square plus eps (the norm is scale * (x * it))."""
+        x32 = x.astype(jnp.float32)
+        return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+
+    def parts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(factor, scale): what a matmul that norms its input itself takes (float32 models)."""
+        return self.factor(x), self.scale[...]
 
 
 class Dense(nnx.Module):
@@ -211,7 +226,7 @@ class DecoderLayer(nnx.Module):
         if rope_matmul is None or self.qkv_proj is None or self.qkv_proj.bias is not None:
             return None
         cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
-        return rope_matmul(self.input_layernorm(x), self.qkv_proj.kernel[...], cos, sin)
+        return rope_matmul(x, self.qkv_proj.kernel[...], cos, sin, norm=self.input_layernorm.parts(x))
 
     def split_qkv(self, product: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [..., num_heads, head_dim], k and v [..., num_kv_heads, head_dim] of a fused q/k/v
@@ -226,9 +241,15 @@ class DecoderLayer(nnx.Module):
         """Residual o_proj of attn [..., num_heads, head_dim], then the residual SwiGLU block.
         `glu(h, kernel)`: silu(gate) * up in one call from the fused gate/up kernel [d_model, 2,
         ffn_dim] (unbiased), where the caller has one (the native matmul)."""
+        fused_glu = glu is not None and self.gate_up_proj is not None and self.gate_up_proj.bias is None
+        if fused_glu and self.o_proj.bias is None and self.down_proj.bias is None:
+            # the residual adds in the matmuls' epilogues, the norm in the SwiGLU call's prologue
+            x = matmul(attn.astype(x.dtype), self.o_proj.kernel[...], self.o_proj.num_in, residual=x)
+            h = glu(x, self.gate_up_proj.kernel[...], norm=self.post_attention_layernorm.parts(x))
+            return matmul(h, self.down_proj.kernel[...], 1, residual=x)
         x = x + self.o_proj(attn.astype(x.dtype), matmul)
         h = self.post_attention_layernorm(x)
-        if glu is not None and self.gate_up_proj is not None and self.gate_up_proj.bias is None:
+        if fused_glu:
             return x + self.down_proj(glu(h, self.gate_up_proj.kernel[...]), matmul)
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(h, matmul)  # [..., 2, ffn_dim]
@@ -299,9 +320,9 @@ class Llama(nnx.Module):
         """Final norm and LM head: x [..., d_model] -> f32[..., vocab_size]. `matmul` runs an
         untied LM head; `matmul_t(h, w)` a tied one, contracting the last axes of h and the
         embedding table w [vocab_size, d_model] (no transposed copy)."""
+        if self.lm_head is not None and matmul is not None:  # the final norm in the matmul's prologue
+            return matmul(x, self.lm_head[...], 1, norm=self.norm.parts(x)).astype(jnp.float32)
         h = self.norm(x)
-        if self.lm_head is not None and matmul is not None:
-            return matmul(h, self.lm_head[...], 1).astype(jnp.float32)
         if self.lm_head is None and matmul_t is not None:
             return matmul_t(h, self.embed_tokens[...]).astype(jnp.float32)
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]

@@ -132,7 +132,7 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         num_tokens = batch.md.query_start[-1]
         num_rows_used = jnp.sum(batch.md.kv_lens > 0)
 
-        head_mm = lambda x, w, num_in: native.layer_matmul(x, w[None], 0, num_in, live=num_rows_used)  # noqa: E731
+        head_mm = lambda x, w, num_in, **kw: native.layer_matmul(x, w[None], 0, num_in, live=num_rows_used, **kw)  # noqa: E731
         head_t = lambda h, w: native.matmul_nt(h, w, live=num_rows_used)  # noqa: E731
         # the kernels [num_layers, ...] are read whole by every layer; the rest is sliced
         stacked, layer_states = nnx.split_state(layer_states, nnx.PathContains("kernel"), ...)
@@ -158,13 +158,14 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         layer = nnx.merge(layer_def, layer_state, *extra)
         mm = glu = rope_mm = None
         if extra:
-            mm = lambda x, w, num_in: native.layer_matmul(x, w, layer_idx, num_in, live=num_tokens)  # noqa: E731
+            # each takes the norm before it or the residual after it (`cbjax.model.llama.Matmul`)
+            mm = lambda x, w, num_in, **kw: native.layer_matmul(x, w, layer_idx, num_in, live=num_tokens, **kw)  # noqa: E731
             gate_up = layer.gate_up_proj  # its kernel stacked: [num_layers, d_model, 2, ffn_dim]
             if gate_up is not None and native.glu_applies(gate_up.kernel.shape):  # SwiGLU in the epilogue
-                glu = lambda h, w: native.layer_matmul_glu(h, w, layer_idx, live=num_tokens)  # noqa: E731
+                glu = lambda h, w, **kw: native.layer_matmul_glu(h, w, layer_idx, live=num_tokens, **kw)  # noqa: E731
             qkv_proj = layer.qkv_proj  # [num_layers, d_model, num_kv_heads, group + 2, head_dim]
             if qkv_proj is not None and native.rope_applies(qkv_proj.kernel.shape, layer.head_dim):  # RoPE in the epilogue
-                rope_mm = lambda h, w, c, s: native.layer_matmul_rope(h, w, layer_idx, c, s, live=num_tokens)  # noqa: E731
+                rope_mm = lambda h, w, c, s, **kw: native.layer_matmul_rope(h, w, layer_idx, c, s, live=num_tokens, **kw)  # noqa: E731
         # The native attention reads the fused q/k/v product in place, and the layer's K/V go into
         # the cache from it in one call: no copies of the q, k and v slices, no XLA scatters.
         product = layer.rope_qkv(x, batch.positions, rope_mm) if attention == "native" and mesh is None else None
