@@ -111,7 +111,11 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     tokens (not its bucket's padding) by layer `i` of the stacked matrix in place, at every
     step size (XLA would copy each layer's weights out of the stack first); the fused gate/up
     matmul applies SwiGLU to its tiles as they leave the registers; the LM head runs on it too,
-    a tied one reading the embedding table in place. "xla": jnp.tensordot on the scan's slices.
+    a tied one reading the embedding table in place. The matmuls also take the RMS norm before
+    them and the residual add after them, the layer's K/V go into the cache from the fused q/k/v
+    product (`native.write_kv`, with native attention, which reads its queries there), and the
+    embedding lookup and greedy tokens are native calls: no XLA op between a layer's calls but
+    the norm's per-row factor. "xla": jnp.tensordot on the scan's slices.
     """
     check_batch(batch)
     outer_def, layer_def, split_for = graphdef
@@ -168,7 +172,8 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
                 rope_mm = lambda h, w, c, s, **kw: native.layer_matmul_rope(h, w, layer_idx, c, s, live=num_tokens, **kw)  # noqa: E731
         # The native attention reads the fused q/k/v product in place, and the layer's K/V go into
         # the cache from it in one call: no copies of the q, k and v slices, no XLA scatters.
-        product = layer.rope_qkv(x, batch.positions, rope_mm) if attention == "native" and mesh is None else None
+        in_place = attention == "native" and mesh is None and k_pages.dtype == jnp.float32
+        product = layer.rope_qkv(x, batch.positions, rope_mm) if in_place else None
         if product is not None:
             q, _, _ = layer.split_qkv(product)  # for its shape: the kernels read the product
             k_pages, v_pages = native.write_kv(product, batch.write_idx, layer_idx, k_pages, v_pages)
