@@ -1,7 +1,24 @@
-"""The serving loop: arrivals in, `schedule` → `execute` → `postprocess` each iteration, until done."""
+"""The serving loop as a class: arrivals in, `schedule` -> `execute` -> `postprocess` each iteration.
+
+`EngineLoop` owns one scheduler and one executor and runs one iteration per `step`. Offline
+runs (`serve`) feed it a list of requests at their arrival times; the online server
+(`cbjax.serve`) drives `run` on its own thread and feeds it with `submit` and `cancel`, both
+thread-safe. Three clocks:
+
+- virtual (a simulated executor, `pace="none"`): time advances by each step's predicted
+  duration and jumps over idle gaps;
+- realtime-paced (a simulated executor, `pace="realtime"`): the virtual clock follows the wall
+  clock; each step's tokens are released at the step's simulated end, the loop sleeping until
+  then, so an endpoint answers with the cost model's latencies;
+- wall (the real engine): time is read from the wall clock.
+
+With a pipelined executor (`executor.pipelined`) a step launches before the previous one's
+tokens are read: `Scheduler.advance` at launch, `Scheduler.commit` when the tokens come.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -9,9 +26,15 @@ from typing import Callable, Optional
 
 from cbjax.executor import Executor
 from cbjax.outputs import StopFlag
-from cbjax.request import Request
 from cbjax.plan import Schedule
+from cbjax.request import Request
 from cbjax.scheduler.core import Scheduler
+
+PACES = ("none", "realtime")
+# A paced loop within this much of its virtual clock counts as keeping up: steps chain on the
+# virtual clock (start = the previous step's end) rather than on the wall clock, so sleep
+# overshoot does not accumulate. Beyond it, time slips to the wall clock: an honest delay.
+PACE_SLACK_S = 0.005
 
 
 @dataclass
@@ -50,50 +73,181 @@ class RunResult:
     interrupted: bool = False  # stopped early by `stop`: unfinished requests were aborted
 
 
-def serve(
-    requests: list[Request],
-    scheduler: Scheduler,
-    executor: Executor,
-    *,
-    progress: bool = False,
-    max_iterations: Optional[int] = None,
-    on_step: Optional[Callable[[Schedule, float, int], None]] = None,
-    stop: Optional[StopFlag] = None,
-    on_finish: Optional[Callable[[Request], None]] = None,
-    tick: Optional[Callable[[], None]] = None,
-) -> RunResult:
-    """Serve `requests` (any order) to completion; every request ends with a finish reason.
+class EngineLoop:
+    """One scheduler and one executor; one iteration per `step`.
 
-    `on_step(plan, end_s, num_batched_tokens)` runs after each iteration's postprocess.
-    `stop` is checked at each iteration boundary (and while idle): once set, the loop ends
-    and everything unfinished is aborted. `on_finish` sees each request once, as it ends
-    (rejections included); `tick` is called every loop turn (e.g. to flush a log).
+    Callbacks run on the loop's thread:
+    - `on_step(plan, end_s, num_batched_tokens, requests)`: after each iteration's postprocess,
+      with the plan's requests in plan order;
+    - `on_token(request, token_id, now)`: each token as it is committed (`token_id` None when
+      the executor simulates tokens);
+    - `on_finish(request)`: each request once, as it ends (rejections and aborts included);
+    - `tick()`: every loop turn (e.g. to flush a log).
+    """
 
-    With a pipelined executor (`executor.async_scheduling`) the loop launches step t+1 before
-    it reads step t's tokens: `Scheduler.advance` at launch, `Scheduler.commit` when the
-    tokens come, and the host's scheduling and packing run while the device computes."""
-    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-    stats = IterationStats()
-    bar = _progress_bar(len(requests)) if progress else None
-    alloc = scheduler.allocator
-    pool_slots = alloc.num_usable_pages * alloc.page_size
-    finish_iteration = stats.finish_iteration
-    virtual = executor.virtual_clock
-    # Pipelined (executor.async_scheduling): step t+1 is scheduled, packed and launched before
-    # step t's tokens are read; `inflight` is step t: (plan, launched step, its iteration).
-    pipelined = bool(getattr(executor, "pipelined", False)) and not virtual
-    inflight = None
-    wall0 = time.perf_counter()
-    t0 = wall0
-    now = 0.0
-    last_end = 0.0
-    num_done_reported = 0
-    num_seen = 0  # scheduler.finished[:num_seen] went to on_finish
-    interrupted = False
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        *,
+        pace: str = "none",
+        on_step: Optional[Callable[[Schedule, float, int, list[Request]], None]] = None,
+        on_token: Optional[Callable[[Request, Optional[int], float], None]] = None,
+        on_finish: Optional[Callable[[Request], None]] = None,
+        tick: Optional[Callable[[], None]] = None,
+        progress: bool = False,
+        total: Optional[int] = None,
+    ):
+        if pace not in PACES:
+            raise ValueError(f"executor.pace: unknown value {pace!r}; choose one of {', '.join(PACES)}")
+        self.scheduler = scheduler
+        self.executor = executor
+        self.virtual = executor.virtual_clock and pace == "none"
+        self.paced = executor.virtual_clock and pace == "realtime"
+        self.pipelined = executor.pipelined and not executor.virtual_clock
+        self.on_step, self.on_token, self.on_finish, self.tick = on_step, on_token, on_finish, tick
+        self.stats = IterationStats()
+        self.requests: list[Request] = []  # every request that entered, in order of entry
+        self._bar = _progress_bar(total) if progress else None
+        self._num_done_reported = 0
+        self._num_seen = 0  # scheduler.finished[:_num_seen] went to on_finish
+        alloc = scheduler.allocator
+        self._pool_slots = alloc.num_usable_pages * alloc.page_size
+        self._inflight = None  # pipelined: (plan, launched step, batched tokens, iteration, requests)
+        self._emitted: dict[Request, int] = {}  # on_token: tokens reported so far per request
+        self._inbox: deque[Request] = deque()  # submit -> next boundary (deque ops are atomic)
+        self._cancels: deque[tuple[str, str]] = deque()
+        self._wake = threading.Event()
+        self._admission_open = True
+        self._wall0 = time.perf_counter()
+        self._t0 = self._wall0
+        self._now = 0.0  # virtual and paced clocks: the current time
+        self.last_end = 0.0  # end of the latest iteration
 
-    def record(plan: Schedule) -> int:
+    # ---- the clock ----
+    def now(self) -> float:
+        """Seconds since the loop started, on its clock."""
+        if self.virtual:
+            return self._now
+        wall = time.perf_counter() - self._t0
+        if self.paced and wall - self._now < PACE_SLACK_S:
+            return self._now  # keeping up: the next step starts where the last one ended
+        return wall
+
+    def restart_clock(self) -> None:
+        """Start the clock at 0 now (after warmup, before the first arrival)."""
+        self._wall0 = self._t0 = time.perf_counter()
+        self._now = 0.0
+
+    # ---- intake (thread-safe) ----
+    def submit(self, req: Request) -> None:
+        """A request arriving now; it enters the scheduler at the next iteration boundary."""
+        req.arrival_s = self.now()
+        self._inbox.append(req)
+        self._wake.set()
+
+    def cancel(self, request_id: str, reason: str = "client disconnected") -> None:
+        """Abort a request at the next boundary: its slot and pages are free before the next plan."""
+        self._cancels.append((request_id, reason))
+        self._wake.set()
+
+    def close_admission(self) -> None:
+        """Later submissions are rejected (a draining server)."""
+        self._admission_open = False
+        self._wake.set()
+
+    def add(self, req: Request, now: Optional[float] = None) -> None:
+        """Hand an arrived request to the scheduler (on the loop's thread)."""
+        now = self.now() if now is None else now
+        self.requests.append(req)
+        if not self._admission_open:
+            self.scheduler.reject(req, "server is shutting down", now)
+            return
+        self.scheduler.add(req, now)
+
+    def boundary(self) -> None:
+        """Between iterations: report finished requests, take submissions and cancellations."""
+        sched = self.scheduler
+        while self._inbox:
+            self.add(self._inbox.popleft())
+        while self._cancels:
+            request_id, reason = self._cancels.popleft()
+            if self._inflight is not None:
+                self._land()  # the step in flight holds the request's slot
+            sched.abort(request_id, self.now(), reason)
+        self._report_finished()
+        if self.tick is not None:
+            self.tick()
+
+    def _report_finished(self) -> None:
+        sched = self.scheduler
+        if len(sched.finished) > self._num_seen:
+            for req in sched.finished[self._num_seen :]:
+                self._emitted.pop(req, None)
+                if self.on_finish is not None:
+                    self.on_finish(req)
+            self._num_seen = len(sched.finished)
+
+    # ---- iterations ----
+    def has_work(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_work()
+
+    def step(self) -> bool:
+        """Run one iteration (or land the step in flight); False when there is nothing to do."""
+        sched = self.scheduler
+        if self._inflight is not None and (not sched.has_work() or sched.needs_sync()):
+            self._land()  # nothing to overlap with, or the next plan may preempt: tokens first
+            return True
+        if not sched.has_work():
+            return False
+        start = self.now()
+        t_sched = time.perf_counter()
+        plan = sched.schedule(start)
+        t_exec = time.perf_counter()
+        self.stats.schedule_s += t_exec - t_sched
+        if plan.num_scheduled == 0:
+            if self._inflight is not None:
+                self._land()  # the step in flight may end requests whose pages or slots the plan needs
+                return True
+            raise RuntimeError(
+                f"scheduler made no progress at t={start:.3f}s with {len(sched.policy)} waiting and "
+                f"{len(sched.running)} running; this is a bug"
+            )
+        requests = sched.requests_of(plan)
+        batched = self._record(plan)
+        if self.pipelined:
+            launched = self.executor.launch(plan)
+            if self._inflight is not None:
+                self._land()
+            t_post = time.perf_counter()
+            sched.advance(plan, time.perf_counter() - self._t0)
+            self.stats.postprocess_s += time.perf_counter() - t_post
+            self._inflight = (plan, launched, batched, self.stats.iterations, requests)
+            return True
+        out = self.executor.execute(plan)
+        if self.virtual:
+            self._now += out.duration_s
+            end = self._now
+        elif self.paced:
+            end = start + out.duration_s
+            delay = end - (time.perf_counter() - self._t0)
+            if delay > 0:
+                time.sleep(delay)
+            self._now = end
+        else:
+            end = time.perf_counter() - self._t0
+        self.last_end = end
+        self.stats.busy_s += out.duration_s
+        t_post = time.perf_counter()
+        done = sched.postprocess(plan, out.token_ids, end, out.errors)
+        self.stats.postprocess_s += time.perf_counter() - t_post
+        self._finished(plan, batched, done, self.stats.iterations, end, requests)
+        return True
+
+    def _record(self, plan: Schedule) -> int:
         """The iteration's counters, as the plan leaves the scheduler; returns its batched tokens."""
-        batched = plan.num_batched_tokens  # before postprocess clears the requests' num_new_tokens
+        stats, alloc = self.stats, self.scheduler.allocator
+        batched = plan.num_batched_tokens
         stats.iterations += 1
         stats.occupied_slot_iterations += plan.num_scheduled
         stats.batched_tokens += batched
@@ -103,125 +257,156 @@ def serve(
             stats.pages_used_peak = used
         stats.kv_util_sum += alloc.token_utilization()
         sums = stats.kv_share_sums
-        for i, slots in enumerate(scheduler.kv_breakdown()):
-            sums[i] += slots / pool_slots
+        for i, slots in enumerate(self.scheduler.kv_breakdown()):
+            sums[i] += slots / self._pool_slots
         if plan.num_scheduled > stats.batch_peak:
             stats.batch_peak = plan.num_scheduled
         return batched
 
-    def finished(plan: Schedule, batched: int, done: list[Request], iteration: int, end: float) -> None:
-        nonlocal num_done_reported
+    def _finished(self, plan, batched, done, iteration, end, requests) -> None:
         for req in done:
-            finish_iteration[req.request_id] = iteration
-        if on_step is not None:
-            on_step(plan, end, batched)
-        if bar is not None and len(scheduler.finished) != num_done_reported:
-            bar.update(len(scheduler.finished) - num_done_reported)
-            num_done_reported = len(scheduler.finished)
+            self.stats.finish_iteration[req.request_id] = iteration
+        if self.on_token is not None:
+            self._emit_tokens(requests, end)
+        if self.on_step is not None:
+            self.on_step(plan, end, batched, requests)
+        bar = self._bar
+        finished = len(self.scheduler.finished)
+        if bar is not None and finished != self._num_done_reported:
+            bar.update(finished - self._num_done_reported)
+            self._num_done_reported = finished
 
-    def land() -> None:
+    def _emit_tokens(self, requests: list[Request], now: float) -> None:
+        real = not self.executor.virtual_clock
+        emitted = self._emitted
+        for req in requests:
+            have = len(req.output_token_ids) if real else req.num_generated
+            sent = emitted.get(req, 0)
+            if have > sent:
+                for k in range(sent, have):
+                    self.on_token(req, req.output_token_ids[k] if real else None, now)
+                emitted[req] = have
+
+    def _land(self) -> None:
         """Pipelined: read the step in flight's tokens and commit them."""
-        nonlocal inflight, now, last_end
-        plan, launched, batched, iteration = inflight
-        inflight = None
-        out = executor.collect(launched)
-        now = time.perf_counter() - t0
+        plan, launched, batched, iteration, requests = self._inflight
+        self._inflight = None
+        out = self.executor.collect(launched)
+        now = time.perf_counter() - self._t0
         # the step's share of the wall clock: from its launch, or from the last step's end
-        stats.busy_s += now - max(launched.start - t0, last_end)
-        last_end = now
+        self.stats.busy_s += now - max(launched.start - self._t0, self.last_end)
+        self.last_end = now
         t_post = time.perf_counter()
-        done = scheduler.commit(plan, out.token_ids, now, out.errors)
-        stats.postprocess_s += time.perf_counter() - t_post
-        finished(plan, batched, done, iteration, now)
+        done = self.scheduler.commit(plan, out.token_ids, now, out.errors)
+        self.stats.postprocess_s += time.perf_counter() - t_post
+        self._finished(plan, batched, done, iteration, now, requests)
 
+    # ---- driving ----
+    def run(self, stop: threading.Event) -> None:
+        """Serve submissions until `stop` is set; blocks while idle, wakes on `submit`."""
+        while not stop.is_set():
+            self.boundary()
+            if self.step():
+                continue
+            self._wake.wait(0.05)
+            self._wake.clear()
+        if self._inflight is not None:
+            self._land()
+        self.boundary()
+
+    def abort_all(self, pending: Optional[list[Request]] = None) -> None:
+        """End everything unfinished (aborted); `pending` requests that had not arrived end as
+        `not_arrived`, with no finish time."""
+        if self._inflight is not None:
+            self._land()
+        while self._inbox:
+            self.add(self._inbox.popleft())
+        now = self.now()
+        if self.scheduler.has_work():
+            self.scheduler.abort_all(now)
+        for req in pending or ():
+            self.requests.append(req)
+            self.scheduler.not_arrived(req)
+        self._report_finished()
+
+    def result(self, interrupted: bool = False) -> RunResult:
+        """The run so far, for summary.json and requests.jsonl."""
+        if self._bar is not None:
+            self._bar.update(len(self.scheduler.finished) - self._num_done_reported)
+            self._num_done_reported = len(self.scheduler.finished)
+        sched = self.scheduler
+        return RunResult(
+            requests=list(self.requests),
+            stats=self.stats,
+            num_slots=sched.max_num_seqs,
+            makespan_s=self.last_end,
+            preemptions=sched.num_preemptions,
+            wall_s=time.perf_counter() - self._wall0,
+            extra=sched.cache_stats(),
+            tbt_s=sched.tbt_s,
+            interrupted=interrupted,
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def serve(
+    requests: list[Request],
+    scheduler: Scheduler,
+    executor: Executor,
+    *,
+    progress: bool = False,
+    max_iterations: Optional[int] = None,
+    on_step: Optional[Callable[[Schedule, float, int, list[Request]], None]] = None,
+    stop: Optional[StopFlag] = None,
+    on_finish: Optional[Callable[[Request], None]] = None,
+    tick: Optional[Callable[[], None]] = None,
+    pace: str = "none",
+) -> RunResult:
+    """Serve `requests` (any order) offline, each at its `arrival_s`; every request ends with a
+    fate. `stop` is checked at each iteration boundary (and while idle): once set, the loop
+    ends, what had arrived and is unfinished is aborted, and what had not arrived ends as
+    `not_arrived`. `max_iterations` caps the run the same way."""
+    loop = EngineLoop(
+        scheduler, executor, pace=pace, on_step=on_step, on_finish=on_finish, tick=tick,
+        progress=progress, total=len(requests),
+    )  # fmt: skip
+    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+    interrupted = False
+    loop.restart_clock()
     while True:
-        if on_finish is not None and len(scheduler.finished) > num_seen:
-            for req in scheduler.finished[num_seen:]:
-                on_finish(req)
-            num_seen = len(scheduler.finished)
-        if tick is not None:
-            tick()
+        loop.boundary()
+        now = loop.now()
+        while pending and pending[0].arrival_s <= now:
+            loop.add(pending.popleft(), now)
         if stop is not None and stop.is_set():
             interrupted = True
             break
-        if not virtual:
-            now = time.perf_counter() - t0
-        while pending and pending[0].arrival_s <= now:
-            scheduler.add(pending.popleft(), now)
-        if inflight is not None and (not scheduler.has_work() or scheduler.needs_sync()):
-            land()  # nothing to overlap with, or the next plan may preempt: tokens first
-            continue
-        if not scheduler.has_work():
+        if not loop.has_work():
             if not pending:
                 break
             # Idle: jump (or wait) to the next arrival.
-            if virtual:
-                now = pending[0].arrival_s
+            if loop.virtual:
+                loop._now = pending[0].arrival_s
             else:
                 # short naps, so a stop request or a due flush is not kept waiting
-                time.sleep(min(0.1, max(0.0, pending[0].arrival_s - (time.perf_counter() - t0))))
+                time.sleep(min(0.1, max(0.0, pending[0].arrival_s - loop.now())))
             continue
-        if max_iterations is not None and stats.iterations >= max_iterations:
+        if max_iterations is not None and loop.stats.iterations >= max_iterations:
             break
-        t_sched = time.perf_counter()
-        plan = scheduler.schedule(now)
-        t_exec = time.perf_counter()
-        stats.schedule_s += t_exec - t_sched
-        if plan.num_scheduled == 0 and inflight is not None:
-            land()  # the step in flight may end requests whose pages or slots the plan needs
-            continue
-        if plan.num_scheduled == 0:
-            raise RuntimeError(
-                f"scheduler made no progress at t={now:.3f}s with {len(scheduler.policy)} waiting and "
-                f"{len(scheduler.running)} running; this is a bug"
-            )
-        batched = record(plan)
-        if pipelined:
-            launched = executor.launch(plan)
-            if inflight is not None:
-                land()
-            t_post = time.perf_counter()
-            scheduler.advance(plan, time.perf_counter() - t0)
-            stats.postprocess_s += time.perf_counter() - t_post
-            inflight = (plan, launched, batched, stats.iterations)
-            continue
-        out = executor.execute(plan)
-        if virtual:
-            now += out.duration_s
-        else:
-            now = time.perf_counter() - t0
-        last_end = now
-        stats.busy_s += out.duration_s
-        t_post = time.perf_counter()
-        done = scheduler.postprocess(plan, out.token_ids, now, out.errors)
-        stats.postprocess_s += time.perf_counter() - t_post
-        finished(plan, batched, done, stats.iterations, now)
-    if inflight is not None:  # stopped (or capped) with a step in flight: its tokens count
-        land()
-    if pending or scheduler.has_work():
-        for req in pending:
-            scheduler.add(req, now)
-        scheduler.abort_all(now)
-    if on_finish is not None:
-        for req in scheduler.finished[num_seen:]:
-            on_finish(req)
-    if bar is not None:
-        bar.update(len(scheduler.finished) - num_done_reported)
-        bar.close()
-    return RunResult(
-        requests=list(requests),
-        stats=stats,
-        num_slots=scheduler.max_num_seqs,
-        makespan_s=last_end,
-        preemptions=scheduler.num_preemptions,
-        wall_s=time.perf_counter() - wall0,
-        extra=scheduler.cache_stats(),
-        tbt_s=scheduler.tbt_s,
-        interrupted=interrupted,
-    )
+        loop.step()
+    loop.abort_all(list(pending))
+    result = loop.result(interrupted)
+    loop.close()
+    # offline, requests come back in the caller's order
+    result.requests = list(requests)
+    return result
 
 
-def _progress_bar(total: int):
+def _progress_bar(total: Optional[int]):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="req", desc="serving", mininterval=0.5, leave=False)

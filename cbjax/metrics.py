@@ -95,6 +95,7 @@ def summarize(
         "num_finished": len(served),
         "num_rejected": sum(r.finish_reason is FinishReason.REJECTED for r in reqs),
         "num_aborted": sum(r.finish_reason is FinishReason.ABORTED for r in reqs),
+        "num_not_arrived": sum(r.finish_reason is FinishReason.NOT_ARRIVED for r in reqs),
         "num_errors": sum(r.finish_reason is FinishReason.ERROR for r in reqs),
         "num_max_model_len": sum(r.finish_reason is FinishReason.MAX_MODEL_LEN for r in reqs),
         "iterations": iters,

@@ -24,6 +24,7 @@ class FinishReason(str, enum.Enum):
     REJECTED = "rejected"
     ABORTED = "aborted"
     ERROR = "error"  # the executor failed on it (e.g. non-finite logits); the run went on
+    NOT_ARRIVED = "not_arrived"  # the run stopped before its arrival time: never seen, no finish time
 
 
 @dataclass

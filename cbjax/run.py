@@ -118,18 +118,28 @@ def run_single(
             on_finish=live.write if live else None,
             tick=live.tick if live else None,
             on_step=service_log.on_step,
+            pace=cfg.executor.pace,
         )
     finally:
-        if hasattr(executor, "close"):  # multi-host: the other processes stop stepping
-            executor.close()
+        executor.close()  # multi-host: the other processes stop stepping
+    summary = write_outputs(cfg, out_dir, result, service_log, executor, extra_rows=extra)
+    if live is not None:
+        live.close()
+    if verbose:
+        log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
+    return summary
+
+
+def write_outputs(
+    cfg: RunConfig, out_dir: Optional[Path], result, service_log: ServiceLog, executor, *, extra_rows=None
+) -> dict[str, Any]:
+    """summary.json, requests.jsonl, config.yaml and client_service.csv for a served run (offline
+    or online), written to `out_dir` when it is set; returns the summary."""
     summary = build_summary(cfg, result, service_log, executor)
     if out_dir is not None:
         clients = client_ids(result.requests)
         write_service_series(out_dir, service_series(service_log, clients, cfg.metrics, result.makespan_s))
-        write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
-        live.close()
-    if verbose:
-        log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
+        write_run(out_dir, cfg, summary, result.requests, extra_rows=extra_rows)
     return summary
 
 
@@ -137,8 +147,7 @@ def build_summary(cfg: RunConfig, result, service_log: ServiceLog, executor) -> 
     """summary.json's fields for a finished (or interrupted) run."""
     summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
     summary["interrupted"] = result.interrupted
-    if hasattr(executor, "metrics"):
-        summary.update(executor.metrics())
+    summary.update(executor.metrics())
     summary.update(service_summary(result, service_log, cfg.metrics, cfg.slo))
     summary.update(
         {

@@ -34,7 +34,7 @@ from cbjax.config import MetricsConfig
 from cbjax.engine import RunResult
 from cbjax.metrics import SERVED, _percentiles, meets_slo, request_latencies
 from cbjax.request import FinishReason, Request
-from cbjax.scheduler.core import Schedule
+from cbjax.plan import Schedule
 
 
 class ServiceLog:
@@ -48,14 +48,15 @@ class ServiceLog:
         self._prompt_done: dict[Request, int] = {}
         self._generated: dict[Request, int] = {}
 
-    def on_step(self, plan: Schedule, end_s: float, num_batched_tokens: int) -> None:
-        """Record one iteration after `Scheduler.postprocess` has run on `plan`."""
+    def on_step(self, plan: Schedule, end_s: float, num_batched_tokens: int, requests: list[Request]) -> None:
+        """Record one iteration after `Scheduler.postprocess` has run on `plan`, whose
+        scheduled requests are `requests`."""
         it = len(self.end_s)
         self.end_s.append(end_s)
         self.batch.append(plan.num_scheduled)
         self.batched_tokens.append(num_batched_tokens)
         served: dict[str, list[int]] = {}
-        for req in plan.requests:
+        for req in requests:
             prompt = min(req.num_computed, req.prompt_len)
             new_prompt = prompt - self._prompt_done.get(req, 0)
             new_tokens = req.num_generated - self._generated.get(req, 0)

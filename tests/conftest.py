@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cbjax.executor import StepOutput
+from cbjax.executor import StepOutput, SyncExecutor
 from cbjax.request import Request, SamplingParams, Status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,21 +33,13 @@ def make_requests(output_lens, prompt_lens=None, arrivals=None, max_tokens=None)
     ]
 
 
-class CheckingExecutor:
+class CheckingExecutor(SyncExecutor):
     """Unit-cost simulated executor that asserts the scheduler's invariants on every plan."""
-
-    virtual_clock = True
 
     def __init__(self, scheduler, duration_s: float = 1.0):
         self.scheduler = scheduler
         self.duration_s = duration_s
         self.plans = 0
-
-    def validate(self, req):
-        return None
-
-    def warmup(self):
-        pass
 
     def execute(self, plan):
         sched = self.scheduler

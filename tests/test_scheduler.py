@@ -11,6 +11,7 @@ from conftest import CheckingExecutor, ContentCheckingExecutor, assert_every_req
 from cbjax.cache import ALLOCATIONS
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine import serve
+from cbjax.executor import SyncExecutor
 from cbjax.metrics import summarize
 from cbjax.request import FinishReason, Request, SamplingParams
 from cbjax.scheduler import POLICIES, Scheduler
@@ -214,15 +215,7 @@ def test_target_shorter_than_max_tokens_finishes_as_eos():
 
 
 def test_real_tokens_stop_on_eos_and_stop_ids():
-    class Scripted:
-        virtual_clock = True
-
-        def validate(self, req):
-            return None
-
-        def warmup(self):
-            pass
-
+    class Scripted(SyncExecutor):
         def execute(self, plan):
             from cbjax.executor import StepOutput
 

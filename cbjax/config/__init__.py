@@ -34,6 +34,7 @@ __all__ = [
 PREDICTORS = ("oracle", "mean", "learned")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
+PACES = ("none", "realtime")
 ATTENTION_IMPLS = ("auto", "native", "pallas", "ragged", "reference", "triton")
 MATMUL_IMPLS = ("auto", "native", "xla")
 
@@ -221,6 +222,9 @@ class ExecutorConfig:
     # request that stops on a token (EOS, a stop token) costs one wasted row in the step after.
     # One process without tensor parallelism only (elsewhere steps run one at a time).
     async_scheduling: bool = True
+    # sim only: none, the virtual clock jumps (offline); realtime, it follows the wall clock and
+    # each step's tokens are released at its simulated end (an endpoint with the model's latencies).
+    pace: str = "none"
     mesh: MeshConfig = field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
@@ -230,6 +234,9 @@ class ExecutorConfig:
             _require(bool(self.profile), "executor.profile", "is required by cost_model=profiled (a profile.json)", self.profile)
         _one_of("executor.attention", self.attention, ATTENTION_IMPLS)
         _one_of("executor.matmul", self.matmul, MATMUL_IMPLS)
+        _one_of("executor.pace", self.pace, PACES)
+        if self.pace != "none":
+            _require(self.name == "sim", "executor.pace", "paces the simulator's clock; it needs executor=sim", self.pace)
         if self.token_buckets is not None:
             _require(
                 len(self.token_buckets) > 0 and all(int(b) >= 1 for b in self.token_buckets),
@@ -300,6 +307,14 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)
+        if self.scheduler.static_padding:
+            # The engine computes only the rows a plan schedules; padding is a cost-model charge.
+            _require(
+                self.executor.name == "sim",
+                "scheduler.static_padding",
+                "is a simulator charge (executor=sim); the engine runs the unpadded batch, so it cannot be used with executor=jax",
+                self.scheduler.static_padding,
+            )
         if self.optimized_metric is not None:
             _require(
                 not self.experiment.arms,

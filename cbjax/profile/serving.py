@@ -34,7 +34,7 @@ class TimedExecutor:
 
     def __init__(self, inner):
         self.inner = inner
-        self.pipelined = bool(getattr(inner, "pipelined", False))
+        self.pipelined = inner.pipelined
         self.rows: list[list[tuple[int, int, bool]]] = []
         self.num_scheduled: list[int] = []
         self.rows_at: list[float] = []
@@ -69,6 +69,12 @@ class TimedExecutor:
         out = self.inner.collect(launched)
         self.end.append(time.perf_counter())
         return out
+
+    def metrics(self) -> dict:
+        return self.inner.metrics()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def serving_runs(cfg: RunConfig, saturated_req_s: Optional[float] = None) -> list[tuple[str, RunConfig]]:

@@ -127,15 +127,59 @@ class Scheduler(StepResults):
         req.max_output_len = max(0, min(req.stop_length(), self.max_model_len - req.prompt_len))
         reason = self.rejection_reason(req)
         if reason is not None:
-            req.status = Status.FINISHED
-            req.finish_reason = FinishReason.REJECTED
-            req.reject_reason = reason
-            req.finish_s = now
-            self.finished.append(req)
+            self.reject(req, reason, now)
             return
         req.status = Status.WAITING
         self._track_waiting(req, 1)
         self.policy.push(req)
+
+    def reject(self, req: Request, reason: str, now: float) -> None:
+        """End a request that never entered the queue, with reason `rejected`."""
+        req.status = Status.FINISHED
+        req.finish_reason = FinishReason.REJECTED
+        req.reject_reason = reason
+        req.finish_s = now
+        self.finished.append(req)
+
+    def not_arrived(self, req: Request) -> None:
+        """End a request whose arrival time the run never reached (it was stopped first):
+        fate `not_arrived`, no finish time."""
+        req.status = Status.FINISHED
+        req.finish_reason = FinishReason.NOT_ARRIVED
+        req.finish_s = None
+        self.finished.append(req)
+
+    def abort(self, request_id: str, now: float, reason: str = "aborted") -> bool:
+        """End one waiting or running request with reason `aborted` (e.g. its client left): its
+        slot, pages and host copy are free for the next plan. False if no such request is
+        unfinished here. Not while a step's tokens are uncommitted."""
+        if self._uncommitted is not None:
+            raise RuntimeError("abort with a step's tokens uncommitted; commit first (this is a bug)")
+        req = next((r for r in self.running if r.request_id == request_id), None)
+        if req is not None:
+            self._release(req)
+            if self.prefix is not None:
+                self.prefix.forget(req)
+            self.running.remove(req)
+        else:
+            req = next((r for r in self.policy if r.request_id == request_id), None)
+            if req is None:
+                return False
+            self.policy.remove(req)
+            self._track_waiting(req, -1)
+            swapped = self._swapped.pop(req, 0)
+            self.swap_used -= swapped
+        req.num_new_tokens = 0
+        req.status = Status.FINISHED
+        req.finish_reason = FinishReason.ABORTED
+        req.error = reason
+        req.finish_s = now
+        self.finished.append(req)
+        return True
+
+    def requests_of(self, plan: Schedule) -> list[Request]:
+        """The plan's scheduled requests, in plan order."""
+        return plan.requests
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.policy) > 0

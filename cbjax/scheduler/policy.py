@@ -42,6 +42,10 @@ class Policy:
     def pop(self) -> Request:
         raise NotImplementedError
 
+    def remove(self, request: Request) -> None:
+        """Take a waiting request out of the queue (its client left)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot remove a waiting request")
+
     def __len__(self) -> int:
         raise NotImplementedError
 
@@ -95,6 +99,9 @@ class FCFSPolicy(Policy):
 
     def pop(self) -> Request:
         return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
 
     def __len__(self) -> int:
         return len(self._queue)

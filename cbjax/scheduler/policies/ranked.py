@@ -30,6 +30,11 @@ class RankedQueue:
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[2]
 
+    def remove(self, request: Request) -> None:
+        """O(n): for aborts, not for the per-iteration path."""
+        self._heap = [entry for entry in self._heap if entry[2] is not request]
+        heapq.heapify(self._heap)
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -73,6 +78,9 @@ class RankedPolicy(Policy):
 
     def pop(self) -> Request:
         return self._queue.pop()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
 
     def __len__(self) -> int:
         return len(self._queue)

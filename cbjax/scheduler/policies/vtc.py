@@ -115,6 +115,17 @@ class VTCPolicy(Policy):
         self._len -= 1
         return request
 
+    def remove(self, request: Request) -> None:
+        client = request.client_id
+        queue = self._waiting[client]
+        entry = next(e for e in queue if e[1] is request)
+        queue.remove(entry)
+        self._arrival_seq.pop(request, None)
+        if not queue:
+            del self._waiting[client]
+        self._refresh(client)
+        self._len -= 1
+
     def __len__(self) -> int:
         return self._len
 
