@@ -1,0 +1,41 @@
+"""The `cbjax-bench` command: a Hydra app over BenchConfig (cbjax's workload and SLO groups plus `bench`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from cbjax.bench.config import BenchConfig
+from cbjax.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
+from cbjax.config_merge import check_known_keys
+
+ConfigStore.instance().store(name="bench_base_config", node=BenchConfig)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="bench")
+def _app(cfg: DictConfig) -> None:
+    from cbjax.bench.run import run_bench
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        check_known_keys(cfg, BenchConfig)
+        bench_cfg: BenchConfig = OmegaConf.to_object(cfg)
+        run_bench(bench_cfg, out_dir)
+    except ValueError as err:
+        print(f"cbjax-bench: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"\noutputs: {out_dir}")
+
+
+def main() -> None:
+    if IN_SOURCE_TREE and not (CONFIG_DIR / "bench.yaml").is_file():
+        sys.exit(f"cbjax-bench: error: no bench.yaml at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    _app()

@@ -1,0 +1,191 @@
+"""Send a workload to an OpenAI-compatible server and time every streamed token (httpx, async).
+
+Times are seconds since the benchmark's start on the client's monotonic clock. A request's
+`arrival_s` is when it was sent; its first token is the first chunk that carries a choice;
+its inter-token latencies are the gaps between such chunks (a server that sends several
+tokens in one chunk shows one gap for them, as vLLM's and SGLang's clients count)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import httpx
+import numpy as np
+
+from cbjax.bench.config import BenchClientConfig
+from cbjax.request import FinishReason, Request
+
+FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
+WORDS = ("the", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "by", "at", "from",
+         "this", "be", "are", "or", "an", "was", "not", "but", "all", "can", "one", "has", "more", "time", "new")  # fmt: skip
+
+
+@dataclass
+class Timing:
+    """What the client saw of one request."""
+
+    send_s: float
+    token_s: list[float] = field(default_factory=list)
+    end_s: Optional[float] = None
+    completion_tokens: Optional[int] = None  # the server's usage, when it sent one
+    finish_reason: Optional[str] = None
+    status: Optional[int] = None
+    error: Optional[str] = None
+
+
+def output_len(req: Request) -> int:
+    """The number of tokens to ask for: the workload's output length, capped by its max_tokens."""
+    return req.stop_length()
+
+
+def filler_text(req: Request) -> str:
+    """A text prompt of about `prompt_len` tokens: the request's own text, else seeded words."""
+    if req.prompt_text is not None:
+        return req.prompt_text
+    rng = np.random.default_rng(zlib.crc32(req.request_id.encode()))
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), size=req.prompt_len))
+
+
+def payload(cfg: BenchClientConfig, model: str, req: Request) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": output_len(req),
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": filler_text(req)}]
+    else:
+        body["prompt"] = req.prompt_ids() if cfg.prompt == "ids" else filler_text(req)
+    return body
+
+
+async def send_one(client: httpx.AsyncClient, cfg: BenchClientConfig, model: str, req: Request, t0: float) -> Timing:
+    """Stream one request; never raises (a failure is recorded in the Timing)."""
+    path = "/chat/completions" if cfg.endpoint == "chat" else "/completions"
+    timing = Timing(send_s=time.perf_counter() - t0)
+    try:
+        async with client.stream("POST", path, json=payload(cfg, model, req), timeout=cfg.timeout_s) as resp:
+            timing.status = resp.status_code
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                timing.error = f"HTTP {resp.status_code}: {_error_message(text)}"
+                return timing
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                _read_chunk(json.loads(data), timing, time.perf_counter() - t0)
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        timing.error = f"{type(e).__name__}: {e}"
+    finally:
+        timing.end_s = time.perf_counter() - t0
+    return timing
+
+
+def _read_chunk(chunk: dict[str, Any], timing: Timing, now: float) -> None:
+    if "error" in chunk:
+        timing.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+        return
+    if chunk.get("usage"):
+        timing.completion_tokens = chunk["usage"].get("completion_tokens")
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        text = choice.get("text") if delta is None else delta.get("content")
+        if choice.get("finish_reason"):
+            timing.finish_reason = choice["finish_reason"]
+        if text:  # a token's text (a chat stream's opening role chunk carries none)
+            timing.token_s.append(now)
+
+
+def _error_message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
+
+
+def apply(req: Request, timing: Timing) -> None:
+    """Record what the client saw on the workload's request, in the fields request_row reads."""
+    req.arrival_s = timing.send_s
+    if timing.error is not None:
+        req.finish_reason = FinishReason.REJECTED if timing.status in (429, 503) else FinishReason.ERROR
+        req.reject_reason = timing.error if req.finish_reason is FinishReason.REJECTED else None
+        req.error = timing.error if req.finish_reason is FinishReason.ERROR else None
+        req.finish_s = timing.end_s
+        req.num_generated = len(timing.token_s)
+        return
+    n = timing.completion_tokens if timing.completion_tokens is not None else len(timing.token_s)
+    req.num_generated = n
+    req.first_token_s = timing.token_s[0] if timing.token_s else None
+    req.last_token_s = timing.token_s[-1] if timing.token_s else None
+    req.finish_s = timing.token_s[-1] if timing.token_s else timing.end_s
+    req.finish_reason = FINISH.get(timing.finish_reason or "", FinishReason.ERROR)
+    if req.finish_reason is FinishReason.ERROR:
+        req.error = f"finish_reason {timing.finish_reason!r}"
+    if req.first_token_s is None and n:
+        req.finish_reason, req.error = FinishReason.ERROR, "usage counts tokens but no token text came"
+
+
+def itls(timing: Timing) -> list[float]:
+    return list(np.diff(timing.token_s)) if len(timing.token_s) > 1 else []
+
+
+async def first_model(client: httpx.AsyncClient) -> str:
+    resp = await client.get("/models")
+    if resp.status_code != 200:
+        raise ValueError(f"bench.model: unset, and GET {client.base_url}/models answered {resp.status_code}: {_error_message(resp.text)}")
+    data = resp.json().get("data") or []
+    if not data:
+        raise ValueError(f"bench.model: unset, and GET {client.base_url}/models lists no model")
+    return data[0]["id"]
+
+
+async def run_load(cfg: BenchClientConfig, requests: list[Request], progress=None) -> tuple[dict[Request, Timing], float]:
+    """Send `requests` open loop (at their arrival times) or closed loop (cfg.concurrency in
+    flight). Returns each sent request's timing and the wall time of the whole load."""
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.concurrency or 1000)
+    timings: dict[Request, Timing] = {}
+    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, limits=limits, timeout=cfg.timeout_s) as client:
+        model = cfg.model or await first_model(client)
+        t0 = time.perf_counter()
+        deadline = None if cfg.duration_s is None else cfg.duration_s
+
+        async def one(req: Request) -> None:
+            timings[req] = await send_one(client, cfg, model, req, t0)
+            if progress is not None:
+                progress()
+
+        if cfg.concurrency is None:
+            tasks = []
+            for req in sorted(requests, key=lambda r: r.arrival_s):
+                if deadline is not None and req.arrival_s > deadline:
+                    break
+                delay = req.arrival_s - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(req)))
+            await asyncio.gather(*tasks)
+        else:
+            todo = iter(requests)
+
+            async def worker() -> None:
+                for req in todo:
+                    if deadline is not None and time.perf_counter() - t0 > deadline:
+                        return
+                    await one(req)
+
+            await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+        wall = time.perf_counter() - t0
+    return timings, wall

@@ -1,0 +1,398 @@
+"""The FastAPI app: OpenAI's completions, chat, models, health and metrics over one engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from cbjax.request import FinishReason, Request, SamplingParams
+from cbjax.serve.bridge import EngineBridge, Finished, Token
+from cbjax.serve.config import ServerConfig
+from cbjax.serve.metrics import CONTENT_TYPE, ServerMetrics
+from cbjax.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, error_param
+from cbjax.serve.text import Tokenizer
+
+OPENAI_FINISH = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.MAX_MODEL_LEN: "length",
+    FinishReason.ABORTED: "abort",  # vLLM's word for a request cut short by the server
+}
+STOP_SEQUENCE = "stop sequence"  # the cancel reason when a stop string ends a request
+
+
+@dataclass
+class ServeState:
+    """What the handlers share; `draining` is set once SIGTERM closes admission."""
+
+    bridge: EngineBridge
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    server: ServerConfig
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+    created: int = 0
+    draining: bool = False
+
+
+class EngineStream(StreamingResponse):
+    """A stream that calls `on_close` however it ends: done, client gone, or server error."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def create_app(state: ServeState) -> FastAPI:
+    app = FastAPI(title="cbjax", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: HTTPRequest, err: APIError) -> JSONResponse:
+        state.metrics.http_error(err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: HTTPRequest, err: RequestValidationError) -> JSONResponse:
+        return await _api_error(request, validation_error(err))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: HTTPRequest, err: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return await _api_error(request, APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", None, kind))
+
+    @app.middleware("http")
+    async def _auth(request: HTTPRequest, call_next):
+        key = state.server.api_key
+        if key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {key}":
+                state.metrics.http_error(401)
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", "authorization", "authentication_error")
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if state.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "cbjax",
+                "max_model_len": state.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: HTTPRequest) -> Response:
+        check_model(state, body)
+        if isinstance(body.prompt, str):
+            ids = state.tokenizer.encode(body.prompt)
+        else:
+            ids = list(body.prompt)
+            bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "prompt")
+        return await generate(state, body, ids, "prompt", body.max_tokens, chat=False, raw=raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, raw: HTTPRequest) -> Response:
+        check_model(state, body)
+        messages = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(body.messages)]
+        try:
+            text = state.tokenizer.chat_prompt(messages)
+        except Exception as e:  # the checkpoint's template refused the conversation
+            raise APIError(400, f"messages: {e}", "messages") from None
+        ids = state.tokenizer.encode(text, special=False)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await generate(state, body, ids, "messages", max_tokens, chat=True, raw=raw)
+
+    return app
+
+
+def validation_error(err: RequestValidationError) -> APIError:
+    """The first of pydantic's complaints as a 400 naming the field."""
+    first = err.errors()[0] if err.errors() else {"loc": ("body",), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"body: invalid JSON: {first.get('ctx', {}).get('error', first['msg'])}", "body")
+    param = error_param(tuple(first.get("loc", ()))) or "body"
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"{param}: unknown field", param)
+    msg = first.get("msg", "invalid")
+    if first.get("type") == "missing":
+        msg = "is required"
+    return APIError(400, f"{param}: {msg}", param)
+
+
+def check_model(state: ServeState, body: SamplingFields) -> None:
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"model: {body.model!r} does not exist; this server serves {state.model_name!r}", "model", "not_found_error")
+
+
+def build_request(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
+                  max_tokens: Optional[int], chat: bool) -> tuple[Request, list[str]]:  # fmt: skip
+    """The engine's request and the stop strings the server matches itself."""
+    n = len(ids)
+    limit = state.max_model_len
+    if n >= limit:
+        raise APIError(400, f"{prompt_field}: the prompt has {n} tokens, the model's maximum length is {limit}", prompt_field)
+    if n > state.max_num_batched_tokens and not state.chunked_prefill:
+        raise APIError(400, f"{prompt_field}: the prompt has {n} tokens, more than the server's step budget "
+                            f"(scheduler.max_num_batched_tokens={state.max_num_batched_tokens}, no chunked prefill)", prompt_field)  # fmt: skip
+    if max_tokens is None:
+        max_tokens = limit - n
+    elif n + max_tokens > limit:
+        key = "max_completion_tokens" if chat and getattr(body, "max_completion_tokens", None) else "max_tokens"
+        raise APIError(400, f"{key}: {n} prompt tokens + {max_tokens} > the model's maximum length {limit}", key)
+    stop_ids = set(body.stop_token_ids or ())
+    bad = next((t for t in stop_ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {state.vocab_size})", "stop_token_ids")
+    strings = []
+    for s in body.stop or ():
+        one = state.tokenizer.encode(s, special=False)
+        if len(one) == 1:  # the scheduler stops on it exactly
+            stop_ids.add(one[0])
+        else:
+            strings.append(s)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_k=max(0, body.top_k),
+        top_p=body.top_p,
+        seed=random.getrandbits(31) if body.seed is None else body.seed % (1 << 31),
+        stop_token_ids=tuple(sorted(stop_ids)),
+        ignore_eos=body.ignore_eos,
+    )
+    prefix = "chatcmpl" if chat else "cmpl"
+    req = Request(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        arrival_s=0.0,  # stamped by the engine at submit
+        prompt_len=n,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        client_id=body.user or "default",
+        priority=body.priority,
+    )
+    return req, strings
+
+
+class Output:
+    """A request's text as its tokens come: decoded incrementally, cut at a stop string (the
+    text from the longest stop's length back is held until it can no longer start one)."""
+
+    def __init__(self, state: ServeState, req: Request, stops: list[str]):
+        self.tok = state.tokenizer
+        self.decoder = self.tok.decoder()
+        self.filler = self.tok.filler_token_id
+        eos = None if req.sampling.ignore_eos else self.tok.eos_token_id
+        self.silent = set(req.sampling.stop_token_ids) | ({eos} if eos is not None else set())
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.num_tokens = 0
+        self.stopped = False  # a stop string matched: the server ended the request
+
+    def add(self, token_id: Optional[int]) -> str:
+        """The text to send for this token (maybe empty)."""
+        if self.stopped:
+            return ""
+        self.num_tokens += 1
+        token_id = self.filler if token_id is None else token_id
+        if token_id not in self.silent:
+            self.text += self.decoder.push(token_id)
+        if self.stops:
+            at = min((i for i in (self.text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0), default=-1)
+            if at >= 0:
+                self.stopped = True
+                self.text = self.text[:at]
+                return self.flush()
+        end = max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def flush(self) -> str:
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta
+
+    def finish_reason(self, req: Request) -> Optional[str]:
+        if self.stopped:
+            return "stop"
+        return OPENAI_FINISH.get(req.finish_reason, "error")
+
+
+def usage(req: Request, out: Output) -> dict[str, int]:
+    n = out.num_tokens if out.stopped else req.num_generated
+    return {"prompt_tokens": req.prompt_len, "completion_tokens": n, "total_tokens": req.prompt_len + n}
+
+
+def end_error(state: ServeState, req: Request) -> Optional[APIError]:
+    """The error a request that ended without being served answers with, if it did."""
+    reason = req.finish_reason
+    if reason is FinishReason.REJECTED:
+        if state.draining:
+            return APIError(503, "the server is shutting down and admits no new requests", None, "service_unavailable")
+        return APIError(400, f"prompt: {req.reject_reason}", "prompt")
+    if reason is FinishReason.ERROR:
+        return APIError(500, f"the engine failed on this request: {req.error}", None, "server_error")
+    return None
+
+
+async def generate(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
+                   max_tokens: Optional[int], *, chat: bool, raw: HTTPRequest) -> Response:  # fmt: skip
+    req, stops = build_request(state, body, ids, prompt_field, max_tokens, chat)
+    bound = state.server.max_queue
+    if bound is not None and state.bridge.num_waiting() >= bound:
+        after = state.server.retry_after_s
+        raise APIError(429, f"the server's queue is full ({bound} requests waiting, server.max_queue); retry later",
+                       None, "rate_limit_error", headers={"Retry-After": str(after)})  # fmt: skip
+    queue = state.bridge.submit(req)
+    out = Output(state, req, stops)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream(state, req, out, queue, chat, include_usage, raw)
+    return await complete(state, req, out, queue, chat, raw)
+
+
+def _envelope(req: Request, state: ServeState, chat: bool, created: int) -> dict[str, Any]:
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": req.request_id, "object": kind, "created": created, "model": state.model_name}
+
+
+async def complete(state: ServeState, req: Request, out: Output, queue: asyncio.Queue, chat: bool,
+                   raw: HTTPRequest) -> Response:  # fmt: skip
+    """Wait for the whole output, aborting the request if the client goes away first."""
+    created = int(time.time())
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        while True:
+            get = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                state.bridge.cancel(req.request_id, "client disconnected")
+                return Response(status_code=499)
+            event = get.result()
+            if isinstance(event, Token):
+                out.add(event.token_id)
+                if out.stopped:
+                    state.bridge.cancel(req.request_id, STOP_SEQUENCE)
+                continue
+            break
+    finally:
+        gone.cancel()
+    err = end_error(state, event.req)
+    if err is not None:
+        raise err
+    text = out.text
+    reason = out.finish_reason(req)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    return JSONResponse({**_envelope(req, state, chat, created), "choices": [choice], "usage": usage(req, out)})
+
+
+async def _disconnected(raw: HTTPRequest) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(data: Union[dict[str, Any], str]) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Queue, chat: bool,
+                 include_usage: bool, raw: HTTPRequest) -> Response:  # fmt: skip
+    """Server-sent events: one chunk per token, a last chunk with the finish reason, the usage
+    chunk when asked for, then `data: [DONE]`. A rejection before any token answers as a
+    plain error response instead."""
+    gone = asyncio.ensure_future(_disconnected(raw))
+    get = asyncio.ensure_future(queue.get())
+    try:
+        done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if get not in done:  # left while waiting for a slot
+        get.cancel()
+        state.bridge.cancel(req.request_id, "client disconnected")
+        return Response(status_code=499)
+    first = get.result()
+    if isinstance(first, Finished):
+        err = end_error(state, first.req)
+        if err is not None:
+            raise err
+    created = int(time.time())
+    head = _envelope(req, state, chat, created)
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(text: Optional[str], reason: Optional[str] = None) -> str:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return _sse({**head, "choices": [choice], **extra})
+
+    ended = False
+
+    async def events() -> AsyncIterator[str]:
+        nonlocal ended
+        if chat:
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
+        event = first
+        while True:
+            if isinstance(event, Finished):
+                break
+            if not out.stopped:
+                text = out.add(event.token_id)
+                if out.stopped:
+                    state.bridge.cancel(req.request_id, STOP_SEQUENCE)
+                yield chunk(text)
+            event = await queue.get()
+        ended = True
+        err = end_error(state, event.req)
+        if err is not None:
+            yield _sse(err.body())
+        else:
+            tail = out.flush()
+            if tail:
+                yield chunk(tail)
+            yield chunk(None, out.finish_reason(req))
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": usage(req, out)})
+        yield _sse("[DONE]")
+
+    def on_close() -> None:
+        if not ended:
+            state.bridge.cancel(req.request_id, "client disconnected")
+
+    return EngineStream(events(), on_close)

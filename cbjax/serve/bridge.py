@@ -1,0 +1,91 @@
+"""Between the event loop and the engine thread: each request's events reach its handler's queue.
+
+The engine calls `on_token` and `on_finish` on its own thread; each event is handed to the
+asyncio loop with `call_soon_threadsafe`, which keeps a request's events in order (its tokens,
+then its end)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from cbjax.request import Request
+
+
+@dataclass
+class Token:
+    token_id: Optional[int]  # None: the simulator materialises no tokens
+    time_s: float  # on the engine's clock
+
+
+@dataclass
+class Finished:
+    req: Request
+
+
+class EngineBridge:
+    """Owns the per-request queues and the count of requests in flight.
+
+    `listeners` are called on the engine thread for each finished request (metrics, the live
+    request log) before its handler hears of it."""
+
+    def __init__(self) -> None:
+        self.engine = None  # set once the EngineLoop exists (it takes our callbacks)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self.num_in_flight = 0  # submitted, not yet finished
+        self.num_received = 0
+        self.listeners: list[Callable[[Request], None]] = []
+
+    # ---- the handler's side (event loop thread) ----
+    def submit(self, req: Request) -> asyncio.Queue:
+        """Submit `req` to the engine; its events arrive on the returned queue."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._queues[req.request_id] = (asyncio.get_running_loop(), queue)
+            self.num_in_flight += 1
+            self.num_received += 1
+        self.engine.submit(req)
+        return queue
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            live = request_id in self._queues
+        if live:
+            self.engine.cancel(request_id, reason)
+
+    def cancel_all(self, reason: str) -> None:
+        with self._lock:
+            ids = list(self._queues)
+        for request_id in ids:
+            self.engine.cancel(request_id, reason)
+
+    def num_waiting(self) -> int:
+        """Requests accepted and not yet holding a slot (a racy read; good for a bound)."""
+        return max(0, self.num_in_flight - len(self.engine.scheduler.running))
+
+    # ---- the engine's side (engine thread) ----
+    def on_token(self, req: Request, token_id: Optional[int], now: float) -> None:
+        entry = self._queues.get(req.request_id)
+        if entry is not None:
+            _post(entry, Token(token_id, now))
+
+    def on_finish(self, req: Request) -> None:
+        for listener in self.listeners:
+            listener(req)
+        with self._lock:
+            entry = self._queues.pop(req.request_id, None)
+            if entry is not None:
+                self.num_in_flight -= 1
+        if entry is not None:
+            _post(entry, Finished(req))
+
+
+def _post(entry: tuple[asyncio.AbstractEventLoop, asyncio.Queue], event: object) -> None:
+    loop, queue = entry
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+    except RuntimeError:  # the event loop has closed (shutdown): nobody listens
+        pass

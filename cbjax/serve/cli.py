@@ -1,0 +1,54 @@
+"""The `cbjax-serve` command: a Hydra app over ServeConfig (every `cbjax` group plus `server`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from cbjax.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
+from cbjax.config_merge import check_known_keys
+from cbjax.serve.config import ServeConfig
+
+ConfigStore.instance().store(name="serve_base_config", node=ServeConfig)
+# serve.yaml's default executor.pace: the simulator is paced to the wall clock, the engine is not
+OmegaConf.register_new_resolver("cbjax_serve_pace", lambda name: "realtime" if name == "sim" else "none", replace=True)
+
+log = logging.getLogger("cbjax")
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="serve")
+def _app(cfg: DictConfig) -> None:
+    from cbjax.serve.server import Server
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        check_known_keys(cfg, ServeConfig)
+        serve_cfg: ServeConfig = OmegaConf.to_object(cfg)
+        server = Server(serve_cfg, out_dir)
+        server.warmup()
+        sock = server.bind()
+    except (ValueError, OSError) as err:
+        print(f"cbjax-serve: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    host, port = sock.getsockname()[:2]
+    # One line on stderr once the socket listens: scripts wait for it (and read the port when
+    # server.port=0 picked a free one).
+    print(f"cbjax-serve: listening on http://{host}:{port}/v1 (model {server.state.model_name!r}); "
+          f"outputs in {out_dir}", file=sys.stderr, flush=True)  # fmt: skip
+    summary = server.run(sock)
+    print(f"cbjax-serve: stopped; {summary['num_requests']} requests, outputs in {out_dir}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    if os.getcwd() not in sys.path:  # a plug-in policy from the working directory, as `cbjax` finds it
+        sys.path.insert(0, os.getcwd())
+    if IN_SOURCE_TREE and not (CONFIG_DIR / "serve.yaml").is_file():
+        sys.exit(f"cbjax-serve: error: no serve.yaml at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
+    _app()

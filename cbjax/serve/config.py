@@ -1,0 +1,60 @@
+"""The `server` group of `cbjax-serve`, and ServeConfig: a RunConfig with it (no Hydra here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from cbjax.config import RunConfig
+from cbjax.config.checks import _require
+
+
+@dataclass
+class ServerConfig:
+    """Where the OpenAI-compatible server listens and how it treats its clients."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Requests waiting for a slot (accepted, not yet running) beyond which a new one answers
+    # 429 with Retry-After. None: no bound.
+    max_queue: Optional[int] = None
+    # Clients must send `Authorization: Bearer <api_key>`. None: no key asked.
+    api_key: Optional[str] = None
+    # The name /v1/models lists and requests may give as `model`. None: model.name.
+    served_model_name: Optional[str] = None
+    # After SIGTERM: how long in-flight requests may run on before the rest are aborted.
+    drain_s: float = 30.0
+    # Seconds a 429 asks the client to wait (Retry-After).
+    retry_after_s: int = 1
+    log_level: str = "warning"  # uvicorn's access and error logs
+
+    def __post_init__(self) -> None:
+        _require(bool(self.host), "server.host", "must be non-empty", self.host)
+        _require(0 <= self.port <= 65535, "server.port", "must be in [0, 65535] (0: any free port)", self.port)
+        if self.max_queue is not None:
+            _require(self.max_queue >= 0, "server.max_queue", "must be >= 0", self.max_queue)
+        if self.api_key is not None:
+            _require(bool(self.api_key), "server.api_key", "must be non-empty (null: no key)", self.api_key)
+        _require(self.drain_s >= 0 and math.isfinite(self.drain_s), "server.drain_s", "must be >= 0", self.drain_s)
+        _require(self.retry_after_s >= 0, "server.retry_after_s", "must be >= 0", self.retry_after_s)
+        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        _require(self.log_level in levels, "server.log_level", f"must be one of {', '.join(levels)}", self.log_level)
+
+
+@dataclass
+class ServeConfig(RunConfig):
+    """Everything `cbjax` reads, plus the server. The workload group is not served from:
+    requests come over HTTP (it stays so that one config file fits both commands)."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(
+            not self.experiment.arms,
+            "experiment.arms",
+            "are not served: a server runs one config",
+            sorted(self.experiment.arms),
+        )
+        _require(not self.distributed.enabled, "distributed.num_processes", "must be 1 for cbjax-serve", self.distributed.num_processes)

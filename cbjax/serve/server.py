@@ -1,0 +1,184 @@
+"""One cbjax-serve process: the engine on its own thread, uvicorn on the caller's, a drain on
+SIGTERM, and the run's outputs written at exit as an offline run writes them."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import uvicorn
+
+from cbjax.engine import EngineLoop
+from cbjax.metrics import request_row
+from cbjax.outputs import RequestLog
+from cbjax.run import build_executor, resolve, write_outputs
+from cbjax.scheduler.core import Scheduler
+from cbjax.serve.app import ServeState, create_app
+from cbjax.serve.bridge import EngineBridge
+from cbjax.serve.config import ServeConfig
+from cbjax.serve.metrics import ServerMetrics
+from cbjax.serve.text import load_tokenizer
+from cbjax.service import ServiceLog
+
+log = logging.getLogger("cbjax")
+DRAIN_ABORT = "server shutting down (server.drain_s passed)"
+
+
+class Server:
+    """Builds the engine and the app; `run` serves until SIGINT/SIGTERM (or `shutdown`)."""
+
+    def __init__(self, cfg: ServeConfig, out_dir: Optional[Path] = None):
+        cfg = resolve(cfg)
+        self.cfg = cfg
+        self.out_dir = out_dir
+        self.executor = build_executor(cfg)
+        scheduler = Scheduler(
+            cfg.scheduler,
+            cfg.cache,
+            cfg.model.max_model_len,
+            validate=self.executor.validate,
+            eos_token_id=cfg.model.eos_token_id,
+            vocab_size=cfg.model.vocab_size,
+        )
+        self.bridge = EngineBridge()
+        self.service_log = ServiceLog()
+        self.engine = EngineLoop(
+            scheduler,
+            self.executor,
+            pace=cfg.executor.pace,
+            on_step=self.service_log.on_step,
+            on_token=self.bridge.on_token,
+            on_finish=self.bridge.on_finish,
+        )
+        self.bridge.engine = self.engine
+        name = cfg.server.served_model_name or cfg.model.name
+        self.metrics = ServerMetrics(self.engine, name)
+        self.bridge.listeners.append(self.metrics.on_finish)
+        # the engine's tokens in each row, as an offline run writes them (the simulator has none)
+        self.extra_rows = None if self.executor.virtual_clock else (lambda r: {"output_token_ids": r.output_token_ids})
+        self.live: Optional[RequestLog] = None
+        if out_dir is not None:
+            extra = self.extra_rows
+            self.live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **(extra(r) if extra else {})})
+            self.bridge.listeners.append(self.live.write)
+        self.state = ServeState(
+            bridge=self.bridge,
+            tokenizer=load_tokenizer(cfg.model.path, cfg.model.vocab_size, cfg.model.eos_token_id),
+            metrics=self.metrics,
+            model_name=name,
+            max_model_len=cfg.model.max_model_len,
+            vocab_size=cfg.model.vocab_size,
+            server=cfg.server,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            chunked_prefill=cfg.scheduler.chunked_prefill,
+            created=int(time.time()),
+        )
+        self.app = create_app(self.state)
+        self.stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._drain_timer: Optional[threading.Timer] = None
+        self.uvicorn: Optional[_Uvicorn] = None
+        self.summary: Optional[dict[str, Any]] = None
+
+    def warmup(self) -> None:
+        """Compile before listening. A served request may sample, so the engine's sampler is
+        compiled too (an offline run compiles it only when its workload samples)."""
+        if hasattr(self.executor, "sampling"):
+            self.executor.sampling = True
+        self.executor.warmup()
+
+    def bind(self) -> socket.socket:
+        cfg = self.cfg.server
+        self.uvicorn = _Uvicorn(
+            uvicorn.Config(
+                self.app,
+                host=cfg.host,
+                port=cfg.port,
+                log_level=cfg.log_level,
+                access_log=cfg.log_level in ("info", "debug", "trace"),
+                lifespan="off",
+                # the drain aborts what is left at drain_s; the aborted streams then end at once
+                timeout_graceful_shutdown=int(cfg.drain_s) + 10,
+            ),
+            on_signal=self.begin_drain,
+        )
+        return self.uvicorn.config.bind_socket()
+
+    def run(self, sock: Optional[socket.socket] = None) -> dict[str, Any]:
+        """Serve on `sock` (from `bind`; default: bind now) until told to stop; then write
+        the outputs and return the summary."""
+        if sock is None:
+            sock = self.bind()
+        self.engine.restart_clock()  # arrivals count from here, after warmup
+        self._thread = threading.Thread(target=self.engine.run, args=(self.stop,), name="cbjax-engine", daemon=True)
+        self._thread.start()
+        try:
+            self.uvicorn.run(sockets=[sock])
+        finally:
+            self.finish()
+        return self.summary
+
+    def begin_drain(self, signum: int = signal.SIGTERM) -> None:
+        """Stop admission; requests in flight run on for server.drain_s, then are aborted.
+        Safe from a signal handler: it only sets flags and starts a timer."""
+        if self.state.draining:
+            return
+        self.state.draining = True
+        self.engine.close_admission()
+        self._drain_timer = threading.Timer(self.cfg.server.drain_s, self.bridge.cancel_all, (DRAIN_ABORT,))
+        self._drain_timer.daemon = True
+        self._drain_timer.start()
+
+    def shutdown(self) -> None:
+        """What SIGTERM does, from another thread (tests)."""
+        self.begin_drain()
+        self.uvicorn.should_exit = True
+
+    def finish(self) -> None:
+        """After uvicorn has closed every connection: stop the engine, abort what is left,
+        write requests.jsonl, summary.json and config.yaml."""
+        self.begin_drain()
+        self.stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        self.engine.abort_all()
+        result = self.engine.result()
+        self.summary = write_outputs(self.cfg, self.out_dir, result, self.service_log, self.executor, extra_rows=self.extra_rows)
+        if self.live is not None:
+            self.live.close()
+        self.engine.close()
+        self.executor.close()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn with cbjax's signal handling: the first SIGINT/SIGTERM starts the drain and a
+    graceful exit; uvicorn's own re-raise of the signal at exit (which would kill the process
+    before the outputs are written) is left out."""
+
+    def __init__(self, config: uvicorn.Config, on_signal):
+        super().__init__(config)
+        self.on_signal = on_signal
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.on_signal(sig)
+        super().handle_exit(sig, frame)

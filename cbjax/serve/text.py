@@ -1,0 +1,164 @@
+"""Text in and out of the server: a byte tokenizer for random models, the checkpoint's for
+model=hf, chat prompts, and incremental decoding for streams."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+# The simulator materialises no tokens (token_id None). The server then stands in this byte
+# for each one: printable, a single byte, and one token again when re-tokenized by the byte
+# tokenizer, so a client counting tokens from the text counts what the server generated.
+FILLER_TEXT = "x"
+
+
+class Tokenizer(Protocol):
+    eos_token_id: Optional[int]
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]: ...
+
+    def decoder(self) -> "Decoder": ...
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str: ...
+
+    @property
+    def filler_token_id(self) -> int: ...
+
+
+class Decoder(Protocol):
+    def push(self, token_id: int) -> str:
+        """The text this token adds (possibly empty: a multi-byte character not yet whole)."""
+
+
+class ByteTokenizer:
+    """Token id b < 256 is byte b of the UTF-8 text; no special tokens, no merges. A random
+    model may sample ids from 256 up: they have no text and decode to nothing.
+
+    Chat prompts are plain: one line `role: content` per message, then `assistant: `."""
+
+    eos_token_id: Optional[int] = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decoder(self) -> "ByteDecoder":
+        return ByteDecoder()
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+    @property
+    def filler_token_id(self) -> int:
+        return ord(FILLER_TEXT)
+
+
+class ByteDecoder:
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        if not 0 <= token_id < 256:
+            return ""
+        return self._utf8.decode(bytes((token_id,)))
+
+
+class HFTokenizer:
+    """A checkpoint's tokenizer.json (through `tokenizers`), with its chat template from
+    tokenizer_config.json when it has one (rendered with jinja2, as transformers does)."""
+
+    def __init__(self, model_dir: str | Path, eos_token_id: Optional[int]):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        path = Path(model_dir) / "tokenizer.json"
+        try:
+            self._tok = RustTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises its own exception type
+            raise ValueError(f"tokenizer {str(path)!r}: cannot read it: {e}") from e
+        self.eos_token_id = eos_token_id
+        self._template, self._special = _chat_template(Path(model_dir))
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=special).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def decoder(self) -> "WindowDecoder":
+        return WindowDecoder(self)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        if self._template is None:
+            return ByteTokenizer.chat_prompt(self, messages)  # type: ignore[arg-type]
+        return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    @property
+    def filler_token_id(self) -> int:
+        ids = self.encode(FILLER_TEXT, special=False)
+        return ids[0] if ids else 0
+
+
+class WindowDecoder:
+    """Incremental decoding for tokenizers whose tokens' text depends on their neighbours
+    (a leading-space marker, byte fallback): decode the tokens since the last emitted text's
+    context with and without the new ones and emit the difference, holding it back while it
+    ends in half a character."""
+
+    def __init__(self, tok: HFTokenizer):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] is the context the last emitted text was cut from
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+
+def _chat_template(model_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """tokenizer_config.json's chat template compiled in a jinja2 sandbox, and the special
+    tokens it may name; (None, {}) when the checkpoint has none."""
+    path = model_dir / "tokenizer_config.json"
+    if not path.is_file():
+        return None, {}
+    config = json.loads(path.read_text())
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    if not source:
+        return None, {}
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template: {message}")
+
+    env.globals["raise_exception"] = raise_exception
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        special[key] = value or ""
+    return env.from_string(source), special
+
+
+def load_tokenizer(model_path: Optional[str], vocab_size: int, eos_token_id: Optional[int]) -> Tokenizer:
+    """The checkpoint's tokenizer with model.path and a tokenizer.json, else the byte tokenizer."""
+    if model_path and (Path(model_path) / "tokenizer.json").is_file():
+        return HFTokenizer(model_path, eos_token_id)
+    return ByteTokenizer(vocab_size)
