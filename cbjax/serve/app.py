@@ -170,13 +170,11 @@ def build_request(state: ServeState, body: SamplingFields, ids: list[int], promp
     bad = next((t for t in stop_ids if not 0 <= t < state.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {state.vocab_size})", "stop_token_ids")
-    strings = []
-    for s in body.stop or ():
+    strings = list(body.stop or ())  # matched in the text by the server (`Output`)
+    for s in strings:
         one = state.tokenizer.encode(s, special=False)
-        if len(one) == 1:  # the scheduler stops on it exactly
+        if len(one) == 1:  # a one-token stop: the scheduler also stops on its id, one step sooner
             stop_ids.add(one[0])
-        else:
-            strings.append(s)
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -221,8 +219,9 @@ class Output:
         if self.stopped:
             return ""
         self.num_tokens += 1
-        token_id = self.filler if token_id is None else token_id
-        if token_id not in self.silent:
+        if token_id is None:  # simulated: the filler's text, never a stop token's
+            self.text += self.decoder.push(self.filler)
+        elif token_id not in self.silent:  # a stop or EOS token's own text is not output
             self.text += self.decoder.push(token_id)
         if self.stops:
             at = min((i for i in (self.text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0), default=-1)
