@@ -1,0 +1,78 @@
+"""cbjax-serve as a process: SIGTERM mid-load drains, aborts the rest, writes its files, exits 0."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+
+from conftest import REPO
+
+SHORT, LONG = 20, 3000  # tokens: at 2 ms an iteration, done within the drain / still running after it
+
+
+def start_server(tmp_path, env, *overrides: str) -> tuple[subprocess.Popen, str]:
+    """Start `python -m cbjax.serve` on a free port; return it and its /v1 URL once it listens."""
+    cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        match = re.match(r"cbjax-serve: listening on (http://\S+/v1)", line)
+        if match:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+            return proc, match.group(1)
+    proc.wait(timeout=30)
+    raise AssertionError(f"cbjax-serve exited {proc.returncode} before listening")
+
+
+def test_sigterm_mid_load_drains_writes_every_request_and_exits_0(tmp_path, env_cpu):
+    proc, base = start_server(
+        tmp_path, env_cpu, "hardware.overhead_s=0.002", "server.drain_s=1", "scheduler.max_num_seqs=8",
+        "model.max_model_len=4096", "cache.num_pages=2048",
+    )  # fmt: skip
+    statuses: list[int] = []
+    first_tokens = threading.Semaphore(0)
+
+    def client(i: int) -> None:
+        body = {"prompt": f"client {i}", "max_tokens": LONG if i % 2 else SHORT, "stream": True}
+        try:
+            with httpx.stream("POST", f"{base}/completions", json=body, timeout=60) as resp:
+                statuses.append(resp.status_code)
+                for n, _line in enumerate(resp.iter_lines()):
+                    if n == 0:
+                        first_tokens.release()
+        except httpx.HTTPError:
+            statuses.append(-1)  # refused after the listener closed: never received
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for _ in range(8):  # the first batch is running
+        assert first_tokens.acquire(timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    assert proc.wait(timeout=60) == 0
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "requests.jsonl").read_text().splitlines()]
+    received = sum(1 for s in statuses if s == 200)
+    assert len(rows) == received == 12  # every request sent before the signal was received
+    fates = sorted(r["finish_reason"] for r in rows)
+    # the short ones finished (some still queued when the signal came), the long ones were
+    # aborted once server.drain_s had passed
+    assert fates == ["aborted"] * 6 + ["length"] * 6
+    assert all(r["output_len"] == SHORT for r in rows if r["finish_reason"] == "length")
+    assert all(r["error"].startswith("server shutting down") for r in rows if r["finish_reason"] == "aborted")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["num_requests"] == 12 and summary["num_aborted"] == 6 and summary["num_finished"] == 6
+    assert (run / "config.yaml").is_file() and not (run / "requests.jsonl.partial").exists()
+
+
+def test_a_bad_config_exits_2_naming_the_key(tmp_path, env_cpu):
+    cmd = [sys.executable, "-m", "cbjax.serve", "server.drain_s=-1", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env_cpu, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "server.drain_s must be >= 0" in proc.stderr
