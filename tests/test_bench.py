@@ -1,0 +1,83 @@
+"""cbjax-bench against cbjax-serve (in-process, paced simulator): open and closed loop, cbjax's
+run files, and collect_sweep reading them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO
+from test_serve import rows, running
+import cbjax.bench.cli  # noqa: F401  registers BenchConfig
+from cbjax.bench.config import BenchConfig
+from cbjax.bench.run import run_bench
+from cbjax.config_merge import check_known_keys
+
+WORKLOAD = ["workload.num_requests=24", "workload.arrival=poisson", "workload.rate=40",
+            "workload.prompt_len.low=8", "workload.prompt_len.high=64",
+            "workload.output_len.dist=uniform", "workload.output_len.low=4", "workload.output_len.high=40"]  # fmt: skip
+
+
+def bench_config(*overrides: str) -> BenchConfig:
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=["progress=false", *overrides])
+    check_known_keys(cfg, BenchConfig)
+    return OmegaConf.to_object(cfg)
+
+
+def test_bench_config_checks_its_keys():
+    assert bench_config().bench.concurrency is None
+    with pytest.raises(ValueError, match="bench.concurrency must be >= 1"):
+        bench_config("bench.concurrency=0")
+    with pytest.raises(ValueError, match="bench.prompt must be text with bench.endpoint=chat"):
+        bench_config("bench.endpoint=chat")
+    with pytest.raises(ValueError, match="bench.url must be an http"):
+        bench_config("bench.url=localhost:8000")
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_bench_replays_a_workload_and_writes_cbjax_run_files(tmp_path, mode):
+    server_dir, bench_dir = tmp_path / "server", tmp_path / "bench"
+    loop = ["bench.concurrency=3"] if mode == "closed" else []
+    with running(server_dir, "scheduler.max_num_seqs=8") as (base, srv):
+        cfg = bench_config(f"bench.url={base}", "slo.ttft_s=10", "slo.tpot_s=10", *WORKLOAD, *loop)
+        summary = run_bench(cfg, bench_dir, verbose=False)
+    client = rows(bench_dir)
+    server = rows(server_dir)
+    assert summary["num_requests"] == summary["num_finished"] == 24 and summary["num_http_errors"] == 0
+    # every request came back with the workload's output length, and the server saw the same
+    # requests (matched by their lengths: the ids differ)
+    assert all(r["output_len"] == r["target_output_len"] for r in client)
+    assert sorted((r["prompt_len"], r["output_len"]) for r in client) == sorted((r["prompt_len"], r["output_len"]) for r in server)
+    assert all(r["ttft_s"] is not None and r["e2e_s"] >= r["ttft_s"] for r in client)
+    assert all(len(r["itl_s"]) == r["output_len"] - 1 for r in client)  # one chunk per token
+    assert summary["output_tokens"] == sum(r["output_len"] for r in client)
+    assert summary["goodput_req_s"] > 0 and summary["slo_attainment"] == 1.0 and summary["mode"] == mode
+    assert summary["itl_s_p50"] == summary["tbt_s_p50"] is not None
+    assert "iterations" not in summary  # the server's own counters are not the client's to report
+    server_summary = json.loads((server_dir / "summary.json").read_text())
+    if mode == "closed":  # at most 3 in flight: the server never ran a larger batch
+        assert server_summary["peak_batch_size"] <= 3
+    assert (bench_dir / "config.yaml").is_file()
+
+
+def test_cbjax_bench_command_and_collect_sweep(tmp_path, env_cpu):
+    out = tmp_path / "bench"
+    with running(None) as (base, srv):
+        cmd = [sys.executable, "-m", "cbjax.bench", f"bench.url={base}", "bench.endpoint=chat", "bench.prompt=text",
+               "progress=false", f"hydra.run.dir={out}", "workload.num_requests=6", "workload.output_len.dist=fixed",
+               "workload.output_len.value=5", "workload.prompt_len.dist=fixed", "workload.prompt_len.value=10"]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=REPO, env=env_cpu, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "TTFT p50" in proc.stdout and f"outputs: {out}" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_finished"] == 6 and summary["output_tokens"] == 30
+    col = subprocess.run([sys.executable, "experiments/collect_sweep.py", str(out), "--metrics", "ttft_s_p50,itl_s_p50,goodput_req_s"],
+                         cwd=REPO, env=env_cpu, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert col.returncode == 0, col.stderr
+    assert "ttft_s_p50" in col.stdout
