@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -68,12 +69,14 @@ def payload(cfg: BenchClientConfig, model: str, req: Request) -> dict[str, Any]:
     return body
 
 
-async def send_one(client: httpx.AsyncClient, cfg: BenchClientConfig, model: str, req: Request, t0: float) -> Timing:
+async def send_one(client: httpx.AsyncClient, cfg: BenchClientConfig, model: str, req: Request, t0: float, run_id: str) -> Timing:
     """Stream one request; never raises (a failure is recorded in the Timing)."""
     path = "/chat/completions" if cfg.endpoint == "chat" else "/completions"
     timing = Timing(send_s=time.perf_counter() - t0)
     try:
-        async with client.stream("POST", path, json=payload(cfg, model, req), timeout=cfg.timeout_s) as resp:
+        # X-Request-ID: a server that keeps it (cbjax-serve, vLLM) can join its rows to ours
+        headers = {"X-Request-ID": f"{run_id}-{req.request_id}"}
+        async with client.stream("POST", path, json=payload(cfg, model, req), headers=headers, timeout=cfg.timeout_s) as resp:
             timing.status = resp.status_code
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
@@ -159,11 +162,12 @@ async def run_load(cfg: BenchClientConfig, requests: list[Request], progress=Non
     timings: dict[Request, Timing] = {}
     async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, limits=limits, timeout=cfg.timeout_s) as client:
         model = cfg.model or await first_model(client)
+        run_id = uuid.uuid4().hex[:8]  # a prefix that keeps ids unique across runs
         t0 = time.perf_counter()
         deadline = None if cfg.duration_s is None else cfg.duration_s
 
         async def one(req: Request) -> None:
-            timings[req] = await send_one(client, cfg, model, req, t0)
+            timings[req] = await send_one(client, cfg, model, req, t0, run_id)
             if progress is not None:
                 progress()
 

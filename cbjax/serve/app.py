@@ -152,8 +152,9 @@ def check_model(state: ServeState, body: SamplingFields) -> None:
 
 
 def build_request(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
-                  max_tokens: Optional[int], chat: bool) -> tuple[Request, list[str]]:  # fmt: skip
-    """The engine's request and the stop strings the server matches itself."""
+                  max_tokens: Optional[int], chat: bool, client_id: Optional[str] = None) -> tuple[Request, list[str]]:  # fmt: skip
+    """The engine's request and the stop strings the server matches itself. `client_id` is the
+    client's X-Request-ID, kept in the request's id so its rows join the client's records."""
     n = len(ids)
     limit = state.max_model_len
     if n >= limit:
@@ -186,7 +187,7 @@ def build_request(state: ServeState, body: SamplingFields, ids: list[int], promp
     )
     prefix = "chatcmpl" if chat else "cmpl"
     req = Request(
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        request_id=f"{prefix}-{client_id or uuid.uuid4().hex}",
         arrival_s=0.0,  # stamped by the engine at submit
         prompt_len=n,
         prompt_token_ids=ids,
@@ -264,7 +265,11 @@ def end_error(state: ServeState, req: Request) -> Optional[APIError]:
 
 async def generate(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
                    max_tokens: Optional[int], *, chat: bool, raw: HTTPRequest) -> Response:  # fmt: skip
-    req, stops = build_request(state, body, ids, prompt_field, max_tokens, chat)
+    client_id = raw.headers.get("x-request-id")
+    in_use = client_id is not None and any(state.bridge.is_live(f"{p}-{client_id}") for p in ("cmpl", "chatcmpl"))
+    if client_id is not None and (len(client_id) > 128 or not client_id.isprintable() or in_use):
+        raise APIError(400, "x-request-id: must be printable, at most 128 characters, and not in use by a live request", "x-request-id")
+    req, stops = build_request(state, body, ids, prompt_field, max_tokens, chat, client_id)
     bound = state.server.max_queue
     if bound is not None and state.bridge.num_waiting() >= bound:
         after = state.server.retry_after_s

@@ -62,6 +62,10 @@ class EngineBridge:
         for request_id in ids:
             self.engine.cancel(request_id, reason)
 
+    def is_live(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._queues
+
     def num_waiting(self) -> int:
         """Requests accepted and not yet holding a slot (a racy read; good for a bound)."""
         return max(0, self.num_in_flight - len(self.engine.scheduler.running))

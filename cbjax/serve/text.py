@@ -162,3 +162,39 @@ def load_tokenizer(model_path: Optional[str], vocab_size: int, eos_token_id: Opt
     if model_path and (Path(model_path) / "tokenizer.json").is_file():
         return HFTokenizer(model_path, eos_token_id)
     return ByteTokenizer(vocab_size)
+
+
+def byte_tokenizer_json() -> str:
+    """ByteTokenizer as a Hugging Face tokenizer.json (byte-level BPE with no merges: token id
+    b is byte b), so standard clients that count tokens with a tokenizer (AIPerf, vLLM's
+    benchmark) count what the server counts."""
+    from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins, in no order
+    table = _byte_to_unicode()
+    assert sorted(alphabet) == sorted(table.values())
+    vocab = {table[b]: b for b in range(256)}
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of bytes to printable characters (what ByteLevel pre-tokenizes to)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + n)
+            n += 1
+    return chars
+
+
+def write_hf_tokenizer(snapshot_dir: str | Path) -> None:
+    """Write the byte tokenizer as a Hugging Face model directory's tokenizer files."""
+    out = Path(snapshot_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(byte_tokenizer_json())
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}))

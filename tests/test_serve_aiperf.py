@@ -1,0 +1,67 @@
+"""NVIDIA's AIPerf, a standard load client, profiles cbjax-serve offline; its per-request
+records agree with the server's requests.jsonl (slow: AIPerf starts a dozen processes).
+
+AIPerf is not in the test extra (its dependencies pin optuna 5, the sweeper test needs 2.x):
+install the `bench` extra in its own environment and point CBJAX_AIPERF at its `aiperf`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+from test_serve_sigterm import start_server
+from cbjax.serve.text import write_hf_tokenizer
+
+AIPERF = os.environ.get("CBJAX_AIPERF") or shutil.which("aiperf")
+# AIPerf's timing includes its own client overhead: a few ms a request sent one at a time, tens
+# of ms with several in flight on a busy 2-core machine (its workers and record processors are
+# separate processes). Half-second iterations, one request at a time after a warmup request
+# (which opens the connection), keep that well inside 5% of the TTFT being compared.
+ITERATION_S = 0.5
+NUM, OSL, ISL = 6, 4, 32
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(AIPERF is None, reason="aiperf is not installed (set CBJAX_AIPERF to its executable)")
+def test_aiperf_profile_agrees_with_the_servers_requests_jsonl(tmp_path, env_cpu):
+    # AIPerf loads a tokenizer only through the Hugging Face cache: the byte tokenizer goes in
+    # as the model cbjax/byte, read offline.
+    hub = tmp_path / "hf" / "hub" / "models--cbjax--byte"
+    write_hf_tokenizer(hub / "snapshots" / "0")
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text("0")
+    proc, base = start_server(tmp_path, env_cpu, f"hardware.overhead_s={ITERATION_S}", "scheduler.max_num_seqs=4")
+    out = tmp_path / "aiperf"
+    env = {**env_cpu, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    cmd = [AIPERF, "profile", "--model", "tiny", "--url", base.removesuffix("/v1"), "--endpoint-type", "completions",
+           "--streaming", "--tokenizer", "cbjax/byte", "--request-count", str(NUM), "--concurrency", "1",
+           "--warmup-request-count", "1",
+           "--isl", str(ISL), "--isl-stddev", "0", "--osl", str(OSL), "--osl-stddev", "0",
+           "--extra-inputs", "ignore_eos:true", "--output-artifact-dir", str(out), "--ui-type", "none",
+           "--random-seed", "1"]  # fmt: skip
+    try:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines()]
+    server = {}
+    for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        server[row["request_id"]] = row
+    profiled = [rec for rec in records if rec["metadata"]["benchmark_phase"] == "profiling"]
+    assert len(profiled) == NUM and len(records) == len(server) == NUM + 1  # and the warmup request
+    for rec in records:
+        row = server[f"cmpl-{rec['metadata']['x_request_id']}"]  # AIPerf's X-Request-ID
+        metrics = rec["metrics"]
+        assert metrics["output_sequence_length"]["value"] == row["output_len"] == OSL
+        assert metrics["input_sequence_length"]["value"] == row["prompt_len"] == ISL
+        if rec in profiled:
+            client_ttft = metrics["time_to_first_token"]["value"] / 1e3
+            assert client_ttft == pytest.approx(row["ttft_s"], rel=0.05)
