@@ -1,8 +1,9 @@
 """Between the event loop and the engine thread: each request's events reach its handler's queue.
 
-The engine calls `on_token` and `on_finish` on its own thread; each event is handed to the
-asyncio loop with `call_soon_threadsafe`, which keeps a request's events in order (its tokens,
-then its end)."""
+The engine calls `on_token` and `on_finish` on its own thread. Events are buffered and handed
+to the asyncio loop once per loop turn (`tick`, at each iteration boundary): one wakeup of the
+event loop per iteration rather than one per token. The buffer keeps a request's events in
+order (its tokens, then its end)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class EngineBridge:
         self.num_in_flight = 0  # submitted, not yet finished
         self.num_received = 0
         self.listeners: list[Callable[[Request], None]] = []
+        self._pending: list = []  # (queue entry, event) since the last tick; engine thread only
 
     # ---- the handler's side (event loop thread) ----
     def submit(self, req: Request) -> asyncio.Queue:
@@ -74,7 +76,7 @@ class EngineBridge:
     def on_token(self, req: Request, token_id: Optional[int], now: float) -> None:
         entry = self._queues.get(req.request_id)
         if entry is not None:
-            _post(entry, Token(token_id, now))
+            self._pending.append((entry, Token(token_id, now)))
 
     def on_finish(self, req: Request) -> None:
         for listener in self.listeners:
@@ -84,12 +86,23 @@ class EngineBridge:
             if entry is not None:
                 self.num_in_flight -= 1
         if entry is not None:
-            _post(entry, Finished(req))
+            self._pending.append((entry, Finished(req)))
+
+    def tick(self) -> None:
+        """Hand the buffered events to their event loops (the engine's `tick`)."""
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for (loop, queue), event in batch:
+            by_loop.setdefault(loop, []).append((queue, event))
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody listens
+                pass
 
 
-def _post(entry: tuple[asyncio.AbstractEventLoop, asyncio.Queue], event: object) -> None:
-    loop, queue = entry
-    try:
-        loop.call_soon_threadsafe(queue.put_nowait, event)
-    except RuntimeError:  # the event loop has closed (shutdown): nobody listens
-        pass
+def _deliver(events: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)

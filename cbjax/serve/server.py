@@ -55,6 +55,7 @@ class Server:
             on_step=self.service_log.on_step,
             on_token=self.bridge.on_token,
             on_finish=self.bridge.on_finish,
+            tick=self._tick,
         )
         self.bridge.engine = self.engine
         name = cfg.server.served_model_name or cfg.model.name
@@ -85,6 +86,11 @@ class Server:
         self._drain_timer: Optional[threading.Timer] = None
         self.uvicorn: Optional[_Uvicorn] = None
         self.summary: Optional[dict[str, Any]] = None
+
+    def _tick(self) -> None:
+        self.bridge.tick()
+        if self.live is not None:
+            self.live.tick()
 
     def warmup(self) -> None:
         """Compile before listening. A served request may sample, so the engine's sampler is
@@ -150,6 +156,7 @@ class Server:
         if self._drain_timer is not None:
             self._drain_timer.cancel()
         self.engine.abort_all()
+        self.bridge.tick()
         result = self.engine.result()
         self.summary = write_outputs(self.cfg, self.out_dir, result, self.service_log, self.executor, extra_rows=self.extra_rows)
         if self.live is not None:

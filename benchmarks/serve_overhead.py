@@ -1,0 +1,123 @@
+"""Benchmark: one workload served three ways, side by side, to show what the server costs.
+
+    python benchmarks/serve_overhead.py [--executor jax] [--rate 8] [--num-requests 200]
+        [--profile PROFILE.json] [--out DIR] [--repeats 1] [OVERRIDE ...]
+
+1. offline: `cbjax` in-process (run_experiment) with the executor;
+2. served: `cbjax-serve` with the same executor, driven by `cbjax-bench` open loop at the
+   workload's arrival times, on this machine (client-side times);
+3. paced sim: `cbjax-serve executor=sim executor.pace=realtime` (cost_model=profiled with
+   --profile, the profile of this machine from `python -m cbjax.profile`; roofline without),
+   driven the same way;
+and, as the paced simulator's own reference, 4. offline sim: the same simulator offline.
+
+The table shows medians over --repeats of TTFT, TPOT, ITL (the client's; offline runs' time
+between tokens) and E2E p50, and output throughput, with served / offline and paced sim /
+offline sim. OVERRIDEs (Hydra `key=value`) apply to every run: the model, scheduler, cache,
+workload lengths. Measure on a quiet machine: the client and the server share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import cbjax.bench.cli  # noqa: F401  registers BenchConfig
+import cbjax.cli  # noqa: F401  registers RunConfig
+from cbjax.bench.config import BenchConfig
+from cbjax.bench.run import run_bench
+from cbjax.config_merge import check_known_keys, to_run_config
+from cbjax.report import markdown_table
+from cbjax.run import run_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = str(ROOT / "configs")
+METRICS = (("TTFT p50 (ms)", "ttft_s_p50", 1e3), ("TPOT p50 (ms)", "tpot_s_p50", 1e3), ("ITL p50 (ms)", "tbt_s_p50", 1e3),
+           ("E2E p50 (ms)", "e2e_s_p50", 1e3), ("throughput (tok/s)", "throughput_tok_s", 1.0))  # fmt: skip
+
+
+def offline(overrides: list[str], out: Path) -> dict:
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = to_run_config(compose(config_name="config", overrides=["progress=false", *overrides]))
+    return run_experiment(cfg, out, verbose=False)
+
+
+def served(server_overrides: list[str], workload: list[str], out: Path) -> dict:
+    """Start cbjax-serve, send the workload with cbjax-bench, stop the server (SIGTERM)."""
+    cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", f"hydra.run.dir={out / 'server'}", *server_overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        base = None
+        for line in proc.stderr:
+            match = re.match(r"cbjax-serve: listening on (http://\S+/v1)", line)
+            if match:
+                base = match.group(1)
+                threading.Thread(target=proc.stderr.read, daemon=True).start()
+                break
+        if base is None:
+            raise SystemExit(f"cbjax-serve exited {proc.wait()} before listening: {' '.join(cmd)}")
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            raw = compose(config_name="bench", overrides=["progress=false", f"bench.url={base}", *workload])
+        check_known_keys(raw, BenchConfig)
+        return run_bench(OmegaConf.to_object(raw), out / "bench", verbose=False)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--executor", default="jax", choices=("jax", "sim"))
+    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals, requests per second")
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--profile", help="profile.json of this machine for the paced simulator (cost_model=profiled)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "serve_overhead")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (model, scheduler, lengths)")
+    args = parser.parse_args(argv)
+    # the workload keys go to cbjax-bench too; the rest only to the server and offline runs
+    workload = [f"workload.num_requests={args.num_requests}", "workload.arrival=poisson", f"workload.rate={args.rate}",
+                *(o for o in args.overrides if o.startswith(("workload.", "workload=", "seed=", "slo.")))]  # fmt: skip
+    engine = [o for o in args.overrides if o not in workload]
+    sim = ["executor=sim", *((["executor.cost_model=profiled", f"executor.profile={args.profile}"]) if args.profile else [])]
+    ways = {
+        "offline": lambda out: offline([f"executor={args.executor}", *engine, *workload], out),
+        "served": lambda out: served([f"executor={args.executor}", *engine], workload, out),
+        "paced sim": lambda out: served([*sim, "executor.pace=realtime", *engine], workload, out),
+        "offline sim": lambda out: offline([*sim, *engine, *workload], out),
+    }
+    results: dict[str, list[dict]] = {name: [] for name in ways}
+    for i in range(args.repeats):
+        for name, run in ways.items():
+            print(f"repeat {i + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
+            results[name].append(run(args.out / f"r{i}" / name.replace(" ", "_")))
+
+    def value(name: str, key: str, scale: float):
+        vals = [s.get(key) for s in results[name] if s.get(key) is not None]
+        return statistics.median(vals) * scale if vals else None
+
+    def ratio(v: dict, a: str, b: str) -> str:
+        return f"{v[a] / v[b]:.3f}" if v[a] is not None and v[b] else "-"
+
+    rows = []
+    for label, key, scale in METRICS:
+        v = {name: value(name, key, scale) for name in ways}
+        rows.append([label, *(f"{v[n]:.2f}" if v[n] is not None else "-" for n in ways),
+                     ratio(v, "served", "offline"), ratio(v, "paced sim", "offline sim")])  # fmt: skip
+    header = ["metric", *ways, "served / offline", "paced sim / offline sim"]
+    print(f"\nexecutor={args.executor}, {args.num_requests} requests at {args.rate}/s, medians of {args.repeats}\n")
+    print(markdown_table(header, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
