@@ -1,0 +1,76 @@
+"""The server's text: the byte tokenizer and its tokenizer.json twin, incremental decoding, and a
+checkpoint's tokenizer and chat template (served on the simulator: config.json is all it reads)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+from tokenizers import Tokenizer
+
+from test_serve import rows, running
+from cbjax.serve.text import ByteTokenizer, HFTokenizer, byte_tokenizer_json, write_hf_tokenizer
+
+TEXTS = ["hello world", "héllo wörld ✓ 日本", "tabs\tand\nnewlines", "x" * 40]
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+
+
+def test_the_tokenizer_json_counts_as_the_byte_tokenizer_does():
+    byte, twin = ByteTokenizer(512), Tokenizer.from_str(byte_tokenizer_json())
+    for text in TEXTS:
+        ids = byte.encode(text)
+        assert ids == list(text.encode("utf-8")) == twin.encode(text).ids
+        assert twin.decode(ids) == text
+
+
+def test_incremental_decoding_emits_each_character_once_it_is_whole(tmp_path):
+    write_hf_tokenizer(tmp_path)
+    for tok in (ByteTokenizer(512), HFTokenizer(tmp_path, eos_token_id=None)):
+        for text in TEXTS:
+            dec = tok.decoder()
+            pieces = [dec.push(t) for t in tok.encode(text)]
+            assert "".join(pieces) == text
+            assert not any("\ufffd" in p for p in pieces)  # half a character is held, not sent
+            if "é" in text:
+                assert "" in pieces  # the first byte of a two-byte character waited
+
+
+def checkpoint(path, template: bool):
+    """A Llama config.json and the byte tokenizer's files: what the simulator and server read."""
+    write_hf_tokenizer(path)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+              "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu"}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    if template:
+        tok_config = json.loads((path / "tokenizer_config.json").read_text())
+        tok_config.update(chat_template=TEMPLATE, bos_token={"content": "<s>"})
+        (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+
+
+def test_a_checkpoint_serves_with_its_tokenizer_and_chat_template(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    checkpoint(model, template=True)
+    messages = [{"role": "system", "content": "terse"}, {"role": "user", "content": "héllo"}]
+    rendered = "<s><system>terse</system><user>héllo</user><assistant>"
+    with running(tmp_path / "run", "model=hf", f"model.path={model}") as (base, srv):
+        assert srv.state.tokenizer.chat_prompt(messages) == rendered
+        client = openai.OpenAI(base_url=base, api_key="unused")
+        r = client.chat.completions.create(model="hf", messages=messages, max_tokens=3)
+        assert r.usage.prompt_tokens == len(rendered.encode("utf-8")) and r.choices[0].message.content == "xxx"
+        r = client.completions.create(model="hf", prompt="ab", max_tokens=2, stream=False)
+        assert r.usage.prompt_tokens == 2
+    assert [row["prompt_len"] for row in rows(tmp_path / "run")] == [len(rendered.encode("utf-8")), 2]
+
+
+def test_a_checkpoint_without_a_template_uses_the_plain_chat_format(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    checkpoint(model, template=False)
+    with running(None, "model=hf", f"model.path={model}") as (base, srv):
+        r = openai.OpenAI(base_url=base, api_key="unused").chat.completions.create(
+            model="hf", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
+        assert r.usage.prompt_tokens == len("user: hi\nassistant: ")
