@@ -74,3 +74,26 @@ def test_a_checkpoint_without_a_template_uses_the_plain_chat_format(tmp_path):
             model="hf", messages=[{"role": "user", "content": "hi"}], max_tokens=1
         )
         assert r.usage.prompt_tokens == len("user: hi\nassistant: ")
+
+
+def test_the_real_engine_streams_its_own_tokens(tmp_path):
+    """executor=jax, tiny random model: the text a client gets is the engine's tokens decoded,
+    and greedy requests with the same prompt get the same tokens."""
+    small = ["executor=jax", "scheduler.max_num_seqs=2", "scheduler.max_num_batched_tokens=32",
+             "model.max_model_len=64", "cache.num_pages=16", "executor.token_buckets=[2,32]"]  # fmt: skip
+    byte = ByteTokenizer(512)
+    with running(tmp_path, *small) as (base, srv):
+        client = openai.OpenAI(base_url=base, api_key="unused")
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt="hello", max_tokens=12, temperature=0, stream=True) if c.choices)  # fmt: skip
+        again = client.completions.create(model="tiny", prompt="hello", max_tokens=12, temperature=0)
+        sampled = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=1.0, seed=7)
+    first, second, third = rows(tmp_path)
+    assert first["output_token_ids"] == second["output_token_ids"] and len(first["output_token_ids"]) == 12
+    assert streamed and streamed == again.choices[0].text == _decode(byte, first["output_token_ids"])
+    assert again.usage.completion_tokens == 12 and sampled.usage.completion_tokens == len(third["output_token_ids"]) == 5
+
+
+def _decode(tok: ByteTokenizer, ids: list[int]) -> str:
+    dec = tok.decoder()
+    return "".join(dec.push(t) for t in ids)
