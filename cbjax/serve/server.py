@@ -19,7 +19,8 @@ from cbjax.metrics import request_row
 from cbjax.outputs import RequestLog
 from cbjax.run import build_executor, resolve, write_outputs
 from cbjax.scheduler.core import Scheduler
-from cbjax.serve.app import ServeState, create_app
+from cbjax.serve.app import create_app
+from cbjax.serve.generate import ServeState
 from cbjax.serve.bridge import EngineBridge
 from cbjax.serve.config import ServeConfig
 from cbjax.serve.metrics import ServerMetrics

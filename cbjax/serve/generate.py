@@ -1,0 +1,252 @@
+"""From a validated OpenAI request to its response: build the engine's request, submit it, and
+answer with the whole output or a stream of server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cbjax.request import FinishReason, Request, SamplingParams
+from cbjax.serve.bridge import EngineBridge, Finished, Token
+from cbjax.serve.config import ServerConfig
+from cbjax.serve.metrics import ServerMetrics
+from cbjax.serve.output import STOP_SEQUENCE, Output, usage
+from cbjax.serve.protocol import APIError, SamplingFields
+from cbjax.serve.text import Tokenizer
+
+
+@dataclass
+class ServeState:
+    """What the handlers share; `draining` is set once SIGTERM closes admission."""
+
+    bridge: EngineBridge
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    server: ServerConfig
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+    created: int = 0
+    draining: bool = False
+
+
+class EngineStream(StreamingResponse):
+    """A stream that calls `on_close` however it ends: done, client gone, or server error."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def build_request(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
+                  max_tokens: Optional[int], chat: bool, client_id: Optional[str] = None) -> tuple[Request, list[str]]:  # fmt: skip
+    """The engine's request and the stop strings the server matches itself. `client_id` is the
+    client's X-Request-ID, kept in the request's id so its rows join the client's records."""
+    n = len(ids)
+    limit = state.max_model_len
+    if n >= limit:
+        raise APIError(400, f"{prompt_field}: the prompt has {n} tokens, the model's maximum length is {limit}", prompt_field)
+    if n > state.max_num_batched_tokens and not state.chunked_prefill:
+        raise APIError(400, f"{prompt_field}: the prompt has {n} tokens, more than the server's step budget "
+                            f"(scheduler.max_num_batched_tokens={state.max_num_batched_tokens}, no chunked prefill)", prompt_field)  # fmt: skip
+    if max_tokens is None:
+        max_tokens = limit - n
+    elif n + max_tokens > limit:
+        key = "max_completion_tokens" if chat and getattr(body, "max_completion_tokens", None) else "max_tokens"
+        raise APIError(400, f"{key}: {n} prompt tokens + {max_tokens} > the model's maximum length {limit}", key)
+    stop_ids = set(body.stop_token_ids or ())
+    bad = next((t for t in stop_ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {state.vocab_size})", "stop_token_ids")
+    strings = list(body.stop or ())  # matched in the text by the server (`Output`)
+    for s in strings:
+        one = state.tokenizer.encode(s, special=False)
+        if len(one) == 1:  # a one-token stop: the scheduler also stops on its id, one step sooner
+            stop_ids.add(one[0])
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_k=max(0, body.top_k),
+        top_p=body.top_p,
+        seed=random.getrandbits(31) if body.seed is None else body.seed % (1 << 31),
+        stop_token_ids=tuple(sorted(stop_ids)),
+        ignore_eos=body.ignore_eos,
+    )
+    prefix = "chatcmpl" if chat else "cmpl"
+    req = Request(
+        request_id=f"{prefix}-{client_id or uuid.uuid4().hex}",
+        arrival_s=0.0,  # stamped by the engine at submit
+        prompt_len=n,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        client_id=body.user or "default",
+        priority=body.priority,
+    )
+    return req, strings
+
+
+def end_error(state: ServeState, req: Request) -> Optional[APIError]:
+    """The error a request that ended without being served answers with, if it did."""
+    reason = req.finish_reason
+    if reason is FinishReason.REJECTED:
+        if state.draining:
+            return APIError(503, "the server is shutting down and admits no new requests", None, "service_unavailable")
+        return APIError(400, f"prompt: {req.reject_reason}", "prompt")
+    if reason is FinishReason.ERROR:
+        return APIError(500, f"the engine failed on this request: {req.error}", None, "server_error")
+    return None
+
+
+async def generate(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
+                   max_tokens: Optional[int], *, chat: bool, raw: HTTPRequest) -> Response:  # fmt: skip
+    client_id = raw.headers.get("x-request-id")
+    in_use = client_id is not None and any(state.bridge.is_live(f"{p}-{client_id}") for p in ("cmpl", "chatcmpl"))
+    if client_id is not None and (len(client_id) > 128 or not client_id.isprintable() or in_use):
+        raise APIError(400, "x-request-id: must be printable, at most 128 characters, and not in use by a live request", "x-request-id")
+    req, stops = build_request(state, body, ids, prompt_field, max_tokens, chat, client_id)
+    bound = state.server.max_queue
+    if bound is not None and state.bridge.num_waiting() >= bound:
+        after = state.server.retry_after_s
+        raise APIError(429, f"the server's queue is full ({bound} requests waiting, server.max_queue); retry later",
+                       None, "rate_limit_error", headers={"Retry-After": str(after)})  # fmt: skip
+    queue = state.bridge.submit(req)
+    out = Output(state.tokenizer, req, stops)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream(state, req, out, queue, chat, include_usage, raw)
+    return await complete(state, req, out, queue, chat, raw)
+
+
+def _envelope(req: Request, state: ServeState, chat: bool, created: int) -> dict[str, Any]:
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": req.request_id, "object": kind, "created": created, "model": state.model_name}
+
+
+async def complete(state: ServeState, req: Request, out: Output, queue: asyncio.Queue, chat: bool,
+                   raw: HTTPRequest) -> Response:  # fmt: skip
+    """Wait for the whole output, aborting the request if the client goes away first."""
+    created = int(time.time())
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        while True:
+            get = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                state.bridge.cancel(req.request_id, "client disconnected")
+                return Response(status_code=499)
+            event = get.result()
+            if isinstance(event, Token):
+                out.add(event.token_id)
+                if out.stopped:
+                    state.bridge.cancel(req.request_id, STOP_SEQUENCE)
+                continue
+            break
+    finally:
+        gone.cancel()
+    err = end_error(state, event.req)
+    if err is not None:
+        raise err
+    text = out.text
+    reason = out.finish_reason(req)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    return JSONResponse({**_envelope(req, state, chat, created), "choices": [choice], "usage": usage(req, out)})
+
+
+async def _disconnected(raw: HTTPRequest) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(data: Union[dict[str, Any], str]) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Queue, chat: bool,
+                 include_usage: bool, raw: HTTPRequest) -> Response:  # fmt: skip
+    """Server-sent events: one chunk per token, a last chunk with the finish reason, the usage
+    chunk when asked for, then `data: [DONE]`. A rejection before any token answers as a
+    plain error response instead."""
+    gone = asyncio.ensure_future(_disconnected(raw))
+    get = asyncio.ensure_future(queue.get())
+    try:
+        done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if get not in done:  # left while waiting for a slot
+        get.cancel()
+        state.bridge.cancel(req.request_id, "client disconnected")
+        return Response(status_code=499)
+    first = get.result()
+    if isinstance(first, Finished):
+        err = end_error(state, first.req)
+        if err is not None:
+            raise err
+    created = int(time.time())
+    head = _envelope(req, state, chat, created)
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(text: Optional[str], reason: Optional[str] = None) -> str:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return _sse({**head, "choices": [choice], **extra})
+
+    ended = False
+
+    async def events() -> AsyncIterator[str]:
+        nonlocal ended
+        if chat:
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
+        event = first
+        while True:
+            if isinstance(event, Finished):
+                break
+            if not out.stopped:
+                text = out.add(event.token_id)
+                if out.stopped:
+                    state.bridge.cancel(req.request_id, STOP_SEQUENCE)
+                yield chunk(text)
+            event = await queue.get()
+        ended = True
+        err = end_error(state, event.req)
+        if err is not None:
+            yield _sse(err.body())
+        else:
+            tail = out.flush()
+            if tail:
+                yield chunk(tail)
+            yield chunk(None, out.finish_reason(req))
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": usage(req, out)})
+        yield _sse("[DONE]")
+
+    def on_close() -> None:
+        if not ended:
+            state.bridge.cancel(req.request_id, "client disconnected")
+
+    return EngineStream(events(), on_close)

@@ -1,0 +1,70 @@
+"""A request's output text as its tokens come, cut at stop strings, and its OpenAI finish reason."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from cbjax.request import FinishReason, Request
+from cbjax.serve.text import Tokenizer
+
+OPENAI_FINISH = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.MAX_MODEL_LEN: "length",
+    FinishReason.ABORTED: "abort",  # vLLM's word for a request cut short by the server
+}
+STOP_SEQUENCE = "stop sequence"  # the cancel reason when a stop string ends a request
+
+
+class Output:
+    """A request's text as its tokens come: decoded incrementally, cut at a stop string (the
+    text from the longest stop's length back is held until it can no longer start one)."""
+
+    def __init__(self, tokenizer: Tokenizer, req: Request, stops: list[str]):
+        self.tok = tokenizer
+        self.decoder = self.tok.decoder()
+        self.filler = self.tok.filler_token_id
+        eos = None if req.sampling.ignore_eos else self.tok.eos_token_id
+        self.silent = set(req.sampling.stop_token_ids) | ({eos} if eos is not None else set())
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.num_tokens = 0
+        self.stopped = False  # a stop string matched: the server ended the request
+
+    def add(self, token_id: Optional[int]) -> str:
+        """The text to send for this token (maybe empty)."""
+        if self.stopped:
+            return ""
+        self.num_tokens += 1
+        if token_id is None:  # simulated: the filler's text, never a stop token's
+            self.text += self.decoder.push(self.filler)
+        elif token_id not in self.silent:  # a stop or EOS token's own text is not output
+            self.text += self.decoder.push(token_id)
+        if self.stops:
+            at = min((i for i in (self.text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0), default=-1)
+            if at >= 0:
+                self.stopped = True
+                self.text = self.text[:at]
+                return self.flush()
+        end = max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def flush(self) -> str:
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta
+
+    def finish_reason(self, req: Request) -> Optional[str]:
+        if self.stopped:
+            return "stop"
+        return OPENAI_FINISH.get(req.finish_reason, "error")
+
+
+def usage(req: Request, out: Output) -> dict[str, int]:
+    n = out.num_tokens if out.stopped else req.num_generated
+    return {"prompt_tokens": req.prompt_len, "completion_tokens": n, "total_tokens": req.prompt_len + n}
