@@ -216,6 +216,14 @@ async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Qu
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
         return _sse({**head, "choices": [choice], **extra})
 
+    # A token's chunk differs from the next only in its text: format it from a template rather
+    # than encoding the whole chunk per token.
+    mark = "\u0000TEXT\u0000"
+    token_head, token_tail = chunk(mark).split(json.dumps(mark))
+
+    def token_chunk(text: str) -> str:
+        return token_head + json.dumps(text) + token_tail
+
     ended = False
 
     async def events() -> AsyncIterator[str]:
@@ -230,7 +238,7 @@ async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Qu
                 text = out.add(event.token_id)
                 if out.stopped:
                     state.bridge.cancel(req.request_id, STOP_SEQUENCE)
-                yield chunk(text)
+                yield token_chunk(text)
             event = await queue.get()
         ended = True
         err = end_error(state, event.req)
