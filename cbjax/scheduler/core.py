@@ -4,30 +4,17 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from cbjax.cache import make_allocator
 from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.plan import Schedule, ScheduledRequest
+from cbjax.plan import Schedule
 from cbjax.request import FinishReason, Request, Status
 from cbjax.scheduler.intake import rejection_reason
 from cbjax.scheduler.policy import PolicyContract, make_policy
+from cbjax.scheduler.output import Draft, PlanWriter
 from cbjax.scheduler.results import StepResults
-
-
-@dataclass
-class _Draft:
-    """A plan while the scheduler builds it, over live requests; `Scheduler._finalize` turns it
-    into the data-only `Schedule` the executor sees."""
-
-    decodes: list[Request] = field(default_factory=list)
-    prefills: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
-    padded_rows: Optional[list[tuple[int, int, bool]]] = None
 
 
 class _View:
@@ -129,16 +116,7 @@ class Scheduler(StepResults):
         # pipelined serving: (plan, its requests that yield a token) between advance and commit
         self._uncommitted: Optional[tuple[Schedule, list]] = None
         self.view = _View(self)
-        # Plans as data. `plan_token_ids`: whether plans carry token ids (EngineLoop sets it
-        # from the executor: the engine reads them; the simulator does not, so a length-only
-        # trace never materialises its prompts). Then the plans made and not yet postprocessed
-        # (step_id -> their requests), each running request's page-table length as last sent,
-        # and the requests that take their slot in the next plan.
-        self.plan_token_ids = False
-        self._num_plans = 0
-        self._plans: dict[int, list[Request]] = {}
-        self._sent_pages: dict[str, int] = {}
-        self._fresh: set[str] = set()
+        self.writer = PlanWriter(cfg.max_num_seqs, self.allocator)
 
     # ---- intake ----
     def rejection_reason(self, req: Request) -> Optional[str]:
@@ -237,14 +215,23 @@ class Scheduler(StepResults):
 
     def requests_of(self, plan: Schedule) -> list[Request]:
         """The plan's scheduled requests, in plan order (until its results are recorded)."""
-        return self._plans[plan.step_id]
+        return self.writer.requests(plan)
+
+    @property
+    def plan_token_ids(self) -> bool:
+        """Whether plans carry token ids (`PlanWriter.token_ids`; EngineLoop sets it)."""
+        return self.writer.token_ids
+
+    @plan_token_ids.setter
+    def plan_token_ids(self, value: bool) -> None:
+        self.writer.token_ids = value
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.policy) > 0
 
     # ---- one iteration ----
     def schedule(self, now: float) -> Schedule:
-        plan = _Draft()
+        plan = Draft()
         budget = self.token_budget
         # Running requests first: decodes (one token left to process), then unfinished
         # prefills, then new prefills: Sarathi-Serve's stall-free order. A request processes
@@ -265,59 +252,9 @@ class Scheduler(StepResults):
         self._prefilled_last = bool(plan.prefills)
         if self.cfg.static_padding:
             self._pad(plan, new_batch)
-        return self._finalize(plan, now)
+        return self.writer.write(plan, now)
 
-    def _finalize(self, draft: _Draft, now: float) -> Schedule:
-        """The draft as data; remembers its requests for the results."""
-        self._num_plans += 1
-        scheduled = [self._entry(r, True) for r in draft.decodes]
-        scheduled.extend(self._entry(r, False) for r in draft.prefills)
-        self._plans[self._num_plans] = draft.decodes + draft.prefills
-        return Schedule(
-            num_slots=self.max_num_seqs,
-            scheduled=scheduled,
-            preempted=[r.request_id for r in draft.preempted],
-            start_s=now,
-            swap_out=[(r.request_id, tuple(pages)) for r, pages in draft.swap_out],
-            swap_in=[(r.request_id, tuple(pages)) for r, pages in draft.swap_in],
-            page_size=self.allocator.page_size,
-            step_id=self._num_plans,
-            padded_rows=draft.padded_rows,
-        )
-
-    def _entry(self, req: Request, decode: bool) -> ScheduledRequest:
-        rid = req.request_id
-        table = self.allocator.page_tables[rid]
-        page_table = None
-        if self._sent_pages.get(rid) != len(table):
-            page_table = tuple(table)
-            self._sent_pages[rid] = len(table)
-        sampling = None
-        if rid in self._fresh:
-            self._fresh.discard(rid)
-            sampling = req.sampling
-        lo, n = req.num_computed, req.num_new_tokens
-        token_ids, feed = None, False
-        if self.plan_token_ids:
-            p, out = req.prompt_len, req.output_token_ids
-            if n == 1 and lo >= p and lo - p >= len(out):
-                feed = True  # sampled by the step still in flight: the executor feeds it on the device
-            elif lo + n > p + len(out):
-                raise RuntimeError(
-                    f"schedule: request {rid} processes tokens [{lo}, {lo + n}), only {p + len(out)} "
-                    "are known; this is a bug"
-                )
-            elif lo + n <= p:
-                token_ids = tuple(req.prompt_ids()[lo : lo + n])
-            else:
-                token_ids = tuple((req.prompt_ids() + out)[lo : lo + n])
-        return ScheduledRequest(
-            request_id=rid, slot=req.slot, num_computed=lo, num_new_tokens=n, is_decode=decode,
-            token_ids=token_ids, feed_previous=feed, page_table=page_table, sampling=sampling,
-            yields=lo + n >= req.num_tokens,
-        )  # fmt: skip
-
-    def _plan_running(self, plan: _Draft, decoding: bool, budget: int) -> int:
+    def _plan_running(self, plan: Draft, decoding: bool, budget: int) -> int:
         """Plan the running requests' decodes (`decoding`) or unfinished prefills, preempting
         when pages run out. Returns the budget left."""
         alloc = self.allocator
@@ -342,7 +279,7 @@ class Scheduler(StepResults):
                 (plan.decodes if decoding else plan.prefills).append(req)
         return budget
 
-    def _admit_waiting(self, plan: _Draft, budget: int, now: float) -> int:
+    def _admit_waiting(self, plan: Draft, budget: int, now: float) -> int:
         """Admit waiting requests as the policy, slots, budget and pages allow; their prefills
         join the plan. Returns the budget left."""
         alloc = self.allocator
@@ -388,7 +325,7 @@ class Scheduler(StepResults):
             plan.prefills.append(req)
         return budget
 
-    def _pad(self, plan: _Draft, new_batch: bool) -> None:
+    def _pad(self, plan: Draft, new_batch: bool) -> None:
         """`scheduler.static_padding`: charge the plan as a padded `generate` batch runs. The
         iteration that forms a batch prefills every row padded to the batch's longest prompt;
         each later one decodes every row of the batch, finished rows included, at the padded
@@ -419,20 +356,19 @@ class Scheduler(StepResults):
         self.slots[req.slot] = req
         self._admit_counter += 1
         req.admit_seq = self._admit_counter
-        self._fresh.add(req.request_id)
+        self.writer.admitted(req.request_id)
         if req.scheduled_s is None:
             req.scheduled_s = now
         self.running.append(req)
 
     def _release(self, req: Request) -> None:
         self.allocator.free(req.request_id)
-        self._sent_pages.pop(req.request_id, None)
-        self._fresh.discard(req.request_id)
+        self.writer.released(req.request_id)
         self.slots[req.slot] = None
         heapq.heappush(self._free_slots, req.slot)
         req.slot = -1
 
-    def _preempt(self, req: Request, plan: _Draft) -> int:
+    def _preempt(self, req: Request, plan: Draft) -> int:
         """Preempt by swap (its computed pages to host memory, `num_computed` kept) or by
         recompute (its K/V dropped), and requeue it with its tokens so far.
 

@@ -32,7 +32,7 @@ class StepResults:
         `error` (its token and this step's K/V are dropped) and the others go on.
         """
         self.advance(plan, now, errors, notify=False)
-        requests = self._plans[plan.step_id]
+        requests = self.writer.requests(plan)
         done = self.commit(plan, token_ids, now, errors)
         self.policy.on_step(requests, now)
         return done
@@ -69,7 +69,7 @@ class StepResults:
         if self._uncommitted is not None:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         yielded = []
-        requests = self._plans[plan.step_id]
+        requests = self.writer.requests(plan)
         for i, req in enumerate(requests):
             if req.status is not Status.RUNNING:  # stopped on a token since this plan was made
                 req.num_new_tokens = 0
@@ -102,7 +102,7 @@ class StepResults:
             raise RuntimeError("commit: the plan is not the one advanced last; this is a bug")
         _, yielded = self._uncommitted
         self._uncommitted = None
-        del self._plans[plan.step_id]
+        self.writer.done(plan)
         done: list[Request] = []
         for i, req, reason in yielded:
             if reason is _FAILED:  # known at advance: its step was not counted
