@@ -94,6 +94,7 @@ def bench(policy: str, iterations: int, warmup: int, waiting: int, slots: int, s
     """One seeded run. Times are f64[iterations] seconds: the whole iteration, or the policy's share."""
     cfg = SchedulerConfig(name=policy, max_num_seqs=slots, max_num_batched_tokens=32768, **POLICY_KNOBS[policy])
     sched = Scheduler(cfg, CacheConfig(num_pages=slots * 80, page_size=16), max_model_len=4096)
+    sched.plan_token_ids = False  # as under the simulator (EngineLoop sets it from the executor)
     clock = PolicyClock(sched.policy) if instrument else None
     arrivals = Arrivals(seed)
     now, add_s, num_added = 0.0, 0.0, 0
@@ -116,7 +117,7 @@ def bench(policy: str, iterations: int, warmup: int, waiting: int, slots: int, s
         now += 1.0
         if it >= warmup:
             times.append(clock.elapsed if clock is not None else t1 - t0)
-            admitted.append(sum(1 for r in plan.prefills if r.scheduled_s == plan.start_s))
+            admitted.append(sum(1 for r in plan.prefills if r.sampling is not None))
     return {
         "times": np.array(times),
         "admitted_per_iter": statistics.fmean(admitted),

@@ -45,7 +45,7 @@ def _app(cfg: DictConfig) -> Optional[float]:
         if run_cfg.distributed.enabled:
             from hydra.types import RunMode
 
-            from cbjax.runtime.distributed import start
+            from cbjax.multihost import start
 
             if start(run_cfg, multirun=HydraConfig.get().mode == RunMode.MULTIRUN):  # ran process 0's steps
                 return None

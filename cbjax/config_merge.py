@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from cbjax.choices import check_choices
 from cbjax.config import ExperimentConfig, RunConfig
 
 
@@ -32,7 +33,7 @@ def check_known_keys(node: Any, cls: type, where: str = "config", prefix: str = 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """The checked dataclasses of a composed config, refusing keys the schema lacks."""
     check_known_keys(cfg, RunConfig)
-    return OmegaConf.to_object(cfg)
+    return check_choices(OmegaConf.to_object(cfg))
 
 
 def merge_overrides(cfg: RunConfig, overrides: dict[str, Any], where: str = "overrides") -> RunConfig:
@@ -46,11 +47,15 @@ def merge_overrides(cfg: RunConfig, overrides: dict[str, Any], where: str = "ove
     base = OmegaConf.structured(dataclasses.replace(cfg, experiment=ExperimentConfig()))
     try:
         merged = OmegaConf.merge(base, patch)
-        return OmegaConf.to_object(merged)
+        out = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None)
         msg = (getattr(err, "msg", None) or str(err)).splitlines()[0]
         raise ValueError(f"{where}: {key + ': ' if key else ''}{msg}") from None
+    try:
+        return check_choices(out)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _nest(patch: dict[str, Any]) -> dict[str, Any]:

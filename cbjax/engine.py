@@ -97,6 +97,8 @@ class EngineLoop:
         tick: Optional[Callable[[], None]] = None,
         progress: bool = False,
         total: Optional[int] = None,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         if pace not in PACES:
             raise ValueError(f"executor.pace: unknown value {pace!r}; choose one of {', '.join(PACES)}")
@@ -105,6 +107,7 @@ class EngineLoop:
         self.virtual = executor.virtual_clock and pace == "none"
         self.paced = executor.virtual_clock and pace == "realtime"
         self.pipelined = executor.pipelined and not executor.virtual_clock
+        scheduler.plan_token_ids = executor.reads_token_ids
         self.on_step, self.on_token, self.on_finish, self.tick = on_step, on_token, on_finish, tick
         self.stats = IterationStats()
         self.requests: list[Request] = []  # every request that entered, in order of entry
@@ -119,7 +122,10 @@ class EngineLoop:
         self._cancels: deque[tuple[str, str]] = deque()
         self._wake = threading.Event()
         self._admission_open = True
-        self._wall0 = time.perf_counter()
+        # the wall clock and its sleep (a test may pass a fake pair); a pipelined executor's
+        # `Launched.start` is on time.perf_counter, the default
+        self._clock, self._sleep = clock, sleep
+        self._wall0 = clock()
         self._t0 = self._wall0
         self._now = 0.0  # virtual and paced clocks: the current time
         self.last_end = 0.0  # end of the latest iteration
@@ -129,14 +135,14 @@ class EngineLoop:
         """Seconds since the loop started, on its clock."""
         if self.virtual:
             return self._now
-        wall = time.perf_counter() - self._t0
+        wall = self._clock() - self._t0
         if self.paced and wall - self._now < PACE_SLACK_S:
             return self._now  # keeping up: the next step starts where the last one ended
         return wall
 
     def restart_clock(self) -> None:
         """Start the clock at 0 now (after warmup, before the first arrival)."""
-        self._wall0 = self._t0 = time.perf_counter()
+        self._wall0 = self._t0 = self._clock()
         self._now = 0.0
 
     # ---- intake (thread-safe) ----
@@ -220,7 +226,7 @@ class EngineLoop:
             if self._inflight is not None:
                 self._land()
             t_post = time.perf_counter()
-            sched.advance(plan, time.perf_counter() - self._t0)
+            sched.advance(plan, self._clock() - self._t0)
             self.stats.postprocess_s += time.perf_counter() - t_post
             self._inflight = (plan, launched, batched, self.stats.iterations, requests)
             return True
@@ -230,12 +236,12 @@ class EngineLoop:
             end = self._now
         elif self.paced:
             end = start + out.duration_s
-            delay = end - (time.perf_counter() - self._t0)
+            delay = end - (self._clock() - self._t0)
             if delay > 0:
-                time.sleep(delay)
+                self._sleep(delay)
             self._now = end
         else:
-            end = time.perf_counter() - self._t0
+            end = self._clock() - self._t0
         self.last_end = end
         self.stats.busy_s += out.duration_s
         t_post = time.perf_counter()
@@ -292,7 +298,7 @@ class EngineLoop:
         plan, launched, batched, iteration, requests = self._inflight
         self._inflight = None
         out = self.executor.collect(launched)
-        now = time.perf_counter() - self._t0
+        now = self._clock() - self._t0
         # the step's share of the wall clock: from its launch, or from the last step's end
         self.stats.busy_s += now - max(launched.start - self._t0, self.last_end)
         self.last_end = now
@@ -341,7 +347,7 @@ class EngineLoop:
             num_slots=sched.max_num_seqs,
             makespan_s=self.last_end,
             preemptions=sched.num_preemptions,
-            wall_s=time.perf_counter() - self._wall0,
+            wall_s=self._clock() - self._wall0,
             extra=sched.cache_stats(),
             tbt_s=sched.tbt_s,
             interrupted=interrupted,
@@ -365,6 +371,8 @@ def serve(
     on_finish: Optional[Callable[[Request], None]] = None,
     tick: Optional[Callable[[], None]] = None,
     pace: str = "none",
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> RunResult:
     """Serve `requests` (any order) offline, each at its `arrival_s`; every request ends with a
     fate. `stop` is checked at each iteration boundary (and while idle): once set, the loop
@@ -372,7 +380,7 @@ def serve(
     `not_arrived`. `max_iterations` caps the run the same way."""
     loop = EngineLoop(
         scheduler, executor, pace=pace, on_step=on_step, on_finish=on_finish, tick=tick,
-        progress=progress, total=len(requests),
+        progress=progress, total=len(requests), clock=clock, sleep=sleep,
     )  # fmt: skip
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     interrupted = False
@@ -393,7 +401,7 @@ def serve(
                 loop._now = pending[0].arrival_s
             else:
                 # short naps, so a stop request or a due flush is not kept waiting
-                time.sleep(min(0.1, max(0.0, pending[0].arrival_s - loop.now())))
+                sleep(min(0.1, max(0.0, pending[0].arrival_s - loop.now())))
             continue
         if max_iterations is not None and loop.stats.iterations >= max_iterations:
             break

@@ -27,6 +27,8 @@ class Executor(Protocol):
     virtual_clock: bool
     # True: the loop may launch step t+1 before it collects step t (`launch`/`collect`).
     pipelined: bool
+    # True: plans must carry token ids (`ScheduledRequest.token_ids`); a simulator reads none.
+    reads_token_ids: bool
 
     def validate(self, req: Request) -> Optional[str]:
         """Executor-specific reason to reject a request (e.g. a token id out of vocabulary)."""
@@ -65,6 +67,7 @@ class SyncExecutor:
 
     virtual_clock = True
     pipelined = False
+    reads_token_ids = False
 
     def validate(self, req: Request) -> Optional[str]:
         return None

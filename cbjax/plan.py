@@ -1,6 +1,9 @@
 """The contract between the scheduler and the executors: one iteration's plan and its result.
 
-Both executors and the scheduler import this module; it imports neither (no jax, no policies).
+A plan is plain data: ids, slots, token ranges, token ids and page numbers, never a live
+`Request` or an allocator structure (vLLM v1's `SchedulerOutput` is the model). An executor
+keeps its own per-slot state (page-table rows, sampling knobs) and updates it from what the
+plan says changed. Both executors and the scheduler import this module; it imports neither.
 """
 
 from __future__ import annotations
@@ -8,36 +11,57 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from cbjax.request import Request
+from cbjax.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's work in a step: its tokens `[num_computed, num_computed + num_new_tokens)`
+    of prompt-plus-generated, in batch slot `slot`. It yields a token when its last token is
+    processed (`yields`)."""
+
+    request_id: str
+    slot: int
+    num_computed: int  # tokens whose K/V are in the cache before the step
+    num_new_tokens: int
+    is_decode: bool
+    # The new tokens' ids; None when the scheduler does not materialise ids (the simulator) or
+    # for a decode whose token the previous step sampled and the host has not seen yet: the
+    # executor feeds it from that step's output (pipelined serving, `feed_previous`).
+    token_ids: Optional[tuple[int, ...]] = None
+    feed_previous: bool = False
+    # The request's whole page-table row when it changed since the last plan that scheduled it
+    # (admission, readmission, pages added); None: as last sent.
+    page_table: Optional[tuple[int, ...]] = None
+    # Set in the first plan after (re)admission, when the request takes its slot: its knobs.
+    sampling: Optional[SamplingParams] = None
+    yields: bool = True  # False for a chunk of a prefill that leaves tokens for later steps
 
 
 @dataclass
 class Schedule:
     """One iteration's plan over the fixed array of `num_slots` slots.
 
-    Each scheduled request carries its `slot` and `num_new_tokens`: it processes its tokens
-    `[num_computed, num_computed + num_new_tokens)` of prompt-plus-generated. A decode
-    processes the one token generated last; a prefill processes the prompt (plus the tokens
-    generated before a preemption). A request yields a token when its last token is processed.
+    `scheduled` lists the step's requests, decodes first, then prefills (a prefill processes
+    the prompt, plus the tokens generated before a preemption); row r of the step is
+    `scheduled[r]`, and `StepOutput.token_ids[r]` its token.
 
-    Swaps run before the step, swap-outs first: `swap_out` holds (request, its pages whose
-    contents go to host memory), `swap_in` (request, the new pages its host copy returns to),
-    pages in sequence order. A page freed by a swap-out may be a swap-in's destination.
+    Swaps run before the step, swap-outs first: `swap_out` holds (request id, its pages whose
+    contents go to host memory), `swap_in` (request id, the new pages its host copy returns
+    to), pages in sequence order. A page freed by a swap-out may be a swap-in's destination.
     """
 
     num_slots: int
-    decodes: list[Request] = field(default_factory=list)
-    prefills: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids preempted while planning
     start_s: float = 0.0
-    # request_id -> its pages, the allocator's live tables (read-only for executors)
-    page_tables: dict[str, list[int]] = field(default_factory=dict)
-    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
+    swap_out: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    swap_in: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     page_size: int = 1
+    step_id: int = 0  # the scheduler's count of plans made; results refer to their plan by it
     # The rows the step computes, as (num_new_tokens, num_context_tokens, is_decode), when
-    # they differ from `requests` as planned: a padded static batch computes every row of its
-    # batch at the batch's padded length, finished rows included. None: exactly `requests`.
+    # they differ from `scheduled`: a padded static batch computes every row of its batch at
+    # the batch's padded length, finished rows included. None: exactly `scheduled`.
     padded_rows: Optional[list[tuple[int, int, bool]]] = None
 
     def cost_rows(self) -> list[tuple[int, int, bool]]:
@@ -45,9 +69,7 @@ class Schedule:
         models: each request's tokens after its `num_computed` cached ones, or `padded_rows`."""
         if self.padded_rows is not None:
             return self.padded_rows
-        rows = [(1, r.num_computed, True) for r in self.decodes]
-        rows.extend((r.num_new_tokens, r.num_computed, False) for r in self.prefills)
-        return rows
+        return [(s.num_new_tokens, s.num_computed, s.is_decode) for s in self.scheduled]
 
     @property
     def num_swapped_pages(self) -> int:
@@ -55,24 +77,27 @@ class Schedule:
         return sum(len(pages) for _, pages in self.swap_out + self.swap_in)
 
     @property
-    def requests(self) -> list[Request]:
-        """Scheduled requests in executor order: decodes, then prefills."""
-        return self.decodes + self.prefills
+    def decodes(self) -> list[ScheduledRequest]:
+        return [s for s in self.scheduled if s.is_decode]
+
+    @property
+    def prefills(self) -> list[ScheduledRequest]:
+        return [s for s in self.scheduled if not s.is_decode]
 
     @property
     def num_scheduled(self) -> int:
-        return len(self.decodes) + len(self.prefills)
+        return len(self.scheduled)
 
     @property
     def num_batched_tokens(self) -> int:
-        return len(self.decodes) + sum(r.num_new_tokens for r in self.prefills)
+        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 @dataclass
 class StepOutput:
-    """One iteration's result: a token per scheduled request (`Schedule.requests` order), or
+    """One iteration's result: a token per scheduled request (`Schedule.scheduled` order), or
     None when tokens are simulated, and the iteration's duration on the executor's clock.
-    `errors` maps an index into `Schedule.requests` to why that request's step failed (e.g.
+    `errors` maps an index into `Schedule.scheduled` to why that request's step failed (e.g.
     non-finite logits); the scheduler aborts those requests and the run goes on."""
 
     token_ids: Optional[Sequence[int]]

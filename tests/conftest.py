@@ -43,13 +43,16 @@ class CheckingExecutor(SyncExecutor):
 
     def execute(self, plan):
         sched = self.scheduler
-        reqs = plan.requests
-        slots = [r.slot for r in reqs]
+        reqs = sched.requests_of(plan)
+        assert [s.request_id for s in plan.scheduled] == [r.request_id for r in reqs]
+        slots = [s.slot for s in plan.scheduled]
+        assert slots == [r.slot for r in reqs]
         assert len(set(slots)) == len(slots), f"slot assigned twice: {slots}"
         assert all(0 <= s < sched.max_num_seqs for s in slots)
         assert len(reqs) <= sched.max_num_seqs
         assert len({id(r) for r in reqs}) == len(reqs), "request scheduled twice"
-        assert all(r.num_new_tokens >= 1 for r in reqs), "a request scheduled with nothing to process"
+        assert all(s.num_new_tokens >= 1 for s in plan.scheduled), "a request scheduled with nothing to process"
+        assert [(s.num_computed, s.num_new_tokens) for s in plan.scheduled] == [(r.num_computed, r.num_new_tokens) for r in reqs]
         assert plan.num_batched_tokens <= sched.token_budget
         assert sched.allocator.num_used_pages <= sched.allocator.num_usable_pages
         sched.allocator.check_invariants()
@@ -57,8 +60,23 @@ class CheckingExecutor(SyncExecutor):
             assert sched.slots[r.slot] is r
             table = sched.allocator.page_tables[r.request_id]
             assert len(table) * sched.allocator.page_size >= r.num_computed + r.num_new_tokens
+        self.check_slot_state(plan)
         self.plans += 1
         return StepOutput(token_ids=None, duration_s=self.duration_s)
+
+    def check_slot_state(self, plan):
+        """The executor's own per-slot state, kept from what plans say changed, must equal the
+        allocator's tables: a missed page-table update or a stale slot fails here."""
+        sched = self.scheduler
+        if not hasattr(self, "slot_tables"):
+            self.slot_tables = {}
+        for s in plan.scheduled:
+            if s.sampling is not None:
+                assert s.page_table is not None, f"request {s.request_id} took slot {s.slot} without its page table"
+                self.slot_tables[s.slot] = None
+            if s.page_table is not None:
+                self.slot_tables[s.slot] = s.page_table
+            assert self.slot_tables.get(s.slot) == tuple(sched.allocator.page_tables[s.request_id]), s.request_id
 
 
 class ContentCheckingExecutor(CheckingExecutor):
@@ -78,19 +96,22 @@ class ContentCheckingExecutor(CheckingExecutor):
     def execute(self, plan):
         super().execute(plan)
         ps = plan.page_size
-        for req, src in plan.swap_out:
+        known = {r.request_id: r for r in sched_requests(self.scheduler)}
+        for rid, src in plan.swap_out:
+            req = known[rid]
             assert req.status is Status.WAITING and len(src) == -(-req.num_computed // ps)
-            assert req.request_id not in self.host
-            self.host[req.request_id] = [list(self.pages[p]) for p in src]
-        for req, dst in plan.swap_in:
-            copies = self.host.pop(req.request_id)
+            assert rid not in self.host
+            self.host[rid] = [list(self.pages[p]) for p in src]
+        for rid, dst in plan.swap_in:
+            req = known[rid]
+            copies = self.host.pop(rid)
             assert req.status is Status.RUNNING and len(copies) == len(dst)
             for page, copy in zip(dst, copies):
                 self.pages[page] = copy
         out = []
-        for req in plan.requests:
+        for req in self.scheduler.requests_of(plan):
             seq = req.prompt_ids() + req.output_token_ids
-            table = plan.page_tables[req.request_id]
+            table = self.scheduler.allocator.page_tables[req.request_id]
             # generated tokens the simulator never materialized are ("sim", request, position)
             seq += [("sim", req.request_id, pos) for pos in range(len(seq), req.num_tokens)]
             for pos in range(req.num_computed):
@@ -149,3 +170,45 @@ def assert_every_request_ends_once(sched, requests, result, max_model_len):
     sched.allocator.check_invariants()
     assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
     assert result.preemptions == sum(r.num_preemptions for r in requests)
+
+
+def sched_requests(sched):
+    """Every unfinished request the scheduler holds: running and waiting."""
+    return list(sched.running) + list(sched.policy)
+
+
+def make_plan(num_slots, decodes=(), prefills=(), swap_out=(), swap_in=(), **kwargs):
+    """A data-only `Schedule` from requests whose `num_computed`/`num_new_tokens` are set by
+    hand (cost-model tests); swap entries may name requests. Decodes process one token."""
+    from cbjax.plan import Schedule, ScheduledRequest
+
+    def entry(req, decode):
+        n = 1 if decode else req.num_new_tokens
+        return ScheduledRequest(req.request_id, req.slot, req.num_computed, n, decode)
+
+    def swaps(entries):
+        return [(r if isinstance(r, str) else r.request_id, tuple(pages)) for r, pages in entries]
+
+    scheduled = [entry(r, True) for r in decodes] + [entry(r, False) for r in prefills]
+    return Schedule(num_slots=num_slots, scheduled=scheduled, swap_out=swaps(swap_out), swap_in=swaps(swap_in), **kwargs)
+
+
+def data_plan(num_slots, decodes=(), prefills=(), page_tables=None, page_size=1, **kwargs):
+    """A data-only `Schedule` for packer and step tests, from requests with `num_computed`,
+    `num_new_tokens`, `slot` and tokens set by hand: each entry carries its new token ids (or
+    feeds from the previous step when a decode's token is not on the host), its whole
+    page-table row from `page_tables`, and its sampling knobs."""
+    from cbjax.plan import Schedule, ScheduledRequest
+
+    def entry(r, decode):
+        lo, n = r.num_computed, r.num_new_tokens
+        seq = r.prompt_ids() + r.output_token_ids
+        feed = n == 1 and lo >= len(seq)
+        return ScheduledRequest(
+            r.request_id, r.slot, lo, n, decode, token_ids=None if feed else tuple(seq[lo : lo + n]),
+            feed_previous=feed, page_table=tuple(page_tables[r.request_id]) if page_tables else None,
+            sampling=r.sampling,
+        )  # fmt: skip
+
+    scheduled = [entry(r, True) for r in decodes] + [entry(r, False) for r in prefills]
+    return Schedule(num_slots=num_slots, scheduled=scheduled, page_size=page_size, **kwargs)

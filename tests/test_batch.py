@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from cbjax.plan import Schedule
+from conftest import data_plan
+from cbjax.plan import Schedule, ScheduledRequest
 from cbjax.request import Request, SamplingParams
 from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.shapes import default_token_buckets, plan_shapes
@@ -49,7 +50,7 @@ def test_pack_mixes_decodes_fresh_prefills_and_a_chunk_in_plan_order():
     d2 = req("d2", [1], [2], computed=1, new=1, slot=0)  # decodes token 2 at position 1
     p1 = req("p1", [11, 12, 13], [], computed=0, new=3, slot=1, temperature=0.5)  # fresh prefill
     c1 = req("c1", [20, 21, 22, 23, 24, 25], [], computed=4, new=2, slot=3)  # a chunk after 4 cached tokens
-    plan = Schedule(num_slots=4, decodes=[d1, d2], prefills=[p1, c1], page_size=4,
+    plan = data_plan(num_slots=4, decodes=[d1, d2], prefills=[p1, c1], page_size=4,
                     page_tables={"d1": [3, 9], "d2": [4], "p1": [5], "c1": [6, 7]})  # fmt: skip
     b = packer.pack(plan)
     assert b.tokens.shape == (8,)  # 7 tokens -> bucket 8
@@ -77,8 +78,8 @@ def test_a_token_still_on_the_device_is_fed_from_the_previous_steps_row():
     d2 = req("d2", [1], [], computed=1, new=1, slot=0)
     d3 = req("d3", [4, 4], [3], computed=2, new=1, slot=1)
     p1 = req("p1", [11, 12, 13], [], computed=0, new=3, slot=3)
-    packer.prev_rows = {d2: 0, d1: 2}
-    plan = Schedule(num_slots=4, decodes=[d1, d2, d3], prefills=[p1], page_size=4,
+    packer.prev_rows = {"d2": 0, "d1": 2}
+    plan = data_plan(num_slots=4, decodes=[d1, d2, d3], prefills=[p1], page_size=4,
                     page_tables={"d1": [3, 9], "d2": [4], "d3": [5], "p1": [6]})  # fmt: skip
     b = packer.pack(plan)
     assert b.tokens.tolist() == [0, 0, 3, 11, 12, 13, 0, 0]
@@ -86,28 +87,29 @@ def test_a_token_still_on_the_device_is_fed_from_the_previous_steps_row():
     assert b.positions.tolist()[:6] == [5, 1, 2, 0, 1, 2]
     assert packer.empty(4).feed.tolist() == [-1] * 4
     # a token neither on the host nor in the step launched last, or a prefill past the known tokens
-    packer.prev_rows = {d1: 2}
+    packer.prev_rows = {"d1": 2}
     with pytest.raises(RuntimeError, match="request d2's last token is not on the host"):
         packer.pack(plan)
-    chunk = req("c", [1, 2], [3], computed=0, new=4, slot=0)
-    with pytest.raises(RuntimeError, match=r"prefills tokens \[0, 4\), only 3 are known"):
-        packer.pack(Schedule(num_slots=4, prefills=[chunk], page_size=4, page_tables={"c": [4]}))
+    # a plan without the ids of its new tokens (made for the simulator) names the request
+    blind = ScheduledRequest("c", 0, 0, 3, False, page_table=(4,), sampling=SamplingParams())
+    with pytest.raises(ValueError, match="request c has no token ids for its 3 new tokens"):
+        packer.pack(Schedule(num_slots=4, scheduled=[blind], page_size=4))
 
 
 def test_pack_pads_idle_rows_and_refreshes_a_slot_when_its_pages_grow():
     shapes = plan_shapes(num_rows=3, max_model_len=16, page_size=2, max_num_batched_tokens=16, token_buckets=[2, 16])
     packer = BatchPacker(shapes, tiles=False)
     r = req("r", [1, 2], [3], computed=2, new=1, slot=1)
-    b = packer.pack(Schedule(num_slots=3, decodes=[r], page_tables={"r": [4, 5]}, page_size=2))
+    b = packer.pack(data_plan(num_slots=3, decodes=[r], page_tables={"r": [4, 5]}, page_size=2))
     assert b.tokens.tolist() == [3, 0] and b.query_start.tolist() == [0, 1, 1, 1] and b.kv_lens.tolist() == [3, 0, 0]
     assert b.write_idx.tolist() == [10, 0] and b.tiles is None
     r.output_token_ids.append(4)
     r.num_computed = 3
-    b = packer.pack(Schedule(num_slots=3, decodes=[r], page_tables={"r": [4, 5]}, page_size=2))
+    b = packer.pack(data_plan(num_slots=3, decodes=[r], page_tables={"r": [4, 5]}, page_size=2))
     assert b.write_idx.tolist() == [11, 0]
     r.output_token_ids.append(5)
     r.num_computed = 4
-    b = packer.pack(Schedule(num_slots=3, decodes=[r], page_tables={"r": [4, 5, 8]}, page_size=2))
+    b = packer.pack(data_plan(num_slots=3, decodes=[r], page_tables={"r": [4, 5, 8]}, page_size=2))
     assert b.page_table[0, :3].tolist() == [4, 5, 8] and b.write_idx.tolist() == [16, 0]
 
 
@@ -121,7 +123,7 @@ def test_sampling_knobs_follow_each_slots_request_across_steps():
     tables = {"a": [1, 2], "b": [3, 4], "c": [5, 6]}
 
     def knobs(reqs):
-        batch = packer.pack(Schedule(num_slots=3, decodes=reqs, page_tables=tables, page_size=2))
+        batch = packer.pack(data_plan(num_slots=3, decodes=reqs, page_tables=tables, page_size=2))
         return batch.sampling[0].tolist(), batch.sampling[3].tolist(), batch
 
     first_t, first_seed, first = knobs([a, b])

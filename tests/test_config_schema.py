@@ -109,18 +109,24 @@ def test_group_yaml_files_hold_only_what_differs_from_the_dataclass_defaults(gro
 
 def test_choice_lists_come_from_the_registries(monkeypatch):
     from cbjax.cache import allocator
+    from cbjax.choices import check_choices
     from cbjax.scheduler.policy import POLICIES, FCFSPolicy
     from cbjax.sim.cost import COST_MODELS, UnitCost
 
-    for make in (lambda: C.SchedulerConfig(name="mine"), lambda: C.CacheConfig(allocation="mine"),
-                 lambda: C.ExecutorConfig(cost_model="mine")):  # fmt: skip
+    def run(**groups):
+        return C.RunConfig(**{key: cls(**{field: "mine"}) for key, (cls, field) in groups.items()})
+
+    policy = dict(scheduler=(C.SchedulerConfig, "name"))
+    cost = dict(executor=(C.ExecutorConfig, "cost_model"))
+    for make in (lambda: check_choices(run(**policy)), lambda: C.CacheConfig(allocation="mine"),
+                 lambda: check_choices(run(**cost))):  # fmt: skip
         with pytest.raises(ValueError, match="unknown value 'mine'"):
             make()
     monkeypatch.setitem(POLICIES, "mine", FCFSPolicy)
     monkeypatch.setattr(allocator, "ALLOCATIONS", allocator.ALLOCATIONS + ("mine",))
     monkeypatch.setitem(COST_MODELS, "mine", lambda model, hw: UnitCost())
-    assert C.SchedulerConfig(name="mine").name == "mine"
+    assert check_choices(run(**policy)).scheduler.name == "mine"
     assert C.CacheConfig(allocation="mine").allocation == "mine"
-    assert C.ExecutorConfig(cost_model="mine").cost_model == "mine"
+    assert check_choices(run(**cost)).executor.cost_model == "mine"
     with pytest.raises(ValueError, match=r"scheduler\.name: unknown value 'nope'; choose one of .*mine"):
-        C.SchedulerConfig(name="nope")
+        check_choices(C.RunConfig(scheduler=C.SchedulerConfig(name="nope")))

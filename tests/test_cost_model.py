@@ -2,6 +2,7 @@
 
 import pytest
 
+from conftest import make_plan
 from cbjax.config import HardwareConfig, ModelConfig
 from cbjax.request import Request
 from cbjax.scheduler.core import Schedule
@@ -32,7 +33,7 @@ def test_unit_cost_is_one_second():
 
 def test_roofline_decode_is_memory_bound_by_hand():
     cost = RooflineCost(MODEL, HW)
-    plan = Schedule(num_slots=2, decodes=[req(3, 1)])
+    plan = make_plan(num_slots=2, decodes=[req(3, 1)])
     # bytes: weights 180 params * 2 B = 360, KV read 3 + write 1 (+ the new one read) = 5 tokens * 16 B = 80
     bytes_moved = 360 + (3 + 2) * 16
     # flops: body 2*(180-8)=344 per token, head 2*4 = 8 per seq, attention 4*1*1*4 = 16 per pair, 4 pairs
@@ -44,7 +45,7 @@ def test_roofline_decode_is_memory_bound_by_hand():
 def test_roofline_prefill_is_compute_bound_by_hand():
     hw = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=1e9, mem_bytes=1e9, flops_efficiency=0.5, bw_efficiency=0.5, overhead_s=0.0)
     cost = RooflineCost(MODEL, hw)
-    plan = Schedule(num_slots=1, prefills=[req(0, 10)])
+    plan = make_plan(num_slots=1, prefills=[req(0, 10)])
     flops = 10 * 344 + 8 + 16 * (10 * 11 / 2)
     assert cost(plan) == pytest.approx(flops / 500)
 
@@ -60,10 +61,10 @@ def test_model_too_big_for_hardware_is_a_clear_error():
 def test_roofline_swap_charges_page_bytes_over_the_host_link_by_hand():
     hw = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=100.0, mem_bytes=1e9, host_bw=64.0)
     cost = RooflineCost(MODEL, hw)
-    plan = Schedule(num_slots=2, decodes=[req(3, 1)], page_size=4)
+    plan = make_plan(num_slots=2, decodes=[req(3, 1)], page_size=4)
     without = cost(plan)
-    plan.swap_out = [(req(8, 0), [1, 2])]
-    plan.swap_in = [(req(4, 0), [5])]
+    plan.swap_out = [("r", (1, 2))]
+    plan.swap_in = [("r", (5,))]
     # 3 pages of 4 tokens at 16 B of K/V per token: 192 B over 64 B/s, after the step's time
     assert cost(plan) == pytest.approx(without + 192 / 64)
     assert UnitCost()(plan) == 1.0

@@ -247,7 +247,7 @@ def test_swap_round_trip_restores_pages_exactly():
     before_k, before_v = np.asarray(cache.k), np.asarray(cache.v)
     swap = HostSwap([2, 4])
     cache = swap.warmup(cache)
-    a, b = _request("a"), _request("b")
+    a, b = "a", "b"
     src_a, src_b = [3, 7, 1, 20, 11, 12], [5, 2, 9, 17, 23]
     swap.swap_out(cache, [(a, src_a), (b, src_b)])
     dst_b, dst_a = [4, 6, 8, 10, 13], [14, 15, 16, 18, 19, 21]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from conftest import CheckingExecutor
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.engine import EngineLoop, serve
+from cbjax.engine import PACE_SLACK_S, EngineLoop, serve
 from cbjax.executor import Executor
 from cbjax.request import FinishReason, Request, SamplingParams
 from cbjax.scheduler import Scheduler
@@ -118,19 +120,45 @@ class Cost:
         return 0.010 + 0.001 * plan.num_scheduled
 
 
-def test_realtime_pacing_releases_tokens_at_the_simulated_times():
-    def run(pace):
-        reqs = [request(str(i), prompt=4 + 3 * i, out=2 + i) for i in range(6)]
-        result = serve(reqs, scheduler(slots=3), SimExecutor(Cost()), pace=pace)
-        return reqs, result
+class FakeClock:
+    """A wall clock that moves only when the loop sleeps, plus `lag_s` per reading taken while
+    a step is being planned (a slow host)."""
 
-    offline, off = run("none")
-    paced, on = run("realtime")
+    def __init__(self, lag_s: float = 0.0):
+        self.t, self.lag_s, self.slept = 0.0, lag_s, []
+
+    def __call__(self) -> float:
+        self.t += self.lag_s
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.t += s
+
+
+def paced_and_offline(lag_s=0.0):
+    def run(pace, clock):
+        reqs = [request(str(i), prompt=4 + 3 * i, out=2 + i) for i in range(6)]
+        kw = dict(clock=clock, sleep=clock.sleep) if clock else {}
+        return reqs, serve(reqs, scheduler(slots=3), SimExecutor(Cost()), pace=pace, **kw)
+
+    clock = FakeClock(lag_s)
+    return run("none", None), run("realtime", clock), clock
+
+
+def test_realtime_pacing_releases_tokens_at_the_simulated_times():
+    (offline, off), (paced, on), clock = paced_and_offline()
     for a, b in zip(offline, paced):
-        assert abs(a.first_token_s - b.first_token_s) < 1e-9 and abs(a.finish_s - b.finish_s) < 1e-9
+        assert (a.first_token_s, a.finish_s) == (b.first_token_s, b.finish_s)
     assert on.makespan_s == off.makespan_s > 0
-    assert on.wall_s >= on.makespan_s  # the paced loop waited for each step's simulated end
-    assert off.wall_s < on.makespan_s  # ... where the offline one jumped
+    # the loop slept each step's simulated duration, back to back
+    assert sum(clock.slept) == pytest.approx(off.makespan_s) and on.wall_s == pytest.approx(off.makespan_s)
+
+
+def test_a_host_slower_than_the_slack_slips_to_the_wall_clock():
+    (offline, off), (paced, on), _ = paced_and_offline(lag_s=PACE_SLACK_S)
+    assert on.makespan_s > off.makespan_s  # the delay shows in the latencies, never hidden
+    assert all(b.finish_s >= a.finish_s for a, b in zip(offline, paced))
 
 
 def test_every_executor_satisfies_the_protocol():

@@ -25,7 +25,7 @@ from cbjax.config import (  # noqa: E402
 from cbjax.engine import serve  # noqa: E402
 from cbjax.model import forward_dense  # noqa: E402
 from cbjax.model.hf import load_config, load_model, name_map  # noqa: E402
-from cbjax.plan import Schedule  # noqa: E402
+from conftest import data_plan  # noqa: E402
 from cbjax.model.tokenizer import load_tokenizer  # noqa: E402
 from cbjax.request import FinishReason, Request, SamplingParams  # noqa: E402
 from cbjax.run import run_single  # noqa: E402
@@ -188,7 +188,7 @@ def test_paged_prefill_and_every_decode_step_match_transformers(checkpoint, arch
     for i, r in enumerate(reqs):
         r.slot, r.num_computed, r.num_new_tokens = i, 0, len(prompts[i])
     for step in range(NUM_DECODE_STEPS + 1):
-        plan = Schedule(num_slots=num_slots, prefills=reqs if step == 0 else [], decodes=reqs if step else [],
+        plan = data_plan(num_slots=num_slots, prefills=reqs if step == 0 else [], decodes=reqs if step else [],
                         page_tables={r.request_id: pages[i] for i, r in enumerate(reqs)}, page_size=PAGE_SIZE)  # fmt: skip
         _, logits, cache = model_step(weights, cache, to_device(packer.pack(plan)), graphdef=graphdef, attention="ragged")
         for i, seq in enumerate(seqs):

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from conftest import CheckingExecutor, assert_every_request_ends_once, make_requests
 from cbjax.cache import ALLOCATIONS
-from cbjax.config import CacheConfig, SchedulerConfig, policy_names
+from cbjax.choices import policy_names
+from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.request import Status
 from cbjax.scheduler import POLICIES, Scheduler
@@ -232,7 +233,7 @@ class LevelRecorder(PolicyCheckingExecutor):
         self.levels = {}  # request_id -> {plan start: queue}
 
     def execute(self, plan):
-        for req in plan.requests:
+        for req in self.scheduler.requests_of(plan):
             self.levels.setdefault(req.request_id, {})[plan.start_s] = self.scheduler.policy.level(req)
         return super().execute(plan)
 
@@ -294,9 +295,11 @@ class ServiceRecorder(PolicyCheckingExecutor):
 
     def execute(self, plan):
         served = dict.fromkeys(self.clients, 0.0)
-        for req in plan.prefills:
-            served[req.client_id] += self.w_p * req.num_new_tokens
-        for req in plan.requests:  # no chunked prefills here: each yields one token
+        reqs = self.scheduler.requests_of(plan)
+        for req, entry in zip(reqs, plan.scheduled):
+            if not entry.is_decode:
+                served[req.client_id] += self.w_p * req.num_new_tokens
+        for req in reqs:  # no chunked prefills here: each yields one token
             served[req.client_id] += self.w_q
         waiting = {r.client_id for r in self.scheduler.policy}
         self.service.append(served)

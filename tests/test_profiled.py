@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import make_plan
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig
 from cbjax.plan import Schedule, StepOutput
 from cbjax.profile.grid import GridPoint, build_schedule, profile_grid
@@ -284,24 +285,24 @@ def test_profiled_cost_by_hand(tmp_path):
     d.num_computed, d.num_new_tokens = 4, 1
     p = Request("p", 0.0, 20)
     p.num_computed, p.num_new_tokens = 0, 20
-    plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4, swap_in=[(d, [7, 8])])
+    plan = make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4, swap_in=[(d, [7, 8])])
     # 21 tokens -> bucket 64; 2 rows; the decode at position 4 reads 2 pages (1 single step), the
     # 20-token prefill 5 pages (2 block steps, 64 bucket tokens each); 2 pages swapped; the
     # bucket's cost doubled (bucket_scale), the loop 0.25 + 0.125 per request
     assert cost(plan) == pytest.approx(0.5 + 2 * 7.0 + 0.5 + 0.002 + 10.0 + 2 * (100.0 + 64e-5) + 1000.0 + 20000.0)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.375 + 2 * 1.0 + 0.5 + 0.001 + 10.0)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.375 + 2 * 1.0 + 0.5 + 0.001 + 10.0)
     # a profile of the native backend charges single_chunk_s per decode group: two decodes at
     # position 4 are 2 groups (the XLA pass runs them as 1 step of 2 pages)
     native = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "n.json", coef, page_size=4,
                                                                                num_slots=4, attention="native")))  # fmt: skip
     e = Request("e", 0.0, 5)
     e.num_computed, e.num_new_tokens = 4, 1
-    two = Schedule(num_slots=4, decodes=[d, e], page_size=4)
+    two = make_plan(num_slots=4, decodes=[d, e], page_size=4)
     assert cost(two) == pytest.approx(0.25 + 2 * 0.125 + 2 * 1.0 + 0.5 + 0.002 + 10.0)
     assert native(two) == pytest.approx(0.25 + 2 * 0.125 + 2 * 1.0 + 0.5 + 0.002 + 2 * 10.0)
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12
-    assert cost(Schedule(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(
+    assert cost(make_plan(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(
         0.375 + 2 * 2.2 + 0.5 + 0.001 + 100.0 + 16e-5
     )
 
@@ -315,10 +316,10 @@ def test_the_first_step_after_an_idle_loop_pays_the_wake_cost_by_hand(tmp_path):
     # each step costs 1.0 (bucket 4); the first has no step before it; the second starts where the
     # first ended (busy); the third 1 s after the second ended (a quarter of the ramp: 0.125);
     # the fourth 10 s after (past the ramp: the whole 0.5)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=3.0)) == pytest.approx(1.0)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=4.0)) == pytest.approx(1.0)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=6.0)) == pytest.approx(1.125)
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4, start_s=17.125)) == pytest.approx(1.5)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=3.0)) == pytest.approx(1.0)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=4.0)) == pytest.approx(1.0)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=6.0)) == pytest.approx(1.125)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=17.125)) == pytest.approx(1.5)
 
 
 def test_steps_since_larger_by_hand():
@@ -337,7 +338,7 @@ def test_steps_after_a_larger_buckets_pay_the_cold_costs_by_hand(tmp_path):
     d, p = decode_and_prefill()
 
     def step(*reqs):
-        return cost(Schedule(num_slots=4, decodes=[r for r in reqs if r is d], prefills=[r for r in reqs if r is p],
+        return cost(make_plan(num_slots=4, decodes=[r for r in reqs if r is d], prefills=[r for r in reqs if r is p],
                              page_size=4))  # fmt: skip
 
     # decode (bucket 4: 1.0), again (warm), decode + prefill (bucket 64: 7.0, a larger one: warm),
@@ -350,8 +351,8 @@ def test_steps_after_a_larger_buckets_pay_the_cold_costs_by_hand(tmp_path):
     old = make_cost_model(
         "profiled", MODEL, None, **configs(write_profile(tmp_path / "old.json", coef, page_size=4, num_slots=4))
     )
-    big = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)
-    assert old(big) == pytest.approx(7.0) and old(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.0)
+    big = make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)
+    assert old(big) == pytest.approx(7.0) and old(make_plan(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.0)
 
 
 def test_each_token_a_step_holds_pays_token_s_by_hand(tmp_path):
@@ -361,13 +362,13 @@ def test_each_token_a_step_holds_pays_token_s_by_hand(tmp_path):
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
     d, p = decode_and_prefill()
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.5)
-    assert cost(Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(27.5)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.5)
+    assert cost(make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(27.5)
     del coef["token_s"]  # a profile made before the term charges nothing for it
     old = make_cost_model(
         "profiled", MODEL, None, **configs(write_profile(tmp_path / "old.json", coef, page_size=4, num_slots=4))
     )
-    assert old(Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(7.0)
+    assert old(make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(7.0)
 
 
 def test_a_served_buckets_own_fixed_cost_replaces_the_scaled_grid_timing_by_hand(tmp_path):
@@ -376,8 +377,8 @@ def test_a_served_buckets_own_fixed_cost_replaces_the_scaled_grid_timing_by_hand
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
     d, p = decode_and_prefill()
-    assert cost(Schedule(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.5)
-    assert cost(Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(14.0)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.5)
+    assert cost(make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(14.0)
 
 
 def test_a_profile_for_another_model_page_size_or_slot_count_is_refused(tmp_path):
@@ -442,6 +443,7 @@ def test_served_iterations_of_a_pipelined_engine_are_their_share_of_the_wall_clo
 
     class Inner:
         pipelined = True
+        reads_token_ids = False
 
     shapes = plan_shapes(4, 64, 16, 64, token_buckets=[4, 16, 64])
     timed = TimedExecutor(Inner())

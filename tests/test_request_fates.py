@@ -46,7 +46,7 @@ class FailingExecutor(CheckingExecutor):
 
     def execute(self, plan):
         super().execute(plan)
-        ids = [r.request_id for r in plan.requests]
+        ids = [s.request_id for s in plan.scheduled]
         errors = {ids.index(self.victim): "logits are not finite"} if self.plans == self.at else None
         return StepOutput(token_ids=[0] * len(ids), duration_s=1.0, errors=errors)
 

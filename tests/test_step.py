@@ -13,7 +13,7 @@ from flax import nnx
 from cbjax.config import ModelConfig
 from cbjax.model import Llama, forward_dense
 from cbjax.model.llama import RMSNorm
-from cbjax.plan import Schedule
+from conftest import data_plan
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.executor import to_device
@@ -48,7 +48,7 @@ def req(i, seq, ctx, n):
 
 def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages, matmul="xla"):
     reqs = [req(i, seqs[i], ctx, n) for i, (ctx, n) in enumerate(rows)]
-    plan = Schedule(num_slots=NUM_ROWS, prefills=reqs, page_tables={r.request_id: pages[int(r.request_id)] for r in reqs},
+    plan = data_plan(num_slots=NUM_ROWS, prefills=reqs, page_tables={r.request_id: pages[int(r.request_id)] for r in reqs},
                     page_size=PAGE_SIZE)  # fmt: skip
     batch = to_device(packer.pack(plan))
     greedy, logits, cache = model_step(weights, cache, batch, graphdef=graphdef, attention=attention, matmul=matmul)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cbjax.plan import Schedule
-from cbjax.request import Request
+from cbjax.plan import Schedule, ScheduledRequest
+from cbjax.request import SamplingParams
 from cbjax.runtime.shapes import ShapePlan
 
 GRIDS = ("full", "small")
@@ -79,15 +79,18 @@ def build_schedule(point: GridPoint, shapes: ShapePlan, num_pages: int, vocab_si
     """A plan of `point`'s rows in slots 0.., with page tables over pages 1 .. num_pages - 1
     (reused round-robin when the grid needs more: the timing does not depend on their contents)."""
     ps = shapes.page_size
-    decodes, prefills, tables = [], [], {}
+    decodes, prefills = [], []
     next_page = 0
     for slot, (n, ctx) in enumerate(point.rows):
         total = ctx + n
-        rid = f"p{slot}"
-        req = Request(rid, 0.0, total, prompt_token_ids=[(slot * 7 + i) % vocab_size for i in range(total)])
-        req.num_computed, req.num_new_tokens, req.slot = ctx, n, slot
         num = -(-total // ps)
-        tables[rid] = [(next_page + i) % (num_pages - 1) + 1 for i in range(num)]
+        decode = point.kind == "decode" or (n == 1 and ctx > 0)
+        entry = ScheduledRequest(
+            request_id=f"p{slot}", slot=slot, num_computed=ctx, num_new_tokens=n, is_decode=decode,
+            token_ids=tuple((slot * 7 + i) % vocab_size for i in range(ctx, total)),
+            page_table=tuple((next_page + i) % (num_pages - 1) + 1 for i in range(num)),
+            sampling=SamplingParams(),
+        )  # fmt: skip
         next_page += num
-        (decodes if point.kind == "decode" or (n == 1 and ctx > 0) else prefills).append(req)
-    return Schedule(num_slots=shapes.num_rows, decodes=decodes, prefills=prefills, page_tables=tables, page_size=ps)
+        (decodes if decode else prefills).append(entry)
+    return Schedule(num_slots=shapes.num_rows, scheduled=decodes + prefills, page_size=ps)

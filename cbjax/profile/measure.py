@@ -20,7 +20,6 @@ import numpy as np
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.serving import fit_loop, fit_served
-from cbjax.request import Request
 from cbjax.runtime.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs
 from cbjax.sim.profiled import (
@@ -66,12 +65,11 @@ def measure_swaps(executor, repeats: int) -> list[dict[str, Any]]:
         for direction in ("out", "in"):
             times = []
             for _ in range(repeats):
-                req = Request("swap", 0.0, 1)
                 t0 = time.perf_counter()
-                swap.swap_out(executor.cache, [(req, pages)])
+                swap.swap_out(executor.cache, [("swap", pages)])
                 if direction == "in":
                     t0 = time.perf_counter()
-                    executor.cache = swap.swap_in(executor.cache, [(req, pages)])
+                    executor.cache = swap.swap_in(executor.cache, [("swap", pages)])
                     executor.cache.k.block_until_ready()
                 else:
                     swap._host.clear()

@@ -35,6 +35,7 @@ class TimedExecutor:
     def __init__(self, inner):
         self.inner = inner
         self.pipelined = inner.pipelined
+        self.reads_token_ids = inner.reads_token_ids
         self.rows: list[list[tuple[int, int, bool]]] = []
         self.num_scheduled: list[int] = []
         self.rows_at: list[float] = []

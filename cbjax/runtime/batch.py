@@ -1,13 +1,13 @@
 """Plan -> host arrays: pack one `Schedule` into the flat token buffer of a step (pure numpy).
 
-Rows of the fixed slot array are filled in plan order (decodes, then prefills), so row r's
-sampled token is `plan.requests[r]`'s. Row r's new tokens are its request's tokens
-[num_computed, num_computed + num_new_tokens) of prompt-plus-generated, laid out contiguously
-in the flat buffer; the buffer is padded to the plan's token bucket. Under pipelined serving
-a decode's token may not be on the host yet (the step that sampled it is still running): its
-slot in the buffer names that step's output row instead (`feed`), set in `prev_rows`. The persistent per-slot
-buffers (page-table rows, sampling knobs) change only when a slot's request, admission or
-page count changes, so a steady decode step rewrites almost nothing.
+Rows of the fixed slot array are filled in plan order (`plan.scheduled`), so row r's sampled
+token is `plan.scheduled[r]`'s. Row r's new tokens are the plan's `token_ids` for it, laid out
+contiguously in the flat buffer; the buffer is padded to the plan's token bucket. Under
+pipelined serving a decode's token may not be on the host yet (the step that sampled it is
+still running): the plan marks it `feed_previous`, and its slot in the buffer names that
+step's output row instead (`feed`), from `prev_rows`. The packer keeps its own per-slot state
+(page-table rows, sampling knobs), updated only from what the plan says changed, so a steady
+decode step rewrites almost nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from cbjax.plan import Schedule
-from cbjax.request import Request
+from cbjax.plan import Schedule, ScheduledRequest
+from cbjax.request import SamplingParams
 from cbjax.runtime.shapes import ShapePlan
 from cbjax.runtime.tiles import BLOCK_Q, CHUNK_SINGLE, block_chunk, build_tiles, tile_capacity
 
@@ -52,8 +52,7 @@ class SamplingArrays:
         self.top_p = np.ones(rows, np.float32)
         self.seed = np.zeros(rows, np.uint32)
 
-    def set(self, row: int, req: Request) -> None:
-        sp = req.sampling
+    def set(self, row: int, sp: SamplingParams) -> None:
         self.temperature[row] = sp.temperature
         self.top_k[row] = sp.top_k
         self.top_p[row] = sp.top_p
@@ -68,14 +67,13 @@ class BatchPacker:
         self.with_tiles = tiles
         num_slots = shapes.num_rows
         self._slot_table = np.zeros((num_slots, shapes.max_pages), np.int32)  # i32[num_slots, max_pages]
-        self._slot_key: list[tuple[int, int, int]] = [(0, 0, 0)] * num_slots  # (request, admission, pages)
         self._slot_sampling = SamplingArrays(num_slots)
         # The last step's row-order sampling knobs, reused while the same slots hold the same
         # requests (a steady decode step); a new request in any slot bumps the version.
         self._sampling_version = 0
         self._last_sampling: tuple = (None, None)
-        # request -> its row in the step launched last, whose tokens may not be on the host yet
-        self.prev_rows: dict[Request, int] = {}
+        # request id -> its row in the step launched last, whose tokens may not be on the host yet
+        self.prev_rows: dict[str, int] = {}
 
     def capacity(self, bucket: int) -> tuple[tuple[int, int], ...]:
         """Static ((capacity, chunk) single, (capacity, chunk) block) groups for a step of `bucket` tokens."""
@@ -86,45 +84,33 @@ class BatchPacker:
         return self._assemble(bucket, [], [], [], [])
 
     def pack(self, plan: Schedule) -> HostBatch:
-        reqs = plan.requests
-        if len(reqs) > self.shapes.num_rows:
-            raise ValueError(f"pack: {len(reqs)} scheduled requests exceed the {self.shapes.num_rows} slots")
+        entries = plan.scheduled
+        if len(entries) > self.shapes.num_rows:
+            raise ValueError(f"pack: {len(entries)} scheduled requests exceed the {self.shapes.num_rows} slots")
         slots, starts, counts, chunks, fed = [], [], [], [], []
-        page_tables = plan.page_tables
-        for i, req in enumerate(reqs):
-            s = req.slot
-            self._sync_slot(s, req, page_tables[req.request_id])
-            n, lo = req.num_new_tokens, req.num_computed
-            p = req.prompt_len
-            if n == 1:  # a decode (or a one-token prefill): the token at position lo
-                if lo < p:
-                    chunks.append([req.prompt_ids()[lo]])
-                elif lo - p < len(req.output_token_ids):
-                    chunks.append([req.output_token_ids[lo - p]])
-                else:  # sampled by the step still running: read from its output on the device
-                    chunks.append([0])
-                    fed.append((i, self._prev_row(req)))
+        for i, s in enumerate(entries):
+            self._sync_slot(s)
+            if s.feed_previous:  # sampled by the step still running: read from its output on the device
+                chunks.append((0,))
+                fed.append((i, self._prev_row(s.request_id)))
+            elif s.token_ids is None or len(s.token_ids) != s.num_new_tokens:
+                raise ValueError(
+                    f"pack: request {s.request_id} has no token ids for its {s.num_new_tokens} new tokens "
+                    "(a plan for the engine carries them: Scheduler.plan_token_ids)"
+                )
             else:
-                if lo + n > p + len(req.output_token_ids):
-                    raise RuntimeError(
-                        f"pack: request {req.request_id} prefills tokens [{lo}, {lo + n}), only "
-                        f"{p + len(req.output_token_ids)} are known; this is a bug"
-                    )
-                seq = req.prompt_ids()
-                if lo + n > len(seq):
-                    seq = seq + req.output_token_ids
-                chunks.append(seq[lo : lo + n])
-            slots.append(s)
-            starts.append(lo)
-            counts.append(n)
+                chunks.append(s.token_ids)
+            slots.append(s.slot)
+            starts.append(s.num_computed)
+            counts.append(s.num_new_tokens)
         total = sum(counts)
         return self._assemble(self.shapes.bucket(max(total, 1)), slots, starts, counts, chunks, fed)
 
-    def _prev_row(self, req: Request) -> int:
-        row = self.prev_rows.get(req)
+    def _prev_row(self, request_id: str) -> int:
+        row = self.prev_rows.get(request_id)
         if row is None:
             raise RuntimeError(
-                f"pack: request {req.request_id}'s last token is not on the host and it was not in "
+                f"pack: request {request_id}'s last token is not on the host and it was not in "
                 f"the step launched last; this is a bug"
             )
         return row
@@ -185,22 +171,20 @@ class BatchPacker:
             tiles=tiles, num_rows_used=used, num_tokens_used=total,
         )  # fmt: skip
 
-    def _sync_slot(self, slot: int, req: Request, pages: list[int]) -> None:
-        """Refresh a slot's page-table row (and sampling knobs) only when its request, admission
-        or page count changed: most steps touch neither."""
-        key = (id(req), req.admit_seq, len(pages))
-        if self._slot_key[slot] != key:
-            if self._slot_key[slot][:2] != key[:2]:
-                self._slot_sampling.set(slot, req)
-                self._sampling_version += 1
-            if len(pages) > self.shapes.max_pages:
+    def _sync_slot(self, s: ScheduledRequest) -> None:
+        """Apply what the plan says changed in the slot: a new occupant's sampling knobs, a
+        page-table row that grew or was replaced. Most steps change neither."""
+        if s.sampling is not None:
+            self._slot_sampling.set(s.slot, s.sampling)
+            self._sampling_version += 1
+        if s.page_table is not None:
+            if len(s.page_table) > self.shapes.max_pages:
                 raise ValueError(
-                    f"request {req.request_id}: holds {len(pages)} pages, the page table has {self.shapes.max_pages}"
+                    f"request {s.request_id}: holds {len(s.page_table)} pages, the page table has {self.shapes.max_pages}"
                 )
-            row = self._slot_table[slot]
+            row = self._slot_table[s.slot]
             row[:] = 0
-            row[: len(pages)] = pages
-            self._slot_key[slot] = key
+            row[: len(s.page_table)] = s.page_table
 
 
 def _rows(values: np.ndarray, slots: list[int], num_rows: int, fill) -> np.ndarray:

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from cbjax.config import DistributedConfig, RunConfig
+from cbjax.config import DistributedConfig
 
 log = logging.getLogger("cbjax")
 
@@ -46,34 +46,6 @@ def initialize(cfg: DistributedConfig) -> None:
         f"distributed: process {jax.process_index()} of {jax.process_count()}, "
         f"{jax.local_device_count()} local of {jax.device_count()} devices"
     )
-
-
-def start(cfg: RunConfig, *, multirun: bool = False) -> bool:
-    """Join the process group; a process other than 0 then follows process 0's steps to the
-    end and returns True (it writes nothing), process 0 returns False and serves."""
-    if multirun:  # a job process 0 skips as complete would leave the others waiting
-        raise ValueError("distributed.num_processes: a multi-host run serves one config, not a multirun (-m)")
-    initialize(cfg.distributed)
-    if cfg.distributed.process_id == 0:
-        return False
-    follow(cfg)
-    return True
-
-
-def follow(cfg: RunConfig) -> None:
-    """A process other than 0: build the executor, warm up, then run the steps process 0 sends."""
-    from cbjax.run import build_executor
-
-    initialize(cfg.distributed)
-    executor = build_executor(cfg)
-    executor.progress = False
-    executor.warmup()
-    num_steps = 0
-    while (batch := executor.link.recv()) is not None:
-        executor.follow_step(batch)
-        num_steps += 1
-    compiles = executor.metrics()["compiles_after_warmup"]
-    log.info(f"distributed: process {cfg.distributed.process_id} ran {num_steps} steps, {compiles} compiles after warmup")
 
 
 def _arrays(batch) -> list[np.ndarray]:

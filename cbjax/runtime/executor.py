@@ -110,6 +110,7 @@ class JaxExecutor:
     (`DeviceBatch.feed`), so the host schedules and packs step t+1 while step t runs."""
 
     virtual_clock = False
+    reads_token_ids = True
 
     def __init__(
         self,
@@ -313,7 +314,7 @@ class JaxExecutor:
         out = self._step(batch)
         if self.tp is None:  # the next step may read these tokens before the host does
             self._prev_tokens = out
-            self.packer.prev_rows = {req: i for i, req in enumerate(plan.requests)}
+            self.packer.prev_rows = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         if plan.decodes and plan.prefills:
             self.mixed_iterations += 1
         if any(r.num_computed > 0 for r in plan.prefills):  # a chunk, recompute, prefix hit or swap-in

@@ -7,11 +7,12 @@ to one of a few fixed widths, each compiled at warmup, so swapping compiles noth
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import numpy as np
 
 from cbjax.runtime.kv_cache import NULL_PAGE, KVCache
-from cbjax.request import Request
 
 
 def _gather_pages(cache: KVCache, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -62,7 +63,7 @@ class HostSwap:
             idx[: len(chunk)] = chunk
             yield idx, len(chunk)
 
-    def swap_out(self, cache: KVCache, entries: list[tuple[Request, list[int]]]) -> None:
+    def swap_out(self, cache: KVCache, entries: list[tuple[str, Sequence[int]]]) -> None:
         """Copy each request's pages to host memory: all gathers, then one device_get."""
         pages = [p for _, src in entries for p in src]
         if not pages:
@@ -72,20 +73,20 @@ class HostSwap:
         k = np.concatenate([hk[:, :, :n] for (hk, _), (_, n) in zip(host, calls)], axis=2)
         v = np.concatenate([hv[:, :, :n] for (_, hv), (_, n) in zip(host, calls)], axis=2)
         lo = 0
-        for req, src in entries:
-            self._host[req.request_id] = (k[:, :, lo : lo + len(src)], v[:, :, lo : lo + len(src)])
+        for request_id, src in entries:
+            self._host[request_id] = (k[:, :, lo : lo + len(src)], v[:, :, lo : lo + len(src)])
             lo += len(src)
         self.num_out_pages += len(pages)
 
-    def swap_in(self, cache: KVCache, entries: list[tuple[Request, list[int]]]) -> KVCache:
+    def swap_in(self, cache: KVCache, entries: list[tuple[str, Sequence[int]]]) -> KVCache:
         """Write each request's host copy into its new pages; returns the updated cache."""
         pages = [p for _, dst in entries for p in dst]
         if not pages:
             return cache
-        copies = [self._host.pop(req.request_id) for req, _ in entries]
-        for (req, dst), (k, _) in zip(entries, copies):
+        copies = [self._host.pop(request_id) for request_id, _ in entries]
+        for (request_id, dst), (k, _) in zip(entries, copies):
             if k.shape[2] != len(dst):
-                raise ValueError(f"request {req.request_id}: swaps in {len(dst)} pages, {k.shape[2]} were swapped out")
+                raise ValueError(f"request {request_id}: swaps in {len(dst)} pages, {k.shape[2]} were swapped out")
         k = np.concatenate([c[0] for c in copies], axis=2)
         v = np.concatenate([c[1] for c in copies], axis=2)
         lo = 0

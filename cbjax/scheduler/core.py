@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from cbjax.cache import make_allocator
 from cbjax.cache.prefix import PrefixCache
@@ -12,8 +12,42 @@ from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.plan import Schedule
 from cbjax.request import FinishReason, Request, Status
 from cbjax.scheduler.intake import rejection_reason
-from cbjax.scheduler.policy import Policy, make_policy
+from cbjax.scheduler.policy import PolicyContract, make_policy
+from cbjax.scheduler.output import Draft, PlanWriter
 from cbjax.scheduler.results import StepResults
+
+
+class _View:
+    """The scheduler as policies see it: `cbjax.scheduler.policy.SchedulerView`. Read-only."""
+
+    __slots__ = ("_s",)
+
+    def __init__(self, scheduler: "Scheduler"):
+        self._s = scheduler
+
+    @property
+    def running(self) -> Sequence[Request]:
+        return tuple(self._s.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._s.policy)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._s._free_slots)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._s.allocator.num_free_pages
+
+    def pages_held(self, request_id: str) -> int:
+        return len(self._s.allocator.page_tables.get(request_id, ()))
+
+    def admission_pages(self, req: Request) -> int:
+        """Pages `req` needs to be admitted with its current tokens."""
+        s = self._s
+        return s.allocator.admission_pages(req.num_tokens, s.reserve_tokens(req))
 
 
 class Scheduler(StepResults):
@@ -40,7 +74,7 @@ class Scheduler(StepResults):
         cfg: SchedulerConfig,
         cache: CacheConfig,
         max_model_len: int,
-        policy: Optional[Policy] = None,
+        policy: Optional[PolicyContract] = None,
         validate: Optional[Callable[[Request], Optional[str]]] = None,
         eos_token_id: Optional[int] = None,
         vocab_size: Optional[int] = None,
@@ -81,6 +115,8 @@ class Scheduler(StepResults):
         self._pad_step = 0
         # pipelined serving: (plan, its requests that yield a token) between advance and commit
         self._uncommitted: Optional[tuple[Schedule, list]] = None
+        self.view = _View(self)
+        self.writer = PlanWriter(cfg.max_num_seqs, self.allocator)
 
     # ---- intake ----
     def rejection_reason(self, req: Request) -> Optional[str]:
@@ -178,18 +214,24 @@ class Scheduler(StepResults):
         return True
 
     def requests_of(self, plan: Schedule) -> list[Request]:
-        """The plan's scheduled requests, in plan order."""
-        return plan.requests
+        """The plan's scheduled requests, in plan order (until its results are recorded)."""
+        return self.writer.requests(plan)
+
+    @property
+    def plan_token_ids(self) -> bool:
+        """Whether plans carry token ids (`PlanWriter.token_ids`; EngineLoop sets it)."""
+        return self.writer.token_ids
+
+    @plan_token_ids.setter
+    def plan_token_ids(self, value: bool) -> None:
+        self.writer.token_ids = value
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.policy) > 0
 
     # ---- one iteration ----
     def schedule(self, now: float) -> Schedule:
-        alloc = self.allocator
-        plan = Schedule(
-            num_slots=self.max_num_seqs, start_s=now, page_tables=alloc.page_tables, page_size=alloc.page_size
-        )
+        plan = Draft()
         budget = self.token_budget
         # Running requests first: decodes (one token left to process), then unfinished
         # prefills, then new prefills: Sarathi-Serve's stall-free order. A request processes
@@ -210,9 +252,9 @@ class Scheduler(StepResults):
         self._prefilled_last = bool(plan.prefills)
         if self.cfg.static_padding:
             self._pad(plan, new_batch)
-        return plan
+        return self.writer.write(plan, now)
 
-    def _plan_running(self, plan: Schedule, decoding: bool, budget: int) -> int:
+    def _plan_running(self, plan: Draft, decoding: bool, budget: int) -> int:
         """Plan the running requests' decodes (`decoding`) or unfinished prefills, preempting
         when pages run out. Returns the budget left."""
         alloc = self.allocator
@@ -237,11 +279,11 @@ class Scheduler(StepResults):
                 (plan.decodes if decoding else plan.prefills).append(req)
         return budget
 
-    def _admit_waiting(self, plan: Schedule, budget: int, now: float) -> int:
+    def _admit_waiting(self, plan: Draft, budget: int, now: float) -> int:
         """Admit waiting requests as the policy, slots, budget and pages allow; their prefills
         join the plan. Returns the budget left."""
         alloc = self.allocator
-        if not self.policy.admission_open(self):
+        if not self.policy.admission_open(self.view):
             return budget
         # Nothing preempted this iteration is readmitted in it.
         while len(self.policy) and budget > 0:
@@ -261,7 +303,7 @@ class Scheduler(StepResults):
                 n = budget
             if not self._free_slots or not alloc.can_allocate(done + n, self.reserve_tokens(req), cached):
                 # The policy may evict a running request the head outranks (priority, mlfq).
-                victim = self.policy.preempt_for(req, self)
+                victim = self.policy.preempt_for(req, self.view)
                 if victim is None:
                     break
                 budget += self._preempt(victim, plan)
@@ -283,7 +325,7 @@ class Scheduler(StepResults):
             plan.prefills.append(req)
         return budget
 
-    def _pad(self, plan: Schedule, new_batch: bool) -> None:
+    def _pad(self, plan: Draft, new_batch: bool) -> None:
         """`scheduler.static_padding`: charge the plan as a padded `generate` batch runs. The
         iteration that forms a batch prefills every row padded to the batch's longest prompt;
         each later one decodes every row of the batch, finished rows included, at the padded
@@ -314,17 +356,19 @@ class Scheduler(StepResults):
         self.slots[req.slot] = req
         self._admit_counter += 1
         req.admit_seq = self._admit_counter
+        self.writer.admitted(req.request_id)
         if req.scheduled_s is None:
             req.scheduled_s = now
         self.running.append(req)
 
     def _release(self, req: Request) -> None:
         self.allocator.free(req.request_id)
+        self.writer.released(req.request_id)
         self.slots[req.slot] = None
         heapq.heappush(self._free_slots, req.slot)
         req.slot = -1
 
-    def _preempt(self, req: Request, plan: Schedule) -> int:
+    def _preempt(self, req: Request, plan: Draft) -> int:
         """Preempt by swap (its computed pages to host memory, `num_computed` kept) or by
         recompute (its K/V dropped), and requeue it with its tokens so far.
 

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from cbjax.request import Request
 
-if TYPE_CHECKING:
-    from cbjax.scheduler.core import Scheduler
+
+class Limits(Protocol):
+    """What intake reads of a scheduler (`cbjax.scheduler.core.Scheduler` provides it)."""
+
+    cfg: Any  # SchedulerConfig: chunked_prefill
+    allocator: Any  # admission_pages, num_usable_pages
+    max_model_len: int
+    token_budget: int
+    vocab_size: Optional[int]
+    validate: Optional[Callable[[Request], Optional[str]]]
+
+    def reserve_tokens(self, req: Request) -> int: ...
 
 
-def rejection_reason(sched: Scheduler, req: Request) -> Optional[str]:
+def rejection_reason(sched: Limits, req: Request) -> Optional[str]:
     """Why the request can never run on `sched`, or None: input errors, sampling parameters,
     lengths against the model, the step budget and the page pool, prompt ids against the
     vocabulary, then the executor's own check (`sched.validate`)."""

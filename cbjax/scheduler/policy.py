@@ -5,13 +5,68 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections import deque
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence
 
 from cbjax.request import Request
 
 if TYPE_CHECKING:
     from cbjax.config import SchedulerConfig
-    from cbjax.scheduler.core import Scheduler
+
+
+class SchedulerView(Protocol):
+    """What a policy may read of the scheduler: never the scheduler itself, so a plug-in policy
+    cannot reach into its state and policies do not import it."""
+
+    @property
+    def running(self) -> Sequence[Request]:
+        """The running requests, in admission order."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_free_slots(self) -> int: ...
+
+    @property
+    def num_free_pages(self) -> int: ...
+
+    def pages_held(self, request_id: str) -> int:
+        """Pages the running request holds."""
+
+    def admission_pages(self, req: Request) -> int:
+        """Pages `req` needs to be admitted with its current tokens."""
+
+
+class PolicyContract(Protocol):
+    """Every call the scheduler makes on a policy. `Policy` implements it; a plug-in may
+    subclass `Policy` or implement this protocol directly."""
+
+    name: str
+
+    def push(self, request: Request) -> None: ...
+
+    def requeue(self, request: Request) -> None: ...
+
+    def peek(self) -> Optional[Request]: ...
+
+    def pop(self) -> Request: ...
+
+    def remove(self, request: Request) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+    def admission_open(self, scheduler: SchedulerView) -> bool: ...
+
+    def choose_victim(self, running: list[Request]) -> Request: ...
+
+    @property
+    def may_preempt_for(self) -> bool: ...
+
+    def preempt_for(self, waiting: Request, scheduler: SchedulerView) -> Optional[Request]: ...
+
+    def on_step(self, scheduled: list[Request], now: float) -> None: ...
 
 
 class Policy:
@@ -53,7 +108,7 @@ class Policy:
         raise NotImplementedError
 
     # ---- decisions ----
-    def admission_open(self, scheduler: "Scheduler") -> bool:
+    def admission_open(self, scheduler: SchedulerView) -> bool:
         """Whether new requests may join the running batch this iteration."""
         return True
 
@@ -67,7 +122,7 @@ class Policy:
         in flight before it schedules)."""
         return type(self).preempt_for is not Policy.preempt_for
 
-    def preempt_for(self, waiting: Request, scheduler: "Scheduler") -> Optional[Request]:
+    def preempt_for(self, waiting: Request, scheduler: SchedulerView) -> Optional[Request]:
         """A running request to preempt so that `waiting`, the queue's head, can be admitted.
 
         Called when the head lacks a free slot or pages; None (the default) leaves it waiting.
@@ -118,7 +173,7 @@ class StaticPolicy(FCFSPolicy):
 
     name = "static"
 
-    def admission_open(self, scheduler: "Scheduler") -> bool:
+    def admission_open(self, scheduler: SchedulerView) -> bool:
         return not scheduler.running
 
 

@@ -11,6 +11,10 @@ from cbjax.plan import Schedule
 from cbjax.request import FinishReason, Request, Status
 
 
+# Marks a request whose step failed, in `advance`'s list for `commit`.
+_FAILED = object()
+
+
 class StepResults:
     """Postprocessing of a step's results, mixed into `Scheduler`."""
 
@@ -23,33 +27,14 @@ class StepResults:
     ) -> list[Request]:
         """Record one new token per scheduled request; retire the finished. Returns them.
 
-        `token_ids` follows `plan.requests` order; None means simulated tokens. `errors` maps
-        an index into `plan.requests` to why its step failed: that request ends with reason
+        `token_ids` follows `plan.scheduled` order; None means simulated tokens. `errors` maps
+        an index into `plan.scheduled` to why its step failed: that request ends with reason
         `error` (its token and this step's K/V are dropped) and the others go on.
         """
-        done: list[Request] = []
-        for i, req in enumerate(plan.requests):
-            if errors and i in errors:
-                req.num_new_tokens = 0
-                req.error = errors[i]
-                self._finish(req, FinishReason.ERROR, now)
-                done.append(req)
-                continue
-            if not self._computed(req):
-                continue  # a partial prefill yields no token
-            self._stamp(req, now)
-            reason = None
-            if token_ids is not None:
-                reason = self._take_token(req, int(token_ids[i]))
-            if reason is None:
-                reason = self._length_reason(req)
-            if reason is not None:
-                self._finish(req, reason, now)
-                done.append(req)
-        if done:
-            self.running = [r for r in self.running if r.status is Status.RUNNING]
-            self.finished.extend(done)
-        self.policy.on_step(plan.requests, now)
+        self.advance(plan, now, errors, notify=False)
+        requests = self.writer.requests(plan)
+        done = self.commit(plan, token_ids, now, errors)
+        self.policy.on_step(requests, now)
         return done
 
     # ---- pipelined serving: postprocess in two halves ----
@@ -75,14 +60,23 @@ class StepResults:
             need += alloc.pages_to_append(req.request_id, req.num_computed + n)
         return need > alloc.num_free_pages
 
-    def advance(self, plan: Schedule, now: float) -> None:
-        """The token-free half of `postprocess`, for a launched step (see above)."""
+    def advance(
+        self, plan: Schedule, now: float, errors: Optional[dict[int, str]] = None, *, notify: bool = True
+    ) -> None:
+        """The token-free half of `postprocess`, for a launched step (see above). `errors` known
+        already (a step run to completion) end those requests at commit with this step's work
+        dropped. `notify`: tell the policy now (`postprocess` tells it after the commit)."""
         if self._uncommitted is not None:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         yielded = []
-        for i, req in enumerate(plan.requests):
+        requests = self.writer.requests(plan)
+        for i, req in enumerate(requests):
             if req.status is not Status.RUNNING:  # stopped on a token since this plan was made
                 req.num_new_tokens = 0
+                continue
+            if errors and i in errors:  # nothing of its step counts
+                req.num_new_tokens = 0
+                yielded.append((i, req, _FAILED))
                 continue
             if not self._computed(req):
                 continue
@@ -92,7 +86,8 @@ class StepResults:
             yielded.append((i, req, reason))
         self.running = [r for r in self.running if r.status is Status.RUNNING]
         self._uncommitted = (plan, yielded)
-        self.policy.on_step(plan.requests, now)
+        if notify:
+            self.policy.on_step(requests, now)
 
     def commit(
         self,
@@ -107,9 +102,13 @@ class StepResults:
             raise RuntimeError("commit: the plan is not the one advanced last; this is a bug")
         _, yielded = self._uncommitted
         self._uncommitted = None
+        self.writer.done(plan)
         done: list[Request] = []
         for i, req, reason in yielded:
-            if errors and i in errors:
+            if reason is _FAILED:  # known at advance: its step was not counted
+                req.error = errors[i]
+                reason = FinishReason.ERROR
+            elif errors and i in errors:  # found at commit: take back the token advance counted
                 req.num_generated -= 1
                 req.error = errors[i]
                 reason = FinishReason.ERROR

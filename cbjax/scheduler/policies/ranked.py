@@ -5,13 +5,10 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 from cbjax.request import Request, Status
-from cbjax.scheduler.policy import Policy
-
-if TYPE_CHECKING:
-    from cbjax.scheduler.core import Scheduler
+from cbjax.scheduler.policy import Policy, SchedulerView
 
 
 class RankedQueue:
@@ -99,7 +96,7 @@ class RankedPolicy(Policy):
     def may_preempt_for(self) -> bool:
         return self.preempts
 
-    def preempt_for(self, waiting: Request, scheduler: "Scheduler") -> Optional[Request]:
+    def preempt_for(self, waiting: Request, scheduler: SchedulerView) -> Optional[Request]:
         if not self.preempts:
             return None
         if self._victims is None:
@@ -119,7 +116,7 @@ class _Victims:
     evictions cost one sort, not k scans of the running set. `on_step` ends the phase.
     """
 
-    def __init__(self, policy: RankedPolicy, scheduler: "Scheduler"):
+    def __init__(self, policy: RankedPolicy, scheduler: SchedulerView):
         self.policy, self.scheduler = policy, scheduler
         self.running = list(scheduler.running)
         self.ranks = [policy.rank(r) for r in self.running]
@@ -127,13 +124,13 @@ class _Victims:
         self.order: Optional[list[Request]] = None  # sorted lazily: most phases evict nobody
 
     def _sort(self) -> None:
-        tables = self.scheduler.allocator.page_tables
+        view = self.scheduler
         keyed = sorted(zip(self.ranks, (r.admit_seq for r in self.running), self.running), reverse=True)
         self.order = [req for _, _, req in keyed]
         self.neg_ranks = [-rank for rank, _, _ in keyed]  # ascending
         self.held = [0]  # held[i]: pages of order[:i]
         for req in self.order:
-            self.held.append(self.held[-1] + len(tables[req.request_id]))
+            self.held.append(self.held[-1] + view.pages_held(req.request_id))
         self.next = 0
 
     def take(self, waiting: Request) -> Optional[Request]:
@@ -148,10 +145,9 @@ class _Victims:
         if end <= self.next:
             return None
         # Evict nothing unless evicting every outranked request would make room for the head.
-        sched = self.scheduler
-        alloc = sched.allocator
-        need = alloc.admission_pages(waiting.num_tokens, sched.reserve_tokens(waiting))
-        if need > alloc.num_free_pages + self.held[end] - self.held[self.next]:
+        view = self.scheduler
+        need = view.admission_pages(waiting)
+        if need > view.num_free_pages + self.held[end] - self.held[self.next]:
             return None
         victim = self.order[self.next]
         self.next += 1

@@ -1,0 +1,109 @@
+"""The scheduler's plans as data: a draft over live requests becomes a `Schedule` (no jax).
+
+The scheduler builds each iteration's plan as a `Draft` of live requests (it preempts and
+reorders while planning); `PlanWriter` writes it out as the data-only `Schedule` the executor
+sees, and remembers which requests each plan scheduled until its results are recorded. It also
+tracks what each running request's slot was last told, so a plan carries a page-table row only
+when it changed and sampling knobs only when a request takes its slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from cbjax.plan import Schedule, ScheduledRequest
+from cbjax.request import Request
+
+
+@dataclass
+class Draft:
+    """A plan while the scheduler builds it, over live requests."""
+
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
+    padded_rows: Optional[list[tuple[int, int, bool]]] = None
+
+
+class PlanWriter:
+    """Drafts -> `Schedule`s for one scheduler over `num_slots` slots and its page allocator."""
+
+    def __init__(self, num_slots: int, allocator):
+        self.num_slots = num_slots
+        self.allocator = allocator  # page_tables and page_size are read
+        # Whether plans carry token ids: the engine reads them; the simulator does not, so a
+        # length-only trace never materialises its prompts. EngineLoop sets it from the executor.
+        self.token_ids = False
+        self._num_plans = 0
+        self._plans: dict[int, list[Request]] = {}  # step_id -> its requests, until done
+        self._sent_pages: dict[str, int] = {}  # running request -> page-table length last sent
+        self._fresh: set[str] = set()  # requests that take their slot in the next plan
+
+    def admitted(self, request_id: str) -> None:
+        """The request takes a slot: the next plan sends its knobs and its whole page table."""
+        self._fresh.add(request_id)
+
+    def released(self, request_id: str) -> None:
+        """The request left its slot (finished, preempted or aborted)."""
+        self._sent_pages.pop(request_id, None)
+        self._fresh.discard(request_id)
+
+    def requests(self, plan: Schedule) -> list[Request]:
+        """The plan's scheduled requests in plan order, until `done`."""
+        return self._plans[plan.step_id]
+
+    def done(self, plan: Schedule) -> None:
+        """The plan's results are recorded: forget its requests."""
+        del self._plans[plan.step_id]
+
+    def write(self, draft: Draft, now: float) -> Schedule:
+        self._num_plans += 1
+        scheduled = [self._entry(r, True) for r in draft.decodes]
+        scheduled.extend(self._entry(r, False) for r in draft.prefills)
+        self._plans[self._num_plans] = draft.decodes + draft.prefills
+        return Schedule(
+            num_slots=self.num_slots,
+            scheduled=scheduled,
+            preempted=[r.request_id for r in draft.preempted],
+            start_s=now,
+            swap_out=[(r.request_id, tuple(pages)) for r, pages in draft.swap_out],
+            swap_in=[(r.request_id, tuple(pages)) for r, pages in draft.swap_in],
+            page_size=self.allocator.page_size,
+            step_id=self._num_plans,
+            padded_rows=draft.padded_rows,
+        )
+
+    def _entry(self, req: Request, decode: bool) -> ScheduledRequest:
+        rid = req.request_id
+        table = self.allocator.page_tables[rid]
+        page_table = None
+        if self._sent_pages.get(rid) != len(table):  # tables only grow while a request runs
+            page_table = tuple(table)
+            self._sent_pages[rid] = len(table)
+        sampling = None
+        if rid in self._fresh:
+            self._fresh.discard(rid)
+            sampling = req.sampling
+        lo, n = req.num_computed, req.num_new_tokens
+        token_ids, feed = None, False
+        if self.token_ids:
+            p, out = req.prompt_len, req.output_token_ids
+            if n == 1 and lo >= p and lo - p >= len(out):
+                feed = True  # sampled by the step still in flight: the executor feeds it on the device
+            elif lo + n > p + len(out):
+                raise RuntimeError(
+                    f"schedule: request {rid} processes tokens [{lo}, {lo + n}), only {p + len(out)} "
+                    "are known; this is a bug"
+                )
+            elif lo + n <= p:
+                token_ids = tuple(req.prompt_ids()[lo : lo + n])
+            else:
+                token_ids = tuple((req.prompt_ids() + out)[lo : lo + n])
+        return ScheduledRequest(
+            request_id=rid, slot=req.slot, num_computed=lo, num_new_tokens=n, is_decode=decode,
+            token_ids=token_ids, feed_previous=feed, page_table=page_table, sampling=sampling,
+            yields=lo + n >= req.num_tokens,
+        )  # fmt: skip
