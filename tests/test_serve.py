@@ -249,11 +249,12 @@ def test_a_full_queue_answers_429_with_retry_after(tmp_path):
 
 
 def test_disconnects_abort_their_requests_and_free_slots_and_pages(tmp_path):
-    num, leave_every = 50, 5  # every fifth stream leaves after 5 tokens
+    # every fifth stream asks for 1000 tokens (2 s) and leaves after 5; the others read 150
+    num, leave_every = 50, 5
     results: dict[int, str] = {}
 
     def client(i: int, base: str) -> None:
-        body = {"prompt": f"request {i}", "max_tokens": 150, "stream": True}
+        body = {"prompt": f"request {i}", "max_tokens": 1000 if i % leave_every == 0 else 150, "stream": True}
         with httpx.stream("POST", f"{base}/completions", json=body, timeout=120) as resp:
             seen = 0
             for line in resp.iter_lines():
@@ -284,5 +285,5 @@ def test_disconnects_abort_their_requests_and_free_slots_and_pages(tmp_path):
     aborted = [r for r in table if r["finish_reason"] == "aborted"]
     assert len(aborted) == num // leave_every + 1
     assert all(r["error"] == "client disconnected" for r in aborted)
-    assert all(5 <= r["output_len"] < 150 for r in aborted if r["max_tokens"] == 150)
+    assert all(5 <= r["output_len"] < 1000 for r in aborted if r["max_tokens"] == 1000)
     assert sorted(r["output_len"] for r in table if r["finish_reason"] == "length") == [150] * (num - num // leave_every)
