@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 
@@ -29,12 +30,20 @@ def start_server(tmp_path, env, *overrides: str) -> tuple[subprocess.Popen, str]
     raise AssertionError(f"cbjax-serve exited {proc.returncode} before listening")
 
 
+def num_received(base: str) -> float:
+    """Requests the server has taken in: running, waiting, or ended (from /metrics)."""
+    text = httpx.get(base.removesuffix("/v1") + "/metrics").text
+    names = ("cbjax:num_requests_running{", "cbjax:num_requests_waiting{", "cbjax:request_success_total{")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(names))
+
+
 def test_sigterm_mid_load_drains_writes_every_request_and_exits_0(tmp_path, env_cpu):
     proc, base = start_server(
         tmp_path, env_cpu, "hardware.overhead_s=0.002", "server.drain_s=3", "scheduler.max_num_seqs=8",
         "model.max_model_len=4096", "cache.num_pages=2048",
     )  # fmt: skip
     statuses: list[int] = []
+    errors: list[str] = []
     first_tokens = threading.Semaphore(0)
 
     def client(i: int) -> None:
@@ -45,14 +54,20 @@ def test_sigterm_mid_load_drains_writes_every_request_and_exits_0(tmp_path, env_
                 for n, _line in enumerate(resp.iter_lines()):
                     if n == 0:
                         first_tokens.release()
-        except httpx.HTTPError:
+        except httpx.HTTPError as e:
             statuses.append(-1)  # refused after the listener closed: never received
+            errors.append(repr(e))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
     for t in threads:
         t.start()
     for _ in range(8):  # the first batch is running
         assert first_tokens.acquire(timeout=60)
+    # and the other four have reached the server (else a late one would come after the signal: a 503)
+    deadline = time.monotonic() + 60
+    while num_received(base) != 12:
+        assert time.monotonic() < deadline, "the last four requests never reached the queue"
+        time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(timeout=60)
@@ -60,7 +75,7 @@ def test_sigterm_mid_load_drains_writes_every_request_and_exits_0(tmp_path, env_
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "requests.jsonl").read_text().splitlines()]
     received = sum(1 for s in statuses if s == 200)
-    assert len(rows) == received == 12  # every request sent before the signal was received
+    assert len(rows) == received == 12, errors  # every request sent before the signal was received
     fates = sorted(r["finish_reason"] for r in rows)
     # the short ones finished (some still queued when the signal came), the long ones were
     # aborted once server.drain_s had passed
