@@ -6,17 +6,32 @@ Imported only by cbjax.cli and by Hydra (the root config names ResumeCallback), 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from cbjax.config import RunConfig
 from cbjax.sweep import clear_skipped, comparable_config, count_skipped, run_job
 
 log = logging.getLogger(__name__)
+
+
+def run_id() -> str:
+    """The part of a run's folder name that no other run has: this process's id (unique among
+    the host's live processes) and a random tag (hosts sharing a filesystem), e.g. `4321-9f3a`."""
+    return f"{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def register_resolvers() -> None:
+    """`${cbjax.run_id:}` for configs/config.yaml's hydra.run.dir and hydra.sweep.dir. Cached
+    like Hydra's `${now:}`: every reading of the config (and each sweep job's, which Hydra copies
+    the cache into) sees one value per process."""
+    OmegaConf.register_new_resolver("cbjax.run_id", run_id, use_cache=True, replace=True)
 
 
 def run_hydra_job(
