@@ -33,6 +33,7 @@ from cbjax.runtime import programs
 from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count, thread_cache_hits
 from cbjax.runtime.host_memory import retain_freed_memory
 from cbjax.runtime.kv_cache import init_cache
+from cbjax.runtime.memory_check import check_kv_cache_fits
 from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.step import DeviceBatch, model_step, sample_step, split_model
 from cbjax.runtime.swap import HostSwap
@@ -136,6 +137,7 @@ class JaxExecutor:
         llama = llama if llama is not None else Llama(model, seed=seed)
         self.graphdef, self.weights = split_model(llama.fused(), self.matmul)
         cache_args = (model.num_layers, model.num_kv_heads, model.head_dim, cache.num_pages, cache.page_size, model.dtype)
+        check_kv_cache_fits(*cache_args, num_shards=cfg.mesh.tensor)  # one line naming cache.num_pages, not OOM
         # executor.mesh.tensor > 1, or several processes: sharded (cbjax.runtime.mesh); else one device.
         self.tp = self.link = None
         self.pipelined = cfg.async_scheduling
