@@ -55,6 +55,9 @@ def _app(cfg: DictConfig) -> Optional[float]:
     except ValueError as err:
         _to_stderr(f"cbjax: error: {err}")
         sys.exit(2)
+    except OSError as err:  # the outputs could not be written (OutputError names the file); the summary was shown
+        _to_stderr(f"cbjax: error: {err}")
+        sys.exit(1)
     if STOP.is_set():
         _to_stderr(f"cbjax: interrupted by {STOP.name}; what finished is saved in {out_dir}")
         sys.exit(130)

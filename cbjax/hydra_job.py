@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -16,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from cbjax.config import RunConfig
+from cbjax.outputs import unwritable
 from cbjax.sweep import clear_skipped, comparable_config, count_skipped, run_job
 
 log = logging.getLogger(__name__)
@@ -82,3 +84,21 @@ class ResumeCallback(Callback):
                 f"sweep: skipped {skipped} jobs already complete with the same config; "
                 f"{complete} complete jobs in {sweep_dir} (overwrite=true reruns all)"
             )
+
+
+class OutputDirCallback(Callback):
+    """Fails in one line, before Hydra makes the run's folder (its own error is a traceback)
+    and before any work, when the run or sweep folder cannot be created or written."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _require_writable(Path(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _require_writable(Path(config.hydra.sweep.dir))
+
+
+def _require_writable(directory: Path) -> None:
+    problem = unwritable(directory)
+    if problem is not None:
+        print(f"cbjax: error: {problem}; choose another with hydra.run.dir (or hydra.sweep.dir)", file=sys.stderr)
+        sys.exit(1)

@@ -123,13 +123,13 @@ def run_single(
         if hasattr(executor, "close"):  # multi-host: the other processes stop stepping
             executor.close()
     summary = build_summary(cfg, result, service_log, executor)
+    if verbose:  # before the files: the console keeps the summary when the folder can't take them
+        log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
     if out_dir is not None:
         clients = client_ids(result.requests)
         write_service_series(out_dir, service_series(service_log, clients, cfg.metrics, result.makespan_s))
         write_run(out_dir, cfg, summary, result.requests, extra_rows=extra)
         live.close()
-    if verbose:
-        log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
     return summary
 
 
