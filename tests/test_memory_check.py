@@ -49,3 +49,34 @@ def test_the_engine_refuses_a_huge_pool_before_allocating_it(monkeypatch):
             ExecutorConfig(name="jax", token_buckets=[4, 16], compilation_cache_dir=None),
         )  # fmt: skip
     assert f"needs {need / 2**30:.1f} GiB but " in str(err.value) and "of host memory is available" in str(err.value)
+
+
+class FakeAccelerator:
+    """What check_kv_cache_fits reads of a GPU: its platform and its allocator's stats."""
+
+    platform = "gpu"
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+
+def test_device_free_memory_comes_from_the_allocator_stats():
+    from cbjax.runtime.memory_check import device_available_bytes
+
+    assert device_available_bytes(FakeAccelerator({"bytes_limit": 1000, "bytes_in_use": 300})) == 700
+    assert device_available_bytes(FakeAccelerator(None)) is None
+    assert device_available_bytes(FakeAccelerator(RuntimeError("no stats"))) is None
+
+
+def test_on_an_accelerator_each_shard_is_checked_against_one_device(monkeypatch):
+    need = 2 * 1 * 4 * 100 * 4 * 8 * 4  # 102,400 bytes over 4 kv heads
+    device = FakeAccelerator({"bytes_limit": need // 4, "bytes_in_use": 0})
+    monkeypatch.setattr(memory_check.jax, "local_devices", lambda: [device])
+    check_kv_cache_fits(1, 4, 8, 100, 4, "float32", num_shards=4)  # a quarter per device: fits exactly
+    with pytest.raises(ValueError, match=r"^cache\.num_pages=100: the KV pool needs 50\.0 KiB but 25\.0 KiB of gpu memory"):
+        check_kv_cache_fits(1, 4, 8, 100, 4, "float32", num_shards=2)
