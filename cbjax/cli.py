@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from cbjax.config import RunConfig
 from cbjax.config_merge import to_run_config
+from cbjax.hydra_job import register_resolvers, run_hydra_job
 from cbjax.outputs import StopFlag
 
 # configs/ sits at the repository's top level and ships in the package as `cbjax.configs`.
@@ -29,6 +30,7 @@ IN_SOURCE_TREE = "CBJAX_CONFIG_DIR" in os.environ or (
 CONFIG_PATH = str(CONFIG_DIR) if IN_SOURCE_TREE else "pkg://cbjax.configs"
 
 ConfigStore.instance().store(name="base_config", node=RunConfig)
+register_resolvers()  # before Hydra reads hydra.run.dir
 
 log = logging.getLogger("cbjax")
 STOP = StopFlag()  # set by SIGINT/SIGTERM while the app runs
@@ -36,7 +38,6 @@ STOP = StopFlag()  # set by SIGINT/SIGTERM while the app runs
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _app(cfg: DictConfig) -> Optional[float]:
-    from cbjax.hydra_job import run_hydra_job
     from cbjax.run import run_experiment
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -54,6 +55,9 @@ def _app(cfg: DictConfig) -> Optional[float]:
     except ValueError as err:
         _to_stderr(f"cbjax: error: {err}")
         sys.exit(2)
+    except OSError as err:  # the outputs could not be written (OutputError names the file); the summary was shown
+        _to_stderr(f"cbjax: error: {err}")
+        sys.exit(1)
     if STOP.is_set():
         _to_stderr(f"cbjax: interrupted by {STOP.name}; what finished is saved in {out_dir}")
         sys.exit(130)

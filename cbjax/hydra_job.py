@@ -6,17 +6,34 @@ Imported only by cbjax.cli and by Hydra (the root config names ResumeCallback), 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from cbjax.config import RunConfig
+from cbjax.outputs import unwritable
 from cbjax.sweep import clear_skipped, comparable_config, count_skipped, run_job
 
 log = logging.getLogger(__name__)
+
+
+def run_id() -> str:
+    """The part of a run's folder name that no other run has: this process's id (unique among
+    the host's live processes) and a random tag (hosts sharing a filesystem), e.g. `4321-9f3a`."""
+    return f"{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def register_resolvers() -> None:
+    """`${cbjax.run_id:}` for configs/config.yaml's hydra.run.dir and hydra.sweep.dir. Cached
+    like Hydra's `${now:}`: every reading of the config (and each sweep job's, which Hydra copies
+    the cache into) sees one value per process."""
+    OmegaConf.register_new_resolver("cbjax.run_id", run_id, use_cache=True, replace=True)
 
 
 def run_hydra_job(
@@ -67,3 +84,21 @@ class ResumeCallback(Callback):
                 f"sweep: skipped {skipped} jobs already complete with the same config; "
                 f"{complete} complete jobs in {sweep_dir} (overwrite=true reruns all)"
             )
+
+
+class OutputDirCallback(Callback):
+    """Fails in one line, before Hydra makes the run's folder (its own error is a traceback)
+    and before any work, when the run or sweep folder cannot be created or written."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _require_writable(Path(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _require_writable(Path(config.hydra.sweep.dir))
+
+
+def _require_writable(directory: Path) -> None:
+    problem = unwritable(directory)
+    if problem is not None:
+        print(f"cbjax: error: {problem}; choose another with hydra.run.dir (or hydra.sweep.dir)", file=sys.stderr)
+        sys.exit(1)

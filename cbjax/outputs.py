@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -13,10 +15,30 @@ from typing import Any, Callable, Iterator, Optional
 
 from cbjax.request import Request
 
+log = logging.getLogger("cbjax")
+
+
+def unwritable(directory: Path) -> Optional[str]:
+    """None when `directory` exists (or could be made) and takes a new file; else why not, as
+    one line naming the path. Checked before a run, so an output folder that cannot be written
+    fails before any work rather than after it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        return f"cannot write the output folder {directory}: {e.strerror or e}"
+    return None
+
+
+class OutputError(OSError):
+    """A run file that could not be written; its message is one line naming the file."""
+
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to a temporary name beside `path`, then rename it into place, so `path`
-    is either absent, its old content, or complete; never cut short."""
+    is either absent, its old content, or complete; never cut short. Raises OutputError
+    naming `path` when the folder cannot take it."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "w") as f:
@@ -24,6 +46,8 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from e
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -41,25 +65,47 @@ class RequestLog:
         self.make_row = make_row
         self.flush_s = flush_s
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w")
+        self._file: Optional[Any] = open(self.path, "w")
         self._dirty = False
         self._last_flush = time.monotonic()
 
     def write(self, req: Request) -> None:
-        self._file.write(json.dumps(self.make_row(req)) + "\n")
+        if self._file is None:
+            return
+        self._guard(lambda: self._file.write(json.dumps(self.make_row(req)) + "\n"))
         self._dirty = True
         self.tick()
 
     def tick(self) -> None:
-        if self._dirty and time.monotonic() - self._last_flush >= self.flush_s:
-            self._file.flush()
+        if self._file is not None and self._dirty and time.monotonic() - self._last_flush >= self.flush_s:
+            self._guard(self._file.flush)
             self._dirty = False
             self._last_flush = time.monotonic()
 
+    def _guard(self, op: Callable[[], Any]) -> None:
+        """Run a write; a failing disk or folder stops the live log (one notice), not the run,
+        whose final files are written (or fail, naming the folder) at its end."""
+        try:
+            op()
+        except OSError as e:
+            log.warning(f"cbjax: {self.path}: live request log stopped: {e.strerror or e}")
+            self._discard()
+
+    def _discard(self) -> None:
+        file, self._file = self._file, None
+        try:
+            file.close()
+        except OSError:
+            pass
+
     def close(self, remove: bool = True) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._discard()
         if remove:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:  # its folder is gone or no longer a folder: nothing left to remove
+                pass
 
 
 class StopFlag:

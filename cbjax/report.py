@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from cbjax.metrics import request_row
-from cbjax.outputs import atomic_write_text
+from cbjax.outputs import OutputError, atomic_write_text
 from cbjax.request import Request
 
 SUMMARY_ROWS = (
@@ -91,8 +91,12 @@ def format_number(v: Any) -> str:
 def write_run(out_dir: Path, config: Any, summary: dict[str, Any], requests: list[Request], extra_rows=None) -> None:
     """Write the three files of a run, each to a temporary name renamed into place: the
     resolved config.yaml, requests.jsonl (one row per request, in submission order), and
-    summary.json last, so a summary.json on disk means the other two are complete."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    summary.json last, so a summary.json on disk means the other two are complete. A folder
+    that cannot take them raises OutputError naming it."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot write the output folder {out_dir}: {e.strerror or e}") from e
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
     atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
     lines = []

@@ -122,20 +122,24 @@ def run_single(
         )
     finally:
         executor.close()  # multi-host: the other processes stop stepping
-    summary = write_outputs(cfg, out_dir, result, service_log, executor, extra_rows=extra)
+    summary = build_summary(cfg, result, service_log, executor)
+    if verbose:  # before the files: the console keeps the summary when the folder can't take them
+        log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
+    write_outputs(cfg, out_dir, result, service_log, executor, extra_rows=extra, summary=summary)
     if live is not None:
         live.close()
-    if verbose:
-        log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
     return summary
 
 
 def write_outputs(
-    cfg: RunConfig, out_dir: Optional[Path], result, service_log: ServiceLog, executor, *, extra_rows=None
+    cfg: RunConfig, out_dir: Optional[Path], result, service_log: ServiceLog, executor, *, extra_rows=None,
+    summary: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """summary.json, requests.jsonl, config.yaml and client_service.csv for a served run (offline
-    or online), written to `out_dir` when it is set; returns the summary."""
-    summary = build_summary(cfg, result, service_log, executor)
+    or online), written to `out_dir` when it is set; returns the summary (`build_summary`'s,
+    unless one is given)."""
+    if summary is None:
+        summary = build_summary(cfg, result, service_log, executor)
     if out_dir is not None:
         clients = client_ids(result.requests)
         write_service_series(out_dir, service_series(service_log, clients, cfg.metrics, result.makespan_s))

@@ -34,6 +34,8 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older checkpoints carry; recomputed here, never read.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# config.json keys with no default: the model's shape
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -73,8 +75,9 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: unsupported hidden_act {hf['hidden_act']!r}; cbjax's MLP is SwiGLU (silu)")
     rope_theta = _rope_theta(hf, where)
+    required = {key: _required(hf, key, cfg.path) for key in REQUIRED_KEYS}
 
-    num_heads = hf["num_attention_heads"]
+    num_heads = required["num_attention_heads"]
     limit, limit_key = hf.get("max_position_embeddings", 2048), "max_position_embeddings"
     window = _sliding_window(hf, model_type)
     if window is not None and window < limit:
@@ -93,13 +96,13 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
         dtype = _DTYPES[hf_dtype]
     resolved = dataclasses.replace(
         cfg,
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
+        vocab_size=required["vocab_size"],
+        d_model=required["hidden_size"],
+        num_layers=required["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        ffn_dim=hf["intermediate_size"],
+        head_dim=hf.get("head_dim") or required["hidden_size"] // num_heads,
+        ffn_dim=required["intermediate_size"],
         rope_theta=float(rope_theta),
         max_model_len=max_model_len,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -113,6 +116,17 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
     )
     check_supported(resolved)
     return resolved
+
+
+def _required(hf: dict[str, Any], key: str, model_dir: str) -> int:
+    """config.json's `key`, a positive integer; a ValueError naming the file and the key otherwise."""
+    config_file = Path(model_dir) / "config.json"
+    if key not in hf:
+        raise ValueError(f"model.path {model_dir!r}: {config_file} has no {key!r}")
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.path {model_dir!r}: {config_file}: {key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 class HFTensor(NamedTuple):
@@ -175,15 +189,13 @@ def load_model(cfg: ModelConfig) -> Llama:
             f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all): an architecture "
             f"variant cbjax does not support"
         )
-    from safetensors import safe_open
-
     dtype = jnp.dtype(cfg.dtype)
     model = nnx.eval_shape(lambda: Llama(cfg, seed=None))  # shapes only; every Param is filled below
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(str(file), framework="numpy") as f:
+        with _open_safetensors(file, where) as f:
             for name in names:
                 tensor = expected[name]
                 got = tuple(f.get_slice(name).get_shape())
@@ -191,7 +203,10 @@ def load_model(cfg: ModelConfig) -> Llama:
                     raise ValueError(
                         f"{where}: tensor {name!r} has shape {list(got)}, config.json implies {list(tensor.shape)}"
                     )
-                array = f.get_tensor(name)
+                try:
+                    array = f.get_tensor(name)
+                except Exception as e:  # safetensors' Rust error: the file ends before the tensor does
+                    raise ValueError(f"{where}: {file}: cannot read tensor {name!r} ({e}); a truncated file?") from e
                 array = array.T if tensor.transpose else array
                 variable = _module_variable(model, tensor.path)
                 # device_put, not jnp.asarray: no compiled copy program per shape
@@ -254,8 +269,6 @@ def _eos_token_id(hf: dict[str, Any], model_dir: Path):
 
 def _tensor_files(model_dir: Path, where: str) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it, from the shard index or the files' headers."""
-    from safetensors import safe_open
-
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
@@ -272,7 +285,18 @@ def _tensor_files(model_dir: Path, where: str) -> dict[str, Path]:
         raise ValueError(f"{where}: no *.safetensors files in {model_dir.resolve()}")
     files = {}
     for shard in shards:
-        with safe_open(str(shard), framework="numpy") as f:
+        with _open_safetensors(shard, where) as f:
             for name in f.keys():
                 files[name] = shard
     return files
+
+
+def _open_safetensors(file: Path, where: str):
+    """`safe_open(file)`; a ValueError naming the file when its header is unreadable or names
+    data past the file's end (a truncated or corrupt copy)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="numpy")
+    except Exception as e:  # safetensors raises its own Rust-side error type
+        raise ValueError(f"{where}: {file} is not a readable safetensors file ({e}); a truncated or corrupt copy?") from e

@@ -10,13 +10,13 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from cbjax.cli import CONFIG_DIR
+from cbjax.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
 from cbjax.profile.runner import ProfileRunConfig
 
 ConfigStore.instance().store(name="profile_base_config", node=ProfileRunConfig)
 
 
-@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="profile")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="profile")  # as cbjax: a checkout's or the wheel's
 def _app(cfg: DictConfig) -> None:
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
     from cbjax.profile.runner import run_profile
@@ -58,6 +58,6 @@ def _app(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if not (CONFIG_DIR / "profile.yaml").is_file():
+    if IN_SOURCE_TREE and not (CONFIG_DIR / "profile.yaml").is_file():
         sys.exit(f"cbjax.profile: error: no configs at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
     _app()

@@ -8,13 +8,11 @@ Its only varying shape is the token bucket, so `warmup` compiles one program per
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import jax
@@ -30,40 +28,14 @@ from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker, HostBatch
 from cbjax.runtime import programs
+from cbjax.runtime.compile_cache import enable_compilation_cache
 from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count, thread_cache_hits
 from cbjax.runtime.host_memory import retain_freed_memory
 from cbjax.runtime.kv_cache import init_cache
+from cbjax.runtime.memory_check import check_kv_cache_fits
 from cbjax.runtime.shapes import plan_shapes
 from cbjax.runtime.step import DeviceBatch, model_step, sample_step, split_model
 from cbjax.runtime.swap import HostSwap
-
-
-def enable_compilation_cache(path: Optional[str]) -> Optional[str]:
-    """Point JAX's persistent compilation cache at `path` (None: leave it off); returns the
-    directory used. Every program is cached, however fast it compiled."""
-    if not path:
-        return None
-    directory = str(Path(os.path.expanduser(path)).resolve())
-    if jax.config.jax_compilation_cache_dir != directory:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-        try:  # the cache object is built at the first compile; rebuild it for the new directory
-            from jax._src import compilation_cache
-        except ImportError:
-            return directory
-        # quietly: under the CLI's INFO logging jax would print "Resetting cache at <empty>."
-        log = logging.getLogger(compilation_cache.__name__)
-        level = log.level
-        log.setLevel(logging.WARNING)
-        try:
-            compilation_cache.reset_cache()
-        except AttributeError:
-            pass
-        finally:
-            log.setLevel(level)
-    return directory
 
 
 # Steps compiled ahead of time by `warmup`, shared by every executor in the process (experiment
@@ -137,6 +109,7 @@ class JaxExecutor:
         llama = llama if llama is not None else Llama(model, seed=seed)
         self.graphdef, self.weights = split_model(llama.fused(), self.matmul)
         cache_args = (model.num_layers, model.num_kv_heads, model.head_dim, cache.num_pages, cache.page_size, model.dtype)
+        check_kv_cache_fits(*cache_args, num_shards=cfg.mesh.tensor)  # one line naming cache.num_pages, not OOM
         # executor.mesh.tensor > 1, or several processes: sharded (cbjax.runtime.mesh); else one device.
         self.tp = self.link = None
         self.pipelined = cfg.async_scheduling
