@@ -18,10 +18,10 @@ from test_serve_sigterm import start_server
 from cbjax.serve.text import write_hf_tokenizer
 
 AIPERF = os.environ.get("CBJAX_AIPERF") or shutil.which("aiperf")
-# AIPerf's timing includes its own client overhead: a few ms a request sent one at a time, tens
-# of ms with several in flight on a busy 2-core machine (its workers and record processors are
-# separate processes). Half-second iterations, one request at a time after a warmup request
-# (which opens the connection), keep that well inside 5% of the TTFT being compared.
+# AIPerf's timing includes its own client overhead (its workers and record processors are
+# separate processes), which grows with the requests in flight on a busy machine. Long
+# iterations, one request at a time after a warmup request (which opens the connection), keep
+# it small beside the TTFT being compared.
 ITERATION_S = 0.5
 NUM, OSL, ISL = 6, 4, 32
 
