@@ -27,7 +27,8 @@ NUM, OSL, ISL = 6, 4, 32
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(AIPERF is None, reason="aiperf is not installed (set CBJAX_AIPERF to its executable)")
+# CI installs AIPerf (.ci/run): there a missing aiperf fails rather than skips.
+@pytest.mark.skipif(AIPERF is None and not os.environ.get("CI"), reason="aiperf is not installed (set CBJAX_AIPERF to its executable)")
 def test_aiperf_profile_agrees_with_the_servers_requests_jsonl(tmp_path, env_cpu):
     # AIPerf loads a tokenizer only through the Hugging Face cache: the byte tokenizer goes in
     # as the model cbjax/byte, read offline.
