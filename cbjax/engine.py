@@ -27,7 +27,7 @@ from typing import Callable, Optional
 from cbjax.executor import Executor
 from cbjax.outputs import StopFlag
 from cbjax.plan import Schedule
-from cbjax.request import Request
+from cbjax.request import FinishReason, Request
 from cbjax.scheduler.core import Scheduler
 
 PACES = ("none", "realtime")
@@ -119,7 +119,7 @@ class EngineLoop:
         self._inflight = None  # pipelined: (plan, launched step, batched tokens, iteration, requests)
         self._emitted: dict[Request, int] = {}  # on_token: tokens reported so far per request
         self._inbox: deque[Request] = deque()  # submit -> next boundary (deque ops are atomic)
-        self._cancels: deque[tuple[str, str]] = deque()
+        self._cancels: deque[tuple[str, str, FinishReason]] = deque()
         self._wake = threading.Event()
         self._admission_open = True
         # the wall clock and its sleep (a test may pass a fake pair); a pipelined executor's
@@ -152,9 +152,12 @@ class EngineLoop:
         self._inbox.append(req)
         self._wake.set()
 
-    def cancel(self, request_id: str, reason: str = "client disconnected") -> None:
-        """Abort a request at the next boundary: its slot and pages are free before the next plan."""
-        self._cancels.append((request_id, reason))
+    def cancel(
+        self, request_id: str, reason: str = "client disconnected", finish_reason: FinishReason = FinishReason.ABORTED
+    ) -> None:
+        """End a request at the next boundary (`aborted` by default; `stop` for a stop string
+        found by the server): its slot and pages are free before the next plan."""
+        self._cancels.append((request_id, reason, finish_reason))
         self._wake.set()
 
     def close_admission(self) -> None:
@@ -177,10 +180,10 @@ class EngineLoop:
         while self._inbox:
             self.add(self._inbox.popleft())
         while self._cancels:
-            request_id, reason = self._cancels.popleft()
+            request_id, reason, finish_reason = self._cancels.popleft()
             if self._inflight is not None:
                 self._land()  # the step in flight holds the request's slot
-            sched.abort(request_id, self.now(), reason)
+            sched.abort(request_id, self.now(), reason, finish_reason)
         self._report_finished()
         if self.tick is not None:
             self.tick()

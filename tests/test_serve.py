@@ -122,10 +122,12 @@ def test_openai_client_completions_and_chat_streaming_and_not(tmp_path):
     assert [r["output_len"] for r in served[:5]] == [7, 3, 9, 4, 5]
     assert all(r["finish_reason"] == "length" for r in served[:5])
     stopped, long = served[5], served[6]
-    assert stopped["finish_reason"] == "aborted" and stopped["error"] == "stop sequence" and stopped["output_len"] >= 3
+    # the server's row reads as the client's answer: stopped, no error
+    assert stopped["finish_reason"] == "stop" and stopped["error"] is None and stopped["output_len"] >= 3
     assert long["output_len"] == 1024 - long["prompt_len"] and len(served) == 7
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["num_requests"] == 7 and summary["executor"] == "sim" and summary["num_aborted"] == 1
+    assert summary["num_requests"] == 7 and summary["executor"] == "sim" and summary["num_aborted"] == 0
+    assert summary["num_finished"] == 7
 
 
 MALFORMED = [
@@ -244,8 +246,9 @@ def test_a_full_queue_answers_429_with_retry_after(tmp_path):
                 assert resp.json()["error"]["type"] == "rate_limit_error"
             second.join(timeout=60)  # the first stream closed (aborted): the second runs
             assert metric(base, "http_rejected_total") == 1
-    fates = sorted(r["finish_reason"] for r in rows(tmp_path))
-    assert fates == ["aborted", "length"]  # the 429 never reached the engine
+    fates = {r["finish_reason"]: r for r in rows(tmp_path)}
+    assert sorted(fates) == ["aborted", "length", "rejected"]  # the 429 has a row too, with why
+    assert "server.max_queue" in fates["rejected"]["reject_reason"]
 
 
 def test_disconnects_abort_their_requests_and_free_slots_and_pages(tmp_path):

@@ -185,10 +185,13 @@ class Scheduler(StepResults):
         req.finish_s = None
         self.finished.append(req)
 
-    def abort(self, request_id: str, now: float, reason: str = "aborted") -> bool:
-        """End one waiting or running request with reason `aborted` (e.g. its client left): its
-        slot, pages and host copy are free for the next plan. False if no such request is
-        unfinished here. Not while a step's tokens are uncommitted."""
+    def abort(
+        self, request_id: str, now: float, reason: str = "aborted", finish_reason: FinishReason = FinishReason.ABORTED
+    ) -> bool:
+        """End one waiting or running request (e.g. its client left: `aborted`, with `reason` as
+        its error; or a stop string the server found in its text: `stop`): its slot, pages and
+        host copy are free for the next plan. False if no such request is unfinished here. Not
+        while a step's tokens are uncommitted."""
         if self._uncommitted is not None:
             raise RuntimeError("abort with a step's tokens uncommitted; commit first (this is a bug)")
         req = next((r for r in self.running if r.request_id == request_id), None)
@@ -207,8 +210,9 @@ class Scheduler(StepResults):
             self.swap_used -= swapped
         req.num_new_tokens = 0
         req.status = Status.FINISHED
-        req.finish_reason = FinishReason.ABORTED
-        req.error = reason
+        req.finish_reason = finish_reason
+        if finish_reason is FinishReason.ABORTED:
+            req.error = reason
         req.finish_s = now
         self.finished.append(req)
         return True

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from cbjax.request import Request
+from cbjax.request import FinishReason, Request
 
 
 @dataclass
@@ -52,11 +52,11 @@ class EngineBridge:
         self.engine.submit(req)
         return queue
 
-    def cancel(self, request_id: str, reason: str) -> None:
+    def cancel(self, request_id: str, reason: str, finish_reason: FinishReason = FinishReason.ABORTED) -> None:
         with self._lock:
             live = request_id in self._queues
         if live:
-            self.engine.cancel(request_id, reason)
+            self.engine.cancel(request_id, reason, finish_reason)
 
     def cancel_all(self, reason: str) -> None:
         with self._lock:

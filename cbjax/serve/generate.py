@@ -123,8 +123,10 @@ async def generate(state: ServeState, body: SamplingFields, ids: list[int], prom
     bound = state.server.max_queue
     if bound is not None and state.bridge.num_waiting() >= bound:
         after = state.server.retry_after_s
-        raise APIError(429, f"the server's queue is full ({bound} requests waiting, server.max_queue); retry later",
-                       None, "rate_limit_error", headers={"Retry-After": str(after)})  # fmt: skip
+        message = f"the server's queue is full ({bound} requests waiting, server.max_queue); retry later"
+        req.input_error = message  # the engine records it as rejected: every request received has a row
+        state.bridge.engine.submit(req)
+        raise APIError(429, message, None, "rate_limit_error", headers={"Retry-After": str(after)})
     queue = state.bridge.submit(req)
     out = Output(state.tokenizer, req, stops)
     if body.stream:
@@ -155,7 +157,7 @@ async def complete(state: ServeState, req: Request, out: Output, queue: asyncio.
             if isinstance(event, Token):
                 out.add(event.token_id)
                 if out.stopped:
-                    state.bridge.cancel(req.request_id, STOP_SEQUENCE)
+                    state.bridge.cancel(req.request_id, STOP_SEQUENCE, FinishReason.STOP)
                 continue
             break
     finally:
@@ -237,7 +239,7 @@ async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Qu
             if not out.stopped:
                 text = out.add(event.token_id)
                 if out.stopped:
-                    state.bridge.cancel(req.request_id, STOP_SEQUENCE)
+                    state.bridge.cancel(req.request_id, STOP_SEQUENCE, FinishReason.STOP)
                 yield token_chunk(text)
             event = await queue.get()
         ended = True
