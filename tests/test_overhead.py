@@ -90,3 +90,20 @@ def test_the_stack_costs_add_to_the_roofline_by_hand():
     # 2 swapped pages x 1 layer x (K, V) = 4 copy calls x 0.5
     got = make_cost_model("roofline", MODEL, HW, overhead=stack)(plan)
     assert got == pytest.approx(bare + 0.25 + 3 * 0.5 + 5 * 0.125 + 4 * 0.5)
+
+
+def test_a_stack_adds_to_the_profiled_model_only_when_selected(tmp_path):
+    from test_profiled import MODEL as TINY
+    from test_profiled import configs, decode_and_prefill, write_profile
+
+    path = write_profile(tmp_path / "p.json", page_size=4, num_slots=4)
+    d, p = decode_and_prefill()
+    plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)
+    measured = make_cost_model("profiled", TINY, None, **configs(path))
+    # none: the profile alone (its steps hold the engine's own host time)
+    assert make_cost_model("profiled", TINY, None, **configs(path), overhead=C.OverheadConfig())(plan) == measured(plan)
+    stack = C.OverheadConfig(step_s=0.5, seq_s=0.25, page_s=0.125)
+    # 0.5 a step, 2 sequences x 0.25; pages read: the decode at position 4 ceil(5/4) = 2, the
+    # 40-token prefill ceil(40/4) = 10: 12 x 0.125
+    got = make_cost_model("profiled", TINY, None, **configs(path), overhead=stack)(plan)
+    assert got == pytest.approx(measured(plan) + 0.5 + 2 * 0.25 + 12 * 0.125)
