@@ -12,6 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from cbjax.choices import check_choices
 from cbjax.config import ExperimentConfig, RunConfig
+from cbjax.config.overhead import expand_presets
 
 
 def check_known_keys(node: Any, cls: type, where: str = "config", prefix: str = "") -> None:
@@ -40,9 +41,10 @@ def merge_overrides(cfg: RunConfig, overrides: dict[str, Any], where: str = "ove
     """A copy of `cfg` with a nested partial config merged in through OmegaConf's typed merge,
     so a wrong type fails as it does on the command line; `experiment` is reset to its default.
 
-    Keys may be nested dicts (`{scheduler: {name: static}}`) or dotted (`scheduler.name`).
+    Keys may be nested dicts (`{scheduler: {name: static}}`) or dotted (`scheduler.name`);
+    `overhead: NAME` selects a whole stack from configs/overhead/ (`expand_presets`).
     """
-    patch = _nest(overrides)
+    patch = expand_presets(_nest(overrides), where)
     check_known_keys(patch, RunConfig, where)
     base = OmegaConf.structured(dataclasses.replace(cfg, experiment=ExperimentConfig()))
     try:

@@ -94,6 +94,28 @@ def check_entries(entries: list[dict[str, Any]], arm_metrics: dict[str, set[str]
                 raise ValueError(f"{where}.metric: {entry['metric']!r} is not a summary.json key of arm {arm!r}")
 
 
+def fit_flags(entries: list[dict[str, Any]], fit_rows: list[str], where: str = "experiment.fit_rows") -> list[bool]:
+    """Per entry, whether a knob was fitted on it: its `setting` is one of `fit_rows`. Raise
+    ValueError naming a fit row that matches no entry's setting, or more than one."""
+    settings = [str(e.get("setting", "")) for e in entries]
+    for i, name in enumerate(fit_rows):
+        count = settings.count(name)
+        if count != 1:
+            found = "no row" if count == 0 else f"{count} rows"
+            raise ValueError(f"{where}[{i}]: {name!r} names {found}; a fit row is one reproduction entry's setting")
+    return [s in fit_rows for s in settings]
+
+
+def seed_spread(values: list[Optional[float]]) -> Optional[float]:
+    """(max - min) / |median| of one figure over seeds; None when a value is missing or the median is 0."""
+    if not values or any(v is None for v in values):
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return (ordered[-1] - ordered[0]) / abs(median) if median else None
+
+
 def lookup(summary: dict[str, Any], metric: str) -> Optional[float]:
     """summary[metric], following dots into nested mappings; None when absent."""
     value = summary_value(summary, metric)

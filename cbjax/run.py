@@ -59,7 +59,7 @@ def build_executor(cfg: RunConfig):
 
         cost = make_cost_model(
             cfg.executor.cost_model, cfg.model, cfg.hardware,
-            scheduler=cfg.scheduler, cache=cfg.cache, executor=cfg.executor,
+            scheduler=cfg.scheduler, cache=cfg.cache, executor=cfg.executor, overhead=cfg.overhead,
         )  # fmt: skip
         return SimExecutor(cost)
     if cfg.executor.name == "jax":
@@ -163,6 +163,7 @@ def build_summary(cfg: RunConfig, result, service_log: ServiceLog, executor) -> 
             "page_size": cfg.cache.page_size,
             "model": cfg.model.name,
             "hardware": cfg.hardware.name,
+            "overhead": cfg.overhead.name if cfg.executor.name == "sim" else None,
             "seed": cfg.seed,
         }
     )

@@ -1,7 +1,7 @@
 """Where the profiled simulator and the engine disagree: one calibration workload served on the engine,
 each iteration's step and the loop's host time against the profile's prediction, by batch kind and bucket.
 
-    python experiments/calibrate_steps.py --profile outputs/profile/profile.json --workload poisson_low --policy fcfs [--chunked]
+    python experiments/calibrate_steps.py --profile outputs/profile/profile.json --workload poisson_30 --policy fcfs [--chunked]
 
 The workloads are experiments/calibrate.py's. Steps after the loop idled (a gap over 2 ms before
 them: the loop slept waiting for an arrival) are listed apart, with the profile's wake cost
@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO / "experiments"))
 
 import calibrate  # noqa: E402
 from cbjax.report import markdown_table  # noqa: E402
+from cbjax.sim.acceptance import signed_error_pct  # noqa: E402
 
 IDLE_GAP_S = 0.002
 
@@ -31,9 +32,7 @@ IDLE_GAP_S = 0.002
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="profile.json from `python -m cbjax.profile`")
-    ap.add_argument(
-        "--workload", default="all_at_t0", choices=("poisson_low", "poisson_high", "all_at_t0", "azure_code")
-    )
+    ap.add_argument("--workload", default="burst", choices=list(calibrate.WORKLOADS))
     ap.add_argument("--policy", default="fcfs", choices=calibrate.POLICIES)
     ap.add_argument("--chunked", action="store_true", help="scheduler.chunked_prefill=true")
     ap.add_argument("--requests", type=int, default=128)
@@ -65,7 +64,7 @@ def main() -> None:
         g[0] += 1
         g[1] += s["measured_s"]
         g[2] += pred
-    rows = [(kind, bucket, n, f"{1e3 * m / n:.2f}", f"{1e3 * p / n:.2f}", f"{calibrate.error_pct(p, m):+.1f}", f"{m:.3f}")
+    rows = [(kind, bucket, n, f"{1e3 * m / n:.2f}", f"{1e3 * p / n:.2f}", f"{signed_error_pct(p, m):+.1f}", f"{m:.3f}")
             for (kind, bucket), (n, m, p) in sorted(groups.items())]  # fmt: skip
     print(f"{args.workload}, {args.policy}, chunked prefill {'on' if args.chunked else 'off'}: {len(steps)} iterations")
     print(
@@ -78,9 +77,9 @@ def main() -> None:
     p_loop = sum(coef["loop_s"] + coef["loop_seq_s"] * n for n, _ in busy)
     m_step = sum(v[1] for v in groups.values())
     p_step = sum(v[2] for v in groups.values())
-    print(f"\nsteps: measured {m_step:.3f} s, predicted {p_step:.3f} s ({calibrate.error_pct(p_step, m_step):+.1f}%)")
+    print(f"\nsteps: measured {m_step:.3f} s, predicted {p_step:.3f} s ({signed_error_pct(p_step, m_step):+.1f}%)")
     print(f"loop between busy steps: measured {m_loop:.3f} s, predicted {p_loop:.3f} s "
-          f"({calibrate.error_pct(p_loop, m_loop):+.1f}%); {len(gaps) - len(busy)} idle gaps left out")  # fmt: skip
+          f"({signed_error_pct(p_loop, m_loop):+.1f}%); {len(gaps) - len(busy)} idle gaps left out")  # fmt: skip
 
 
 if __name__ == "__main__":

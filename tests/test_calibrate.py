@@ -1,25 +1,84 @@
-"""experiments/calibrate.py's report: errors, the spread-as-target rule and the continuous/static ratio, by hand."""
+"""The calibration's acceptance rule by hand: the bootstrap interval of the median, the verdict
+(the target's alone, never a spread), the per-regime summary and experiments/calibrate.py's report."""
 
 import json
 import sys
 
+import pytest
+
 from conftest import REPO
+from cbjax.sim.acceptance import bootstrap_median_interval, judge, signed_error_pct, summarize_regimes
 
 sys.path.insert(0, str(REPO / "experiments"))
 import calibrate  # noqa: E402
 
 
-def cell(sim, engine, spread):
-    return {"sim": sim, "engine": engine, "spread_pct": spread, "error_pct": 100.0 * (sim - engine) / engine}
+def test_bootstrap_interval_of_the_median_by_hand():
+    # 7 runs 1..7: a resample's median is <= 1 with P(>= 4 of 7 draws are 1) = 0.0085 < 0.05,
+    # <= 2 with P(>= 4 of 7 draws <= 2) = 0.108 >= 0.05, so the 5% quantile is 2; by symmetry 95% is 6
+    assert bootstrap_median_interval([1, 2, 3, 4, 5, 6, 7]) == (2.0, 6.0)
+    assert bootstrap_median_interval([7, 1, 6, 2, 5, 3, 4], seed=3) == (2.0, 6.0)  # order and seed do not matter here
+    assert bootstrap_median_interval([5.0] * 5) == (5.0, 5.0)
+    # seeded: the same call gives the same interval
+    noisy = [0.9, 1.3, 1.0, 1.1, 2.0, 0.95]
+    assert bootstrap_median_interval(noisy, seed=1) == bootstrap_median_interval(noisy, seed=1)
+    with pytest.raises(ValueError, match="non-empty"):
+        bootstrap_median_interval([])
 
 
-def row(workload, policy, throughput_sim, throughput_engine, spread=1.0):
-    r = {"workload": workload, "policy": policy, "chunked": False}
-    for key, _ in calibrate.METRICS:
-        r[key] = cell(1.0, 1.0, 0.0)
-    r["throughput_tok_s"] = cell(throughput_sim, throughput_engine, spread)
-    r["e2e_s_p50"] = cell(1.1, 1.0, 20.0)  # +10% error inside a 20% spread
-    return r
+def test_verdict_is_the_targets_and_the_interval_never_passes_a_cell():
+    # engine 100, 101, 102, 103, 104: median 102; the simulator 112.2 is +10%
+    runs = [100, 101, 102, 103, 104]
+    j = judge(112.2, runs, target_pct=15.0)
+    assert j["engine"] == 102 and j["error_pct"] == pytest.approx(10.0)
+    assert (j["in_interval"], j["within_target"], j["verdict"]) == (False, True, "pass")
+    assert judge(112.2, runs, target_pct=5.0)["verdict"] == "fail"
+    # a noisy engine (60 .. 140) holds the simulator inside its interval, yet a 16% error still fails 10%
+    noisy = judge(116.0, [60, 80, 100, 120, 140], target_pct=10.0)
+    assert noisy["in_interval"] and noisy["error_pct"] == pytest.approx(16.0) and noisy["verdict"] == "fail"
+    # without a target: reported, not judged
+    assert judge(90.0, runs, target_pct=None)["verdict"] == "-"
+    assert signed_error_pct(90.0, 100.0) == pytest.approx(-10.0)
+
+
+def _cell(name, regime, errors):
+    out = {"name": name, "regime": regime}
+    for fig, err in errors.items():
+        out[fig] = judge(100.0 * (1 + err / 100.0), [100.0] * 5, calibrate.TARGETS.get(fig))
+    return out
+
+
+def test_regime_summary_by_hand_shows_a_bias_a_pooled_median_hides():
+    cells = [
+        _cell("a", "light", {"e2e_s_p50": 8.0}),
+        _cell("b", "light", {"e2e_s_p50": 6.0}),
+        _cell("c", "burst", {"throughput_tok_s": -2.0}),
+        _cell("d", "heavy", {"e2e_s_p50": -7.0}),
+        _cell("e", "heavy", {"e2e_s_p50": 1.0}),
+    ]
+    rows = {(r["regime"], r["figure"]): r for r in summarize_regimes(cells, ["throughput_tok_s", "e2e_s_p50"])}
+    assert list(rows) == [("burst", "throughput_tok_s"), ("light", "e2e_s_p50"), ("heavy", "e2e_s_p50")]
+    light = rows[("light", "e2e_s_p50")]
+    # both light cells pass 10%, but the regime over-predicts by 7% on average: > 5%
+    assert light["mean_signed_error_pct"] == pytest.approx(7.0) and light["num_pass"] == 2 and not light["bias_ok"]
+    heavy = rows[("heavy", "e2e_s_p50")]
+    assert heavy["mean_signed_error_pct"] == pytest.approx(-3.0) and heavy["bias_ok"]
+    assert (heavy["worst_cell"], heavy["worst_error_pct"]) == ("d", pytest.approx(-7.0))
+    assert rows[("burst", "throughput_tok_s")]["num_targeted"] == 1
+
+
+def _run(value):
+    return {k: value for k, _ in calibrate.METRICS}
+
+
+def test_closed_loop_cells_carry_throughput_open_loop_cells_latencies():
+    burst = calibrate.judge_cell("burst", "fcfs", False, _run(1.09), [_run(1.0)] * 5)
+    light = calibrate.judge_cell("poisson_30", "static", True, _run(1.09), [_run(1.0)] * 5)
+    assert burst["regime"] == "burst" and burst["throughput_tok_s"]["verdict"] == "fail"  # +9% > 5%
+    assert all(k not in burst for k, _ in calibrate.OPEN_METRICS)
+    assert light["regime"] == "light" and "throughput_tok_s" not in light
+    assert light["e2e_s_p99"]["verdict"] == "pass" and light["e2e_s_p50"]["verdict"] == "pass"  # +9% within 10, 15
+    assert light["tpot_s_p99"]["verdict"] == "-"
 
 
 def test_calibration_markdown_by_hand(tmp_path):
@@ -27,34 +86,29 @@ def test_calibration_markdown_by_hand(tmp_path):
     profile.write_text(json.dumps({
         "machine": {"cpu": "test cpu", "cores": 2, "jax": "0"}, "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2},
     }))  # fmt: skip
-    rows = [row("w", "fcfs", 210.0, 200.0), row("w", "static", 100.0, 100.0)]
+    runs = [100.0, 101.0, 102.0, 103.0, 104.0]
+    cells = [
+        {**_cell("burst, fcfs, chunked off", "burst", {}), "throughput_tok_s": judge(107.0, runs, 5.0)},
+        {**_cell("burst, static, chunked off", "burst", {}), "throughput_tok_s": judge(102.0, runs, 5.0)},
+    ]
+    report = {"repeats": 5, "quick": False, "cells": cells,
+              "regimes": summarize_regimes(cells, ["throughput_tok_s"]),
+              "ratios": calibrate.ratio_rows(
+                  [{"workload": "burst", "closed_loop": True}],
+                  {("burst", "fcfs", False): 215.0, ("burst", "static", False): 100.0},
+                  {("burst", "fcfs", False): [200.0] * 5, ("burst", "static", False): [100.0] * 5})}  # fmt: skip
     doc = tmp_path / "CALIBRATION.md"
-    calibrate.write_markdown(rows, str(profile), doc, repeats=3)
+    calibrate.write_markdown(report, str(profile), doc)
     text = doc.read_text()
-    assert "| w | fcfs | off | 210 / 200 (+5.0% ±1.0)" in text
-    # throughput: errors 5% and 0%: median 2.5, worst 5 (fcfs); spread 1% < target 3%
-    assert "| throughput | 2.5 | 5.0 (w, fcfs, chunked off) | 1.0 | 3.0 |" in text
-    # E2E p50: 10% error everywhere, the 20% spread exceeds the 5% target and replaces it
-    assert "| E2E p50 | 10.0 | 10.0 (w, fcfs, chunked off) | 20.0 | 20.0 (the spread) |" in text
-    # continuous/static: simulator 2.1, engine 2.0: +5%
-    assert "| w | 2.100 | 2.000 | +5.0 |" in text
+    # 107 against the median 102: +4.9%, outside [100, 104], within 5%; the regime's mean (4.9 + 0) / 2
+    assert "| burst, fcfs, chunked off | burst | throughput | 102 [100, 104] | 107 | +4.9 | no | yes (±5) | pass |" in text
+    assert "| burst | throughput | 2 | +2.5 | burst, fcfs, chunked off (+4.9) | 2 / 2 | yes |" in text
+    # continuous/static: simulator 2.15, engine 2.0: +7.5%, beyond 5%
+    assert "| burst | 2.150 | 2.000 | +7.5 | fail |" in text
+    assert "no target is ever replaced by the engine's spread" in text
+    assert "**Overall:** 2 of 2 judged figures within target; regimes biased beyond ±5%: none." in text
 
 
-def test_calibration_markdown_states_the_profiles_serving_loop(tmp_path):
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps({
-        "machine": {"cpu": "test cpu", "cores": 2, "jax": "0", "load_average": [1.8, 1.5, 0.5],
-                    "load_average_at_start": [0.25, 0.5, 0.5], "others_cpu_share": 0.03},
-        "coefficients": {"bucket_scale": 1.05, "served_bucket_s": {"4": 1e-3, "8": 2e-3}, "cold_s": 5e-4, "cold2_s": 2.5e-4,
-                         "loop_s": 5e-5, "loop_seq_s": 8e-6, "wake_s": 1.2e-3},
-        "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2,
-                      "served": {"num_points": 700, "total_error": 0.001, "grid_model_total_error": -0.125}},
-    }))  # fmt: skip
-    doc = tmp_path / "CALIBRATION.md"
-    calibrate.write_markdown([row("w", "fcfs", 210.0, 200.0)], str(profile), doc, repeats=3)
-    assert (
-        "Serving loop in the profile: fitted on 700 served iterations over the grid's step terms (fixed costs of their own for "
-        "2 buckets, the rest x1.050 the grid's timing; the 1st-4th step after a larger bucket's 0.50/0.25/0.00/0.00 ms more; "
-        "the grid model alone puts them -12.5% off), loop 50 us + 8.0 us per request, wake 1.20 ms; "
-        "its served runs' total time predicted +0.1%; other processes took 3% of the cores while it ran." in doc.read_text()
-    )
+def test_fewer_than_five_repeats_is_refused_without_quick(tmp_path):
+    with pytest.raises(SystemExit):
+        calibrate.main(["--profile", str(tmp_path / "p.json"), "--repeats", "3"])

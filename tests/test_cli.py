@@ -116,7 +116,7 @@ def test_with_overrides_rejects_unknown_keys():
 
 
 def test_every_config_in_every_group_composes():
-    for group in ("scheduler", "executor", "workload", "model", "hardware", "cache", "metrics", "experiment"):
+    for group in ("scheduler", "executor", "workload", "model", "hardware", "overhead", "cache", "metrics", "experiment"):
         for path in sorted((REPO / "configs" / group).glob("*.yaml")):
             extra = ["workload.path=x.csv"] if path.stem == "trace" else []
             extra = ["model.path=x"] if path.stem == "hf" else extra  # read only when a run starts

@@ -22,6 +22,7 @@ GROUP_SCHEMAS = {
     "workload": C.WorkloadConfig,
     "model": C.ModelConfig,
     "hardware": C.HardwareConfig,
+    "overhead": C.OverheadConfig,
 }
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import make_plan
-from cbjax.config import HardwareConfig, ModelConfig
+from cbjax.config import HardwareConfig, ModelConfig, OverheadConfig
 from cbjax.request import Request
 from cbjax.scheduler.core import Schedule
 from cbjax.sim import RooflineCost, UnitCost, make_cost_model
@@ -12,7 +12,9 @@ from cbjax.sim import RooflineCost, UnitCost, make_cost_model
 MODEL = ModelConfig(
     name="toy", vocab_size=1, d_model=4, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, ffn_dim=8, dtype="bfloat16"
 )
-HW = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=100.0, mem_bytes=1e9, flops_efficiency=0.5, bw_efficiency=0.5, overhead_s=0.25)
+HW = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=100.0, mem_bytes=1e9, flops_efficiency=0.5, bw_efficiency=0.5)
+# a serving stack's host time per step (the overhead group), 0.25 s
+STACK = OverheadConfig(name="toy", step_s=0.25)
 
 
 def req(computed, new):
@@ -32,7 +34,7 @@ def test_unit_cost_is_one_second():
 
 
 def test_roofline_decode_is_memory_bound_by_hand():
-    cost = RooflineCost(MODEL, HW)
+    cost = RooflineCost(MODEL, HW, STACK)
     plan = make_plan(num_slots=2, decodes=[req(3, 1)])
     # bytes: weights 180 params * 2 B = 360, KV read 3 + write 1 (+ the new one read) = 5 tokens * 16 B = 80
     bytes_moved = 360 + (3 + 2) * 16
@@ -43,7 +45,7 @@ def test_roofline_decode_is_memory_bound_by_hand():
 
 
 def test_roofline_prefill_is_compute_bound_by_hand():
-    hw = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=1e9, mem_bytes=1e9, flops_efficiency=0.5, bw_efficiency=0.5, overhead_s=0.0)
+    hw = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=1e9, mem_bytes=1e9, flops_efficiency=0.5, bw_efficiency=0.5)
     cost = RooflineCost(MODEL, hw)
     plan = make_plan(num_slots=1, prefills=[req(0, 10)])
     flops = 10 * 344 + 8 + 16 * (10 * 11 / 2)

@@ -53,12 +53,16 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     # the served runs: every iteration timed, the loop's time between them, in the runs' makespans
     # (bursts under fcfs and static, then Poisson arrivals at shares of the first burst's rate;
     # the fit leaves out the iterations after an idle loop)
-    runs = ["fcfs_chunked_on", "fcfs_chunked_off", "static", "fcfs_poisson_15pct", "fcfs_poisson_50pct"]
+    runs = ["fcfs_chunked_on", "fcfs_chunked_off", "static", "fcfs_poisson_30pct", "fcfs_poisson_60pct", "fcfs_poisson_90pct"]
     assert [(run["round"], run["run"]) for run in profile["serving"]] == [(r, name) for r in (0, 1) for name in runs]
     for run in profile["serving"]:
         assert run["iterations"] > 0 and run["makespan_s"] >= run["execute_s"] + run["loop_s"] > 0
     assert len(profile["served"]) == sum(run["iterations"] for run in profile["serving"])
     assert profile["residuals"]["served"]["num_points"] == sum(not s["idle"] for s in profile["served"]) > 0
+    # the residual table covers every regime the runs served, counting the non-idle steps
+    table = profile["residuals"]["by_regime"]
+    assert set(table["regimes"]) == {s["regime"] for s in profile["served"] if not s["idle"]} <= {"burst", "light", "medium", "heavy"}
+    assert sum(r["num_steps"] for r in table["regimes"].values()) == profile["residuals"]["served"]["num_points"]
     assert profile["machine"]["backend"] == "cpu" and profile["machine"]["jax"]
     assert 0.0 <= profile["machine"]["others_cpu_share"] <= 1.0  # read from /proc/stat on Linux
     assert 0 <= profile["residuals"]["median_rel_error"] <= profile["residuals"]["max_rel_error"]

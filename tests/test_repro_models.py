@@ -8,14 +8,14 @@ import pytest
 
 from conftest import CheckingExecutor, make_plan, make_requests
 from cbjax.cache.sizing import auto_num_pages
-from cbjax.config import CacheConfig, HardwareConfig, LengthConfig, RunConfig, SchedulerConfig
+from cbjax.config import CacheConfig, HardwareConfig, LengthConfig, OverheadConfig, RunConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.metrics import summarize
 from cbjax.run import resolve
 from cbjax.scheduler import Scheduler
 from cbjax.sim import RooflineCost
 from cbjax.workload.synthetic import sample_lengths
-from test_cost_model import HW, MODEL, req
+from test_cost_model import HW, MODEL, STACK, req
 
 LOOSE = dict(max_num_batched_tokens=10_000)
 BIG_CACHE = CacheConfig(num_pages=1000, page_size=4)
@@ -27,17 +27,17 @@ def test_tensor_parallel_splits_bytes_and_adds_two_ring_allreduces_per_layer():
     bytes_moved = 360 + (3 + 2) * 16  # as in test_roofline_decode_is_memory_bound_by_hand
     # 1 token x 1 layer x 2 all-reduces x ring 2(2-1)/2 = 1 x d_model 4 x 2 B, over 8 B/s
     allreduce = 1 * 1 * 2 * 1.0 * 4 * 2 / 8.0
-    assert RooflineCost(MODEL, tp)(plan) == pytest.approx(bytes_moved / (50 * 2) + allreduce + 0.25)
+    assert RooflineCost(MODEL, tp, STACK)(plan) == pytest.approx(bytes_moved / (50 * 2) + allreduce + 0.25)
 
 
 def test_swap_pays_a_copy_call_per_page_layer_and_k_or_v():
     hw = HardwareConfig(name="toy", peak_flops=1000.0, mem_bw=100.0, mem_bytes=1e9, host_bw=64.0)
-    slow = dataclasses.replace(hw, host_copy_latency_s=0.5)
+    slow = OverheadConfig(copy_latency_s=0.5)
     plan = make_plan(num_slots=2, decodes=[req(3, 1)], page_size=4)
     plan.swap_out = [("r", (1, 2))]
     plan.swap_in = [("r", (5,))]
     # 3 pages x 1 layer x (K, V) = 6 copy calls of 0.5 s
-    assert RooflineCost(MODEL, slow)(plan) == pytest.approx(RooflineCost(MODEL, hw)(plan) + 6 * 0.5)
+    assert RooflineCost(MODEL, hw, slow)(plan) == pytest.approx(RooflineCost(MODEL, hw)(plan) + 6 * 0.5)
 
 
 def test_padded_rows_replace_the_planned_rows_in_the_cost():
@@ -133,7 +133,7 @@ def test_normalized_latency_is_the_mean_of_e2e_over_output_length():
 
 def test_per_sequence_and_per_page_overheads_by_hand():
     base = RooflineCost(MODEL, HW)
-    knobs = RooflineCost(MODEL, dataclasses.replace(HW, overhead_s_per_seq=0.5, page_overhead_s=0.125))
+    knobs = RooflineCost(MODEL, HW, OverheadConfig(seq_s=0.5, page_s=0.125))
     plan = make_plan(num_slots=4, decodes=[req(3, 1), req(7, 1)], prefills=[req(0, 5)], page_size=4)
     # 3 sequences x 0.5 s; pages read: ceil(4/4) + ceil(8/4) + ceil(5/4) = 5, x 0.125 s
     assert knobs(plan) == pytest.approx(base(plan) + 3 * 0.5 + 5 * 0.125)

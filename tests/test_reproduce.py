@@ -55,7 +55,45 @@ def test_reproduce_script_writes_the_doc_and_plots(tmp_path, capsys):
     text = (docs / "REPRODUCTIONS.md").read_text()
     assert "## ltr_toy" in text and "| LTR Fig 1 | FCFS" in text and "20/3 = 6.67" in text
     assert (docs / "reproductions" / "ltr_toy__ltr_fig_1.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "out" / "ltr_toy" / "reproduction.json").is_file()
-    assert "[1/1] ltr_toy: 2/2 pass" in capsys.readouterr().out
+    assert "[1/1] ltr_toy: 2/2 pass at every seed, 0 fragile" in capsys.readouterr().out
+    record = json.loads((docs / "reproductions" / "ltr_toy.json").read_text())
+    assert record["seeds"] == [0, 1, 2]
+    # the toy is deterministic: the same figure at every seed, nothing fitted, nothing fragile
+    fcfs = record["rows"][0]
+    assert fcfs["seeds"] == {s: {"ours": pytest.approx(20 / 3), "verdict": "pass"} for s in ("0", "1", "2")}
+    assert (fcfs["passes"], fcfs["fit"], fcfs["fragile"], fcfs["seed_spread"]) == (3, False, False, 0.0)
+    assert "Held out: 2 of 2 rows pass at every seed. Fitted: 0 of 0" in text
+    assert (tmp_path / "out" / "ltr_toy" / "seed2" / "reproduction.json").is_file()
     with pytest.raises(SystemExit):
         reproduce.main(["--only", "no_such", "--docs", str(docs)])
+    with pytest.raises(SystemExit):  # fewer than 3 seeds
+        reproduce.main(["--only", "ltr_toy", "--seeds", "0", "1", "--docs", str(docs)])
+
+
+def test_fit_flags_and_seed_spread_by_hand():
+    from cbjax.reproduction import fit_flags, seed_spread
+
+    entries = [{"setting": "a"}, {"setting": "b, with the knob"}, {"setting": "c"}]
+    assert fit_flags(entries, ["b, with the knob"]) == [False, True, False]
+    assert fit_flags(entries, []) == [False, False, False]
+    with pytest.raises(ValueError, match=r"experiment\.fit_rows\[0\]: 'd' names no row"):
+        fit_flags(entries, ["d"])
+    with pytest.raises(ValueError, match="names 2 rows"):
+        fit_flags([{"setting": "a"}, {"setting": "a"}], ["a"])
+    # 0.857, 0.71, 0.80: (0.857 - 0.71) / 0.80 = 18.4% (vLLM Fig 2's share over seeds, issue 35)
+    assert seed_spread([0.857, 0.71, 0.80]) == pytest.approx(0.147 / 0.80)
+    assert seed_spread([2.0, 2.0, 2.0]) == 0.0 and seed_spread([1.0, None, 1.0]) is None
+
+
+@pytest.mark.parametrize("name", reproduce.discover())
+def test_every_reproduction_declares_its_fit_rows_and_they_name_rows(name):
+    import yaml
+
+    from cbjax.reproduction import fit_flags
+
+    raw = yaml.safe_load((REPO / "configs" / "experiment" / f"{name}.yaml").read_text())
+    assert "fit_rows" in raw["experiment"], f"{name}: declare experiment.fit_rows (an empty list if none)"
+    cfg = reproduce.compose(name, [])
+    flags = fit_flags(cfg.experiment.reproduction, cfg.experiment.fit_rows)
+    # a row whose setting names a modelling-difference knob was fitted on; the others not
+    assert flags == [", with the modelling-difference knob" in e["setting"] for e in cfg.experiment.reproduction]

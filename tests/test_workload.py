@@ -297,9 +297,10 @@ def test_malformed_jsonl_lines(tmp_path):
     assert errors[5] == "t.jsonl line 6: expected a JSON object, got list"
     assert errors[6] == "t.jsonl line 7: prompt_token_ids[1] -4 is not a token id (an integer >= 0)"
     assert errors[7] == "t.jsonl line 8: needs max_tokens or output_len"
-    assert errors[8] == "t.jsonl line 9: duplicate request_id '0' (first on line 1)"
+    # line 9's explicit id '0' is line 1's default index: the default yields, nothing is rejected
+    assert errors[8] is None and r[8].request_id == "0" and r[0].request_id == "0@line1"
     assert all(x.arrival_s == 1.0 for x in r[1:4])  # the previous valid arrival
-    assert r[8].request_id != "0" and len({x.request_id for x in r}) == len(r)
+    assert len({x.request_id for x in r}) == len(r)
     assert all(len(x.prompt_ids()) == x.prompt_len for x in r)
 
 

@@ -4,8 +4,8 @@ The library never imports Hydra; `cbjax.cli` registers these schemas in Hydra's 
 so a misspelled key or a wrong type fails at startup with the key's name.
 
 The groups live by job: the engine's (scheduler, cache, executor, distributed) and the run
-here, the workload in `workload`, the model and hardware in `machine`, what a run reports in
-`reporting`; every name is importable from `cbjax.config`.
+here, the workload in `workload`, the model and hardware in `machine`, a stack's host costs in
+`overhead`, what a run reports in `reporting`; every name is importable from `cbjax.config`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from cbjax.config.checks import _one_of, _require
 from cbjax.config.machine import DTYPES, MLP_KINDS, HardwareConfig, ModelConfig
+from cbjax.config.overhead import OverheadConfig
 from cbjax.config.reporting import (
     LOGGERS, WANDB_MODES, ExperimentConfig, LoggerConfig, MetricsConfig, ServiceWeights, SLOConfig,
 )  # fmt: skip
@@ -27,7 +28,7 @@ __all__ = [
     "PREDICTORS", "PREEMPTION_MODES", "EXECUTORS", "ATTENTION_IMPLS", "MATMUL_IMPLS", "ARRIVALS", "LENGTH_DISTS", "TRUNCATIONS",
     "WORKLOADS", "DTYPES", "MLP_KINDS", "LOGGERS", "WANDB_MODES", "allocation_names",
     "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig",
-    "ClientConfig", "WorkloadConfig", "ModelConfig", "HardwareConfig", "ExperimentConfig", "ServiceWeights",
+    "ClientConfig", "WorkloadConfig", "ModelConfig", "HardwareConfig", "OverheadConfig", "ExperimentConfig", "ServiceWeights",
     "MetricsConfig", "SLOConfig", "LoggerConfig", "DistributedConfig", "RunConfig",
 ]  # fmt: skip
 
@@ -278,6 +279,7 @@ class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    overhead: OverheadConfig = field(default_factory=OverheadConfig)  # the serving stack's host costs
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -1,4 +1,5 @@
-"""The model and hardware groups: what the engine runs and what the roofline cost model charges."""
+"""The model and hardware groups: what the engine runs and what the roofline cost model charges
+(the stack's own host costs are the overhead group's, `cbjax.config.overhead`)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ class ModelConfig:
 
 @dataclass
 class HardwareConfig:
-    """An accelerator for the roofline cost model. Figures come from public datasheets."""
+    """An accelerator for the roofline cost model. Figures come from public datasheets only; a
+    serving stack's host costs are the `overhead` group's (`cbjax.config.overhead`)."""
 
     name: str = "a100_80gb"
     peak_flops: float = 312e12  # dense bf16 tensor-core FLOP/s
@@ -85,18 +87,9 @@ class HardwareConfig:
     mem_bytes: float = 80e9
     flops_efficiency: float = 0.6  # achievable fraction of peak_flops
     bw_efficiency: float = 0.8  # achievable fraction of mem_bw
-    overhead_s: float = 0.002  # fixed per-iteration cost: launch, scheduling, sampling
-    # host cost per scheduled sequence per iteration (per-sequence sampling and bookkeeping)
-    overhead_s_per_seq: float = 0.0
-    # paged attention's fixed cost per KV page a sequence reads in an iteration, all layers
-    # together (a page's loop step, table lookup and partial-result merge): small pages pay it often
-    page_overhead_s: float = 0.0
     # Host<->device bytes/s for swap preemption. PCIe 4.0 x16 carries 31.5 GB/s each way
     # (16 GT/s x 16 lanes, 128b/130b encoding; PCI-SIG PCIe 4.0 spec); pinned copies reach ~25.
     host_bw: float = 25e9
-    # Fixed cost of one host<->device copy call. Swapping copies each page's K and V per layer
-    # separately (vLLM's per-block cudaMemcpyAsync), so small pages pay it often.
-    host_copy_latency_s: float = 0.0
     # Tensor parallelism over num_devices identical devices (the figures above are per device):
     # weights, KV and FLOPs split evenly; two ring all-reduces of the activations per layer
     # over interconnect_bw (bytes/s each way per device, e.g. NVLink).
@@ -105,13 +98,9 @@ class HardwareConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_devices >= 1, "hardware.num_devices", "must be >= 1", self.num_devices)
-        _require(self.host_copy_latency_s >= 0, "hardware.host_copy_latency_s", "must be >= 0", self.host_copy_latency_s)
         for key in ("peak_flops", "mem_bw", "mem_bytes", "host_bw", "interconnect_bw"):
             value = getattr(self, key)
             _require(value > 0, f"hardware.{key}", "must be > 0", value)
         for key in ("flops_efficiency", "bw_efficiency"):
             value = getattr(self, key)
             _require(0 < value <= 1, f"hardware.{key}", "must be in (0, 1]", value)
-        _require(self.overhead_s >= 0, "hardware.overhead_s", "must be >= 0", self.overhead_s)
-        _require(self.page_overhead_s >= 0, "hardware.page_overhead_s", "must be >= 0", self.page_overhead_s)
-        _require(self.overhead_s_per_seq >= 0, "hardware.overhead_s_per_seq", "must be >= 0", self.overhead_s_per_seq)

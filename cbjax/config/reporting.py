@@ -22,6 +22,9 @@ class ExperimentConfig:
     tables: list[dict[str, Any]] = field(default_factory=list)
     # Published numbers to check against the arms' summaries (schema: cbjax.reproduction).
     reproduction: list[dict[str, Any]] = field(default_factory=list)
+    # The settings of the reproduction rows any knob (an overhead, a modelling choice) was fitted
+    # or chosen on; every other row is held out (cbjax.reproduction.fit_flags).
+    fit_rows: list[str] = field(default_factory=list)
     # Where ours differs from the paper, the modelling difference that explains it (for
     # docs/REPRODUCTIONS.md, written by experiments/reproduce.py).
     notes: str = ""

@@ -13,6 +13,7 @@ ARRIVALS = ("all_at_once", "poisson", "gamma", "uniform")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
 TRUNCATIONS = ("clip", "resample")
 WORKLOADS = ("synthetic", "trace")
+TRACE_FORMATS = ("auto", "azure", "azure2024", "burstgpt", "mooncake", "csv", "jsonl")
 
 
 @dataclass
@@ -84,7 +85,10 @@ class WorkloadConfig:
     duration_s: Optional[float] = None
     # trace replay
     path: Optional[str] = None
-    format: str = "auto"  # auto | azure | csv | jsonl
+    # auto (from the first line) | azure | azure2024 (the same schema) | burstgpt | mooncake | csv | jsonl
+    format: str = "auto"
+    # mooncake: prompt tokens per hash id (a block of a shared prefix); 512 in Mooncake's traces
+    hash_block_size: int = 512
     limit: Optional[int] = None  # replay only the first N requests
     time_scale: float = 1.0  # arrival times are divided by this (2.0 replays twice as fast)
     # A request arriving later (after time_scale) is rejected with its reason: an absurd time
@@ -94,7 +98,8 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         _one_of("workload.name", self.name, WORKLOADS)
         _one_of("workload.arrival", self.arrival, ARRIVALS)
-        _one_of("workload.format", self.format, ("auto", "azure", "csv", "jsonl"))
+        _one_of("workload.format", self.format, TRACE_FORMATS)
+        _require(self.hash_block_size >= 1, "workload.hash_block_size", "must be >= 1", self.hash_block_size)
         _require(self.num_requests >= 1, "workload.num_requests", "must be >= 1", self.num_requests)
         _require(self.rate > 0 and math.isfinite(self.rate), "workload.rate", "must be > 0", self.rate)
         _require(self.cv > 0 and math.isfinite(self.cv), "workload.cv", "must be > 0", self.cv)

@@ -52,6 +52,12 @@ def _app(cfg: DictConfig) -> None:
     if busy or abs(grid_gap) > 0.25:
         print(f"warning: a busy machine? the grid model (steps back to back) puts the served steps {grid_gap:+.0%} off. "
               "Profile again on a quiet machine.")  # fmt: skip
+    from cbjax.profile.residuals import format_table
+
+    table = r["by_regime"]
+    print("served step time by regime and bucket (+: over-predicted):\n" + "\n".join(format_table(table)))
+    for line in table["sparse"] + table["failures"]:
+        print(("FAIL: " if line in table["failures"] else "under-sampled: ") + line)
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
     print(f"use it: cbjax executor=sim executor.cost_model=profiled executor.profile={out_dir / 'profile.json'}")

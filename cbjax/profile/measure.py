@@ -111,6 +111,7 @@ def fit_profile(
     gaps: Optional[list[tuple[int, float]]] = None,
     wake: Optional[dict[str, Any]] = None,
     fit_cold: bool = False,
+    served_terms: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(coefficients, residuals): the timed bucket costs and the STEP_TERMS fitted on top of them
     over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one), the
@@ -128,7 +129,7 @@ def fit_profile(
     grid = {"bucket_s": bucket_s, "bucket_scale": 1.0, **{k: float(c) for k, c in zip(STEP_TERMS, coef)}}
     coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
     coefficients.update({k: grid[k] for k in STEP_TERMS})
-    coefficients.update(fit_served(served, bucket_s, grid, fit_cold))
+    coefficients.update(fit_served(served, bucket_s, grid, fit_cold, served_terms))
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
     coefficients.update(fit_loop(gaps or []))

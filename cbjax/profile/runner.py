@@ -23,6 +23,9 @@ class ProfileRunConfig(RunConfig):
     # fit the cold terms (a served step's extra cost 1-4 steps after a larger bucket's); off: they
     # stay 0 (fitted, they also take in a static batch's faster decodes: `fit_served`)
     fit_cold: bool = False
+    # fit the per-row and per-page step terms on the served steps beside their intercepts
+    # (cbjax.profile.serving.SERVED_STEP_TERMS); off: the grid's
+    served_terms: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +46,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         measure_swaps, write_profile,
     )  # fmt: skip
     from cbjax.profile.grid import build_schedule
+    from cbjax.profile.residuals import regime_residuals
     from cbjax.profile.serving import measure_serving, measure_wake
     from cbjax.run import build_executor, resolve
 
@@ -77,8 +81,11 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     say("serving the profile's workloads ...", flush=True)
     serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native)
     coefficients, residuals = fit_profile(
-        steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cfg.fit_cold
+        steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cfg.fit_cold,
+        served_terms=cfg.served_terms,
     )
+    # per regime and bucket, so opposite biases cannot cancel; a biased regime fails the profile
+    residuals["by_regime"] = regime_residuals(serving["steps"])
     extra = {
         "attention": executor.attention,
         "matmul": executor.matmul,
@@ -90,6 +97,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "repeats": cfg.repeats,
         "serving_rounds": cfg.serving_rounds,
         "fit_cold": cfg.fit_cold,
+        "served_terms": cfg.served_terms,
         "warmup_s": warmup_s,
         "profile_s": time.perf_counter() - t0,
         "config": dataclasses.asdict(cfg.executor),

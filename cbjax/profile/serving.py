@@ -16,12 +16,17 @@ import numpy as np
 from cbjax.config import LengthConfig, RunConfig, WorkloadConfig
 from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
+from cbjax.profile.residuals import MIN_STEPS, regime_of
 from cbjax.runtime.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs, nnls
-from cbjax.sim.profiled import COLD_TERMS, bucket_intercept, step_features, step_terms, steps_since_larger
+from cbjax.sim.profiled import (
+    COLD_TERMS, STEP_TERMS, bucket_intercept, step_features, step_terms, steps_since_larger,
+)  # fmt: skip
 
 # A bucket gets its own served intercept (`served_bucket_s`) from this many served iterations on.
-MIN_SERVED = 10
+MIN_SERVED = MIN_STEPS
+# Poisson runs at these shares of the saturated request rate: light, medium and heavy load.
+POISSON_SHARES = (0.3, 0.6, 0.9)
 
 
 class TimedExecutor:
@@ -81,9 +86,10 @@ class TimedExecutor:
 def serving_runs(cfg: RunConfig, saturated_req_s: Optional[float] = None) -> list[tuple[str, RunConfig]]:
     """The profile's own served workloads (apart from experiments/calibrate.py's), uniform prompts
     up to a quarter of max_model_len and uniform outputs up to an eighth, under fcfs: 3 x slots
-    requests at t=0 with chunked prefill (mixed steps) and without (whole prompts); given the
-    engine's saturated request rate, also 2 x slots Poisson arrivals at 15% and 50% of it (few
-    rows at a time, as light load runs)."""
+    requests at t=0 with chunked prefill (mixed steps) and without (whole prompts), and a static
+    batch (the burst regime); given the engine's saturated request rate, also 2 x slots Poisson
+    arrivals at 30%, 60% and 90% of it (the light, medium and heavy regimes, few rows at a time
+    as open-loop runs have: `cbjax.profile.residuals.regime_of`)."""
     length = cfg.model.max_model_len
     slots = cfg.scheduler.max_num_seqs
     wl = WorkloadConfig(
@@ -105,7 +111,7 @@ def serving_runs(cfg: RunConfig, saturated_req_s: Optional[float] = None) -> lis
     runs.append(("static", dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=cfg.seed + 103)))
     if saturated_req_s:
         sched = dataclasses.replace(cfg.scheduler, name="fcfs", chunked_prefill=True, static_padding=False)
-        for i, share in enumerate((0.15, 0.5)):
+        for i, share in enumerate(POISSON_SHARES):
             light = dataclasses.replace(wl, num_requests=2 * slots, arrival="poisson", rate=share * saturated_req_s)
             runs.append(
                 (
@@ -153,7 +159,7 @@ def served_points(
         bucket, features = step_features(rows, shapes, native)
         kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
         steps.append({
-            "kind": kind, "source": label, "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
+            "kind": kind, "source": label, "regime": regime_of(label), "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
             "bucket": bucket, "features": features, "measured_s": t1 - t0, "idle": idle,
             "since_larger": steps_since_larger(recent, bucket),
         })  # fmt: skip
@@ -179,11 +185,16 @@ def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
     return {"loop_s": float(coef[0]), "loop_seq_s": float(coef[1])}
 
 
+# Step terms `fit_served` can refit on the served steps (`served_terms`): per row and per KV page.
+SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s")
+
+
 def fit_served(
     served: list[dict],
     bucket_s: dict[int, float],
     grid_model: dict[str, float],
     fit_cold: bool = False,
+    served_terms: bool = False,
 ) -> dict[str, Any]:
     """`served_bucket_s`, `bucket_scale` and the COLD_TERMS, fitted on the served iterations
     (those after an idle loop left out: `wake_s` charges them) over the step terms of the
@@ -205,6 +216,11 @@ def fit_served(
     simulator's fcfs/static ratio came out -5.6% (exponential) and +2.8% (Azure) off the engine's
     with them, -0.5% and +4.0% without (medians). Off, they stay 0.
 
+    With `served_terms` the SERVED_STEP_TERMS (per row, per page read) are fitted on the served
+    steps too, beside the intercepts, instead of taken from the grid: a sparse light-load batch
+    and a full burst then share one per-row cost fitted where runs have them, not one
+    intercept per bucket pooled over both (issue 35). They are returned under their names.
+
     Non-negative least squares on absolute error, as a run's time adds them up (thousands of
     small decode steps and a few large prefills weigh what they cost). None served: no served
     intercepts, scale 1, no cold terms."""
@@ -213,15 +229,21 @@ def fit_served(
         return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0)}
     counts = Counter(s["bucket"] for s in points)
     own = sorted(b for b, n in counts.items() if n >= MIN_SERVED)  # buckets with a served intercept
-    x = np.zeros((len(points), len(own) + 1 + len(COLD_TERMS)))  # own intercepts, bucket_scale, cold terms
+    refit = SERVED_STEP_TERMS if served_terms else ()
+    idx = [STEP_TERMS.index(k) for k in refit]
+    base = len(own) + 1 + len(COLD_TERMS)
+    x = np.zeros((len(points), base + len(refit)))  # own intercepts, bucket_scale, cold terms, refitted terms
     for i, s in enumerate(points):
+        for j, k in enumerate(idx):
+            x[i, base + j] = s["features"][k]
         if s["bucket"] in own:
             x[i, own.index(s["bucket"])] = 1.0
         else:
             x[i, len(own)] = bucket_intercept(bucket_s, s["bucket"])
         if fit_cold and s.get("since_larger", 0):
             x[i, len(own) + s["since_larger"]] = 1.0
-    terms = np.array([step_terms(grid_model, s["features"]) for s in points])
+    kept = {**grid_model, **dict.fromkeys(refit, 0.0)}  # the grid's terms but those refitted here
+    terms = np.array([step_terms(kept, s["features"]) for s in points])
     y = np.array([s["measured_s"] for s in points])
     used = np.any(x != 0, axis=0)
     coef = np.zeros(x.shape[1])
@@ -231,7 +253,8 @@ def fit_served(
     if not used[len(own)]:  # every served step has its bucket's own intercept
         scale = float(np.mean([served_fixed[b] / bucket_intercept(bucket_s, b) for b in own]))
     out: dict[str, Any] = {"served_bucket_s": {str(b): v for b, v in served_fixed.items()}, "bucket_scale": scale}
-    out.update({k: float(c) for k, c in zip(COLD_TERMS, coef[len(own) + 1 :])})
+    out.update({k: float(c) for k, c in zip(COLD_TERMS, coef[len(own) + 1 : base])})
+    out.update({k: float(c) for k, c in zip(refit, coef[base:])})
     return out
 
 

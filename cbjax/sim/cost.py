@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, SchedulerConfig
+from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig
 from cbjax.plan import Schedule
 from cbjax.sim.tp import allreduce_bytes_per_token, ring_bytes_per_device
 
@@ -20,8 +20,8 @@ class UnitCost:
 
 
 class RooflineCost:
-    """Iteration time = max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + overhead
-    (`hardware.overhead_s`, plus `hardware.overhead_s_per_seq` per scheduled sequence).
+    """Iteration time = max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth), plus the
+    serving stack's host costs (`StackOverhead`: the `overhead` group, 0 under `overhead=none`).
 
     FLOPs: 2 per weight per processed token in the transformer body, the LM head once per
     sequence (only the last position is sampled), and attention scores and mixing over each
@@ -30,26 +30,20 @@ class RooflineCost:
     A prefill after a prefix-cache hit counts only its new tokens (the hit is its context).
     The rows charged are `Schedule.cost_rows`: a padded static batch charges its padding.
 
-    `hardware.page_overhead_s` adds a fixed cost per KV page each row reads (its context and
-    new tokens, in pages of `plan.page_size`).
-
     Tensor parallelism over `hardware.num_devices` devices splits FLOPs, weights and K/V
     evenly and adds, serially, two ring all-reduces of the iteration's activations per layer
     (after attention and after the MLP), each moving 2(n-1)/n of the activation bytes per
     device over `hardware.interconnect_bw`.
 
     Swap preemption adds the swapped pages' K/V bytes over `hardware.host_bw` (each device
-    its shard over its own link), plus `hardware.host_copy_latency_s` per copy call, one per
-    page, layer and K or V, serially: the copies run before the step.
+    its shard over its own link); the stack's copy calls are `StackOverhead`'s.
     """
 
     name = "roofline"
 
-    def __init__(self, model: ModelConfig, hw: HardwareConfig):
+    def __init__(self, model: ModelConfig, hw: HardwareConfig, overhead: Optional[OverheadConfig] = None):
         n = hw.num_devices
-        self.overhead_s = hw.overhead_s
-        self.overhead_s_per_seq = hw.overhead_s_per_seq
-        self.page_overhead_s = hw.page_overhead_s
+        self.stack = StackOverhead(model, overhead or OverheadConfig())
         self.flops_per_s = hw.peak_flops * hw.flops_efficiency * n
         self.bytes_per_s = hw.mem_bw * hw.bw_efficiency * n
         head = model.vocab_size * model.d_model
@@ -61,7 +55,6 @@ class RooflineCost:
         self.weight_bytes = float(model.num_params * model.dtype_bytes)
         self.kv_bytes_per_token = float(model.kv_bytes_per_token)
         self.host_bytes_per_s = hw.host_bw * n
-        self.copy_s_per_page = 2 * model.num_layers * hw.host_copy_latency_s
         # all-reduce seconds per processed token: the bytes the engine all-reduces (cbjax.sim.tp)
         self.allreduce_s_per_token = ring_bytes_per_device(allreduce_bytes_per_token(model), n) / hw.interconnect_bw
         if self.weight_bytes / n > hw.mem_bytes:
@@ -76,22 +69,54 @@ class RooflineCost:
         seqs = 0
         pairs = 0.0
         kv_tokens = 0
-        pages = 0
-        ps = plan.page_size
-        for n, ctx, decode in plan.cost_rows():
+        rows = plan.cost_rows()
+        for n, ctx, decode in rows:
             seqs += 1
             tokens += n
             pairs += n * ctx + n * (n + 1) / 2  # a decode: its context plus the new token
             kv_tokens += ctx + n + (1 if decode else 0)  # a decode reads its context, writes one
-            pages += -(-(ctx + n) // ps)
         flops = tokens * self.body_flops_per_token + seqs * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
         bytes_moved = self.weight_bytes + kv_tokens * self.kv_bytes_per_token
         swapped = plan.num_swapped_pages
-        swap_s = swapped * (plan.page_size * self.kv_bytes_per_token / self.host_bytes_per_s + self.copy_s_per_page)
+        swap_s = swapped * plan.page_size * self.kv_bytes_per_token / self.host_bytes_per_s
         compute_s = max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
-        host_s = self.overhead_s + plan.num_scheduled * self.overhead_s_per_seq
-        attn_pages_s = pages * self.page_overhead_s
-        return compute_s + attn_pages_s + tokens * self.allreduce_s_per_token + host_s + swap_s
+        return compute_s + tokens * self.allreduce_s_per_token + swap_s + self.stack.host_s(plan, rows)
+
+
+class StackOverhead:
+    """A serving stack's host costs around a step (`cbjax.config.overhead`): `step_s` per
+    iteration, `seq_s` per scheduled sequence, `page_s` per KV page each row reads (its context
+    and new tokens, in pages of `plan.page_size`), and `copy_latency_s` per swap copy call, one
+    per page, layer and K or V, serially: the copies run before the step."""
+
+    def __init__(self, model: ModelConfig, overhead: OverheadConfig):
+        self.config = overhead
+        self.copy_s_per_page = 2 * model.num_layers * overhead.copy_latency_s
+
+    def host_s(self, plan: Schedule, rows=None) -> float:
+        """Seconds the stack adds to `plan`'s step; `rows`: `plan.cost_rows()` if already built."""
+        o = self.config
+        if o.is_none:
+            return 0.0
+        seconds = o.step_s + plan.num_scheduled * o.seq_s + plan.num_swapped_pages * self.copy_s_per_page
+        if o.page_s:
+            ps = plan.page_size
+            pages = sum(-(-(ctx + n) // ps) for n, ctx, _ in (plan.cost_rows() if rows is None else rows))
+            seconds += pages * o.page_s
+        return seconds
+
+
+class WithOverhead:
+    """A cost model plus a stack's host costs (the profiled model's steps hold the engine's own
+    host time already; this adds a different stack's on top when one is selected)."""
+
+    def __init__(self, cost, model: ModelConfig, overhead: OverheadConfig):
+        self.cost = cost
+        self.name = getattr(cost, "name", type(cost).__name__)
+        self.stack = StackOverhead(model, overhead)
+
+    def __call__(self, plan: Schedule) -> float:
+        return self.cost(plan) + self.stack.host_s(plan)
 
 
 def _profiled(
@@ -101,21 +126,30 @@ def _profiled(
     scheduler: Optional[SchedulerConfig] = None,
     cache: Optional[CacheConfig] = None,
     executor: Optional[ExecutorConfig] = None,
+    overhead: Optional[OverheadConfig] = None,
 ):
     from cbjax.sim.profiled import make_profiled_cost
 
     if scheduler is None or cache is None or executor is None:
         raise ValueError("executor.cost_model=profiled: make_cost_model needs scheduler, cache and executor")
-    return make_profiled_cost(model, scheduler, cache, executor)
+    cost = make_profiled_cost(model, scheduler, cache, executor)
+    return cost if overhead is None or overhead.is_none else WithOverhead(cost, model, overhead)
 
 
-_profiled.needs_run = True  # built from the run's scheduler, cache and executor configs too
+_profiled.needs_run = True  # built from the run's scheduler, cache, executor and overhead configs too
+
+
+def _roofline(model: ModelConfig, hw: HardwareConfig, *, overhead: Optional[OverheadConfig] = None, **_) -> RooflineCost:
+    return RooflineCost(model, hw, overhead)
+
+
+_roofline.needs_run = True
 
 # executor.cost_model names -> factories of (model, hardware); the one list the config checks.
-# A factory with `needs_run` also gets the run's scheduler, cache and executor configs.
+# A factory with `needs_run` also gets the run's scheduler, cache, executor and overhead configs.
 COST_MODELS = {
     "unit": lambda model, hw: UnitCost(),
-    "roofline": RooflineCost,
+    "roofline": _roofline,
     "profiled": _profiled,
 }
 
@@ -128,12 +162,14 @@ def make_cost_model(
     scheduler: Optional[SchedulerConfig] = None,
     cache: Optional[CacheConfig] = None,
     executor: Optional[ExecutorConfig] = None,
+    overhead: Optional[OverheadConfig] = None,
 ):
     """The cost model `name`; `profiled` also needs the run's scheduler, cache and executor configs
-    (the engine's shape plan and the profile path)."""
+    (the engine's shape plan and the profile path); `overhead` is the serving stack's host costs
+    (None: `overhead=none`), which `roofline` and `profiled` add."""
     if name in COST_MODELS:
         factory = COST_MODELS[name]
         if getattr(factory, "needs_run", False):
-            return factory(model, hw, scheduler=scheduler, cache=cache, executor=executor)
+            return factory(model, hw, scheduler=scheduler, cache=cache, executor=executor, overhead=overhead)
         return factory(model, hw)
     raise ValueError(f"executor.cost_model: unknown value {name!r}; choose one of {', '.join(COST_MODELS)}")

@@ -1,4 +1,5 @@
-"""Trace replay: Azure LLM inference CSV, plain CSV and JSONL files, read into Requests.
+"""Trace replay: the Azure LLM inference CSVs (2023 and 2024), BurstGPT's CSV, Mooncake's JSONL
+(`cbjax.workload.formats`), plain CSV and JSONL files, read into Requests.
 
 A problem with the whole file (missing, unknown format, bad header) raises ValueError. A
 malformed line becomes a Request with `input_error` set, so the run rejects it and it still
@@ -15,13 +16,16 @@ import importlib.resources
 import json
 import math
 import re
-from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from cbjax.config import WorkloadConfig
 from cbjax.request import Request, SamplingParams
+from cbjax.workload.rows import (
+    LineError, _attempt, _json_bool, _json_float, _json_ids, _json_int, _json_str, _Row, _text_float, _text_int,
+)  # fmt: skip
+from cbjax.workload.formats import BURSTGPT_COLUMNS, MOONCAKE_KEYS, burstgpt_rows, mooncake_rows
 from cbjax.workload.synthetic import rng_streams, sampling_seeds, prompt_seeds
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -35,28 +39,6 @@ JSONL_KEYS = (
 _TIMESTAMP = re.compile(
     r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?\s*(Z|[+-]\d{2}:?\d{2})?"
 )
-
-
-class LineError(ValueError):
-    """A malformed trace line: it becomes that request's input_error, not a crash."""
-
-
-@dataclass
-class _Row:
-    """What could be read from one line, before defaults fill the rest."""
-
-    line: int
-    errors: list[str] = field(default_factory=list)
-    arrival_s: Optional[float] = None  # None: missing or unparseable
-    request_id: Optional[str] = None
-    prompt_len: Optional[int] = None
-    prompt_token_ids: Optional[list[int]] = None
-    prompt_text: Optional[str] = None
-    output_len: Optional[int] = None
-    max_tokens: Optional[int] = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    priority: int = 0
-    client_id: str = "default"
 
 
 def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
@@ -73,8 +55,14 @@ def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
     if not numbered:
         raise ValueError(f"trace file {path} is empty")
     fmt = cfg.format if cfg.format != "auto" else detect_format(path, numbered[0][1])
+    fmt = "azure" if fmt == "azure2024" else fmt  # the 2024 release keeps the 2023 schema
     if fmt == "jsonl":
         rows = [_jsonl_row(n, text) for n, text in numbered[: cfg.limit]]
+    elif fmt == "mooncake":
+        rows = mooncake_rows(numbered[: cfg.limit], cfg.hash_block_size, cfg.vocab_size, seed)
+    elif fmt == "burstgpt":
+        order = _csv_header(path, fmt, numbered[0][1], BURSTGPT_COLUMNS)
+        rows = burstgpt_rows(numbered[1:][: cfg.limit], order)
     else:
         columns = AZURE_COLUMNS if fmt == "azure" else CSV_COLUMNS
         order = _csv_header(path, fmt, numbered[0][1], columns)
@@ -82,7 +70,7 @@ def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
         rows = (_azure_rows if fmt == "azure" else _csv_rows)(body, order)
     if not rows:
         raise ValueError(f"trace file {path} holds no requests")
-    if fmt == "jsonl" and all(row.errors[:1] and row.errors[0].startswith("invalid JSON") for row in rows):
+    if fmt in ("jsonl", "mooncake") and all(row.errors[:1] and row.errors[0].startswith("invalid JSON") for row in rows):
         first = rows[0]
         raise ValueError(f"trace file {path}: no line is valid JSON (line {first.line}: {first.errors[0]})")
     return _to_requests(rows, path.name, cfg, seed)
@@ -102,17 +90,26 @@ def resolve_path(path: str) -> Path:
 
 
 def detect_format(path: Path, first_line: str) -> str:
-    """'jsonl', 'azure' or 'csv', from the first non-blank line of `path`."""
+    """'jsonl', 'mooncake', 'azure', 'burstgpt' or 'csv', from the first non-blank line of `path`:
+    a JSON object with Mooncake's `hash_ids` or `input_length` is Mooncake's, any other JSONL;
+    a CSV by its header's columns."""
     if first_line.startswith("{"):
-        return "jsonl"
+        try:
+            keys = set(json.loads(first_line))
+        except (json.JSONDecodeError, TypeError):
+            keys = set()
+        return "mooncake" if keys & {"hash_ids", "input_length"} else "jsonl"
     columns = {c.strip() for c in first_line.split(",")}
     for fmt, expected in (("azure", AZURE_COLUMNS), ("csv", CSV_COLUMNS)):
         if columns == set(expected):
             return fmt
+    if columns >= set(BURSTGPT_COLUMNS):
+        return "burstgpt"
     raise ValueError(
         f"trace file {path}: cannot tell its format from the first line {first_line[:80]!r}; "
-        f"expected JSON objects, a CSV header {','.join(AZURE_COLUMNS)} (azure) "
-        f"or {','.join(CSV_COLUMNS)} (csv)"
+        f"expected JSON objects (jsonl, or mooncake with {', '.join(MOONCAKE_KEYS)}), a CSV header "
+        f"{','.join(AZURE_COLUMNS)} (azure, azure2024), {','.join(BURSTGPT_COLUMNS)} (burstgpt) "
+        f"or {','.join(CSV_COLUMNS)} (csv); or set workload.format"
     )
 
 
@@ -137,10 +134,15 @@ def parse_timestamp(text: str) -> tuple[int, float]:
 
 
 def _csv_header(path: Path, fmt: str, header: str, expected: tuple[str, ...]) -> list[str]:
+    """The header's columns in order. BurstGPT's may carry more columns than it reads (its
+    announced SessionID, Elapsed time); the others' must be exactly `expected`."""
     columns = [c.strip() for c in header.split(",")]
-    if sorted(columns) != sorted(expected):
+    ok = set(columns) >= set(expected) if fmt == "burstgpt" else sorted(columns) == sorted(expected)
+    if not ok:
+        missing = [c for c in expected if c not in columns]
+        which = f" (missing {', '.join(missing)})" if missing else ""
         raise ValueError(
-            f"trace file {path}: {fmt} header must have the columns {','.join(expected)}, "
+            f"trace file {path}: {fmt} header must have the columns {','.join(expected)}{which}, "
             f"got {header[:80]!r}"
         )
     return columns
@@ -261,7 +263,8 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
     pseeds = prompt_seeds(len(rows), rngs["token_ids"])
     seeds = sampling_seeds(len(rows), rngs["sampling_seed"])
 
-    given_ids = {row.request_id if row.request_id is not None else str(i) for i, row in enumerate(rows)}
+    explicit = {row.request_id for row in rows if row.request_id is not None}
+    given_ids = explicit | {str(i) for i, row in enumerate(rows) if row.request_id is None}
     requests, seen, prev_arrival = [], {}, 0.0
     for index, (row, default_seed, pseed) in enumerate(zip(rows, seeds, pseeds)):
         arrival = prev_arrival
@@ -271,10 +274,17 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
             else:
                 row.errors.append(f"arrival_s must be a finite number >= 0, got {row.arrival_s}")
                 arrival = 0.0
-        rid = original = row.request_id if row.request_id is not None else str(index)
-        if rid in seen:
-            row.errors.append(f"duplicate request_id {rid!r} (first on line {seen[rid]})")
-            rid = _unique_id(original, row.line, given_ids, seen)
+        if row.request_id is not None:
+            rid = original = row.request_id
+            if rid in seen:
+                row.errors.append(f"duplicate request_id {rid!r} (first on line {seen[rid]})")
+                rid = _unique_id(original, row.line, given_ids, seen)
+        else:
+            # A line without an id gets its index, or, where a line gives that id explicitly,
+            # a fresh one: a default never collides with (or rejects) an explicit id.
+            rid = original = str(index)
+            if rid in explicit or rid in seen:
+                rid = original = _unique_id(rid, row.line, given_ids, seen)
         seen[rid] = row.line
         has_prompt = row.prompt_token_ids is not None or row.prompt_text is not None
         requests.append(
@@ -335,63 +345,3 @@ def _sampling(row: _Row, cfg: WorkloadConfig, default_seed: int) -> SamplingPara
     if row.output_len is not None:
         kwargs.setdefault("ignore_eos", True)
     return SamplingParams(**kwargs)
-
-
-def _attempt(row: _Row, parse: Callable[..., Any], *args: Any) -> Any:
-    """parse(*args), or None with the LineError's message added to the row's errors."""
-    try:
-        return parse(*args)
-    except LineError as e:
-        row.errors.append(str(e))
-        return None
-
-
-def _text_int(key: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise LineError(f"{key} {text.strip()!r} is not an integer") from None
-
-
-def _text_float(key: str, text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise LineError(f"{key} {text.strip()!r} is not a number") from None
-
-
-def _json_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LineError(f"{key} {value!r} is not an integer")
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise LineError(f"{key} {value!r} is not an integer")
-        value = int(value)
-    return value
-
-
-def _json_float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LineError(f"{key} {value!r} is not a number")
-    return float(value)
-
-
-def _json_bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise LineError(f"{key} {value!r} is not true or false")
-    return value
-
-
-def _json_str(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise LineError(f"{key} {value!r} is not a string")
-    return value
-
-
-def _json_ids(key: str, value: Any) -> list[int]:
-    if not isinstance(value, list):
-        raise LineError(f"{key} must be a list of token ids, got {type(value).__name__}")
-    for i, tok in enumerate(value):
-        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-            raise LineError(f"{key}[{i}] {tok!r} is not a token id (an integer >= 0)")
-    return value

@@ -1,0 +1,72 @@
+"""The profile's residual table by regime and bucket, by hand: opposite biases do not cancel."""
+
+import numpy as np
+import pytest
+
+from cbjax.profile.residuals import format_table, regime_of, regime_residuals
+
+
+def step(source, bucket, measured, predicted, idle=False):
+    return {"source": source, "bucket": bucket, "measured_s": measured, "predicted_s": predicted, "idle": idle}
+
+
+def test_regime_of_the_served_runs():
+    assert [regime_of(x) for x in ("fcfs_chunked_on", "static", "fcfs_poisson_30pct", "fcfs_poisson_60pct",
+                                   "fcfs_poisson_90pct")] == ["burst", "burst", "light", "medium", "heavy"]  # fmt: skip
+
+
+def test_residual_table_by_hand():
+    served = (
+        # light: 10 decode steps of bucket 4 over-predicted by 20%, 2 of bucket 16 by 10%
+        [step("fcfs_poisson_30pct", 4, 1.0, 1.2) for _ in range(10)]
+        + [step("fcfs_poisson_30pct", 16, 2.0, 2.2) for _ in range(2)]
+        # burst: 10 steps under-predicted by 4%, 10 over by 2%; an idle-woken step is left out
+        + [step("static", 64, 1.0, 0.96) for _ in range(10)]
+        + [step("fcfs_chunked_on", 64, 1.0, 1.02) for _ in range(10)]
+        + [step("fcfs_chunked_on", 64, 1.0, 9.0, idle=True)]
+    )
+    t = regime_residuals(served)
+    light, burst = t["regimes"]["light"], t["regimes"]["burst"]
+    # light: (10 x 0.2 + 2 x 0.1) / 12 = 0.18333; median |error| 0.2
+    assert light["num_steps"] == 12 and light["mean_signed_error"] == pytest.approx(2.2 / 12)
+    assert light["median_abs_error"] == pytest.approx(0.2)
+    assert light["buckets"]["16"] == {"num_steps": 2, "mean_signed_error": pytest.approx(0.1),
+                                      "median_abs_error": pytest.approx(0.1)}  # fmt: skip
+    # burst: (10 x -0.04 + 10 x 0.02) / 20 = -0.01, within 5%
+    assert burst["num_steps"] == 20 and burst["mean_signed_error"] == pytest.approx(-0.01)
+    assert burst["median_abs_error"] == pytest.approx(0.03)
+    assert list(t["regimes"]) == ["burst", "light"]
+    assert t["failures"] == ["regime light: mean signed step-time error +18.3% over 12 steps exceeds ±5%"]
+    assert t["sparse"] == ["regime light: bucket 16 has 2 served steps (< 10)"]
+    assert format_table(t, buckets=False)[0] == "burst: 20 steps, mean signed -1.0%, median |error| 3.0%"
+
+
+def test_a_cancelling_pool_still_fails_per_regime():
+    # pooled, +10% on 10 steps and -10% on 10 steps average 0; per regime both fail
+    served = [step("fcfs_poisson_30pct", 4, 1.0, 1.1) for _ in range(10)] + [step("static", 4, 1.0, 0.9) for _ in range(10)]
+    t = regime_residuals(served)
+    assert len(t["failures"]) == 2 and not t["sparse"]
+
+
+def test_served_terms_recover_per_row_and_per_page_costs_the_grid_got_wrong():
+    from cbjax.profile.serving import fit_served
+    from cbjax.sim.profiled import STEP_TERMS
+
+    # truth: bucket 4 costs 1 ms, bucket 8 2 ms, plus 0.1 ms per row and 0.01 ms per single page;
+    # the grid's model says 0.5 ms per row and nothing per page
+    rng = np.random.default_rng(0)
+    served = []
+    for i in range(60):
+        bucket = 4 if i % 2 else 8
+        rows, pages = int(rng.integers(1, bucket + 1)), int(rng.integers(1, 40))
+        features = [1.0, rows, 0.0, 0.0, 0.0, 0.0, pages, 0.0, rows]
+        measured = {4: 1e-3, 8: 2e-3}[bucket] + 1e-4 * rows + 1e-5 * pages
+        served.append({"bucket": bucket, "features": features, "measured_s": measured, "since_larger": 0})
+    grid = {**dict.fromkeys(STEP_TERMS, 0.0), "seq_s": 5e-4, "bucket_s": {4: 1e-3, 8: 2e-3}, "bucket_scale": 1.0}
+    fitted = fit_served(served, {4: 1e-3, 8: 2e-3}, grid, served_terms=True)
+    assert fitted["seq_s"] == pytest.approx(1e-4, rel=1e-6)
+    assert fitted["single_page_s"] == pytest.approx(1e-5, rel=1e-6)
+    assert fitted["served_bucket_s"] == {"4": pytest.approx(1e-3, rel=1e-6), "8": pytest.approx(2e-3, rel=1e-6)}
+    # without: the grid's per-row cost stays, and the intercepts absorb what they can of the difference
+    plain = fit_served(served, {4: 1e-3, 8: 2e-3}, grid)
+    assert "seq_s" not in plain and plain["served_bucket_s"]["4"] != pytest.approx(1e-3, rel=1e-2)
