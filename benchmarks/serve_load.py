@@ -35,7 +35,7 @@ LEAVE_AFTER = 10  # tokens a leaving stream reads
 
 
 def start(out: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", f"hydra.run.dir={out}", "hardware.overhead_s=0.005",
+    cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", f"hydra.run.dir={out}", "overhead.step_s=0.005",
            "scheduler.max_num_seqs=64", *overrides]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:

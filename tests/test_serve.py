@@ -24,7 +24,7 @@ from cbjax.serve.text import ByteTokenizer
 
 # The tiny model on the roofline simulator, paced to the wall clock at 2 ms an iteration: a
 # request of n tokens takes about 2n ms, long enough to leave midway, short enough for a test.
-FAST = ["server.port=0", "hardware.overhead_s=0.002"]
+FAST = ["server.port=0", "overhead.step_s=0.002"]
 
 
 def serve_config(*overrides: str) -> ServeConfig:
@@ -232,7 +232,7 @@ def test_a_full_queue_answers_429_with_retry_after(tmp_path):
     # one slot, 50 ms an iteration (the first request would run for 50 s; it is left midway);
     # the queue holds one waiting request
     with running(tmp_path, "scheduler.max_num_seqs=1", "scheduler.max_num_batched_tokens=64", "server.max_queue=1",
-                 "server.retry_after_s=3", "hardware.overhead_s=0.05") as (base, srv):  # fmt: skip
+                 "server.retry_after_s=3", "overhead.step_s=0.05") as (base, srv):  # fmt: skip
         with httpx.Client(base_url=base, timeout=60) as http:
             body = {"prompt": "a", "max_tokens": 1000, "stream": True}
             with http.stream("POST", "/completions", json=body) as first:

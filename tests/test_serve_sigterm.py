@@ -39,7 +39,7 @@ def num_received(base: str) -> float:
 
 def test_sigterm_mid_load_drains_writes_every_request_and_exits_0(tmp_path, env_cpu):
     proc, base = start_server(
-        tmp_path, env_cpu, "hardware.overhead_s=0.002", "server.drain_s=3", "scheduler.max_num_seqs=8",
+        tmp_path, env_cpu, "overhead.step_s=0.002", "server.drain_s=3", "scheduler.max_num_seqs=8",
         "model.max_model_len=4096", "cache.num_pages=2048",
     )  # fmt: skip
     statuses: list[int] = []
