@@ -11,7 +11,7 @@ tokens, bucket 4096), `mixed` (28 decodes at 150 plus 4 prefills of 100 tokens, 
 (CPU seconds of the compile, `time.process_time`), checked against each other, then timed
 interleaved; the table shows median ms per layer call and old / new. The old kernel and its
 tile builder are loaded from `git show REF:path`: a ref with the query groups of
-`cbjax.runtime.tiles` (main since they were merged), or the tile layout before them
+`cbjax.layout.tiles` (main since they were merged), or the tile layout before them
 (`--old-ref c43e2d6`).
 """
 

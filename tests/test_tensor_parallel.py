@@ -19,7 +19,7 @@ from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.distributed import PlanLink, start
 from cbjax.runtime.hlo import all_reduce_traffic
 from cbjax.runtime.mesh import check_tensor_parallel
-from cbjax.runtime.shapes import plan_shapes
+from cbjax.layout.shapes import plan_shapes
 from cbjax.sim.tp import allreduce_bytes_per_token, allreduces_per_step
 from tp_engine import BUCKETS, MODEL, workload
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from cbjax.plan import Schedule
 from cbjax.request import Request
-from cbjax.runtime.shapes import ShapePlan
+from cbjax.layout.shapes import ShapePlan
 
 GRIDS = ("full", "small")
 
