@@ -32,7 +32,7 @@ import numpy as np
 from cbjax.kernels import xla_ragged as new_kernel
 from cbjax.kernels.metadata import AttentionMetadata
 from cbjax.report import markdown_table
-from cbjax.runtime import tiles as new_tiles
+from cbjax.layout import tiles as new_tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(layers=4, kv_heads=4, heads=8, head_dim=32, page_size=16, num_pages=4096, rows=32, max_model_len=2048)

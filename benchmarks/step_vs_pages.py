@@ -6,11 +6,12 @@ Builds the JaxExecutor for a random model (the tiny one by default; `--smollm` f
 shape) at each pool size, compiles its step for one token bucket, counts the copies and fusions
 in the compiled program whose result is as large as the whole K or V cache or one layer of it (a
 pass over the page pool: a materialized layer slice or a copy), and times the step on an empty
-(all-padding) batch: `--rounds` alternating rounds over the pool sizes, one call each, after an
-untimed call, medians reported. A step reads only the pages its rows hold, so its time should
-not depend on the pool's size. `--attention pallas` runs the Pallas kernel interpreted on CPU
-and compiled on a GPU or TPU. The last line reads `pages A -> B: X.XXx`, the median step time
-at the largest pool over that at the smallest.
+(all-padding) batch: `--rounds` alternating rounds over the pool sizes after an untimed call,
+each round the mean of `--calls` steps back to back, medians over the rounds reported. A step
+reads only the pages its rows hold, so its time should not depend on the pool's size.
+`--attention pallas` runs the Pallas kernel interpreted on CPU and compiled on a GPU or TPU. The
+last line reads `pages A -> B: X.XXx`, the median step time at the largest pool over that at the
+smallest.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ import argparse
 import math
 import re
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 
-from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
-from cbjax.report import markdown_table
-from cbjax.runtime.executor import JaxExecutor, to_device
-from cbjax.runtime.step import model_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's cbjax, not an installed one
+from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from cbjax.report import markdown_table  # noqa: E402
+from cbjax.runtime.executor import JaxExecutor, to_device  # noqa: E402
+from cbjax.runtime.step import model_step  # noqa: E402
 
 
 def cache_sized_ops(hlo: str, cache_shape: tuple[int, ...]) -> int:
@@ -47,6 +51,7 @@ def main() -> None:
     ap.add_argument("--bucket", type=int, default=8, help="the step's token bucket (empty batch)")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=10, help="steps back to back in a round (their mean is the round's)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--smollm", action="store_true", help="SmolLM-135M's shape instead of the tiny model")
     args = ap.parse_args()
@@ -69,20 +74,22 @@ def main() -> None:
                                     attention=ex.attention, matmul=ex.matmul).compile()  # fmt: skip
         steps[pages] = (ex, host, compiled, cache_sized_ops(compiled.as_text(), ex.cache.k.shape))
 
-    def call(pages: int) -> float:
+    def call(pages: int, n: int) -> float:
+        """Seconds per step over n steps back to back."""
         ex, host, compiled, _ = steps[pages]
         batch = to_device(host)
         t0 = time.perf_counter()
-        greedy, _, ex.cache = compiled(ex.weights, ex.cache, batch)
-        jax.block_until_ready(greedy)
-        return time.perf_counter() - t0
+        for _ in range(n):
+            greedy, _, ex.cache = compiled(ex.weights, ex.cache, batch)
+            jax.block_until_ready(greedy)
+        return (time.perf_counter() - t0) / n
 
     times: dict[int, list[float]] = {pages: [] for pages in args.pages}
     for pages in args.pages:
-        call(pages)  # untimed
+        call(pages, 1)  # untimed
     for _ in range(args.rounds):
         for pages in args.pages:
-            times[pages].append(call(pages))
+            times[pages].append(call(pages, args.calls))
     rows = []
     for pages in args.pages:
         ex, _, _, copies = steps[pages]
@@ -91,7 +98,7 @@ def main() -> None:
     ex = steps[args.pages[0]][0]
     print(f"{model.name} model, {args.layers} layers, {args.slots} slots, attention {ex.attention} "
           f"({jax.default_backend()}), matmul {ex.matmul}, bucket {args.bucket} (empty batch); "
-          f"medians of {args.rounds} alternating rounds")  # fmt: skip
+          f"medians of {args.rounds} alternating rounds of {args.calls} steps")  # fmt: skip
     print(markdown_table(["cache.num_pages", "K+V cache MB", "cache-sized copies/fusions in the program", "ms/step"],
                          rows))  # fmt: skip
     lo, hi = min(args.pages), max(args.pages)

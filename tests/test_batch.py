@@ -11,7 +11,7 @@ from cbjax.plan import Schedule
 from cbjax.request import Request, SamplingParams
 from cbjax.runtime.batch import BatchPacker
 from cbjax.layout.shapes import default_token_buckets, plan_shapes
-from cbjax.runtime import tiles
+from cbjax.layout import tiles
 from cbjax.layout.tiles import build_tiles, count_steps, tile_capacity
 
 

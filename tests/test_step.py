@@ -143,3 +143,32 @@ def test_first_argmax_is_the_first_maximum():
     rng = np.random.default_rng(0)
     wide = rng.integers(0, 8, (5, 300)).astype(np.float32)  # many ties
     np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(wide))), np.argmax(wide, axis=-1))
+
+
+def _result_sizes(hlo: str, op: str) -> list[int]:
+    """Element counts of the results of every `op` instruction (copy, fusion, ...) in `hlo`."""
+    import math
+    import re
+
+    return [math.prod(int(x) for x in m.group(1).split(",") if x)
+            for m in re.finditer(rf"= [a-z0-9]+\[([\d,]*)\]\{{[^}}]*\}} {op}\(", hlo)]  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["pallas", "ragged"])
+def test_the_compiled_step_copies_no_layer_of_the_cache(attention):
+    # Every backend reads the layer's pages from the whole stacked cache (the Pallas kernel takes
+    # the layer index as a scalar): no instruction materializes one layer's pages (a slice of the
+    # scan's carry), and none copies the whole cache. 37 pages: a size no other array shares.
+    cfg = ModelConfig(max_model_len=32)
+    graphdef, weights = split_model(Llama(cfg, seed=0).fused())
+    shape = (cfg.num_layers, cfg.num_kv_heads, 37, PAGE_SIZE, cfg.head_dim)
+    cache = KVCache(k=jnp.zeros(shape), v=jnp.zeros(shape))
+    shapes = plan_shapes(NUM_ROWS, cfg.max_model_len, PAGE_SIZE, 8, token_buckets=[8])
+    batch = to_device(BatchPacker(shapes, tiles=attention in GROUPED).empty(8))
+    hlo = model_step.lower(weights, cache, batch, graphdef=graphdef, attention=attention).compile().as_text()
+    layer, whole = int(np.prod(shape[1:])), int(np.prod(shape))
+    for op in ("copy", "fusion", "dynamic-slice", "slice"):
+        sizes = _result_sizes(hlo, op)
+        assert layer not in sizes, f"{op}: a layer of the cache materialized"
+        if op != "fusion":  # the K/V write is an in-place scatter fusion over the whole cache
+            assert whole not in sizes, f"{op}: the whole cache copied"
