@@ -73,12 +73,18 @@ def load_plugins() -> None:
         except ModuleNotFoundError as exc:
             if exc.name is None or not name.startswith(exc.name) and not exc.name.startswith(name):
                 raise  # a dependency of the package is missing: that is a bug to see
-            _missing[name] = f"{name} is not installed"
+            _missing[name] = f"the optional kernel package {name} is not installed"
 
 
 @functools.cache
 def _notice(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _missing_notice() -> str:
+    """One line for both auto choices when a kernel package is absent."""
+    return (f"cbjax: {'; '.join(_missing.values())}: executor.attention=auto runs `ragged` and "
+            f"executor.matmul=auto runs `xla` on this CPU")
 
 
 def _not_registered(key: str, impl: str) -> str:
@@ -103,7 +109,7 @@ def resolve_attention(impl: str = "auto", backend: str | None = None) -> str:
                     return entry.name
                 _notice(f"cbjax: executor.attention=auto runs `ragged` on this CPU: {why}")
                 return "ragged"
-        _notice(f"cbjax: executor.attention=auto runs `ragged` on this CPU: {'; '.join(_missing.values())}")
+        _notice(_missing_notice())
         return "ragged"
     entry = _ATTENTION.get(impl)
     if entry is None:
@@ -128,7 +134,7 @@ def resolve_matmul(impl: str = "auto", dtype: str = "float32", sharded: bool = F
         defaults = [e for e in _OPS.values() if e.cpu_default]
         if not defaults:
             if backend == "cpu" and _missing:
-                _notice(f"cbjax: executor.matmul=auto runs `xla` on this CPU: {'; '.join(_missing.values())}")
+                _notice(_missing_notice())
             return "xla"
         for entry in defaults:
             why = entry.unavailable(backend, dtype, sharded)
