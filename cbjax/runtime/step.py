@@ -132,10 +132,10 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         x, k_pages, v_pages = carry
         layer_state, layer_idx = xs
         layer = nnx.merge(layer_def, layer_state, *whole)
-        layer_ops_ = ops.at_layer(layer_idx)
-        product = layer.qkv_product(x, batch.positions, layer_ops_)
+        lops = ops.at_layer(layer_idx)  # the ops for this layer of the scan
+        product = layer.qkv_product(x, batch.positions, lops)
         attn, k_pages, v_pages = attend(product, k_pages, v_pages, batch.md, batch.write_idx, layer_idx)
-        x = layer.finish(x, attn, layer_ops_)
+        x = layer.finish(x, attn, lops)
         return (x, k_pages, v_pages), None
 
     x = ops.embed(model.embed_tokens[...], batch.tokens, batch.feed, batch.prev_tokens)  # [T, d_model]
@@ -151,11 +151,9 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
 
 # XLA options for the step on XLA:CPU. Its tree reduction rewriter splits any reduction longer
 # than 32 into a reduce-window and a reduce, so the attention's scores over head_dim 64 (q * k
-# summed over d) are materialized in full instead of summed as they are multiplied: in a
-# SmolLM-shaped 16-row decode step (150-170 ms) the product, reduce-window and reduce took
-# 20-25 ms, the fused multiply-reduce without the split 6 ms. The step's
-# reductions are short (head_dim, d_model, a page step of keys), so the pass buys no accuracy
-# that matters here; other programs keep it.
+# summed over d) are materialized in full instead of summed as they are multiplied
+# (docs/cpu_kernels.md has the measurement). The step's reductions are short (head_dim, d_model,
+# a page step of keys), so the pass buys no accuracy that matters here; other programs keep it.
 CPU_STEP_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
 
