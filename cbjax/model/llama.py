@@ -29,6 +29,10 @@ head_dim] has axes `kv_cache_axes`.
 
 Params and activations are in cfg.dtype; norms, RoPE and softmax run in f32.
 
+The fused ops (`DecoderLayer.qkv_product`, `finish`, `Llama.logits`) run through a
+`cbjax.model.ops.LayerOps` the caller passes: plain jnp (`XlaOps`) by default; the serving step
+passes the one `executor.matmul` names. The model itself never knows which backend ran.
+
 The jit boundary: never `nnx.jit` (it walks the object graph on every call). Split once,
 
     graphdef, state = nnx.split(model)            # graphdef is static and hashable
