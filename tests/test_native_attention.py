@@ -138,3 +138,24 @@ def test_native_write_kv_equals_write_layer_on_the_sliced_k_and_v():
         assert not np.array_equal(np.asarray(k_got), np.asarray(k_pages))  # it wrote something
     with pytest.raises(ValueError, match=r"write_kv: qkv must be \[T, kv_heads, group \+ 2, head_dim\]"):
         native.write_kv(product[:, :, :2], write_idx, 0, k_pages, v_pages)
+
+
+@pytest.mark.parametrize("num_kv_heads, group", [(2, 2), (1, 4)])
+def test_native_reads_the_queries_in_place_in_the_fused_product(num_kv_heads, group):
+    # Given the contract's qkv (the fused product [T, kv_heads, group + 2, head_dim]), the kernels
+    # read each kv head's queries there (the first `group` on axis 2, then k and v): the same
+    # result as from q, with both lists running (a mixed step: decodes, prefills, block groups).
+    case = make_case(CASES["mixed"], num_kv_heads=num_kv_heads, group=group,
+                     num_tokens=sum(n for _, n in CASES["mixed"]) + 3, num_rows=len(CASES["mixed"]) + 2, seed=11)  # fmt: skip
+    md = metadata(case, block=4, chunk=2)
+    assert md.work.single.q_idx.shape[0] and md.work.block.q_idx.shape[0]
+    q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
+    num_tokens, _, head_dim = q.shape
+    rng = np.random.default_rng(0)
+    kv_rows = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads, 2, head_dim)).astype(np.float32) * 100)
+    product = jnp.concatenate([q.reshape(num_tokens, num_kv_heads, group, head_dim), kv_rows], axis=2)
+    got = np.asarray(ragged_attention_native(q, k, v, md, qkv=product))
+    np.testing.assert_array_equal(got, np.asarray(ragged_attention_native(q, k, v, md)))
+    np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"qkv \(.*\) is not the fused product"):
+        ragged_attention_native(q, k, v, md, qkv=product[:, :, :group])

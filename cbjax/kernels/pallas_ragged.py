@@ -308,6 +308,7 @@ def ragged_paged_attention(
     md: AttentionMetadata,
     *,
     layer: Optional[jax.Array] = None,
+    qkv: Optional[jax.Array] = None,  # the contract's fused product: q is read from q here
     scale: Optional[float] = None,
     block_q: int = 8,
     pages_per_block: int = 4,

@@ -126,6 +126,7 @@ def ragged_attention_xla(
     md: AttentionMetadata,  # md.work: RaggedWork
     *,
     layer: Optional[jax.Array] = None,
+    qkv: Optional[jax.Array] = None,  # the contract's fused product: q is read from q here
     scale: Optional[float] = None,
     pages_single: int = 2,
     pages_block: int = 2,

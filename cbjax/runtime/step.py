@@ -123,7 +123,7 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         k_pages, v_pages = ops.write_kv(product, write_idx, layer_idx, k_pages, v_pages)
         num_tokens, num_kv_heads, width, head_dim = product.shape
         q = product[:, :, : width - 2].reshape(num_tokens, num_kv_heads * (width - 2), head_dim)
-        return attn_fn(q, k_pages, v_pages, md, layer=layer_idx), k_pages, v_pages
+        return attn_fn(q, k_pages, v_pages, md, layer=layer_idx, qkv=product), k_pages, v_pages
 
     if mesh is not None:  # each shard attends with its own heads: no collective inside
         attend = shard_heads(attend, mesh)

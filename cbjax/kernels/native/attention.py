@@ -23,10 +23,12 @@ def ragged_attention_native(
     md: AttentionMetadata,  # md.work: RaggedWork
     *,
     layer: Optional[jax.Array] = None,
+    qkv: Optional[jax.Array] = None,  # [T, num_kv_heads, group + 2, head_dim]: q's source, read in place
     scale: Optional[float] = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """The `cbjax.kernels.metadata` contract, as `ragged_attention_xla` computes it. The kernels
-    take an f32 cache; another dtype runs `ragged_attention_xla` itself."""
+    take an f32 cache; another dtype runs `ragged_attention_xla` itself. Given `qkv`, the kernels
+    read each kv head's queries there (no copy of the q slice)."""
     if k_pages.dtype != jnp.float32:
         return ragged_attention_xla(q, k_pages, v_pages, md, layer=layer, scale=scale, pages_single=PAGES_SINGLE,
                                     pages_block=PAGES_BLOCK)
@@ -47,7 +49,11 @@ def ragged_attention_native(
     # single list's tokens (zeros elsewhere), then the block list's over them in place; no
     # transpose, concatenation or scatter around them.
     single, block = md.work.single, md.work.block
-    q_tok = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    if qkv is not None and (qkv.shape[:2] != (num_tokens, num_kv_heads) or qkv.shape[2] < group + 2
+                            or qkv.shape[3] != head_dim):  # fmt: skip
+        raise ValueError(f"ragged_attention_native: qkv {qkv.shape} is not the fused product [T, num_kv_heads, "
+                         f"group + 2, head_dim] = [{num_tokens}, {num_kv_heads}, {group + 2}, {head_dim}] of q")  # fmt: skip
+    q_tok = (q.reshape(num_tokens, num_kv_heads, group, head_dim) if qkv is None else qkv).astype(jnp.float32)
     if single.q_idx.shape[0]:
         out = kernels.single_groups(q_tok, pos_ext, single.q_idx.reshape(-1), single.row, md.page_table,
                                     k_flat, v_flat, page_base, num_pages, scale, group)  # fmt: skip
