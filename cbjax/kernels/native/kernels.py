@@ -236,7 +236,7 @@ def write_kv(qkv: jax.Array, write_idx: jax.Array, layer, k_pages: jax.Array, v_
     """(k_pages, v_pages) with layer `layer`'s slots write_idx[t] set to token t's k and v rows
     of the fused product qkv f32[T, kv_heads, group + 2, head_dim] (each kv head's query heads,
     then its k, then its v), in place (the caches are aliased to the outputs): as
-    `cbjax.runtime.kv_cache.write_layer` on the sliced k and v, in one call with no copies.
+    `cbjax.model.ops.write_layer` on the sliced k and v, in one call with no copies.
     k_pages, v_pages f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]."""
     error = ensure_registered()
     if error is not None:
@@ -428,7 +428,7 @@ def matmul_nt(x: jax.Array, w: jax.Array, live: jax.Array | int | None = None) -
 def greedy(logits: jax.Array, live: jax.Array | int | None = None) -> jax.Array:
     """i32[rows]: each of the first `live` rows' first index of its maximum logit, -1 where any
     of its logits is NaN or infinite, 0 for the rows after (`native_tokens.cc`). As
-    `cbjax.runtime.step.first_argmax` with the step's non-finite mark, in one vectorized pass per
+    `cbjax.model.ops.first_argmax` with `mark_non_finite`, in one vectorized pass per
     row where XLA:CPU runs three scalar reductions."""
     error = ensure_registered()
     if error is not None:
