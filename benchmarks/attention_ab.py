@@ -11,7 +11,7 @@ tokens, bucket 4096), `mixed` (28 decodes at 150 plus 4 prefills of 100 tokens, 
 (CPU seconds of the compile, `time.process_time`), checked against each other, then timed
 interleaved; the table shows median ms per layer call and old / new. The old kernel and its
 tile builder are loaded from `git show REF:path`: a ref with the query groups of
-`cbjax.runtime.tiles` (main since they were merged), or the tile layout before them
+`cbjax.layout.tiles` (main since they were merged), or the tile layout before them
 (`--old-ref c43e2d6`).
 """
 
@@ -32,7 +32,7 @@ import numpy as np
 from cbjax.kernels import xla_ragged as new_kernel
 from cbjax.kernels.metadata import AttentionMetadata
 from cbjax.report import markdown_table
-from cbjax.runtime import tiles as new_tiles
+from cbjax.layout import tiles as new_tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(layers=4, kv_heads=4, heads=8, head_dim=32, page_size=16, num_pages=4096, rows=32, max_model_len=2048)

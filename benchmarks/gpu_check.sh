@@ -2,7 +2,9 @@
 # GPU check for issue 9 (acceptance 5), as ONE call on a lent NVIDIA GPU (made for an H200):
 #   (1) the compiled Pallas ragged kernel vs the jnp reference and a float64 oracle;
 #   (2) decode-attention HBM bandwidth as a fraction of the H200 datasheet's 4.8 TB/s;
-#   (3) engine tok/s on a random 1B-class Llama (Llama-3.2-1B's shape, bf16) through the CLI.
+#   (3) engine tok/s on a random 1B-class Llama (Llama-3.2-1B's shape, bf16) through the CLI;
+#   (4) the step's time against the KV page pool, the Pallas kernel compiled (issue 32: no cache
+#       copies; the last line of each log reads `pages 64 -> 4096: X.XXx`).
 # Results: $OUT/gpu_check.md (+ gpu_check.json, logs, engine_summary.json). Each part is
 # guarded: one failing still lets the others report. With no GPU it says so and exits 0.
 #
@@ -12,9 +14,9 @@
 #     bash benchmarks/gpu_check.sh --fetch-wheels     # pure-Python wheels into .whl/ (git-ignored)
 # then run `bash benchmarks/gpu_check.sh` there with `.whl` carried. Elsewhere (a GPU box with
 # a registry) the script installs what is missing with pip instead.
-# Knobs: GPU_CHECK_ENGINE_TIMEOUT_S (default 240), GPU_CHECK_ENGINE_ARGS (extra overrides).
-# Parts are capped at 200 + 90 + 240 s so the whole call ends inside the device's 10-minute
-# command limit (give the call timeout_s 590).
+# Knobs: GPU_CHECK_ENGINE_TIMEOUT_S (default 210), GPU_CHECK_ENGINE_ARGS (extra overrides).
+# Parts are capped at 200 + 90 + 2 x 45 + 210 s so the whole call ends inside the device's 10-minute
+# command limit (give the call timeout_s 600).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -61,6 +63,10 @@ fi
 # (JAX preallocates most of the GPU's memory per process).
 timeout 200 "$PY" benchmarks/gpu_check.py kernel --out "$OUT" 2>&1 | tee "$OUT/kernel.log"
 timeout 90 "$PY" -m pytest tests/test_pallas_ragged.py -k compiled -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+# (4): the tiny model and SmolLM-135M's shape (2 layers), compiled Pallas, 64 and 4096 pages
+timeout 45 "$PY" benchmarks/step_vs_pages.py --attention pallas --rounds 30 2>&1 | tee "$OUT/step_vs_pages.log"
+timeout 45 "$PY" benchmarks/step_vs_pages.py --attention pallas --rounds 30 --smollm 2>&1 |
+    tee "$OUT/step_vs_pages_smollm.log"
 
 ENGINE_ARGS=(
     executor=jax hardware=h200 progress=false seed=0
@@ -74,7 +80,7 @@ ENGINE_ARGS=(
 ENGINE_ARGS+=(${GPU_CHECK_ENGINE_ARGS:-})
 ENGINE_DIR=/tmp/gpu_check_engine
 rm -rf "$ENGINE_DIR"
-timeout "${GPU_CHECK_ENGINE_TIMEOUT_S:-240}" "$PY" -m cbjax "${ENGINE_ARGS[@]}" hydra.run.dir="$ENGINE_DIR" \
+timeout "${GPU_CHECK_ENGINE_TIMEOUT_S:-210}" "$PY" -m cbjax "${ENGINE_ARGS[@]}" hydra.run.dir="$ENGINE_DIR" \
     >"$OUT/engine.log" 2>&1
 echo "gpu_check: engine exit status $?" | tee -a "$OUT/engine.log"
 tail -n 30 "$OUT/engine.log"

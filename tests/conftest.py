@@ -12,6 +12,23 @@ from cbjax.executor import StepOutput, SyncExecutor
 from cbjax.request import Request, SamplingParams, Status
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def native_unavailable():
+    """None where the native CPU kernels package is installed and its kernels build here, else why not."""
+    try:
+        from cbjax.kernels.native import ensure_registered
+    except ModuleNotFoundError:
+        return "the native CPU kernels package (cbjax.kernels.native) is not installed"
+    return ensure_registered()
+
+
+def pytest_runtest_setup(item):
+    # `native`: the test runs the native CPU kernels, which need their package and a GCC compiler
+    if item.get_closest_marker("native") is not None:
+        why = native_unavailable()
+        if why is not None:
+            pytest.skip(f"native CPU kernels unavailable: {why}")
 SHARED = REPO.parent / "shared"
 AZURE_TRACE = SHARED / "traces" / "AzureLLMInferenceTrace_code.csv"
 
@@ -128,7 +145,7 @@ class ContentCheckingExecutor(CheckingExecutor):
 def no_compiler(monkeypatch, tmp_path):
     """`cbjax.kernels.native` as on a machine without a C++ compiler; the kernels this process
     registered come back afterwards (a process registers them once; later tests use them)."""
-    from cbjax.kernels import native
+    native = pytest.importorskip("cbjax.kernels.native.kernels", reason="the native CPU kernels package is not installed")
 
     assert native.ensure_registered() is None
     saved = dict(native._state)

@@ -11,9 +11,9 @@ from conftest import data_plan
 from cbjax.plan import Schedule, ScheduledRequest
 from cbjax.request import Request, SamplingParams
 from cbjax.runtime.batch import BatchPacker
-from cbjax.runtime.shapes import default_token_buckets, plan_shapes
-from cbjax.runtime import tiles
-from cbjax.runtime.tiles import build_tiles, count_steps, tile_capacity
+from cbjax.layout.shapes import default_token_buckets, plan_shapes
+from cbjax.layout import tiles
+from cbjax.layout.tiles import build_tiles, count_steps, tile_capacity
 
 
 def req(rid, prompt, outputs, computed, new, slot, temperature=0.0):
@@ -223,7 +223,7 @@ def test_count_steps_matches_the_packed_lists():
 def test_packing_imports_no_jax():
     import subprocess
 
-    code = "import sys, cbjax.runtime.batch, cbjax.runtime.shapes, cbjax.plan; print('jax' in sys.modules)"
+    code = "import sys, cbjax.runtime.batch, cbjax.layout.shapes, cbjax.plan; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

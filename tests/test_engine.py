@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import cbjax_cmd
+from conftest import cbjax_cmd, native_unavailable
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.engine import serve
 from cbjax.model import Llama, forward_dense
@@ -115,10 +115,10 @@ def test_continuous_batching_equals_alone_and_dense_oracle():
     alone, _, _ = run_engine(reqs, num_slots=1)
     dense_attention, _, _ = run_engine(reqs, num_slots=4, attention="reference")
     oracle = dense_oracle()
-    # on CPU the default attention is native (this machine builds the C++ kernel); one model
-    # call per iteration, in several token buckets
+    # on CPU the default attention is native where its package is installed and builds, else
+    # ragged; one model call per iteration, in several token buckets
     if jax.default_backend() == "cpu":
-        assert ex.metrics()["attention"] == "native"
+        assert ex.metrics()["attention"] == ("native" if native_unavailable() is None else "ragged")
     assert ex.metrics()["device_calls_per_iteration"] == 1.0
     assert len(ex.metrics()["bucket_calls"]) >= 2
     # slots were refilled many times

@@ -32,7 +32,7 @@ from cbjax.run import run_single  # noqa: E402
 from cbjax.runtime.batch import BatchPacker  # noqa: E402
 from cbjax.runtime.executor import JaxExecutor, to_device  # noqa: E402
 from cbjax.runtime.kv_cache import init_cache  # noqa: E402
-from cbjax.runtime.shapes import plan_shapes  # noqa: E402
+from cbjax.layout.shapes import plan_shapes  # noqa: E402
 from cbjax.runtime.step import model_step, split_model  # noqa: E402
 from cbjax.scheduler import Scheduler  # noqa: E402
 from cbjax.workload.trace import encode_text_prompts, load_trace  # noqa: E402

@@ -6,12 +6,11 @@ import pytest
 import yaml
 from hydra.errors import ConfigCompositionException
 
-from conftest import REPO
+from conftest import REPO, make_plan
 from cbjax import config as C
 from cbjax.config.overhead import load_overhead
 from cbjax.config_merge import merge_overrides
 from cbjax.sim import make_cost_model
-from cbjax.scheduler.core import Schedule
 from test_config_schema import composed
 from test_cost_model import HW, MODEL, req
 
@@ -21,7 +20,7 @@ CONFIGS = REPO / "configs"
 def test_the_default_is_none_and_charges_nothing():
     cfg = composed()
     assert cfg.overhead == C.OverheadConfig() and cfg.overhead.name == "none" and cfg.overhead.is_none
-    plan = Schedule(num_slots=2, decodes=[req(3, 1)])
+    plan = make_plan(num_slots=2, decodes=[req(3, 1)])
     bare = make_cost_model("roofline", MODEL, HW)
     assert make_cost_model("roofline", MODEL, HW, overhead=cfg.overhead)(plan) == bare(plan)
     # 360 B of weights + 80 B of K/V over 50 B/s (test_roofline_decode_is_memory_bound_by_hand)
@@ -83,7 +82,7 @@ def test_every_reproduction_names_its_overhead(path):
 
 def test_the_stack_costs_add_to_the_roofline_by_hand():
     stack = C.OverheadConfig(step_s=0.25, seq_s=0.5, page_s=0.125, copy_latency_s=0.5)
-    plan = Schedule(num_slots=4, decodes=[req(3, 1), req(7, 1)], prefills=[req(0, 5)], page_size=4)
+    plan = make_plan(num_slots=4, decodes=[req(3, 1), req(7, 1)], prefills=[req(0, 5)], page_size=4)
     plan.swap_out = [(req(8, 0), [1, 2])]
     bare = make_cost_model("roofline", MODEL, HW)(plan)
     # 0.25 a step; 3 sequences x 0.5; pages read ceil(4/4) + ceil(8/4) + ceil(5/4) = 5 x 0.125;
@@ -98,7 +97,7 @@ def test_a_stack_adds_to_the_profiled_model_only_when_selected(tmp_path):
 
     path = write_profile(tmp_path / "p.json", page_size=4, num_slots=4)
     d, p = decode_and_prefill()
-    plan = Schedule(num_slots=4, decodes=[d], prefills=[p], page_size=4)
+    plan = make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)
     measured = make_cost_model("profiled", TINY, None, **configs(path))
     # none: the profile alone (its steps hold the engine's own host time)
     assert make_cost_model("profiled", TINY, None, **configs(path), overhead=C.OverheadConfig())(plan) == measured(plan)

@@ -186,7 +186,30 @@ def test_tpu_kernel_streams_pages_from_hbm():
     fn = functools.partial(ragged_paged_attention, block_q=8, pages_per_block=2, target="tpu")
     eqn = _pallas_call_eqn(jax.make_jaxpr(fn)(*args).jaxpr)
     refs = [(str(v.aval.memory_space), v.aval.shape) for v in eqn.params["jaxpr"].invars]
-    pages = args[1].shape  # [num_kv_heads, num_pages, page_size, head_dim]
+    pages = (1, *args[1].shape)  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]: the whole cache
     assert refs.count(("any", pages)) == 2  # k and v pages
-    assert refs.count(("vmem", (2, 2, *pages[2:]))) == 2  # their double buffers
+    assert refs.count(("vmem", (2, 2, *pages[3:]))) == 2  # their double buffers
     assert all(shape != pages for space, shape in refs if space != "any")
+
+
+@pytest.mark.parametrize("target", ["tpu", "gpu"])
+def test_layer_of_a_stacked_cache_is_read_in_place_and_equals_that_layer_alone(target):
+    """With `layer=`, the kernel takes the whole [num_layers, ...] cache and reads that layer's
+    pages: the same output as the layer's pages alone, and the program slices no layer out (the
+    pallas_call's page operands are the whole cache)."""
+    args, case = _inputs(CASES["mixed"], group=2, dtype=jnp.float32, seed=3, num_tokens=16)
+    q, k, v, md = args
+    noise = np.random.default_rng(5).standard_normal((3, *k.shape)).astype(np.float32)
+    k_all, v_all = jnp.asarray(noise).at[1].set(k), jnp.asarray(-noise).at[1].set(v)  # other layers: other values
+    fn = functools.partial(ragged_paged_attention, block_q=BLOCK_Q, pages_per_block=PAGES_PER_BLOCK, interpret=True,
+                           target=target)  # fmt: skip
+    alone = np.asarray(fn(q, k, v, md))
+    np.testing.assert_array_equal(np.asarray(fn(q, k_all, v_all, md, layer=jnp.int32(1))), alone)
+    assert not np.allclose(np.asarray(fn(q, k_all, v_all, md, layer=jnp.int32(0))), alone)
+    jaxpr = jax.make_jaxpr(lambda k, v, layer: fn(q, k, v, md, layer=layer))(k_all, v_all, jnp.int32(1)).jaxpr
+    eqn = _pallas_call_eqn(jaxpr)
+    shapes = [tuple(v.aval.shape) for v in eqn.params["jaxpr"].invars]
+    whole = k_all.shape if target == "tpu" else (k_all.shape[0] * k_all.shape[1] * k_all.shape[2], *k_all.shape[3:])
+    assert shapes.count(whole) == 2
+    assert not any(e.primitive.name in ("dynamic_slice", "slice", "gather") and tuple(e.outvars[0].aval.shape) == k.shape
+                   for e in jaxpr.eqns)  # fmt: skip

@@ -16,8 +16,8 @@ from cbjax.profile.grid import GridPoint, build_schedule, profile_grid
 from cbjax.profile.measure import fit_profile, measure_buckets, measure_steps, others_share
 from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker
-from cbjax.runtime.shapes import plan_shapes
-from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
+from cbjax.layout.shapes import plan_shapes
+from cbjax.layout.tiles import PAGES_BLOCK, PAGES_SINGLE
 from cbjax.sim import make_cost_model
 from cbjax.sim.fit import fit_costs, nnls
 from cbjax.sim.profiled import (
@@ -28,7 +28,7 @@ MODEL = ModelConfig()  # tiny
 
 
 def test_count_tiles_by_hand():
-    # page_size 4, pages read 2 per single step and 4 per block step (cbjax.runtime.tiles): a
+    # page_size 4, pages read 2 per single step and 4 per block step (cbjax.layout.tiles): a
     # decode at position 4 reads 2 pages (1 step); a 20-token prefill is one group ending at
     # position 19: 5 pages, 2 steps; a 2-token chunk after 6 cached tokens ends at position 7:
     # 2 pages, 1 step, beside a decode at position 3 (1 page, 1 step).

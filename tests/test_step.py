@@ -18,7 +18,8 @@ from cbjax.request import Request
 from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.executor import to_device
 from cbjax.runtime.kv_cache import KVCache
-from cbjax.runtime.shapes import plan_shapes
+from cbjax.layout.shapes import plan_shapes
+from cbjax.kernels.registry import GROUPED
 from cbjax.runtime.step import first_argmax, model_step, split_model
 
 PAGE_SIZE = 4
@@ -66,7 +67,9 @@ def run_step(weights, graphdef, attention, packer, cache, rows, seqs, pages, mat
 @pytest.mark.parametrize(
     "attention, num_kv_heads, matmul, extras",
     [("ragged", 4, "xla", False), ("ragged", 2, "xla", False), ("ragged", 1, "xla", False),
-     ("native", 2, "native", False), ("native", 1, "native", True), ("native", 2, "native", "ffn96"),
+     pytest.param("native", 2, "native", False, marks=pytest.mark.native),
+     pytest.param("native", 1, "native", True, marks=pytest.mark.native),
+     pytest.param("native", 2, "native", "ffn96", marks=pytest.mark.native),
      ("pallas", 1, "xla", False)],
 )  # fmt: skip
 def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads, matmul, extras):
@@ -98,7 +101,7 @@ def test_mixed_batch_logits_equal_the_dense_forward(attention, num_kv_heads, mat
         # every page NaN until written: reading past a length or an unwritten slot poisons the logits
         shape = (cfg.num_layers, num_kv_heads, num_pages, PAGE_SIZE, cfg.head_dim)
         cache = KVCache(k=jnp.full(shape, jnp.nan), v=jnp.full(shape, jnp.nan))
-        packer = BatchPacker(shapes, tiles=attention in ("ragged", "native"))
+        packer = BatchPacker(shapes, tiles=attention in GROUPED)
         if any(ctx for ctx, _ in second):  # cache the context the second step continues from (checked too)
             first = [(0, ctx or 1) for ctx, _ in second]
             got, cache = run_step(weights, graphdef, attention, packer, cache, first, seqs, pages, matmul)
@@ -124,12 +127,14 @@ def test_inconsistent_batch_shapes_name_them():
     bad = dataclasses.replace(batch, prev_tokens=batch.prev_tokens[:1])
     with pytest.raises(ValueError, match=r"feed \(8,\), prev_tokens \(1,\)"):
         model_step(weights, cache, bad, graphdef=graphdef, attention="reference")
-    # the native matmul reads weights in panel order: row-major ones are refused, naming both
-    with pytest.raises(ValueError, match=r"matmul='native' needs weights from split_model\(model, matmul='native'\), "
+    # weights laid out for one implementation are refused by another, naming both
+    with pytest.raises(ValueError, match=r"matmul='other' needs weights from split_model\(model, matmul='other'\), "
                                          r"got weights split for 'xla'"):  # fmt: skip
-        model_step(weights, cache, batch, graphdef=graphdef, attention="reference", matmul="native")
-    with pytest.raises(ValueError, match="split_model: matmul must be a resolved 'native' or 'xla', got 'auto'"):
+        model_step(weights, cache, batch, graphdef=graphdef, attention="reference", matmul="other")
+    with pytest.raises(ValueError, match="split_model: matmul must be a resolved name .*, got 'auto'"):
         split_model(Llama(cfg, seed=0).fused(), "auto")
+    with pytest.raises(ValueError, match="executor.matmul: 'bogus' is not a registered implementation"):
+        split_model(Llama(cfg, seed=0).fused(), "bogus")
 
 
 def test_first_argmax_is_the_first_maximum():
@@ -138,3 +143,32 @@ def test_first_argmax_is_the_first_maximum():
     rng = np.random.default_rng(0)
     wide = rng.integers(0, 8, (5, 300)).astype(np.float32)  # many ties
     np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(wide))), np.argmax(wide, axis=-1))
+
+
+def _result_sizes(hlo: str, op: str) -> list[int]:
+    """Element counts of the results of every `op` instruction (copy, fusion, ...) in `hlo`."""
+    import math
+    import re
+
+    return [math.prod(int(x) for x in m.group(1).split(",") if x)
+            for m in re.finditer(rf"= [a-z0-9]+\[([\d,]*)\]\{{[^}}]*\}} {op}\(", hlo)]  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["pallas", "ragged"])
+def test_the_compiled_step_copies_no_layer_of_the_cache(attention):
+    # Every backend reads the layer's pages from the whole stacked cache (the Pallas kernel takes
+    # the layer index as a scalar): no instruction materializes one layer's pages (a slice of the
+    # scan's carry), and none copies the whole cache. 37 pages: a size no other array shares.
+    cfg = ModelConfig(max_model_len=32)
+    graphdef, weights = split_model(Llama(cfg, seed=0).fused())
+    shape = (cfg.num_layers, cfg.num_kv_heads, 37, PAGE_SIZE, cfg.head_dim)
+    cache = KVCache(k=jnp.zeros(shape), v=jnp.zeros(shape))
+    shapes = plan_shapes(NUM_ROWS, cfg.max_model_len, PAGE_SIZE, 8, token_buckets=[8])
+    batch = to_device(BatchPacker(shapes, tiles=attention in GROUPED).empty(8))
+    hlo = model_step.lower(weights, cache, batch, graphdef=graphdef, attention=attention).compile().as_text()
+    layer, whole = int(np.prod(shape[1:])), int(np.prod(shape))
+    for op in ("copy", "fusion", "dynamic-slice", "slice"):
+        sizes = _result_sizes(hlo, op)
+        assert layer not in sizes, f"{op}: a layer of the cache materialized"
+        if op != "fusion":  # the K/V write is an in-place scatter fusion over the whole cache
+            assert whole not in sizes, f"{op}: the whole cache copied"

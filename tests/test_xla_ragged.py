@@ -4,18 +4,17 @@ gathered from the whole cache."""
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ragged_cases import CASES, make_case, oracle
-from cbjax.kernels import native
 from cbjax.kernels.metadata import AttentionMetadata
 from cbjax.kernels.reference import ragged_attention_reference
 from cbjax.kernels.xla_ragged import RaggedWork, Tiles, ragged_attention_xla
-from cbjax.runtime.tiles import build_tiles, tile_capacity
+from cbjax.layout.tiles import build_tiles, tile_capacity
 
 FIELDS = ("page_table", "query_start", "kv_lens", "token_row", "token_pos")
 
@@ -29,12 +28,12 @@ def metadata(case, block, chunk):
     return AttentionMetadata(*(jnp.asarray(case[f]) for f in FIELDS), work=work)
 
 
-# native: the single and block lists as the C++ custom calls (`cbjax.kernels.native`); it is built here (a
-# test machine has a compiler), so a failed build fails these cases instead of skipping them.
-@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("num_kv_heads, group", [(2, 1), (2, 2), (1, 4)])
 @pytest.mark.parametrize("whole_cache", [False, True])
-def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache, native):
+def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache, attention=None):
+    """`attention`: the backend under test (the XLA one, pages_single 1 and pages_block 3: the
+    last step of a long group reads past its page-table row); the native tests pass theirs."""
+    attention = attention or functools.partial(ragged_attention_xla, pages_single=1, pages_block=3)
     for name, rows in CASES.items():
         # two idle rows and three padding tokens; blocks of 4 cut the longer rows
         case = make_case(rows, num_kv_heads=num_kv_heads, group=group, num_tokens=sum(n for _, n in rows) + 3,
@@ -47,78 +46,25 @@ def test_matches_the_oracle_on_every_case(num_kv_heads, group, whole_cache, nati
             k, v = jnp.stack([k + 3.0, k]), jnp.stack([v - 3.0, v])
             kw = dict(layer=jnp.int32(1))
         want = oracle(case)
-        # 3 pages per step: the last step of a long group reads past its page-table row
-        got = np.asarray(ragged_attention_xla(q, k, v, md, pages_single=1, pages_block=3, native=native, **kw))
+        got = np.asarray(attention(q, k, v, md, **kw))
         ref = np.asarray(ragged_attention_reference(q, k, v, md, **kw))
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
         np.testing.assert_allclose(ref, want, atol=1e-5, rtol=1e-5, err_msg=name)
         assert not np.abs(got[case["num_real_tokens"] :]).any(), f"{name}: padding tokens must give zeros"
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_token_groups_match_the_oracle(native):
+def test_token_groups_match_the_oracle(attention=None):
     # a slot array no smaller than the step: every token is its own single group, no block list
+    attention = attention or functools.partial(ragged_attention_xla, pages_single=3, pages_block=3)
     for name, rows in CASES.items():
         num_tokens = sum(n for _, n in rows) + 3
         case = make_case(rows, num_kv_heads=2, group=2, num_tokens=num_tokens, num_rows=num_tokens, seed=len(name))
         md = metadata(case, block=4, chunk=2)
         assert md.work.block.q_idx.shape[0] == 0, name
         q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
-        got = np.asarray(ragged_attention_xla(q, k, v, md, pages_single=3, pages_block=3, native=native))
+        got = np.asarray(attention(q, k, v, md))
         np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5, err_msg=name)
         assert not np.abs(got[case["num_real_tokens"] :]).any(), f"{name}: padding tokens must give zeros"
-
-
-@pytest.mark.parametrize("page_size", [8, 16])
-@pytest.mark.parametrize("token_groups", [False, True])
-def test_native_vectorized_pages_match_the_oracle(page_size, token_groups):
-    # The native kernels' fixed-size page routines run when the page holds one or two vectors of
-    # keys (8 or 16 lanes: AVX2 or AVX-512) and head_dim is whole vectors; pages of 8 and 16 with
-    # head_dim 32 take them on either machine (and the scalar loops on the other size). With
-    # token_groups every token is a single group (the decode routine at every position, pages
-    # crossed, a page's last key, unwritten NaN slots after it); else the block list runs too.
-    rows = [(40, 20), (33, 1), (17, 17), (16, 9), (5, 5)]  # prefills crossing pages, a decode, boundaries
-    num_tokens = sum(n for _, n in rows) + 3
-    for num_kv_heads, group in ((2, 2), (1, 4)):
-        case = make_case(rows, num_kv_heads=num_kv_heads, group=group, head_dim=32, page_size=page_size,
-                         num_tokens=num_tokens, num_rows=num_tokens if token_groups else len(rows) + 1,
-                         seed=page_size + group)  # fmt: skip
-        md = metadata(case, block=8, chunk=2)
-        assert (md.work.block.q_idx.shape[0] == 0) == token_groups
-        q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
-        got = np.asarray(ragged_attention_xla(q, k, v, md, native=True))
-        np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5, err_msg=f"group {group}")
-        assert not np.abs(got[case["num_real_tokens"] :]).any()
-
-
-def test_native_block_list_writes_its_tokens_into_base_and_nothing_else():
-    # The block list writes in place into the single list's token-order output: its real tokens'
-    # rows get their attention, every other row (single-group tokens, padding) keeps base's.
-    case = make_case(CASES["mixed"], num_kv_heads=2, group=2, num_tokens=sum(n for _, n in CASES["mixed"]) + 3,
-                     num_rows=len(CASES["mixed"]) + 2, seed=5)  # fmt: skip
-    md = metadata(case, block=4, chunk=2)
-    block = md.work.block
-    num_tokens, num_heads, head_dim = case["q"].shape
-    num_kv_heads, num_pages, page_size = case["k_pages"].shape[:3]
-    group = num_heads // num_kv_heads
-    q = jnp.asarray(case["q"]).reshape(num_tokens, num_kv_heads, group, head_dim)  # token order, unscaled
-    pos_ext = jnp.concatenate([md.token_pos, jnp.full((1,), -1, jnp.int32)])
-    k_flat = jnp.asarray(case["k_pages"]).reshape(-1, page_size * head_dim)
-    v_flat = jnp.asarray(case["v_pages"]).reshape(-1, page_size * head_dim)
-    page_base = jnp.arange(num_kv_heads, dtype=jnp.int32) * num_pages
-    base = jnp.full((num_tokens, num_kv_heads, group, head_dim), 7.0, jnp.float32)
-    got = np.asarray(native.block_groups_into(base, q, pos_ext, block.q_idx, block.row, md.page_table, k_flat, v_flat,
-                                              page_base, num_pages, 1 / np.sqrt(head_dim)))  # fmt: skip
-    got = got.reshape(num_tokens, num_heads, head_dim)
-    idx = np.asarray(block.q_idx).reshape(-1)
-    mine = np.zeros(num_tokens, bool)
-    mine[idx[(idx >= 0) & (idx < num_tokens)]] = True
-    assert 0 < mine.sum() < case["num_real_tokens"]  # the block list holds some of the real tokens, not all
-    np.testing.assert_allclose(got[mine], oracle(case)[mine], atol=1e-5, rtol=1e-5)
-    assert (got[~mine] == 7.0).all()
-    with pytest.raises(ValueError, match=r"base has shape \(3, 2, 2, 16\), not q's \[tokens, kv_heads, group, head_dim\] = \(17, 2, 2, 16\)"):
-        native.block_groups_into(base[:3], q, pos_ext, block.q_idx, block.row, md.page_table, k_flat, v_flat,
-                                 page_base, num_pages, 1.0)  # fmt: skip
 
 
 def test_bad_shapes_and_missing_tiles_name_the_problem():
@@ -137,83 +83,3 @@ def test_bad_shapes_and_missing_tiles_name_the_problem():
     uneven = dataclasses.replace(md, work=RaggedWork(odd, md.work.block))
     with pytest.raises(ValueError, match="single capacity 3 is not a multiple of its 2 chunks"):
         ragged_attention_xla(q, k, v, uneven)
-
-
-def test_native_kernel_builds_here_and_auto_picks_it_on_cpu():
-    from cbjax.kernels.registry import resolve_attention
-
-    assert native.ensure_registered() is None
-    assert resolve_attention("auto", "cpu") == "native"
-    assert resolve_attention("auto", "gpu") == "pallas"
-    with pytest.raises(ValueError, match="native is the CPU kernel"):
-        resolve_attention("native", "gpu")
-
-
-def test_without_a_compiler_auto_falls_back_to_ragged_and_native_names_why(no_compiler, capsys):
-    from cbjax.kernels.registry import resolve_attention
-
-    assert resolve_attention("auto", "cpu") == "ragged"
-    assert "no C++ compiler found" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="executor.attention=native: .*no C\\+\\+ compiler found"):
-        resolve_attention("native", "cpu")
-
-
-def test_a_build_prunes_stale_builds_and_half_written_ones(tmp_path):
-    # days since each file was last loaded (its mtime): the current build and one loaded 10 days
-    # ago stay, one of 40 days goes (past STALE_S, 30 days); half-written builds go after a day
-    now = 1e9
-    ages = {"cbjax_native_current.so": 40, "cbjax_native_recent.so": 10, "cbjax_native_old.so": 40,
-            "tmpabc.so": 2, "tmpfresh.so": 0.5, "unrelated.so": 400}  # fmt: skip
-    for name, days in ages.items():
-        (tmp_path / name).write_bytes(b"")
-        os.utime(tmp_path / name, (now - days * 86400, now - days * 86400))
-    gone = native.prune(tmp_path, keep=tmp_path / "cbjax_native_current.so", now=now)
-    assert sorted(p.name for p in gone) == ["cbjax_native_old.so", "tmpabc.so"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "cbjax_native_current.so", "cbjax_native_recent.so", "tmpfresh.so", "unrelated.so"
-    ]  # fmt: skip
-
-
-@pytest.mark.parametrize("num_kv_heads, group", [(2, 2), (1, 4)])
-def test_native_reads_the_queries_in_place_in_the_fused_product(num_kv_heads, group):
-    # The native kernels given the fused q/k/v product [T, kv_heads, group + 2, head_dim] read each
-    # kv head's queries there (the first `group` on axis 2, then k and v): the same result as the
-    # sliced queries, with both lists running (a mixed step: decodes, prefills, block groups).
-    case = make_case(CASES["mixed"], num_kv_heads=num_kv_heads, group=group,
-                     num_tokens=sum(n for _, n in CASES["mixed"]) + 3, num_rows=len(CASES["mixed"]) + 2, seed=11)  # fmt: skip
-    md = metadata(case, block=4, chunk=2)
-    assert md.work.single.q_idx.shape[0] and md.work.block.q_idx.shape[0]
-    q, k, v = (jnp.asarray(case[n]) for n in ("q", "k_pages", "v_pages"))
-    num_tokens, _, head_dim = q.shape
-    rng = np.random.default_rng(0)
-    kv_rows = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads, 2, head_dim)).astype(np.float32) * 100)
-    product = jnp.concatenate([q.reshape(num_tokens, num_kv_heads, group, head_dim), kv_rows], axis=2)
-    got = np.asarray(ragged_attention_xla(q, k, v, md, native=True, qkv=product))
-    np.testing.assert_array_equal(got, np.asarray(ragged_attention_xla(q, k, v, md, native=True)))
-    np.testing.assert_allclose(got, oracle(case), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"qkv \(.*\) is not the fused product"):
-        ragged_attention_xla(q, k, v, md, native=True, qkv=product[:, :, :group])
-
-
-def test_native_write_kv_equals_write_layer_on_the_sliced_k_and_v():
-    from cbjax.runtime.kv_cache import write_layer
-
-    rng = np.random.default_rng(1)
-    layers, kv_heads, pages, page_size, head_dim, group, tokens = 3, 2, 5, 4, 8, 2, 7
-    shape = (layers, kv_heads, pages, page_size, head_dim)
-    k_pages = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
-    v_pages = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
-    product = rng.standard_normal((tokens, kv_heads, group + 2, head_dim)).astype(np.float32)
-    product[3:5] = 0.0  # padding tokens: the matmul's zero rows (XLA's scatter leaves the order of duplicates open)
-    product = jnp.asarray(product)
-    # slots across pages, two padding tokens on slot 0 (the null page), one from the end, one past it (dropped)
-    write_idx = jnp.asarray([5, 6, 13, 0, 0, -1, pages * page_size + 3], jnp.int32)
-    for layer in (0, 2):
-        k_want = write_layer(k_pages, layer, write_idx, product[:, :, group])
-        v_want = write_layer(v_pages, layer, write_idx, product[:, :, group + 1])
-        k_got, v_got = native.write_kv(product, write_idx, jnp.int32(layer), k_pages, v_pages)
-        np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want), err_msg=f"k, layer {layer}")
-        np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want), err_msg=f"v, layer {layer}")
-        assert not np.array_equal(np.asarray(k_got), np.asarray(k_pages))  # it wrote something
-    with pytest.raises(ValueError, match=r"write_kv: qkv must be \[T, kv_heads, group \+ 2, head_dim\]"):
-        native.write_kv(product[:, :, :2], write_idx, 0, k_pages, v_pages)

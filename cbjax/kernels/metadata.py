@@ -20,10 +20,14 @@ they are never trusted. Attention functions have the signature
     v_pages: [num_kv_heads, num_pages, page_size, head_dim]
     out:     [T, num_heads, head_dim], q.dtype
 
-with query head h reading kv head h // (num_heads // num_kv_heads). The XLA and reference
-backends also take `layer=`: then k_pages and v_pages are the whole cache, [num_layers,
-num_kv_heads, num_pages, page_size, head_dim], and they read that layer's pages by gathering
-from it directly, so a step that scans over layers never copies a layer's page pool out.
+with query head h reading kv head h // (num_heads // num_kv_heads). Every backend also takes
+`layer=` (an i32 scalar, traced): then k_pages and v_pages are the whole cache, [num_layers,
+num_kv_heads, num_pages, page_size, head_dim], and the backend reads that layer's pages from it
+in place (the step passes it so; a step that scans over layers never copies a layer's page pool
+out). And every backend takes `qkv=`: the fused q/k/v product [T, num_kv_heads, group + 2,
+head_dim] whose first `group` entries on axis 2 are q's heads (kv head j's query heads j * group
+... j * group + group - 1), where q was sliced from one; a backend may read its queries there in
+place instead of from q, or ignore it. Registered by name in `cbjax.kernels.registry`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from cbjax.kernels.metadata import AttentionMetadata, check_shapes
+from cbjax.kernels.metadata import AttentionMetadata, check_shapes, layer_view
 
 # Finite, so a fully masked row never computes inf - inf.
 MASK_VALUE = -1e30
@@ -116,20 +116,24 @@ def _gpu_kernel(
     page_table_ref,  # i32[num_rows * table_width], flattened
     kv_lens_ref,  # i32[num_rows]
     query_start_ref,  # i32[num_rows + 1]
+    layer_ref,  # i32[1]
     q_ref,  # [rows, head_dim]
-    k_pages_ref,  # [num_pages, page_size, head_dim]
-    v_pages_ref,  # [num_pages, page_size, head_dim]
+    k_pages_ref,  # [num_layers * num_kv_heads * num_pages, page_size, head_dim]: the whole cache, flat
+    v_pages_ref,  # [num_layers * num_kv_heads * num_pages, page_size, head_dim]
     o_ref,  # [rows, head_dim]
     *,
     block_q: int,
     table_width: int,
     scale: float,
     pages_per_block: int,
+    num_kv_heads: int,
+    num_pages: int,
 ):
     row, first_pos, num_valid, last_pos = _item_span(
         item_row_ref, item_qblock_ref, kv_lens_ref, query_start_ref, block_q=block_q
     )
     page_size = k_pages_ref.shape[1]
+    base = (layer_ref[0] * num_kv_heads + pl.program_id(0)) * num_pages  # this layer's and kv head's page 0
 
     def load_step(step):
         pages = []
@@ -137,7 +141,7 @@ def _gpu_kernel(
             page_pos = step * pages_per_block + j
             # Entries past the last position are never trusted: read the always-valid page 0.
             page_idx = jnp.where(page_pos * page_size <= last_pos, page_table_ref[row * table_width + page_pos], 0)
-            pages.append((k_pages_ref[page_idx], v_pages_ref[page_idx]))
+            pages.append((k_pages_ref[base + page_idx], v_pages_ref[base + page_idx]))
         return pages
 
     num_steps = _num_steps(num_valid, last_pos, pages_per_block * page_size)
@@ -151,9 +155,10 @@ def _tpu_kernel(
     page_table_ref,  # i32[num_rows * table_width], SMEM, flattened (2-D SMEM pads to tiles)
     kv_lens_ref,  # i32[num_rows], SMEM
     query_start_ref,  # i32[num_rows + 1], SMEM
+    layer_ref,  # i32[1], SMEM
     q_ref,  # [rows, head_dim], VMEM
-    k_hbm_ref,  # [num_kv_heads, num_pages, page_size, head_dim], HBM
-    v_hbm_ref,  # [num_kv_heads, num_pages, page_size, head_dim], HBM
+    k_hbm_ref,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim], HBM: the whole cache
+    v_hbm_ref,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim], HBM
     o_ref,  # [rows, head_dim], VMEM
     k_buf,  # [2, pages_per_block, page_size, head_dim], VMEM double buffer
     v_buf,  # [2, pages_per_block, page_size, head_dim], VMEM double buffer
@@ -163,8 +168,11 @@ def _tpu_kernel(
     table_width: int,
     scale: float,
     pages_per_block: int,
+    num_kv_heads: int,
+    num_pages: int,
 ):
     kv_head = pl.program_id(0)
+    layer = layer_ref[0]
     row, first_pos, num_valid, last_pos = _item_span(
         item_row_ref, item_qblock_ref, kv_lens_ref, query_start_ref, block_q=block_q
     )
@@ -175,7 +183,7 @@ def _tpu_kernel(
         for j in range(pages_per_block):
             page_idx = page_of(step * pages_per_block + j)
             for src, dst in ((k_hbm_ref, k_buf), (v_hbm_ref, v_buf)):
-                out.append(pltpu.make_async_copy(src.at[kv_head, page_idx], dst.at[half, j], sems.at[half]))
+                out.append(pltpu.make_async_copy(src.at[layer, kv_head, page_idx], dst.at[half, j], sems.at[half]))
         return out
 
     def page_of(page_pos):
@@ -210,9 +218,9 @@ def _tpu_kernel(
 
 def _ragged_call(
     q_items: jax.Array,  # [num_kv_heads, num_items, rows, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    scalars: tuple,  # item_row, item_qblock, page_table (flat), kv_lens, query_start: all i32
+    k_pages: jax.Array,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]: read in place
+    v_pages: jax.Array,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    scalars: tuple,  # item_row, item_qblock, page_table (flat), kv_lens, query_start, layer i32[1]: all i32
     *,
     block_q: int,
     table_width: int,
@@ -222,14 +230,18 @@ def _ragged_call(
     target: str,
 ) -> jax.Array:  # [num_kv_heads, num_items, rows, head_dim]
     num_kv_heads, num_items, rows, head_dim = q_items.shape
-    _, num_pages, page_size, _ = k_pages.shape
-    static = dict(block_q=block_q, table_width=table_width, scale=scale, pages_per_block=pages_per_block)
+    num_layers, _, num_pages, page_size, _ = k_pages.shape
+    static = dict(block_q=block_q, table_width=table_width, scale=scale, pages_per_block=pages_per_block,
+                  num_kv_heads=num_kv_heads, num_pages=num_pages)  # fmt: skip
     out_shape = jax.ShapeDtypeStruct(q_items.shape, q_items.dtype)
     tile = (None, None, rows, head_dim)
     grid = (num_kv_heads, num_items)
 
     if target == "gpu":
-        pages_block = (None, num_pages, page_size, head_dim)
+        # The whole cache as one flat block (a reshape, no copy): the kernel indexes its layer's pages.
+        k_pages = k_pages.reshape(-1, page_size, head_dim)
+        v_pages = v_pages.reshape(-1, page_size, head_dim)
+        pages_block = k_pages.shape
         call = pl.pallas_call(
             functools.partial(_gpu_kernel, **static),
             out_shape=out_shape,
@@ -237,8 +249,8 @@ def _ragged_call(
             in_specs=[pl.BlockSpec(x.shape, lambda h, w: (0,)) for x in scalars]
             + [
                 pl.BlockSpec(tile, lambda h, w: (h, w, 0, 0)),
-                pl.BlockSpec(pages_block, lambda h, w: (h, 0, 0, 0)),
-                pl.BlockSpec(pages_block, lambda h, w: (h, 0, 0, 0)),
+                pl.BlockSpec(pages_block, lambda h, w: (0, 0, 0)),
+                pl.BlockSpec(pages_block, lambda h, w: (0, 0, 0)),
             ],
             out_specs=pl.BlockSpec(tile, lambda h, w: (h, w, 0, 0)),
             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
@@ -291,25 +303,31 @@ def _work_items(query_start: jax.Array, num_items: int, block_q: int):
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret", "target"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], or with `layer` the whole cache
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]   [num_layers, num_kv_heads, ...]
     md: AttentionMetadata,
     *,
+    layer: Optional[jax.Array] = None,
+    qkv: Optional[jax.Array] = None,  # the contract's fused product: q is read from q here
     scale: Optional[float] = None,
     block_q: int = 8,
     pages_per_block: int = 4,
     interpret: bool = False,
     target: Optional[str] = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
-    """Pallas ragged paged attention; see the module docstring and `cbjax.kernels.metadata`."""
-    check_shapes(_NAME, q, k_pages, v_pages, md)
+    """Pallas ragged paged attention; see the module docstring and `cbjax.kernels.metadata`.
+    With `layer` (i32[], traced), k_pages and v_pages are the whole cache and the kernel reads
+    that layer's pages in place (the layer index is a scalar input): no per-layer copy."""
+    check_shapes(_NAME, q, *layer_view(k_pages, v_pages, layer), md)
+    if layer is None:  # one layer's pages: a cache of one layer (a reshape, no copy)
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"{_NAME}: block_q must be a power of two >= 1, got {block_q}")
     if pages_per_block < 1:
         raise ValueError(f"{_NAME}: pages_per_block must be >= 1, got {pages_per_block}")
     target = _resolve_target(target)
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    _, num_kv_heads, _, page_size, _ = k_pages.shape
     if target == "gpu" and not interpret and not all(n >= 16 and n & (n - 1) == 0 for n in (page_size, head_dim)):
         raise ValueError(
             f"{_NAME}: Triton needs page_size and head_dim to be powers of two >= 16, "
@@ -339,7 +357,8 @@ def ragged_paged_attention(
     q_items = jnp.where(slot_ok[:, :, None, None, None], q4[token], 0).astype(q.dtype)  # [items, bq, kv, g, d]
     q_items = q_items.transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_items, group_rows * block_q, head_dim)
 
-    scalars = (item_row, item_qblock, page_table, md.kv_lens.astype(jnp.int32), query_start)
+    layer_idx = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    scalars = (item_row, item_qblock, page_table, md.kv_lens.astype(jnp.int32), query_start, layer_idx)
     out = _ragged_call(
         q_items, k_pages, v_pages, scalars, block_q=block_q, table_width=table_width, scale=scale,
         pages_per_block=pages_per_block, interpret=interpret, target=target,

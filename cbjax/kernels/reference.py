@@ -23,6 +23,7 @@ def ragged_attention_reference(
     md: AttentionMetadata,
     *,
     layer: Optional[jax.Array] = None,
+    qkv: Optional[jax.Array] = None,  # the contract's fused product: q is read from q here
     scale: Optional[float] = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """See `cbjax.kernels.metadata` for the contract (and `layer`)."""

@@ -1,108 +1,227 @@
-"""Attention backends by name: `executor.attention=auto|native|pallas|ragged|reference|triton`.
+"""Attention backends and layer-op implementations by name: the device seam's registry.
 
-Every backend implements the `cbjax.kernels.metadata` contract. `auto` is the Pallas kernel
-on GPU/TPU; on CPU, where Pallas only runs interpreted, it is `native` (the XLA `ragged`
-formulation with its decode pass in C++, `cbjax.kernels.native`) when the C++ kernel builds
-here, else `ragged` itself.
-`triton` is the Pallas kernel forced to its Triton lowering (a GPU). `reference` is the
-plain-jnp oracle: every token reads its row's whole page table.
+`executor.attention=auto|native|pallas|ragged|reference|triton` names an attention function
+(the `cbjax.kernels.metadata` contract); `executor.matmul=auto|native|xla` names the `LayerOps`
+(`cbjax.model.ops`) the step runs its fused ops with. Core registers `reference`, `ragged`,
+`pallas`, `triton` and `xla`; an optional kernel package registers more when it is imported
+(`cbjax.kernels.native`: the CPU kernels, `native` for both). `auto` is the Pallas kernel on
+GPU/TPU; on CPU it is the registered CPU default (`native`) where its kernels build here, else
+`ragged` / `xla`, with a one-line notice saying why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import sys
+from typing import Callable, Optional
 
 import jax
 
 from cbjax.config import ATTENTION_IMPLS, MATMUL_IMPLS
 from cbjax.kernels.metadata import AttentionFn
 
+# Optional packages that register backends when imported; a missing one is not an error.
+PLUGINS = ("cbjax.kernels.native",)
 
-# Backends that run on the XLA ragged formulation's query groups (the packer builds them).
-GROUPED = ("ragged", "native")
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """An attention implementation. `make()` returns the function, called as
+    `attn(q, k_pages, v_pages, md, layer=layer_idx)` on the whole stacked cache (every backend
+    reads layer `layer_idx`'s pages in place). `unavailable(backend)`: None where it runs on this
+    jax backend, else the reason."""
+
+    name: str
+    make: Callable[[], AttentionFn]
+    grouped: bool = False  # reads the packer's query groups (`cbjax.kernels.xla_ragged.RaggedWork`)
+    cpu_default: bool = False  # what `auto` picks on CPU where it is available
+    unavailable: Callable[[str], Optional[str]] = lambda backend: None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpsBackend:
+    """A `cbjax.model.ops.LayerOps` implementation. `unavailable(backend, dtype, sharded)`:
+    None where it runs for this model and device layout, else the reason."""
+
+    name: str
+    make: Callable[[], object]
+    cpu_default: bool = False
+    unavailable: Callable[[str, str, bool], Optional[str]] = lambda backend, dtype, sharded: None
+
+
+_ATTENTION: dict[str, AttentionBackend] = {}
+_OPS: dict[str, OpsBackend] = {}
+_missing: dict[str, str] = {}  # plugin -> why it did not load
+
+
+def register_attention(backend: AttentionBackend) -> None:
+    _ATTENTION[backend.name] = backend
+
+
+def register_ops(backend: OpsBackend) -> None:
+    _OPS[backend.name] = backend
+
+
+@functools.cache
+def load_plugins() -> None:
+    """Import the optional kernel packages once; each registers its backends."""
+    for name in PLUGINS:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name) and not exc.name.startswith(name):
+                raise  # a dependency of the package is missing: that is a bug to see
+            _missing[name] = f"the optional kernel package {name} is not installed"
+
+
+@functools.cache
+def _notice(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _missing_notice() -> str:
+    """One line for both auto choices when a kernel package is absent."""
+    return (f"cbjax: {'; '.join(_missing.values())}: executor.attention=auto runs `ragged` and "
+            f"executor.matmul=auto runs `xla` on this CPU")
+
+
+def _not_registered(key: str, impl: str) -> str:
+    why = "; ".join(_missing.values()) or "no package registered it"
+    return f"executor.{key}={impl}: not available ({why})"
 
 
 def resolve_attention(impl: str = "auto", backend: str | None = None) -> str:
-    """The backend `impl` runs as on `backend` (default: jax's): auto -> pallas, native or ragged."""
+    """The registered backend `impl` runs as on `backend` (default: jax's): auto -> pallas on
+    GPU/TPU, the CPU default (native) or ragged on CPU."""
     backend = backend or jax.default_backend()
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"executor.attention: unknown value {impl!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
-    if impl == "triton" and backend != "gpu":
-        raise ValueError("executor.attention=triton needs a GPU; use auto, pallas, ragged or reference here")
-    if impl == "native":
-        if backend != "cpu":
-            raise ValueError("executor.attention=native is the CPU kernel; use auto or pallas here")
-        error = native_kernel_error()
-        if error is not None:
-            raise ValueError(f"executor.attention=native: {error}")
+    load_plugins()
     if impl == "auto":
         if backend != "cpu":
             return "pallas"
-        error = native_kernel_error()
-        if error is not None:
-            _warn_once(f"cbjax: executor.attention=auto runs `ragged` on this CPU: {error}")
-            return "ragged"
-        return "native"
+        for entry in _ATTENTION.values():
+            if entry.cpu_default:
+                why = entry.unavailable(backend)
+                if why is None:
+                    return entry.name
+                _notice(f"cbjax: executor.attention=auto runs `ragged` on this CPU: {why}")
+                return "ragged"
+        _notice(_missing_notice())
+        return "ragged"
+    entry = _ATTENTION.get(impl)
+    if entry is None:
+        raise ValueError(_not_registered("attention", impl))
+    why = entry.unavailable(backend)
+    if why is not None:
+        raise ValueError(f"executor.attention={impl}: {why}")
     return impl
 
 
 def resolve_matmul(impl: str = "auto", dtype: str = "float32", sharded: bool = False, backend: str | None = None) -> str:
-    """What `executor.matmul=impl` runs as: auto -> native on CPU for a float32 model on one
-    device when the C++ kernels build, else xla. An explicit native outside that raises."""
+    """The registered `LayerOps` `executor.matmul=impl` runs as: auto -> the CPU default
+    (native: a float32 model on one CPU device, where its kernels build), else xla. An
+    explicit name that does not apply raises, saying why."""
     backend = backend or jax.default_backend()
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"executor.matmul: unknown value {impl!r}; choose one of {', '.join(MATMUL_IMPLS)}")
     if impl == "xla":
         return impl
-    kernel_missing = False
-    if backend != "cpu":
-        why = f"it is a CPU kernel (backend {backend})"
-    elif dtype != "float32":
-        why = f"it multiplies float32 only (model.dtype={dtype})"
-    elif sharded:
-        why = "it runs on one device (executor.mesh.tensor > 1 or several processes)"
-    else:
-        why = native_kernel_error()
-        kernel_missing = why is not None
-    if why is None:
-        return "native"
-    if impl == "native":
-        raise ValueError(f"executor.matmul=native: {why}; use auto or xla")
-    if kernel_missing:  # auto lost the kernel it would pick: say why
-        _warn_once(f"cbjax: executor.matmul=auto runs `xla` on this CPU: {why}")
-    return "xla"
+    load_plugins()
+    if impl == "auto":
+        defaults = [e for e in _OPS.values() if e.cpu_default]
+        if not defaults:
+            if backend == "cpu" and _missing:
+                _notice(_missing_notice())
+            return "xla"
+        for entry in defaults:
+            why = entry.unavailable(backend, dtype, sharded)
+            if why is None:
+                return entry.name
+            if getattr(why, "kernel_missing", False):  # auto lost the kernels it would pick: say why
+                _notice(f"cbjax: executor.matmul=auto runs `xla` on this CPU: {why}")
+        return "xla"
+    entry = _OPS.get(impl)
+    if entry is None:
+        raise ValueError(_not_registered("matmul", impl))
+    why = entry.unavailable(backend, dtype, sharded)
+    if why is not None:
+        raise ValueError(f"executor.matmul={impl}: {why}; use auto or xla")
+    return impl
 
 
-def native_kernel_error() -> str | None:
-    """None when the native CPU kernel is built and registered, else why it is not."""
-    from cbjax.kernels.native import ensure_registered
+class Unbuilt(str):
+    """A reason that is the kernels' own failure to build (auto says it), not a misfit of
+    dtype, device count or backend (auto stays quiet)."""
 
-    return ensure_registered()
+    kernel_missing = True
 
 
-@functools.cache
-def _warn_once(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+class _Grouped:
+    """`name in GROUPED`: whether the backend reads the packer's query groups."""
+
+    def __contains__(self, name: object) -> bool:
+        load_plugins()
+        entry = _ATTENTION.get(name) if isinstance(name, str) else None
+        return entry is not None and entry.grouped
+
+
+GROUPED = _Grouped()
 
 
 def attention_op(impl: str) -> AttentionFn:
     """The attention function of a resolved backend name (see `resolve_attention`)."""
-    if impl == "reference":
-        from cbjax.kernels.reference import ragged_attention_reference
+    load_plugins()
+    entry = _ATTENTION.get(impl)
+    if entry is None:
+        raise ValueError(f"executor.attention: {impl!r} is not a registered backend; call resolve_attention first")
+    return entry.make()
 
-        return ragged_attention_reference
-    if impl in GROUPED:
-        from cbjax.kernels.xla_ragged import ragged_attention_xla
-        from cbjax.runtime.tiles import PAGES_BLOCK, PAGES_SINGLE
 
-        return functools.partial(
-            ragged_attention_xla, pages_single=PAGES_SINGLE, pages_block=PAGES_BLOCK, native=impl == "native"
-        )
-    if impl in ("pallas", "triton"):
+def layer_ops(impl: str):
+    """The `LayerOps` of a resolved `executor.matmul` name (see `resolve_matmul`)."""
+    load_plugins()
+    entry = _OPS.get(impl)
+    if entry is None:
+        raise ValueError(f"executor.matmul: {impl!r} is not a registered implementation; call resolve_matmul first")
+    return entry.make()
+
+
+def _reference() -> AttentionFn:
+    from cbjax.kernels.reference import ragged_attention_reference
+
+    return ragged_attention_reference
+
+
+def _ragged() -> AttentionFn:
+    from cbjax.kernels.xla_ragged import ragged_attention_xla
+    from cbjax.layout.tiles import PAGES_BLOCK, PAGES_SINGLE
+
+    return functools.partial(ragged_attention_xla, pages_single=PAGES_SINGLE, pages_block=PAGES_BLOCK)
+
+
+def _pallas(target: Optional[str]) -> Callable[[], AttentionFn]:
+    def make() -> AttentionFn:
         from cbjax.kernels.pallas_ragged import ragged_paged_attention
 
-        on_cpu = jax.default_backend() == "cpu"
-        target = "gpu" if impl == "triton" else None
-        return functools.partial(ragged_paged_attention, interpret=on_cpu, target=target)
-    raise ValueError(f"executor.attention: {impl!r} is not a resolved backend; call resolve_attention first")
+        return functools.partial(ragged_paged_attention, interpret=jax.default_backend() == "cpu", target=target)
+
+    return make
+
+
+def _xla_ops():
+    from cbjax.model.ops import XlaOps
+
+    return XlaOps()
+
+
+register_attention(AttentionBackend("reference", _reference))
+register_attention(AttentionBackend("ragged", _ragged, grouped=True))
+register_attention(AttentionBackend("pallas", _pallas(None)))
+register_attention(AttentionBackend(
+    "triton", _pallas("gpu"),
+    unavailable=lambda b: None if b == "gpu" else "it needs a GPU; use auto, pallas, ragged or reference here",
+))  # fmt: skip
+register_ops(OpsBackend("xla", _xla_ops))

@@ -1,6 +1,6 @@
 """XLA ragged paged attention (the CPU default): work follows the pages the tokens read.
 
-The packer (`cbjax.runtime.tiles`) lists the step's queries as groups: a decode token alone
+The packer (`cbjax.layout.tiles`) lists the step's queries as groups: a decode token alone
 (the single list), or up to `block` consecutive new tokens of one longer row (the block list;
 in a step no larger than the slot array every token is a single group and this list is empty),
 each with the number of its row's pages it reads, up to its last position, so causal work past
@@ -126,20 +126,16 @@ def ragged_attention_xla(
     md: AttentionMetadata,  # md.work: RaggedWork
     *,
     layer: Optional[jax.Array] = None,
+    qkv: Optional[jax.Array] = None,  # the contract's fused product: q is read from q here
     scale: Optional[float] = None,
     pages_single: int = 2,
     pages_block: int = 2,
-    native: bool = False,
-    qkv: Optional[jax.Array] = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """See `cbjax.kernels.metadata` for the contract and the module docstring for the method.
 
     With `layer`, k_pages and v_pages are the whole cache [num_layers, num_kv_heads, ...] and
     each page is gathered from that layer directly (no copy of the layer's pool). `pages_*`:
-    pages each group reads per inner loop step, in the single and block lists. `native`: the
-    single and block lists run as the C++ custom calls of `cbjax.kernels.native` (CPU, an f32
-    cache); `qkv`, the fused q/k/v product [T, num_kv_heads, group + 2, head_dim] that q was
-    sliced from, lets them read the queries there in place (no copy of the slice)."""
+    pages each group reads per inner loop step, in the single and block lists."""
     check_shapes("ragged_attention_xla", q, *layer_view(k_pages, v_pages, layer), md)
     if not isinstance(md.work, RaggedWork):
         raise ValueError("ragged_attention_xla: md.work must hold the RaggedWork groups the packer builds")
@@ -159,27 +155,6 @@ def ragged_attention_xla(
     first = 0 if layer is None else layer * num_kv_heads
     page_base = (first + jnp.arange(num_kv_heads, dtype=jnp.int32)) * num_pages
     pos_ext = jnp.concatenate([md.token_pos.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
-    if native and k_flat.dtype == jnp.float32:
-        # The kernels take the queries in token order and scale them, and write token order: the
-        # single list's tokens (zeros elsewhere), then the block list's over them in place; no
-        # transpose, concatenation or scatter around them.
-        from cbjax.kernels import native as kernels
-
-        single, block = md.work.single, md.work.block
-        if qkv is not None and (qkv.shape[:2] != (num_tokens, num_kv_heads) or qkv.shape[2] < group + 2
-                                or qkv.shape[3] != head_dim):  # fmt: skip
-            raise ValueError(f"ragged_attention_xla: qkv {qkv.shape} is not the fused product [T, num_kv_heads, "
-                             f"group + 2, head_dim] = [{num_tokens}, {num_kv_heads}, {group + 2}, {head_dim}] of q")  # fmt: skip
-        q_tok = (q.reshape(num_tokens, num_kv_heads, group, head_dim) if qkv is None else qkv).astype(jnp.float32)
-        if single.q_idx.shape[0]:
-            out = kernels.single_groups(q_tok, pos_ext, single.q_idx.reshape(-1), single.row, md.page_table,
-                                        k_flat, v_flat, page_base, num_pages, scale, group)  # fmt: skip
-        else:
-            out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
-        if block.q_idx.shape[0]:
-            out = kernels.block_groups_into(out, q_tok, pos_ext, block.q_idx, block.row, md.page_table, k_flat,
-                                            v_flat, page_base, num_pages, scale)  # fmt: skip
-        return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
     q_ext = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_ext = jnp.concatenate([q_ext, jnp.zeros((num_kv_heads, 1, group, head_dim), jnp.float32)], axis=1)
     res, idx = [], []

@@ -29,6 +29,10 @@ head_dim] has axes `kv_cache_axes`.
 
 Params and activations are in cfg.dtype; norms, RoPE and softmax run in f32.
 
+The fused ops (`DecoderLayer.qkv_product`, `finish`, `Llama.logits`) run through a
+`cbjax.model.ops.LayerOps` the caller passes: plain jnp (`XlaOps`) by default; the serving step
+passes the one `executor.matmul` names. The model itself never knows which backend ran.
+
 The jit boundary: never `nnx.jit` (it walks the object graph on every call). Split once,
 
     graphdef, state = nnx.split(model)            # graphdef is static and hashable
@@ -41,7 +45,7 @@ the same shapes reuses the compiled program.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +54,7 @@ import numpy as np
 from flax import nnx
 
 from cbjax.config import ModelConfig
+from cbjax.model.ops import XlaOps, dense_apply, rope, rope_tables  # noqa: F401  rope, rope_tables: public here too
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp")
 # KV cache [num_layers, num_kv_heads, num_pages, page_size, head_dim]
@@ -59,20 +64,8 @@ kv_cache_axes = (None, "kv_heads", None, None, "head_dim")
 MASK_VALUE = -1e30
 
 Axes = tuple[Optional[str], ...]
-# matmul(x, kernel, num_in) -> x's last num_in axes contracted with the kernel's first, in
-# place of jnp.tensordot: the serving step passes one that reads the kernel as a layer of
-# the stacked weights (see cbjax.runtime.step); None everywhere else.
-Matmul = Callable[..., jax.Array]
-# (h, fused gate/up kernel) -> silu(gate) * up
-Glu = Callable[..., jax.Array]
-# (h, fused q/k/v kernel, cos, sin) -> the q/k/v product with RoPE applied to its q and k heads
-RopeMatmul = Callable[..., jax.Array]
-# The serving step's native calls also take keywords that fuse the ops around them (`norm`
-# there means `RMSNorm.parts`; then x, not h, is the input):
-#   matmul(x, kernel, num_in, residual=r) -> r + the product;
-#   matmul(x, kernel, 1, norm=(factor, scale)), glu(x, kernel, norm=...), rope_matmul(x, kernel,
-#   cos, sin, norm=...) -> the product of the normed x.
-# DecoderLayer.finish and Llama.logits use them when the layer's calls are unbiased.
+# The ops the model runs with when the caller passes none: plain jnp (`cbjax.model.ops`).
+XLA_OPS = XlaOps()
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -148,28 +141,8 @@ class Dense(nnx.Module):
         self.bias = bias  # [*out] or None
         self.num_in = num_in
 
-    def __call__(self, x: jax.Array, matmul: Optional[Matmul] = None) -> jax.Array:
-        w = self.kernel[...]
-        y = jnp.tensordot(x, w, axes=self.num_in) if matmul is None else matmul(x, w, self.num_in)
-        return y if self.bias is None else y + self.bias[...]
-
-
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin f32[..., head_dim] of each position's rotary angles (each frequency twice:
-    the rotate_half convention's halves share them), positions i32[...]."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # f32[half]
-    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # f32[..., half]
-    angles = jnp.concatenate([freqs, freqs], axis=-1)  # f32[..., head_dim]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, Hugging Face rotate_half convention: x [..., n, head_dim], positions i32[...]."""
-    half = x.shape[-1] // 2
-    cos, sin = rope_tables(positions, x.shape[-1], theta)
-    x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return dense_apply(self, x)
 
 
 class DecoderLayer(nnx.Module):
@@ -201,32 +174,22 @@ class DecoderLayer(nnx.Module):
         self.gate_up_proj = nnx.data(None)
         self.down_proj = dense((ffn, d), ("mlp", "embed"), cfg.mlp_bias)
 
-    def qkv(
-        self, x: jax.Array, positions: jax.Array, matmul: Optional[Matmul] = None, rope_matmul: Optional[RopeMatmul] = None
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [..., d_model], positions i32[...] -> q [..., num_heads, head_dim], k and v
-        [..., num_kv_heads, head_dim], RoPE applied to q and k. `rope_matmul(h, kernel, cos,
-        sin)`: the fused q/k/v product [..., num_kv_heads, group + 2, head_dim] with RoPE
-        applied to its q and k heads in one call (`rope_tables`' cos and sin), where the caller
-        has one (the native matmul) and the fused kernel is unbiased."""
-        product = self.rope_qkv(x, positions, rope_matmul)
-        if product is not None:
-            return self.split_qkv(product)
-        h = self.input_layernorm(x)
-        if self.qkv_proj is not None:
-            q, k, v = self.split_qkv(self.qkv_proj(h, matmul))
-        else:
-            q, k, v = self.q_proj(h, matmul), self.k_proj(h, matmul), self.v_proj(h, matmul)
-        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+    def qkv_product(self, x: jax.Array, positions: jax.Array, ops=XLA_OPS) -> jax.Array:
+        """x [..., d_model], positions i32[...] -> the fused q/k/v product [..., num_kv_heads,
+        group + 2, head_dim] of the normed x, RoPE applied to its q and k heads (`ops.qkv_rope`).
+        The serving layout only (`fuse`)."""
+        if self.qkv_proj is None:
+            raise ValueError("DecoderLayer.qkv_product: the layer is not fused (call Llama.fused first)")
+        return ops.qkv_rope(x, self.input_layernorm, self.qkv_proj, positions, self.rope_theta)
 
-    def rope_qkv(self, x: jax.Array, positions: jax.Array, rope_matmul: Optional[RopeMatmul]) -> Optional[jax.Array]:
-        """The fused q/k/v product [..., num_kv_heads, group + 2, head_dim] of x's normed rows with
-        RoPE applied by `rope_matmul` (see `qkv`); None where there is no such call (no
-        rope_matmul, unfused or biased projections)."""
-        if rope_matmul is None or self.qkv_proj is None or self.qkv_proj.bias is not None:
-            return None
-        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
-        return rope_matmul(x, self.qkv_proj.kernel[...], cos, sin, norm=self.input_layernorm.parts(x))
+    def qkv(self, x: jax.Array, positions: jax.Array, ops=XLA_OPS) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [..., d_model], positions i32[...] -> q [..., num_heads, head_dim], k and v
+        [..., num_kv_heads, head_dim], RoPE applied to q and k."""
+        if self.qkv_proj is not None:
+            return self.split_qkv(self.qkv_product(x, positions, ops))
+        h = self.input_layernorm(x)
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
 
     def split_qkv(self, product: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [..., num_heads, head_dim], k and v [..., num_kv_heads, head_dim] of a fused q/k/v
@@ -235,28 +198,15 @@ class DecoderLayer(nnx.Module):
         q = product[..., :group, :].reshape(*product.shape[:-3], self.num_heads, self.head_dim)
         return q, product[..., group, :], product[..., group + 1, :]
 
-    def finish(
-        self, x: jax.Array, attn: jax.Array, matmul: Optional[Matmul] = None, glu: Optional[Glu] = None
-    ) -> jax.Array:
-        """Residual o_proj of attn [..., num_heads, head_dim], then the residual SwiGLU block.
-        `glu(h, kernel)`: silu(gate) * up in one call from the fused gate/up kernel [d_model, 2,
-        ffn_dim] (unbiased), where the caller has one (the native matmul)."""
-        fused_glu = glu is not None and self.gate_up_proj is not None and self.gate_up_proj.bias is None
-        if fused_glu and self.o_proj.bias is None and self.down_proj.bias is None:
-            # the residual adds in the matmuls' epilogues, the norm in the SwiGLU call's prologue
-            x = matmul(attn.astype(x.dtype), self.o_proj.kernel[...], self.o_proj.num_in, residual=x)
-            h = glu(x, self.gate_up_proj.kernel[...], norm=self.post_attention_layernorm.parts(x))
-            return matmul(h, self.down_proj.kernel[...], 1, residual=x)
-        x = x + self.o_proj(attn.astype(x.dtype), matmul)
-        h = self.post_attention_layernorm(x)
-        if fused_glu:
-            return x + self.down_proj(glu(h, self.gate_up_proj.kernel[...]), matmul)
+    def finish(self, x: jax.Array, attn: jax.Array, ops=XLA_OPS) -> jax.Array:
+        """Residual o_proj of attn [..., num_heads, head_dim], then the residual SwiGLU block."""
+        x = ops.matmul_residual(attn.astype(x.dtype), self.o_proj, x)
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(h, matmul)  # [..., 2, ffn_dim]
-            gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
-        else:
-            gate, up = self.gate_proj(h, matmul), self.up_proj(h, matmul)
-        return x + self.down_proj(jax.nn.silu(gate) * up, matmul)
+            h = ops.glu(x, self.post_attention_layernorm, self.gate_up_proj)
+        else:  # the unfused layout (the oracle's)
+            normed = self.post_attention_layernorm(x)
+            h = jax.nn.silu(self.gate_proj(normed)) * self.up_proj(normed)
+        return ops.matmul_residual(h, self.down_proj, x)
 
     def fuse(self) -> None:
         """In place: q/k/v become one matmul, and gate/up another (same numbers).
@@ -314,19 +264,9 @@ class Llama(nnx.Module):
         """tokens i32[...] -> x [..., d_model]."""
         return self.embed_tokens[...][tokens]
 
-    def logits(
-        self, x: jax.Array, matmul: Optional[Matmul] = None, matmul_t: Optional[Callable] = None
-    ) -> jax.Array:
-        """Final norm and LM head: x [..., d_model] -> f32[..., vocab_size]. `matmul` runs an
-        untied LM head; `matmul_t(h, w)` a tied one, contracting the last axes of h and the
-        embedding table w [vocab_size, d_model] (no transposed copy)."""
-        if self.lm_head is not None and matmul is not None:  # the final norm in the matmul's prologue
-            return matmul(x, self.lm_head[...], 1, norm=self.norm.parts(x)).astype(jnp.float32)
-        h = self.norm(x)
-        if self.lm_head is None and matmul_t is not None:
-            return matmul_t(h, self.embed_tokens[...]).astype(jnp.float32)
-        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    def logits(self, x: jax.Array, ops=XLA_OPS) -> jax.Array:
+        """Final norm and LM head (tied: the embedding table): x [..., d_model] -> f32[..., vocab_size]."""
+        return ops.logits(x, self.norm, self.lm_head, self.embed_tokens)
 
     def fused(self) -> Llama:
         """A new model in the serving layout (`DecoderLayer.fuse`), same numbers; this one is unchanged.

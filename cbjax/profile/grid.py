@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from cbjax.plan import Schedule, ScheduledRequest
 from cbjax.request import SamplingParams
-from cbjax.runtime.shapes import ShapePlan
+from cbjax.layout.shapes import ShapePlan
 
 GRIDS = ("full", "small")
 

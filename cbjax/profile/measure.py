@@ -20,7 +20,7 @@ import numpy as np
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.serving import fit_loop, fit_served
-from cbjax.runtime.shapes import ShapePlan
+from cbjax.layout.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs
 from cbjax.sim.profiled import (
     STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, predict, profile_key, step_features,

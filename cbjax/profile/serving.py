@@ -17,7 +17,7 @@ from cbjax.config import LengthConfig, RunConfig, WorkloadConfig
 from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.profile.residuals import MIN_STEPS, regime_of
-from cbjax.runtime.shapes import ShapePlan
+from cbjax.layout.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs, nnls
 from cbjax.sim.profiled import (
     COLD_TERMS, STEP_TERMS, bucket_intercept, step_features, step_terms, steps_since_larger,

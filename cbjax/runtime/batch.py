@@ -19,8 +19,8 @@ import numpy as np
 
 from cbjax.plan import Schedule, ScheduledRequest
 from cbjax.request import SamplingParams
-from cbjax.runtime.shapes import ShapePlan
-from cbjax.runtime.tiles import BLOCK_Q, CHUNK_SINGLE, block_chunk, build_tiles, tile_capacity
+from cbjax.layout.shapes import ShapePlan
+from cbjax.layout.tiles import BLOCK_Q, CHUNK_SINGLE, block_chunk, build_tiles, tile_capacity
 
 
 @dataclass

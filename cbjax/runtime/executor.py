@@ -33,7 +33,7 @@ from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile
 from cbjax.runtime.host_memory import retain_freed_memory
 from cbjax.runtime.kv_cache import init_cache
 from cbjax.runtime.memory_check import check_kv_cache_fits
-from cbjax.runtime.shapes import plan_shapes
+from cbjax.layout.shapes import plan_shapes
 from cbjax.runtime.step import DeviceBatch, model_step, sample_step, split_model
 from cbjax.runtime.swap import HostSwap
 

@@ -8,6 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from cbjax.model.ops import write_layer  # noqa: F401  the XLA K/V write, public here too
+
 # Writes that belong to no sequence (padding tokens) land here; never read.
 NULL_PAGE = 0
 
@@ -35,17 +37,3 @@ def init_cache(num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int
         raise ValueError(f"init_cache: need num_pages >= 2 and page_size >= 1, got {num_pages}, {page_size}")
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-
-def write_layer(
-    pages: jax.Array,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
-    layer_idx: int,
-    write_idx: jax.Array,  # i32[T]: page * page_size + offset per token
-    new: jax.Array,  # [T, num_kv_heads, head_dim]
-) -> jax.Array:
-    """`pages` with layer `layer_idx`'s slots at write_idx set to `new` (in place when donated)."""
-    num_layers, num_kv_heads, num_pages, page_size, head_dim = pages.shape
-    flat = pages.reshape(num_layers, num_kv_heads, num_pages * page_size, head_dim)
-    # Integer and array indices split by a slice: numpy puts the indexed dim [T] first.
-    flat = flat.at[layer_idx, :, write_idx].set(new.astype(pages.dtype))
-    return flat.reshape(pages.shape)

@@ -1,5 +1,6 @@
 """Tensor parallelism (`executor.mesh.tensor=N`): a one-axis device mesh, the weights and the KV
-cache sharded by the model's logical axes, and the step compiled with explicit shardings.
+cache sharded by the model's logical axes; the step (`cbjax.runtime.step.model_step`, the one jit)
+takes its shardings from how they are placed.
 
 Logical axes map to the mesh by `RULES`: "heads", "kv_heads" and "mlp" split over the
 "tensor" axis, everything else (embeddings, LM head, norms) is replicated. Each layer then
@@ -16,7 +17,6 @@ Across hosts the mesh takes the same number of devices from every process, in pr
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import jax
 import numpy as np
@@ -24,12 +24,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cbjax.config import ModelConfig
-from cbjax.model.llama import kv_cache_axes
 from cbjax.runtime.kv_cache import KVCache, init_cache
-from cbjax.runtime.step import step_compiler_options, step_fn
-
-TENSOR = "tensor"
-RULES = {"heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR}
+from cbjax.runtime.shard import TENSOR, cache_sharding, spec
+from cbjax.runtime.step import model_step
 
 
 def check_tensor_parallel(model: ModelConfig, tensor: int, num_devices: int) -> None:
@@ -61,12 +58,6 @@ def make_mesh(tensor: int) -> Mesh:
     return Mesh(np.array(devices), (TENSOR,))
 
 
-def spec(axes: tuple, ndim: int) -> P:
-    """The PartitionSpec of an array of `ndim` dims whose trailing dims have logical `axes`
-    (leading dims, like the stacked layers', are replicated)."""
-    return P(*([None] * (ndim - len(axes))), *(RULES.get(a) for a in axes))
-
-
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -92,29 +83,15 @@ def place(tree, shardings):
     return jax.tree.map(put, tree, shardings)
 
 
-def shard_heads(attend: Callable, mesh: Mesh) -> Callable:
-    """`attend(q, k, v, k_pages, v_pages, md, write_idx, layer_idx)` run per shard: q, k, v
-    and the pages split on their head axis (1), the metadata replicated."""
-    heads = P(None, TENSOR)
-    return jax.shard_map(
-        attend,
-        mesh=mesh,
-        in_specs=(heads, heads, heads, heads, heads, P(), P(), P()),
-        out_specs=(heads, heads, heads),
-        check_vma=False,  # no collective inside; the kernels' loop carries start unannotated
-    )
-
-
 class TensorParallel:
-    """The executor's sharded side: placement of weights, cache and batches, and the step jit."""
+    """The executor's sharded side: placement of weights, cache and batches."""
 
     def __init__(self, model: ModelConfig, tensor: int):
         check_tensor_parallel(model, tensor, jax.device_count())
         self.tensor = tensor
         self.mesh = make_mesh(tensor)
         self.replicated = NamedSharding(self.mesh, P())
-        self.cache_sharding = NamedSharding(self.mesh, spec(kv_cache_axes, len(kv_cache_axes)))
-        self._steps: dict[tuple, Callable] = {}
+        self.cache_sharding = cache_sharding(self.mesh)
 
     def place_weights(self, weights):
         self.weight_shardings = weight_shardings(weights, self.mesh)
@@ -135,18 +112,18 @@ class TensorParallel:
         """A replicated result on the host: this process's copy (others' devices are out of reach)."""
         return np.asarray(x.addressable_data(0))
 
-    def step(self, graphdef, attention: str):
-        """`step_fn` for this graphdef and attention backend, jitted once with explicit
-        shardings: weights and cache as placed, the batch and the outputs (greedy tokens,
-        logits) replicated, the cache donated. Called as step(weights, cache, batch)."""
-        key = (graphdef, attention)
-        if key not in self._steps:
-            cache = KVCache(k=self.cache_sharding, v=self.cache_sharding)
-            self._steps[key] = jax.jit(
-                functools.partial(step_fn, graphdef=graphdef, attention=attention, mesh=self.mesh),
-                donate_argnums=(1,),
-                in_shardings=(self.weight_shardings, cache, self.replicated),
-                out_shardings=(self.replicated, self.replicated, cache),
-                compiler_options=step_compiler_options(self.mesh.devices.flat[0].platform),
-            )
-        return self._steps[key]
+    def step(self, graphdef, attention: str) -> _MeshStep:
+        """`model_step` (the one jit) bound to this mesh, graphdef and attention backend:
+        called as step(weights, cache, batch), or `.lower(...)` with the same arguments."""
+        return _MeshStep(graphdef, attention, self.mesh)
+
+
+class _MeshStep:
+    def __init__(self, graphdef, attention: str, mesh: Mesh):
+        self.kwargs = dict(graphdef=graphdef, attention=attention, mesh=mesh, matmul="xla")
+
+    def __call__(self, weights, cache, batch):
+        return model_step(weights, cache, batch, **self.kwargs)
+
+    def lower(self, weights, cache, batch):
+        return model_step.lower(weights, cache, batch, **self.kwargs)

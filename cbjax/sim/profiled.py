@@ -3,7 +3,7 @@
 An iteration is charged for what `cbjax.runtime.executor.JaxExecutor` would run: its token
 bucket (the padded flat buffer: one compiled program each), its rows, and the attention's work
 over pages (`*_chunk_s`: each inner loop step of the XLA ragged attention runs a whole chunk of
-query groups, counted exactly as `cbjax.runtime.tiles.build_tiles` lays them out, `count_steps`;
+query groups, counted exactly as `cbjax.layout.tiles.build_tiles` lays them out, `count_steps`;
 the native decode pass is charged per group), plus its swap copies:
 
     step = fixed(bucket) + iter_s + seq_s * rows + token_s * tokens
@@ -49,8 +49,8 @@ import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.plan import Schedule
-from cbjax.runtime.shapes import ShapePlan, plan_shapes
-from cbjax.runtime.tiles import count_steps, group_pages, steps_of
+from cbjax.layout.shapes import ShapePlan, plan_shapes
+from cbjax.layout.tiles import count_steps, group_pages, steps_of
 
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
 STEP_TERMS = (
@@ -74,13 +74,13 @@ ARCH_FIELDS = (
 def count_tiles(rows: Sequence[tuple[int, int, bool]], page_size: int, bucket: int, num_rows: int) -> tuple[int, int]:
     """(single, block) inner loop steps the XLA ragged attention runs for rows of
     (num_new_tokens, num_context_tokens, _) in a step of `bucket` tokens over `num_rows` slots,
-    as `cbjax.runtime.tiles.count_steps` counts them."""
+    as `cbjax.layout.tiles.count_steps` counts them."""
     _, single, _, block = count_steps([(n, ctx) for n, ctx, _ in rows], page_size, bucket, num_rows)
     return single, block
 
 
 def pages_read(rows: Sequence[tuple[int, int, bool]], page_size: int, bucket: int, num_rows: int) -> tuple[int, int]:
-    """(single, block) KV pages the attention's groups really read (`cbjax.runtime.tiles.group_pages`).
+    """(single, block) KV pages the attention's groups really read (`cbjax.layout.tiles.group_pages`).
     Inner loop steps cost by the longest group of a chunk; these cost by the pages read (cache
     misses follow real pages)."""
     single, block = group_pages([(n, ctx) for n, ctx, _ in rows], page_size, bucket, num_rows)

@@ -2,9 +2,8 @@
 //
 // cbjax.kernels.native builds this file beside native_decode.cc and registers it as the custom
 // call target "cbjax_layer_matmul". A decode step multiplies a handful of token rows by every
-// weight matrix; XLA:CPU spends 50-100 us on each such dot whatever its size (13-60 GFLOP/s
-// at 4 rows), and inside the step's layer scan it first copies the layer's weights out of the
-// stack. Here each output tile keeps its rows x columns in registers over the whole
+// weight matrix; XLA:CPU pays a fixed cost on each such dot whatever its size, and inside the
+// step's layer scan it first copies the layer's weights out of the stack (docs/cpu_kernels.md). Here each output tile keeps its rows x columns in registers over the whole
 // contraction, so the weights stream once per row tile, straight from the stack; rows go in
 // blocks that stay in the L2 cache while the column tiles pass (RowBlock), so a prefill of
 // thousands of tokens runs as fast as XLA's blocked GEMM.
@@ -383,8 +382,7 @@ ffi::Error LayerMatmulRopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
 // residue of k in order; TreeSum folds the kLanes accumulators into the block's kLanes outputs
 // (each a tree over its lanes), then the k % kLanes tail is added in order. The block's kLanes
 // rows of w stay in the L1 or L2 cache while the rows of x pass. Summing each output's lanes one
-// by one (TileNT) took as long as its multiply-adds at k = 256: 50-66 GFLOP/s against 120-200
-// for the panel-order matmul on a transposed copy.
+// by one took as long as the multiply-adds (docs/cpu_kernels.md).
 void BlockNT(const Args& a, int64_t c0) {
   const int64_t body = a.k / kLanes * kLanes;
   const float* w = a.w + c0 * a.k;

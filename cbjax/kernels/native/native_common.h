@@ -1,19 +1,20 @@
 // What the native kernels share: a vector of the CPU's float lanes, and splitting a kernel's
 // work over threads.
 //
-// Vec is kLanes floats (16 with AVX-512, else 8; GCC vector extensions, so any CPU compiles it),
-// loaded and stored unaligned.
+// Vec is kLanes floats (16 with AVX-512, else 8; GCC vector extensions: GCC builds these
+// sources, clang does not), loaded and stored unaligned.
 //
 // RunChunks(pool, threads, chunks, fn) calls fn(c) once for each chunk c in [0, chunks) and
 // returns when every chunk is done; fn must be safe to call concurrently. This thread claims
 // chunks alongside a Team of helper threads. A decode step runs some twenty short kernels one
-// after another, each worth tens of microseconds; XLA's intra-op pool lets its threads sleep
-// between them, and waking a sleeping thread costs about as much on a virtual machine, so the
-// pool's thread took a fifth of the chunks and the calling thread did the rest. Team helpers
-// stay awake for kAwake after each job, yielding the core to any other runnable thread, so the
-// next kernel finds them. When another thread holds the team (two kernels at once), the job
-// falls back to XLA's pool: this thread and threads - 1 pool tasks claim chunks, and a task
-// that starts late finds none and returns.
+// after another; a helper that slept between them would be woken for each (a wake costs about
+// as much as the kernel on a virtual machine). So an idle helper first waits up to the team's
+// spin time (CBJAX_NATIVE_SPIN_US, default kSpinMicros; 0: none), yielding its core to any
+// other runnable thread, and then blocks on a condition variable until the next job: between
+// steps, and in a process that stops calling the kernels, the helpers sleep.
+// docs/cpu_kernels.md has the measurement behind the default. When another thread holds the
+// team (two kernels at once), the job falls back to XLA's pool: this thread and threads - 1
+// pool tasks claim chunks, and a task that starts late finds none and returns.
 #ifndef CBJAX_KERNELS_NATIVE_COMMON_H_
 #define CBJAX_KERNELS_NATIVE_COMMON_H_
 
@@ -22,6 +23,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -169,9 +171,14 @@ class Team {
 
  private:
   static constexpr int64_t kMaxChunks = 1 << 16;
-  static constexpr std::chrono::microseconds kAwake{2000};
+  static constexpr int64_t kSpinMicros = 50;
 
-  explicit Team(int64_t helpers) {
+  static std::chrono::microseconds SpinTime() {
+    const char* env = std::getenv("CBJAX_NATIVE_SPIN_US");
+    return std::chrono::microseconds(env != nullptr ? std::max<long long>(0, std::atoll(env)) : kSpinMicros);
+  }
+
+  explicit Team(int64_t helpers) : spin_(SpinTime()) {
     for (int64_t i = 0; i < helpers; ++i) threads_.emplace_back([this] { Help(); });
     for (auto& t : threads_) t.detach();
   }
@@ -200,7 +207,7 @@ class Team {
         seen = gen;
         idle = std::chrono::steady_clock::now();
       }
-      if (std::chrono::steady_clock::now() - idle < kAwake) {
+      if (std::chrono::steady_clock::now() - idle < spin_) {
         std::this_thread::yield();
         continue;
       }
@@ -211,6 +218,7 @@ class Team {
     }
   }
 
+  const std::chrono::microseconds spin_;  // how long an idle helper waits before it blocks
   std::vector<std::thread> threads_;
   std::mutex run_mu_, sleep_mu_;
   std::condition_variable wake_;

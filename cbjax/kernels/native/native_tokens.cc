@@ -5,8 +5,8 @@
 // "cbjax_embed": the step's input rows. Each token is the batch's own, or, where the packer fed
 // it from the step before (feed >= 0), that step's output token at row `feed`, still on the
 // device; its row of the embedding table is copied out. XLA:CPU ran this select-and-gather as
-// one fusion split over two threads (it sizes the work by the whole table): 25-57 us a small
-// step, for a few kilobytes.
+// one fusion split over two threads (it sizes the work by the whole table), slow for the few
+// kilobytes it moves (docs/cpu_kernels.md).
 //
 // Inputs:
 //   table  f32[vocab, d]       the embedding table
@@ -19,8 +19,8 @@
 //
 // "cbjax_greedy": greedy tokens from a step's logits. XLA:CPU runs a row's maximum, the first
 // index that reaches it and the check that every logit is finite as three scalar reductions,
-// each a chain of dependent compare-selects over the vocabulary: about 0.3 ms for [32, 4096]
-// logits on this project's CPU, a tenth of a decode step. Here one pass per row keeps a vector of running maxima with the
+// each a chain of dependent compare-selects over the vocabulary, a large share of a small decode
+// step (docs/cpu_kernels.md). Here one pass per row keeps a vector of running maxima with the
 // index where each lane first reached its maximum, and a running flag of any non-finite lane.
 //
 // Inputs:

@@ -1,53 +1,18 @@
-"""Native CPU kernels: the `native` attention backend (the XLA ragged formulation with its
-group lists in C++) and the matmul of `executor.matmul=native`.
+"""The native CPU kernels' build and their jax wrappers (XLA FFI custom calls).
 
-On XLA:CPU the XLA ragged backend (`cbjax.kernels.xla_ragged`) materializes every page it
-gathers and runs the small contractions at a few GFLOP/s, so in a decode step attention takes
-about half the time. This backend runs its two group lists as XLA FFI custom calls
-(`native_decode.cc`): the single list (one query token per group) and the block list (up to
-`block` consecutive new tokens of a row, each causal to its own position). Each group reads
-its row's pages in place, up to its last position, with an online softmax per page and the
-next page prefetched; (kv head, group) pairs are split over threads (a team of helpers that
-stay awake between a step's kernels, `native_common.h`). In the
-block list a page's keys are transposed once, so 8 queries' scores are a few vector
-multiply-adds per head dimension (a 4096-token prefill step of the peer tiny shape: 19 ms of
-attention against 39 ms in XLA). Where the layer's q/k/v come from one fused product (the native
-matmul with RoPE in its epilogue), `write_kv` copies its k and v rows into the cache in place and
-both lists read their queries from it in place: no slice copies, no XLA scatters and their index
-arithmetic (the peer tiny run's recorded steps replayed 0.90x as long, 14 of 16 rounds faster).
+Contract: every wrapper takes and returns float32 jax arrays (int32 indices), is traceable
+under `jax.jit`, raises a ValueError naming the shapes it cannot take, and returns what its
+docstring's plain-jnp expression returns, up to f32 rounding where it says so. A kernel that
+skips rows (`live`) writes zeros there. Weight matrices are read in panel order (`to_panels`).
 
-`layer_matmul` (`native_gemm.cc`) multiplies token rows by one layer of the step's stacked
-weights, read in place: XLA:CPU spends 50-100 us on each few-row dot (13-60 GFLOP/s at 4
-rows) and, inside the layer scan, first copies the layer's weights out of the stack. It reads
-the weights in panel order (`to_panels`, done once when the executor splits the model): each
-PANEL-column strip of a [k, n] matrix stored as k contiguous rows of PANEL floats, so a column
-tile streams one contiguous block instead of four cache lines from each of k pages. The peer
-tiny workload served in 1.18-1.51 s against 1.57-1.84 s row-major (medians of 5 runs, two
-alternating rounds); its 4-token steps' matmuls took 0.61 against 1.05 ms. Its rows go in
-blocks that stay in the L2 cache, so it serves every step size: at 4096 rows it matches XLA's
-GEMM, with none of the bucket's padding and no row-major copy of the layer. It also takes the
-RMS norm before it (`norm`: XLA's per-row factor, applied with the scale as XLA's multiply did,
-into a scratch copy of the rows) and the residual add after it (`residual`, added as the tiles
-are stored), as the SwiGLU and RoPE variants take the norm: a decoder layer runs no XLA op
-between its matmuls but the norm's factor, bit for bit the same (the recorded tiny run's steps
-replayed 0.89x as long, 13 of 16 alternating rounds faster).
-
-`embed` and `greedy` (`native_tokens.cc`) are the step's token kernels. `embed` copies each
-token's table row, picking the fed tokens from the previous step's output in the same pass
-(XLA split that select-and-gather over two threads, sizing it by the whole table: 25-57 us a
-small step). `greedy` takes a step's greedy tokens from its logits in one vectorized pass
-a row, the first index of the maximum or -1 for a non-finite row: XLA:CPU runs the maximum, the
-first index and the finiteness check as three scalar reductions, about 0.25 ms for [32, 4096]
-logits against 0.02 ms here.
-
-The kernels are compiled from source with the system C++ compiler (`CXX`, else `c++`) at first
-use and kept in `~/.cache/cbjax/native` (`CBJAX_NATIVE_DIR` overrides), keyed by the source,
-the compiler, the flags, jaxlib's version and the CPU (it is built for this CPU's
-instructions); later processes load it. Each load touches the library's file; a build prunes
-builds of the directory nobody loaded for `STALE_S` (another jaxlib, compiler or source
-version), and half-written ones a crashed build left. Without a compiler, or
-if the build fails, `ensure_registered()` returns the reason, and `executor.attention=auto`
-falls back to `ragged`.
+The sources (`native_*.cc`, `native_common.h`) are compiled with the system GCC C++ compiler (`CXX`,
+else `g++`, else `c++`) at first use, with one progress line on stderr, and kept in
+`~/.cache/cbjax/native` (`CBJAX_NATIVE_DIR` overrides), keyed by the sources, the compiler, the
+flags, jaxlib's version and the CPU (`-march=native`); later processes load that build. A build
+prunes builds nobody loaded for `STALE_S` and half-written ones a crashed build left. Without a
+compiler, or if the build fails, `ensure_registered()` returns the reason and the registry runs
+the XLA implementations instead. Why each kernel exists and what it was measured to buy:
+docs/cpu_kernels.md.
 """
 
 from __future__ import annotations
@@ -100,8 +65,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CBJAX_NATIVE_DIR") or Path.home() / ".cache" / "cbjax" / "native")
 
 
+def _is_gcc(cxx: str) -> bool:
+    """Whether `cxx` is GCC: the sources use GCC's vector extensions (`__builtin_shuffle` with
+    run-time masks), which clang does not build."""
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "clang" not in out.lower()
+
+
 def _compiler() -> Optional[str]:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    """The first GCC C++ compiler of `CXX`, `g++`, `c++` on PATH; None when there is none."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        path = shutil.which(name) if name else None
+        if path and _is_gcc(path):
+            return path
+    return None
 
 
 def _cpu_features() -> str:
@@ -132,7 +112,7 @@ def _build(cxx: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    print("cbjax: building the native CPU kernels (once per machine)", file=sys.stderr, flush=True)
+    print("cbjax: building native CPU kernels (first use, ~30 s)...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as objects:
         cmds = [[cxx, *COMMON_FLAGS, *flags, f"-I{jax.ffi.include_dir()}", "-c", str(HERE / name),
                  "-o", str(Path(objects) / f"{name}.o")] for name, (flags, _) in SOURCES.items()]  # fmt: skip
@@ -186,7 +166,7 @@ def ensure_registered() -> Optional[str]:
         try:
             cxx = _compiler()
             if cxx is None:
-                raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
+                raise RuntimeError("no GCC C++ compiler found (set CXX, or install g++; clang cannot build these sources)")
             path = _library_path(cxx)
             if not path.exists():
                 _build(cxx, path)
@@ -256,7 +236,7 @@ def write_kv(qkv: jax.Array, write_idx: jax.Array, layer, k_pages: jax.Array, v_
     """(k_pages, v_pages) with layer `layer`'s slots write_idx[t] set to token t's k and v rows
     of the fused product qkv f32[T, kv_heads, group + 2, head_dim] (each kv head's query heads,
     then its k, then its v), in place (the caches are aliased to the outputs): as
-    `cbjax.runtime.kv_cache.write_layer` on the sliced k and v, in one call with no copies.
+    `cbjax.model.ops.write_layer` on the sliced k and v, in one call with no copies.
     k_pages, v_pages f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]."""
     error = ensure_registered()
     if error is not None:
@@ -448,7 +428,7 @@ def matmul_nt(x: jax.Array, w: jax.Array, live: jax.Array | int | None = None) -
 def greedy(logits: jax.Array, live: jax.Array | int | None = None) -> jax.Array:
     """i32[rows]: each of the first `live` rows' first index of its maximum logit, -1 where any
     of its logits is NaN or infinite, 0 for the rows after (`native_tokens.cc`). As
-    `cbjax.runtime.step.first_argmax` with the step's non-finite mark, in one vectorized pass per
+    `cbjax.model.ops.first_argmax` with `mark_non_finite`, in one vectorized pass per
     row where XLA:CPU runs three scalar reductions."""
     error = ensure_registered()
     if error is not None:
