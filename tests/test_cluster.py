@@ -166,11 +166,11 @@ def test_a_stopped_cluster_gives_every_request_a_fate():
     calls = []
     real = cluster._step
 
-    def step(replica):
+    def step(replica, stop_flag):
         calls.append(1)
-        if len(calls) == 40:
+        if len(calls) == 10:
             stop.set()
-        real(replica)
+        real(replica, stop_flag)
 
     cluster._step = step
     result = cluster.serve(reqs, stop=stop)

@@ -5,7 +5,8 @@ order: arrivals (each routed at its arrival time), a replica's next iteration (i
 its previous one ends, so it runs `EngineLoop.step` once and its clock moves to the
 iteration's end), and under disaggregation a prefill's end (the decode replica is chosen
 then) and a KV transfer's end (the request joins the decode replica). A heap orders them, so
-replicas overlap in time exactly and no step scans all replicas.
+replicas overlap in time exactly and no step scans all replicas; a replica whose next
+iteration starts before every other event runs it at once, without a trip through the heap.
 
 At equal times a prefill's end, then a transfer's, then an arrival come before an iteration,
 so an iteration starting at t sees everything that arrived by t, as a single replica's
@@ -81,6 +82,7 @@ class ClusterSim:
         self.transfers_s: list[float] = []
         self.transferred_bytes = 0
         self._heap: list[tuple[float, int, int, Any]] = []
+        self._pending: deque[Request] = deque()  # arrivals to come, in time order
         self._seq = 0
         self._proxies: dict[Request, tuple[Request, Replica, RouteRequest]] = {}
         self._on_finish: Optional[Callable[[Request], None]] = None
@@ -102,12 +104,25 @@ class ClusterSim:
         replica.step_pending = True
         self._push(loop._now, _STEP, replica)
 
-    def _step(self, replica: Replica) -> None:
+    def _step(self, replica: Replica, stop: Optional[StopFlag]) -> None:
+        """Run the replica's iterations while each starts before every other event: the next
+        one then needs no trip through the heap."""
         replica.step_pending = False
-        loop = replica.loop
-        loop.step()
-        loop.boundary()  # reports the iteration's finished requests
-        self._wake(replica, loop._now)
+        loop, heap, pending = replica.loop, self._heap, self._pending
+        while True:
+            loop.step()
+            loop.boundary()  # reports the iteration's finished requests
+            t = loop._now
+            if not loop.has_work():
+                return
+            if (
+                (heap and (heap[0][0], heap[0][1]) <= (t, _STEP))
+                or (pending and pending[0].arrival_s <= t)
+                or (stop is not None and stop.is_set())
+            ):
+                self._wake(replica, t)
+                return
+            self._now = t
 
     def _arrive(self, req: Request, t: float) -> None:
         router = self.router
@@ -209,7 +224,7 @@ class ClusterSim:
         (as `cbjax.engine.serve`, `stop` included). The result covers the whole cluster."""
         wall0 = time.perf_counter()
         self._on_finish = on_finish
-        pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        pending = self._pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         heap = self._heap
         interrupted = False
         while pending or heap:
@@ -220,7 +235,7 @@ class ClusterSim:
                 t, kind, _, payload = heapq.heappop(heap)
                 self._now = t
                 if kind == _STEP:
-                    self._step(payload)
+                    self._step(payload, stop)
                 elif kind == _PREFILLED:
                     self._prefilled(payload, t)
                 else:
