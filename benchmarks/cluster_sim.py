@@ -32,6 +32,7 @@ from cbjax.engine import serve  # noqa: E402
 from cbjax.report import markdown_table  # noqa: E402
 from cbjax.run import build_executor, from_dict  # noqa: E402
 from cbjax.scheduler import Scheduler  # noqa: E402
+from cbjax.service import ServiceLog  # noqa: E402
 from cbjax.workload import build_workload  # noqa: E402
 
 AZURE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
@@ -63,7 +64,7 @@ def timed(cfg: RunConfig, replicas: int) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     if replicas == 1:
         sched = Scheduler(cfg.scheduler, cfg.cache, cfg.model.max_model_len)
-        result = serve(requests, sched, build_executor(cfg))
+        result = serve(requests, sched, build_executor(cfg), on_step=ServiceLog().on_step)  # as run_single
     else:
         cfg = dataclasses.replace(cfg, cluster=ClusterConfig(replicas=replicas, router=cfg.cluster.router))
         result = ClusterSim(cfg, build_executor).serve(requests)

@@ -3,6 +3,7 @@ exactly (each equals a lone replica serving what was routed to it), prefill/deco
 disaggregation by hand, per-pool hardware, outputs, and config errors naming the key."""
 
 import dataclasses
+import gc
 import json
 
 import pytest
@@ -70,6 +71,7 @@ def test_two_replicas_overlap_in_time_by_hand():
     assert [r.first_token_s for r in reqs] == [1.0, 1.5, 2.0]
     assert [r.finish_s for r in reqs] == [3.0, 3.5, 3.0]
     assert result.makespan_s == 3.5 and result.stats.iterations == 3 + 3
+    assert gc.isenabled()  # paused during the loop only
 
 
 @pytest.mark.parametrize("cost_model", ["unit", "roofline"])

@@ -24,7 +24,9 @@ it never reaches one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import heapq
 import time
 from collections import deque
@@ -226,11 +228,17 @@ class ClusterSim:
         self._on_finish = on_finish
         pending = self._pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         heap = self._heap
-        interrupted = False
+        with _cyclic_gc_paused():
+            interrupted = self._run(pending, heap, stop)
+        if interrupted:
+            self._stop(list(pending))
+        return self._result(list(requests), interrupted, time.perf_counter() - wall0)
+
+    def _run(self, pending: deque, heap: list, stop: Optional[StopFlag]) -> bool:
+        """The event loop; True if `stop` ended it."""
         while pending or heap:
             if stop is not None and stop.is_set():
-                interrupted = True
-                break
+                return True
             if heap and (not pending or (heap[0][0], heap[0][1]) < (pending[0].arrival_s, _ARRIVE)):
                 t, kind, _, payload = heapq.heappop(heap)
                 self._now = t
@@ -244,9 +252,7 @@ class ClusterSim:
                 req = pending.popleft()
                 self._now = req.arrival_s
                 self._arrive(req, req.arrival_s)
-        if interrupted:
-            self._stop(list(pending))
-        return self._result(list(requests), interrupted, time.perf_counter() - wall0)
+        return False
 
     def _stop(self, pending: list[Request]) -> None:
         """End what is unfinished: aborted if it had arrived, `not_arrived` if not."""
@@ -326,6 +332,20 @@ class ClusterSim:
         if self.cfg.cluster.disaggregated:
             return self.rows.get(req, {"prefill_replica": None, "decode_replica": None, "kv_transfer_s": None})
         return self.rows.get(req, {"replica": None, "kv_transfer_s": None})
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Pause Python's cyclic garbage collector. The loop allocates many short-lived objects,
+    all freed by reference counting; each collection would instead walk every live object of
+    the run (all requests, every replica's state) and find nothing. Restored on exit."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def first_token_reason(req: Request, proxy: Request, max_model_len: int) -> Optional[FinishReason]:
