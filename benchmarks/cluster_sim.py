@@ -5,8 +5,9 @@
 The trace: `--requests` (prompt, output) length pairs drawn with replacement from the Azure
 code trace (../shared/traces), Poisson arrivals at `--rate-per-replica` x replicas. One replica
 serves 1/replicas of it at 1/replicas of the rate, so the load per replica is alike; both keep
-the per-iteration service log a run keeps (client_service). Prints a table: wall and CPU time (the process's own: on a shared machine wall time counts other
-processes' turns), simulated iterations, and the CPU cost per iteration of each.
+the per-iteration service log a run keeps (client_service). Prints a table: wall and CPU
+time (the process's own: on a shared machine wall time counts other processes' turns),
+simulated iterations, and the CPU cost per iteration of each.
 """
 
 from __future__ import annotations
