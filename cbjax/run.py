@@ -156,12 +156,14 @@ def run_cluster(
     result = cluster.serve(requests, stop=stop, on_finish=live.write if live else None)
     summary = build_summary(cfg, result, cluster.service_log, cluster.replicas[0].executor)
     summary.update(cluster.summary_fields(result))
-    if out_dir is not None:
-        write_service_series(out_dir, service_series(cluster.service_log, client_ids(result.requests), cfg.metrics, result.makespan_s))
-        write_run(out_dir, cfg, summary, result.requests, extra_rows=cluster.row_extras)
-        live.close()
-    if verbose:
+    if verbose:  # before the files, as run_single
         log.info(format_summary(summary, title=f"{summary['scheduler']} (sim, {len(cluster.replicas)} replicas)"))
+    write_outputs(
+        cfg, out_dir, result, cluster.service_log, cluster.replicas[0].executor, extra_rows=cluster.row_extras,
+        summary=summary,
+    )  # fmt: skip
+    if live is not None:
+        live.close()
     return summary
 
 
