@@ -136,3 +136,19 @@ def test_a_users_router_from_its_own_directory_gives_round_robins_assignments(tm
     mine, theirs = assignments("my_routers:MyRoundRobin"), assignments("round_robin")
     assert mine == theirs
     assert mine[0][:6] == [0, 1, 2, 0, 1, 2]
+
+
+def test_a_router_returning_no_replica_fails_naming_it(tmp_path, monkeypatch):
+    from cbjax.cluster import ClusterSim
+    from cbjax.config import RunConfig
+    from cbjax.run import build_executor
+    from cbjax.workload import build_workload
+
+    (tmp_path / "bad_routers.py").write_text(
+        "from cbjax.cluster import Router\n\nclass Off(Router):\n    def route(self, req, replicas):\n        return len(replicas)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RunConfig(cluster=ClusterConfig(replicas=2, router="bad_routers:Off"), progress=False)
+    cluster = ClusterSim(cfg, build_executor)
+    with pytest.raises(ValueError, match=r"cluster\.router: Off\.route returned 2, not a replica in \[0, 2\)"):
+        cluster.serve(build_workload(cfg.workload, cfg.seed)[:3])

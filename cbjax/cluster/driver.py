@@ -86,7 +86,7 @@ class ClusterSim:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._pending: deque[Request] = deque()  # arrivals to come, in time order
         self._seq = 0
-        self._proxies: dict[Request, tuple[Request, Replica, RouteRequest]] = {}
+        self._proxies: dict[Request, tuple[Request, RouteRequest]] = {}  # prefill copy -> request, its route
         self._on_finish: Optional[Callable[[Request], None]] = None
         self._stopping = False
         self._now = 0.0
@@ -139,7 +139,7 @@ class ClusterSim:
             proxy = dataclasses.replace(
                 req, sampling=dataclasses.replace(req.sampling, max_tokens=1), target_output_len=1
             )
-            self._proxies[proxy] = (req, replica, route)
+            self._proxies[proxy] = (req, route)
             self.rows[req] = {"prefill_replica": replica.index, "decode_replica": None, "kv_transfer_s": None}
             replica.loop.add(proxy, t)
         else:
@@ -163,7 +163,7 @@ class ClusterSim:
 
     def _prefilled(self, proxy: Request, t: Optional[float]) -> None:
         """The prefill copy ended at `t`: start the transfer, or end the request."""
-        req, _, route = self._proxies.pop(proxy)
+        req, route = self._proxies.pop(proxy)
         for key in ("scheduled_s", "first_token_s", "last_token_s", "num_preemptions"):
             setattr(req, key, getattr(proxy, key))
         if proxy.finish_reason not in SERVED:  # rejected, aborted, failed: the request's fate
