@@ -62,8 +62,10 @@ def test_prefix_affinity_follows_the_longest_prefix_within_the_load_bound():
     assert router.route(REQ, snaps((1, 0), (2, 0), (0, 0), cached=cached)) == 1
     # only a chain's leading pages count: 12 and 13 without 11 match nothing
     assert router.route(REQ, snaps((1, 0), (0, 0), cached=[(12, 13), ()])) == 1
-    # no match anywhere: the least loaded
-    assert router.route(RouteRequest("x", 16, (99,)), snaps((2, 0), (1, 0), (1, 0), cached=cached)) == 1
+    # no match anywhere: the least loaded (1 and 2), then the smaller index (2 pages, not 3)
+    assert router.route(RouteRequest("x", 16, (99,)), snaps((2, 0), (1, 0), (1, 0), cached=cached)) == 2
+    # idle replicas and no match: the empty index takes the new prefix
+    assert router.route(RouteRequest("y", 16, (98,)), snaps((0, 0), (0, 0), cached=[(5, 6), ()])) == 1
 
 
 def test_route_decode_defaults_to_the_most_free_pages():

@@ -48,6 +48,10 @@ class Replica:
     def num_usable_pages(self) -> int:
         return self.scheduler.allocator.num_usable_pages
 
+    @property
+    def num_indexed_pages(self) -> int:
+        return len(self.prefix)
+
     def cached_pages(self, page_hashes: Sequence[int]) -> int:
         return self.prefix.match(page_hashes)
 

@@ -44,6 +44,10 @@ class ReplicaState(Protocol):
     @property
     def num_usable_pages(self) -> int: ...
 
+    @property
+    def num_indexed_pages(self) -> int:
+        """Pages in the replica's prefix index (what the router believes it caches)."""
+
     def cached_pages(self, page_hashes: Sequence[int]) -> int:
         """Leading pages of `page_hashes` the replica's prefix index holds."""
 
@@ -57,6 +61,10 @@ class ReplicaSnapshot:
     num_free_pages: int = 0
     num_usable_pages: int = 0
     cached: frozenset[int] = frozenset()  # page hashes in the replica's prefix index
+
+    @property
+    def num_indexed_pages(self) -> int:
+        return len(self.cached)
 
     def cached_pages(self, page_hashes: Sequence[int]) -> int:
         n = 0
@@ -142,8 +150,10 @@ class PrefixAffinity(Router):
 
     Among replicas whose outstanding requests exceed the least loaded one's by at most
     `max_imbalance`, the one whose prefix index holds the most leading pages of the prompt;
-    ties (no match anywhere included) go to the least loaded, then the lowest position. A hot
-    prefix thus stays on one replica until that replica runs `max_imbalance` requests ahead.
+    ties (no match anywhere included) go to the least loaded, then to the smallest prefix
+    index (the most room for a new prefix, as SGLang's router sends an unmatched prompt to its
+    smallest tree), then the lowest position. A hot prefix thus stays on one replica until
+    that replica runs `max_imbalance` requests ahead, and new prefixes spread out.
     """
 
     name = "prefix_affinity"
@@ -161,7 +171,7 @@ class PrefixAffinity(Router):
         for i, replica in enumerate(replicas):
             if loads[i] > bound:
                 continue
-            key = (-replica.cached_pages(req.page_hashes), loads[i], i)
+            key = (-replica.cached_pages(req.page_hashes), loads[i], replica.num_indexed_pages, i)
             if best_key is None or key < best_key:
                 best, best_key = i, key
         return best
