@@ -206,3 +206,22 @@ def test_the_cluster_is_host_side_and_below_the_run_layer():
             bad = {d for d in deps if d.startswith(("cbjax.runtime", "cbjax.kernels", "cbjax.model", "cbjax.run"))}
             bad |= deps & {"cbjax.cli", "cbjax.hydra_job", "cbjax.sweep"}
             assert not bad, f"{mod} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_disaggregated_requests_survive_preemption_on_a_crowded_decode_replica(preemption):
+    cfg = dataclasses.replace(
+        config(prefill_replicas=1, decode_replicas=1),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, preemption=preemption),
+        cache=CacheConfig(num_pages=48),
+        workload=WorkloadConfig(num_requests=40, arrival="poisson", rate=400.0),
+    )
+    cluster = ClusterSim(cfg, build_executor)
+    reqs = build_workload(cfg.workload, cfg.seed)
+    result = cluster.serve(reqs)
+    decode = cluster.summary_fields(result)["replicas"][1]
+    assert decode["preemptions"] > 0
+    assert (result.extra["swap_preemptions"] > 0) == (preemption == "swap")
+    served = [r for r in reqs if r.finish_reason is not FinishReason.REJECTED]
+    assert served and all(r.num_generated == r.target_output_len for r in served)
+    assert all(r.first_token_s <= r.finish_s for r in served)
