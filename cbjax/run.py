@@ -82,7 +82,10 @@ def run_single(
     """Serve the configured workload once; write summary.json, requests.jsonl, config.yaml.
 
     Rows stream to requests.jsonl.partial as requests finish. Once `stop` is set the run
-    aborts what is unfinished and still writes all three files, with `interrupted: true`."""
+    aborts what is unfinished and still writes all three files, with `interrupted: true`.
+    With `cluster.replicas` > 1 or P/D pools the run is a cluster's (`run_cluster`)."""
+    if cfg.cluster.enabled:
+        return run_cluster(cfg, out_dir, verbose=verbose, stop=stop)
     cfg = resolve(cfg)
     requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
@@ -126,6 +129,39 @@ def run_single(
     if verbose:  # before the files: the console keeps the summary when the folder can't take them
         log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
     write_outputs(cfg, out_dir, result, service_log, executor, extra_rows=extra, summary=summary)
+    if live is not None:
+        live.close()
+    return summary
+
+
+def run_cluster(
+    cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True, stop: Optional[StopFlag] = None
+) -> dict[str, Any]:
+    """`run_single` for a cluster (`cbjax.cluster`): the same three files, each row with its
+    replica(s) and KV transfer time, summary.json with the `replicas` list."""
+    from cbjax.cluster import ClusterSim
+
+    cfg = resolve_model(cfg)  # each pool sizes its own KV pool
+    requests = build_workload(cfg.workload, cfg.seed)
+    tokenizer = None
+    if cfg.model.path:
+        from cbjax.model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.path)
+    encode_text_prompts(requests, tokenizer, where=f"model {cfg.model.name!r}")
+    cluster = ClusterSim(cfg, build_executor)
+    live = None
+    if out_dir is not None:
+        live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **cluster.row_extras(r)})
+    result = cluster.serve(requests, stop=stop, on_finish=live.write if live else None)
+    summary = build_summary(cfg, result, cluster.service_log, cluster.replicas[0].executor)
+    summary.update(cluster.summary_fields(result))
+    if verbose:  # before the files, as run_single
+        log.info(format_summary(summary, title=f"{summary['scheduler']} (sim, {len(cluster.replicas)} replicas)"))
+    write_outputs(
+        cfg, out_dir, result, cluster.service_log, cluster.replicas[0].executor, extra_rows=cluster.row_extras,
+        summary=summary,
+    )  # fmt: skip
     if live is not None:
         live.close()
     return summary
@@ -178,6 +214,12 @@ def summary_keys(cfg: RunConfig) -> set[str]:
     cfg = resolve_model(cfg)
     executor = SimExecutor(UnitCost())
     cache = dataclasses.replace(cfg.cache, num_pages=16, num_swap_pages=None)  # no request needs a page
+    if cfg.cluster.enabled:
+        from cbjax.cluster import ClusterSim
+
+        cluster = ClusterSim(dataclasses.replace(cfg, cache=cache), lambda _: SimExecutor(UnitCost()))
+        result = cluster.serve([])
+        return set(build_summary(cfg, result, cluster.service_log, executor)) | set(cluster.summary_fields(result))
     scheduler = Scheduler(cfg.scheduler, cache, cfg.model.max_model_len, validate=executor.validate)
     service_log = ServiceLog()
     result = serve([], scheduler, executor, on_step=service_log.on_step)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from cbjax.config.checks import _one_of, _require
+from cbjax.config.cluster import BACKENDS, ROUTERS, ClusterConfig
 from cbjax.config.machine import DTYPES, MLP_KINDS, HardwareConfig, ModelConfig
 from cbjax.config.overhead import OverheadConfig
 from cbjax.config.reporting import (
@@ -30,6 +31,7 @@ __all__ = [
     "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig",
     "ClientConfig", "WorkloadConfig", "ModelConfig", "HardwareConfig", "OverheadConfig", "ExperimentConfig", "ServiceWeights",
     "MetricsConfig", "SLOConfig", "LoggerConfig", "DistributedConfig", "RunConfig",
+    "ClusterConfig", "ROUTERS", "BACKENDS",
 ]  # fmt: skip
 
 PREDICTORS = ("oracle", "mean", "learned")
@@ -293,6 +295,7 @@ class RunConfig:
     # A summary.json key the job returns to a Hydra sweeper (optuna maximizes or minimizes it).
     optimized_metric: Optional[str] = None
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas, router, P/D (cbjax.cluster)
 
     def __post_init__(self) -> None:
         _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)

@@ -12,7 +12,7 @@ from cbjax.config.checks import _one_of, _require
 ARRIVALS = ("all_at_once", "poisson", "gamma", "uniform")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
 TRUNCATIONS = ("clip", "resample")
-WORKLOADS = ("synthetic", "trace")
+WORKLOADS = ("synthetic", "trace", "shared_prefix")
 TRACE_FORMATS = ("auto", "azure", "azure2024", "burstgpt", "mooncake", "csv", "jsonl")
 
 
@@ -65,6 +65,25 @@ class ClientConfig:
 
 
 @dataclass
+class SharedPrefixConfig:
+    """workload=shared_prefix (cbjax.workload.shared_prefix): each prompt is one of
+    `num_groups` shared prefixes of `prefix_len` tokens (a system prompt, few-shot examples),
+    group k drawn with Zipf weight 1 / (k + 1) ** zipf_s (0: uniform), then its own suffix
+    of workload.prompt_len tokens."""
+
+    num_groups: int = 8
+    prefix_len: int = 512
+    zipf_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.num_groups >= 1, "workload.shared_prefix.num_groups", "must be >= 1", self.num_groups)
+        _require(self.prefix_len >= 1, "workload.shared_prefix.prefix_len", "must be >= 1", self.prefix_len)
+        _require(
+            self.zipf_s >= 0 and math.isfinite(self.zipf_s), "workload.shared_prefix.zipf_s", "must be >= 0", self.zipf_s
+        )
+
+
+@dataclass
 class WorkloadConfig:
     name: str = "synthetic"
     num_requests: int = 256
@@ -94,6 +113,7 @@ class WorkloadConfig:
     # A request arriving later (after time_scale) is rejected with its reason: an absurd time
     # would zero its latencies in float64 and make the real engine wait for it. 1e7 s: ~116 days.
     max_arrival_s: float = 1e7
+    shared_prefix: SharedPrefixConfig = field(default_factory=SharedPrefixConfig)
 
     def __post_init__(self) -> None:
         _one_of("workload.name", self.name, WORKLOADS)

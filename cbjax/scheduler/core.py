@@ -169,6 +169,28 @@ class Scheduler(StepResults):
         self._track_waiting(req, 1)
         self.policy.push(req)
 
+    def add_transferred(self, req: Request, now: float, num_pages: int) -> None:
+        """Accept a request prefilled on another replica (prefill/decode disaggregation, see
+        `cbjax.cluster`) whose K/V for its `num_computed` tokens, `num_pages` pages, arrived in
+        host memory. It waits as a swapped-out request does: its admission allocates pages,
+        copies the host pages in (`Schedule.swap_in`) and continues from `num_computed`."""
+        need = self.allocator.pages_for(req.num_computed)
+        if req.num_computed < 1 or num_pages != need:
+            raise ValueError(
+                f"add_transferred: request {req.request_id} has {req.num_computed} computed tokens "
+                f"({need} pages), got {num_pages} pages"
+            )
+        req.max_output_len = max(0, min(req.stop_length(), self.max_model_len - req.prompt_len))
+        reason = self.rejection_reason(req)
+        if reason is not None:
+            self.reject(req, reason, now)
+            return
+        req.status = Status.WAITING
+        self._swapped[req] = num_pages
+        self.swap_used += num_pages
+        self._track_waiting(req, 1)
+        self.policy.push(req)
+
     def reject(self, req: Request, reason: str, now: float) -> None:
         """End a request that never entered the queue, with reason `rejected`."""
         req.status = Status.FINISHED

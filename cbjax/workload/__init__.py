@@ -5,9 +5,10 @@ from __future__ import annotations
 from cbjax.config import WorkloadConfig
 from cbjax.request import Request
 from cbjax.workload.synthetic import build_synthetic
+from cbjax.workload.shared_prefix import build_shared_prefix
 from cbjax.workload.trace import load_trace
 
-__all__ = ["build_workload", "build_synthetic", "load_trace"]
+__all__ = ["build_workload", "build_synthetic", "build_shared_prefix", "load_trace"]
 
 
 def build_workload(cfg: WorkloadConfig, seed: int) -> list[Request]:
@@ -16,8 +17,10 @@ def build_workload(cfg: WorkloadConfig, seed: int) -> list[Request]:
         requests = build_synthetic(cfg, seed)
     elif cfg.name == "trace":
         requests = load_trace(cfg, seed)
+    elif cfg.name == "shared_prefix":
+        requests = build_shared_prefix(cfg, seed)
     else:
-        raise ValueError(f"workload.name: unknown value {cfg.name!r}; choose synthetic or trace")
+        raise ValueError(f"workload.name: unknown value {cfg.name!r}; choose synthetic, trace or shared_prefix")
     reject_late_arrivals(requests, cfg.max_arrival_s)
     return sorted(requests, key=lambda r: r.arrival_s)
 

@@ -1,0 +1,215 @@
+"""Routers: which replica serves an arriving request, from a read-only view of each (no jax).
+
+A router is a small object whose `route` is a pure function of the request (`RouteRequest`,
+plain data) and of one `ReplicaState` per replica: queue lengths, free pages and a prefix
+index. It returns a replica's position in that sequence. Under prefill/decode disaggregation
+`route` picks the prefill replica and `route_decode`, once the prefill is done, the decode
+replica. Built-in routers register by name (`cluster.router`); a user's router is
+"package.module:ClassName" (a `Router` subclass), built with `cluster.router_args`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a router sees of a request."""
+
+    request_id: str
+    prompt_len: int
+    # Chained hashes of the prompt's full pages; empty unless the router sets `uses_prefix`.
+    page_hashes: tuple[int, ...] = ()
+    client_id: str = "default"
+    priority: int = 0
+
+
+class ReplicaState(Protocol):
+    """One replica as a router sees it, read-only."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_free_pages(self) -> int: ...
+
+    @property
+    def num_usable_pages(self) -> int: ...
+
+    @property
+    def num_indexed_pages(self) -> int:
+        """Pages in the replica's prefix index (what the router believes it caches)."""
+
+    def cached_pages(self, page_hashes: Sequence[int]) -> int:
+        """Leading pages of `page_hashes` the replica's prefix index holds."""
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot:
+    """A `ReplicaState` frozen as plain data (tests, and routers reasoning by hand)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_pages: int = 0
+    num_usable_pages: int = 0
+    cached: frozenset[int] = frozenset()  # page hashes in the replica's prefix index
+
+    @property
+    def num_indexed_pages(self) -> int:
+        return len(self.cached)
+
+    def cached_pages(self, page_hashes: Sequence[int]) -> int:
+        n = 0
+        for h in page_hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+
+def outstanding(replica: ReplicaState) -> int:
+    """Requests waiting or running on the replica."""
+    return replica.num_waiting + replica.num_running
+
+
+class Router:
+    """Base router. Subclasses override `route` (and `route_decode` for P/D)."""
+
+    name = "base"
+    # True: the driver computes the request's page hashes (`RouteRequest.page_hashes`).
+    uses_prefix = False
+
+    def route(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
+        raise NotImplementedError
+
+    def route_decode(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
+        """The decode replica for a prefilled request: the most free pages, then the fewest
+        outstanding requests, then the lowest position."""
+        return min(range(len(replicas)), key=lambda i: (-replicas[i].num_free_pages, outstanding(replicas[i]), i))
+
+
+class RoundRobin(Router):
+    """Replicas in turn, whatever their load."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
+        i = self._next % len(replicas)
+        self._next = i + 1
+        return i
+
+
+class LeastLoaded(Router):
+    """The fewest outstanding (waiting + running) requests; ties to the lowest position."""
+
+    name = "least_loaded"
+
+    def route(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
+        return min(range(len(replicas)), key=lambda i: (outstanding(replicas[i]), i))
+
+
+class LeastKV(Router):
+    """The most free KV pages; ties to the fewest outstanding requests, then the lowest position."""
+
+    name = "least_kv"
+
+    def route(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
+        return Router.route_decode(self, req, replicas)
+
+
+class PowerOfTwo(Router):
+    """Two replicas drawn at random (seeded), the one with fewer outstanding requests
+    (Mitzenmacher's power of two choices); a tie goes to the first drawn."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def route(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
+        n = len(replicas)
+        if n == 1:
+            return 0
+        a, b = self._rng.sample(range(n), 2)
+        return b if outstanding(replicas[b]) < outstanding(replicas[a]) else a
+
+
+class PrefixAffinity(Router):
+    """The longest cached prefix, bounded by load (SGLang's cache-aware router, Preble).
+
+    Among replicas whose outstanding requests exceed the least loaded one's by at most
+    `max_imbalance`, the one whose prefix index holds the most leading pages of the prompt;
+    ties (no match anywhere included) go to the least loaded, then to the smallest prefix
+    index (the most room for a new prefix, as SGLang's router sends an unmatched prompt to its
+    smallest tree), then the lowest position. A hot prefix thus stays on one replica until
+    that replica runs `max_imbalance` requests ahead, and new prefixes spread out.
+    """
+
+    name = "prefix_affinity"
+    uses_prefix = True
+
+    def __init__(self, max_imbalance: int = 8) -> None:
+        if max_imbalance < 0:
+            raise ValueError(f"cluster.router_args.max_imbalance must be >= 0, got {max_imbalance}")
+        self.max_imbalance = max_imbalance
+
+    def route(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
+        loads = [outstanding(r) for r in replicas]
+        bound = min(loads) + self.max_imbalance
+        best, best_key = 0, None
+        for i, replica in enumerate(replicas):
+            if loads[i] > bound:
+                continue
+            key = (-replica.cached_pages(req.page_hashes), loads[i], replica.num_indexed_pages, i)
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+        return best
+
+
+ROUTER_CLASSES: dict[str, type[Router]] = {
+    cls.name: cls for cls in (RoundRobin, LeastLoaded, LeastKV, PrefixAffinity, PowerOfTwo)
+}
+
+
+def load_router_class(path: str) -> type[Router]:
+    """The Router subclass named by "package.module:ClassName" (`cluster.router`)."""
+    module_name, _, attr = path.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"cluster.router: cannot import module {module_name!r} ({err}); "
+            "is its directory on PYTHONPATH or the working directory?"
+        ) from None
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not (isinstance(obj, type) and issubclass(obj, Router)):
+        raise ValueError(f"cluster.router: {path!r} is not a subclass of cbjax.cluster.Router")
+    return obj
+
+
+def make_router(name: str, args: Optional[dict] = None) -> Router:
+    """The router `name` (built-in, or "package.module:ClassName") built with `args`."""
+    if ":" in name:
+        cls = load_router_class(name)
+    elif name in ROUTER_CLASSES:
+        cls = ROUTER_CLASSES[name]
+    else:
+        raise ValueError(f"cluster.router: unknown value {name!r}; choose one of {', '.join(ROUTER_CLASSES)}")
+    args = dict(args or {})
+    try:
+        inspect.signature(cls).bind(**args)
+    except TypeError as err:
+        raise ValueError(f"cluster.router_args: {cls.__name__} does not accept {args}: {err}") from None
+    return cls(**args)
