@@ -140,6 +140,11 @@ class EngineLoop:
             return self._now  # keeping up: the next step starts where the last one ended
         return wall
 
+    def advance_to(self, t: float) -> None:
+        """A virtual clock idle until `t` jumps there (never backwards)."""
+        if self._now < t:
+            self._now = t
+
     def restart_clock(self) -> None:
         """Start the clock at 0 now (after warmup, before the first arrival)."""
         self._wall0 = self._t0 = self._clock()
@@ -401,7 +406,7 @@ def serve(
                 break
             # Idle: jump (or wait) to the next arrival.
             if loop.virtual:
-                loop._now = pending[0].arrival_s
+                loop.advance_to(pending[0].arrival_s)
             else:
                 # short naps, so a stop request or a due flush is not kept waiting
                 sleep(min(0.1, max(0.0, pending[0].arrival_s - loop.now())))

@@ -101,10 +101,9 @@ class ClusterSim:
         if replica.step_pending or not replica.loop.has_work():
             return
         loop = replica.loop
-        if loop._now < t:  # idle until t: its virtual clock jumps, as `serve`'s does
-            loop._now = t
+        loop.advance_to(t)  # idle until t: its virtual clock jumps, as `serve`'s does
         replica.step_pending = True
-        self._push(loop._now, _STEP, replica)
+        self._push(loop.now(), _STEP, replica)
 
     def _step(self, replica: Replica, stop: Optional[StopFlag]) -> None:
         """Run the replica's iterations while each starts before every other event: the next
@@ -114,7 +113,7 @@ class ClusterSim:
         while True:
             loop.step()
             loop.boundary()  # reports the iteration's finished requests
-            t = loop._now
+            t = loop.now()
             if not loop.has_work():
                 return
             if (

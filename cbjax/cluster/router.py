@@ -10,11 +10,12 @@ replica. Built-in routers register by name (`cluster.router`); a user's router i
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import random
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
+
+from cbjax.plugins import load_class
 
 
 @dataclass(frozen=True)
@@ -184,19 +185,7 @@ ROUTER_CLASSES: dict[str, type[Router]] = {
 
 def load_router_class(path: str) -> type[Router]:
     """The Router subclass named by "package.module:ClassName" (`cluster.router`)."""
-    module_name, _, attr = path.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(
-            f"cluster.router: cannot import module {module_name!r} ({err}); "
-            "is its directory on PYTHONPATH or the working directory?"
-        ) from None
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-    if not (isinstance(obj, type) and issubclass(obj, Router)):
-        raise ValueError(f"cluster.router: {path!r} is not a subclass of cbjax.cluster.Router")
-    return obj
+    return load_class(path, Router, "cluster.router")
 
 
 def make_router(name: str, args: Optional[dict] = None) -> Router:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +119,39 @@ def _group_pass(groups: Tiles, q_ext, pos_ext, page_table, k_flat, v_flat, page_
     return lax.fori_loop(0, groups.num_chunks, chunk_body, out)
 
 
+class PagedView(NamedTuple):
+    """The cache as the group passes read it: one page per row of a flat view (a reshape, no
+    copy), kv head h of the layer starting at row `page_base[h]`; token positions with a -1
+    sentinel at index T (padding slots)."""
+
+    num_kv_heads: int
+    num_pages: int
+    group: int  # query heads per kv head
+    scale: float
+    k_flat: jax.Array  # [rows, page_size * head_dim]
+    v_flat: jax.Array
+    page_base: jax.Array  # i32[num_kv_heads]
+    pos_ext: jax.Array  # i32[T + 1]
+
+
+def paged_view(q, k_pages, v_pages, md: AttentionMetadata, layer, scale) -> PagedView:
+    """`PagedView` of one layer's pages (the whole cache with `layer`), shared by the XLA
+    passes and the native kernels."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, num_pages, page_size = k_pages.shape[-4:-1]
+    first = 0 if layer is None else layer * num_kv_heads
+    return PagedView(
+        num_kv_heads=num_kv_heads,
+        num_pages=num_pages,
+        group=num_heads // num_kv_heads,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        k_flat=k_pages.reshape(-1, page_size * head_dim),
+        v_flat=v_pages.reshape(-1, page_size * head_dim),
+        page_base=(first + jnp.arange(num_kv_heads, dtype=jnp.int32)) * num_pages,
+        pos_ext=jnp.concatenate([md.token_pos.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)]),
+    )
+
+
 def ragged_attention_xla(
     q: jax.Array,  # [T, num_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
@@ -146,15 +179,9 @@ def ragged_attention_xla(
                 f"{tiles.chunk_pages.shape[0]} chunks"
             )
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size = k_pages.shape[-4:-1]
-    group = num_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    # One page per row of a flat view (a reshape: no copy); kv head h of `layer` starts at page_base[h].
-    k_flat = k_pages.reshape(-1, page_size * head_dim)
-    v_flat = v_pages.reshape(-1, page_size * head_dim)
-    first = 0 if layer is None else layer * num_kv_heads
-    page_base = (first + jnp.arange(num_kv_heads, dtype=jnp.int32)) * num_pages
-    pos_ext = jnp.concatenate([md.token_pos.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
+    pv = paged_view(q, k_pages, v_pages, md, layer, scale)
+    num_kv_heads, num_pages, group, scale = pv.num_kv_heads, pv.num_pages, pv.group, pv.scale
+    k_flat, v_flat, page_base, pos_ext = pv.k_flat, pv.v_flat, pv.page_base, pv.pos_ext
     q_ext = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_ext = jnp.concatenate([q_ext, jnp.zeros((num_kv_heads, 1, group, head_dim), jnp.float32)], axis=1)
     res, idx = [], []

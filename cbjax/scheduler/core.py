@@ -160,12 +160,20 @@ class Scheduler(StepResults):
 
     def add(self, req: Request, now: float) -> None:
         """Accept a newly arrived request, or reject it with a reason."""
+        self._enqueue(req, now, 0)
+
+    def _enqueue(self, req: Request, now: float, host_pages: int) -> None:
+        """Queue an arrived request, holding `host_pages` pages of K/V in host memory (a
+        transferred request), or reject it with a reason."""
         req.max_output_len = max(0, min(req.stop_length(), self.max_model_len - req.prompt_len))
         reason = self.rejection_reason(req)
         if reason is not None:
             self.reject(req, reason, now)
             return
         req.status = Status.WAITING
+        if host_pages:
+            self._swapped[req] = host_pages
+            self.swap_used += host_pages
         self._track_waiting(req, 1)
         self.policy.push(req)
 
@@ -180,16 +188,7 @@ class Scheduler(StepResults):
                 f"add_transferred: request {req.request_id} has {req.num_computed} computed tokens "
                 f"({need} pages), got {num_pages} pages"
             )
-        req.max_output_len = max(0, min(req.stop_length(), self.max_model_len - req.prompt_len))
-        reason = self.rejection_reason(req)
-        if reason is not None:
-            self.reject(req, reason, now)
-            return
-        req.status = Status.WAITING
-        self._swapped[req] = num_pages
-        self.swap_used += num_pages
-        self._track_waiting(req, 1)
-        self.policy.push(req)
+        self._enqueue(req, now, num_pages)
 
     def reject(self, req: Request, reason: str, now: float) -> None:
         """End a request that never entered the queue, with reason `rejected`."""

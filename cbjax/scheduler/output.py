@@ -98,10 +98,12 @@ class PlanWriter:
                     f"schedule: request {rid} processes tokens [{lo}, {lo + n}), only {p + len(out)} "
                     "are known; this is a bug"
                 )
+            elif lo >= p:  # a decode (or a recompute's generated tail): no copy of the prompt
+                token_ids = tuple(out[lo - p : lo - p + n])
             elif lo + n <= p:
                 token_ids = tuple(req.prompt_ids()[lo : lo + n])
             else:
-                token_ids = tuple((req.prompt_ids() + out)[lo : lo + n])
+                token_ids = tuple(req.prompt_ids()[lo:]) + tuple(out[: lo + n - p])
         return ScheduledRequest(
             request_id=rid, slot=req.slot, num_computed=lo, num_new_tokens=n, is_decode=decode,
             token_ids=token_ids, feed_previous=feed, page_table=page_table, sampling=sampling,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections import deque
 from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence
 
+from cbjax.plugins import load_class
 from cbjax.request import Request
 
 if TYPE_CHECKING:
@@ -195,19 +195,7 @@ register(StaticPolicy)
 
 def load_policy_class(path: str) -> type[Policy]:
     """The Policy subclass named by "package.module:ClassName" (`scheduler.policy_class`)."""
-    module_name, _, attr = path.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(
-            f"scheduler.policy_class: cannot import module {module_name!r} ({err}); "
-            "is its directory on PYTHONPATH or the working directory?"
-        ) from None
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-    if not (isinstance(obj, type) and issubclass(obj, Policy)):
-        raise ValueError(f"scheduler.policy_class: {path!r} is not a subclass of cbjax.scheduler.Policy")
-    return obj
+    return load_class(path, Policy, "scheduler.policy_class")
 
 
 def make_policy(cfg: "SchedulerConfig") -> Policy:

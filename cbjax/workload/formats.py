@@ -20,12 +20,13 @@ GeneratedTokens) and are read by `cbjax.workload.trace`.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 
-from cbjax.workload.rows import LineError, _attempt, _json_float, _json_int, _Row, _text_float, _text_int
+from cbjax.workload.rows import (
+    LineError, _attempt, _json_float, _json_int, _json_object, _Row, _text_float, _text_int,
+)
 
 BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -71,7 +72,7 @@ def mooncake_rows(body: list[tuple[int, str]], block_size: int, vocab_size: int,
     rows = []
     for n, text in body:
         row = _Row(line=n)
-        obj = _object(row, text)
+        obj = _json_object(row, text)
         if obj is not None:
             _mooncake_fields(row, obj)
             hash_ids = obj.get("hash_ids")
@@ -95,18 +96,6 @@ def prompt_from_blocks(
             cache[hid] = np.random.default_rng((seed, hid)).integers(0, vocab_size, block_size)
         out.extend(int(t) for t in cache[hid][: length - len(out)])
     return out
-
-
-def _object(row: _Row, text: str) -> Any:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        row.errors.append(f"invalid JSON: {e.msg} at column {e.colno}")
-        return None
-    if not isinstance(obj, dict):
-        row.errors.append(f"expected a JSON object, got {type(obj).__name__}")
-        return None
-    return obj
 
 
 def _mooncake_fields(row: _Row, obj: dict[str, Any]) -> None:

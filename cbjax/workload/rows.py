@@ -6,6 +6,7 @@ so the line becomes a rejected request instead of a crash.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -30,6 +31,19 @@ class _Row:
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     client_id: str = "default"
+
+
+def _json_object(row: _Row, text: str) -> Optional[dict]:
+    """A JSONL line's object, or None with the reason in `row.errors`."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        row.errors.append(f"invalid JSON: {e.msg} at column {e.colno}")
+        return None
+    if not isinstance(obj, dict):
+        row.errors.append(f"expected a JSON object, got {type(obj).__name__}")
+        return None
+    return obj
 
 
 def _attempt(row: _Row, parse: Callable[..., Any], *args: Any) -> Any:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from cbjax.config import WorkloadConfig
 from cbjax.request import Request, SamplingParams
 from cbjax.workload.rows import (
-    LineError, _attempt, _json_bool, _json_float, _json_ids, _json_int, _json_str, _Row, _text_float, _text_int,
+    LineError, _attempt, _json_bool, _json_float, _json_ids, _json_int, _json_object, _json_str, _Row, _text_float, _text_int,
 )  # fmt: skip
 from cbjax.workload.formats import BURSTGPT_COLUMNS, MOONCAKE_KEYS, burstgpt_rows, mooncake_rows
 from cbjax.workload.synthetic import rng_streams, sampling_seeds, prompt_seeds
@@ -192,13 +192,8 @@ def _azure_rows(body: list[tuple[int, str]], order: list[str]) -> list[_Row]:
 
 def _jsonl_row(n: int, text: str) -> _Row:
     row = _Row(line=n)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        row.errors.append(f"invalid JSON: {e.msg} at column {e.colno}")
-        return row
-    if not isinstance(obj, dict):
-        row.errors.append(f"expected a JSON object, got {type(obj).__name__}")
+    obj = _json_object(row, text)
+    if obj is None:
         return row
     unknown = [key for key in obj if key not in JSONL_KEYS]
     if unknown:

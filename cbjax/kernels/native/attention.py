@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import jax
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 
 from cbjax.kernels.metadata import AttentionMetadata, check_shapes, layer_view
 from cbjax.kernels.native import kernels
-from cbjax.kernels.xla_ragged import RaggedWork, ragged_attention_xla
+from cbjax.kernels.xla_ragged import RaggedWork, paged_view, ragged_attention_xla
 from cbjax.layout.tiles import PAGES_BLOCK, PAGES_SINGLE
 
 
@@ -36,15 +35,9 @@ def ragged_attention_native(
     if not isinstance(md.work, RaggedWork):
         raise ValueError("ragged_attention_native: md.work must hold the RaggedWork groups the packer builds")
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size = k_pages.shape[-4:-1]
-    group = num_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    # One page per row of a flat view (a reshape: no copy); kv head h of `layer` starts at page_base[h].
-    k_flat = k_pages.reshape(-1, page_size * head_dim)
-    v_flat = v_pages.reshape(-1, page_size * head_dim)
-    first = 0 if layer is None else layer * num_kv_heads
-    page_base = (first + jnp.arange(num_kv_heads, dtype=jnp.int32)) * num_pages
-    pos_ext = jnp.concatenate([md.token_pos.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
+    pv = paged_view(q, k_pages, v_pages, md, layer, scale)
+    num_kv_heads, num_pages, group, scale = pv.num_kv_heads, pv.num_pages, pv.group, pv.scale
+    k_flat, v_flat, page_base, pos_ext = pv.k_flat, pv.v_flat, pv.page_base, pv.pos_ext
     # The kernels take the queries in token order and scale them, and write token order: the
     # single list's tokens (zeros elsewhere), then the block list's over them in place; no
     # transpose, concatenation or scatter around them.
