@@ -145,9 +145,10 @@ class EngineLoop:
         if self._now < t:
             self._now = t
 
-    def restart_clock(self) -> None:
-        """Start the clock at 0 now (after warmup, before the first arrival)."""
-        self._wall0 = self._t0 = self._clock()
+    def restart_clock(self, t0: Optional[float] = None) -> None:
+        """Start the clock at 0 now, or at `t0` on its clock (several loops sharing one
+        origin); after warmup, before the first arrival."""
+        self._wall0 = self._t0 = self._clock() if t0 is None else t0
         self._now = 0.0
 
     # ---- intake (thread-safe) ----

@@ -48,7 +48,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, cache=dataclasses.replace(cache, num_pages=num_pages))
 
 
-def build_executor(cfg: RunConfig):
+def build_executor(cfg: RunConfig, devices=None):
+    """The run's executor; `devices`: the engine's own devices (a cluster replica's)."""
     cfg = resolve(cfg)
     if cfg.distributed.enabled:  # before jax starts its backends
         from cbjax.runtime.distributed import initialize
@@ -70,7 +71,9 @@ def build_executor(cfg: RunConfig):
             from cbjax.model.hf import load_model
 
             llama = load_model(cfg.model)
-        executor = JaxExecutor(cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed, llama=llama)
+        executor = JaxExecutor(
+            cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed, llama=llama, devices=devices
+        )
         executor.progress = cfg.progress
         return executor
     raise ValueError(f"executor.name: unknown executor {cfg.executor.name!r}")
@@ -138,9 +141,9 @@ def run_cluster(
     cfg: RunConfig, out_dir: Optional[Path] = None, *, verbose: bool = True, stop: Optional[StopFlag] = None
 ) -> dict[str, Any]:
     """`run_single` for a cluster (`cbjax.cluster`): the same three files, each row with its
-    replica(s) and KV transfer time, summary.json with the `replicas` list."""
-    from cbjax.cluster import ClusterSim
-
+    replica(s) and KV transfer time, summary.json with the `replicas` list. The simulator's
+    cluster runs on a virtual clock (`ClusterSim`), the engine's on the wall clock
+    (`ClusterEngine`), its replicas in this process or, `cluster.backend=ray`, in Ray actors."""
     cfg = resolve_model(cfg)  # each pool sizes its own KV pool
     requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
@@ -149,22 +152,49 @@ def run_cluster(
 
         tokenizer = load_tokenizer(cfg.model.path)
     encode_text_prompts(requests, tokenizer, where=f"model {cfg.model.name!r}")
-    cluster = ClusterSim(cfg, build_executor)
+    cluster = build_cluster(cfg)
+    extra = None if cfg.executor.name == "sim" else (lambda r: _output_row(r, tokenizer))
+
+    def rows(r):
+        return {**cluster.row_extras(r), **(extra(r) if extra else {})}
+
     live = None
     if out_dir is not None:
-        live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **cluster.row_extras(r)})
+        live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **rows(r)})
     result = cluster.serve(requests, stop=stop, on_finish=live.write if live else None)
     summary = build_summary(cfg, result, cluster.service_log, cluster.replicas[0].executor)
     summary.update(cluster.summary_fields(result))
     if verbose:  # before the files, as run_single
-        log.info(format_summary(summary, title=f"{summary['scheduler']} (sim, {len(cluster.replicas)} replicas)"))
+        title = f"{summary['scheduler']} ({cfg.executor.name}, {len(cluster.replicas)} replicas)"
+        log.info(format_summary(summary, title=title))
     write_outputs(
-        cfg, out_dir, result, cluster.service_log, cluster.replicas[0].executor, extra_rows=cluster.row_extras,
+        cfg, out_dir, result, cluster.service_log, cluster.replicas[0].executor, extra_rows=rows,
         summary=summary,
     )  # fmt: skip
     if live is not None:
         live.close()
     return summary
+
+
+def build_cluster(cfg: RunConfig):
+    """The cluster driver for `cfg`: simulated, or engine replicas on disjoint devices."""
+    if cfg.executor.name != "jax":
+        from cbjax.cluster import ClusterSim
+
+        return ClusterSim(cfg, build_executor)
+    from cbjax.cluster.engine import ClusterEngine
+
+    return ClusterEngine(cfg, cluster_executors(cfg))
+
+
+def cluster_executors(cfg: RunConfig):
+    """`make_executor` for an engine cluster: replica i's executor on its own devices
+    (`cbjax.runtime.mesh.replica_devices`), built in replica order."""
+    from cbjax.cluster.pools import replica_configs
+    from cbjax.runtime.mesh import replica_devices
+
+    device_sets = iter(replica_devices([rcfg.executor.mesh.tensor for _, rcfg in replica_configs(cfg)]))
+    return lambda rcfg: build_executor(rcfg, devices=next(device_sets))
 
 
 def write_outputs(

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import make_requests
 from cbjax.cluster import ClusterSim
+from cbjax.cluster.engine import ClusterEngine
 from cbjax.config import CacheConfig, ClusterConfig, ExecutorConfig, RunConfig, SchedulerConfig, WorkloadConfig
 from cbjax.engine import serve
 from cbjax.outputs import StopFlag
@@ -194,8 +195,10 @@ def test_cluster_config_errors_name_the_key():
         ClusterConfig(backend="mpi")
     with pytest.raises(ValueError, match=r"cluster\.decode_hardware: unknown hardware 'b300'"):
         ClusterSim(config(prefill_replicas=1, decode_replicas=1, decode_hardware="b300"), build_executor)
-    with pytest.raises(ValueError, match=r"executor\.name=jax: a cluster .* runs in the simulator only"):
+    with pytest.raises(ValueError, match=r"executor\.name=jax: ClusterSim runs the simulator \(executor=sim\)"):
         ClusterSim(dataclasses.replace(config(replicas=2), executor=ExecutorConfig(name="jax")), build_executor)
+    with pytest.raises(ValueError, match=r"executor\.name=sim: ClusterEngine runs the engine"):
+        ClusterEngine(config(replicas=2), build_executor)
 
 
 def test_the_cluster_is_host_side_and_below_the_run_layer():

@@ -182,12 +182,15 @@ def _cyclic_gc_paused():
 def check_supported(cfg: RunConfig) -> None:
     """What this driver runs: the simulator's virtual clock, in one process."""
     c = cfg.cluster
-    if c.backend != "local":
-        raise ValueError(f"cluster.backend={c.backend}: only local replicas are built; use cluster.backend=local")
     if cfg.executor.name != "sim":
         raise ValueError(
-            f"executor.name={cfg.executor.name}: a cluster (cluster.replicas > 1 or P/D pools) runs in the "
-            "simulator only for now; use executor=sim"
+            f"executor.name={cfg.executor.name}: ClusterSim runs the simulator (executor=sim); an engine "
+            "cluster runs in cbjax.cluster.engine.ClusterEngine"
+        )
+    if c.backend != "local":
+        raise ValueError(
+            f"cluster.backend={c.backend}: Ray actors run engine replicas (executor=jax); the simulated "
+            "cluster runs in one process, use cluster.backend=local"
         )
     if cfg.executor.pace != "none":
         raise ValueError(f"executor.pace={cfg.executor.pace}: a cluster runs on the virtual clock only (pace none)")

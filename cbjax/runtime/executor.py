@@ -13,7 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -92,8 +92,16 @@ class JaxExecutor:
         cfg: ExecutorConfig,
         seed: int = 0,
         llama: Optional[Llama] = None,
+        devices: Optional[Sequence[jax.Device]] = None,
     ):
+        """`devices`: the devices this executor owns (a cluster replica's, `cbjax.cluster`), as
+        many as `executor.mesh.tensor`; None: the first ones of `jax.devices()`."""
         self.model_cfg = model
+        if devices is not None and len(devices) != cfg.mesh.tensor:
+            raise ValueError(
+                f"executor.mesh.tensor={cfg.mesh.tensor}: the executor was given {len(devices)} devices"
+            )
+        self.devices = None if devices is None else list(devices)
         self.cache_dir = enable_compilation_cache(cfg.compilation_cache_dir)
         # XLA:CPU's step buffers are host memory: reuse them instead of faulting them in per call
         self.host_memory_retained = jax.default_backend() == "cpu" and retain_freed_memory()
@@ -116,13 +124,17 @@ class JaxExecutor:
         if cfg.mesh.tensor > 1 or jax.process_count() > 1:
             from cbjax.runtime.mesh import TensorParallel
 
-            self.tp = TensorParallel(model, cfg.mesh.tensor)
+            self.tp = TensorParallel(model, cfg.mesh.tensor, self.devices)
             self.weights = self.tp.place_weights(self.weights)
             self.cache = self.tp.init_cache(*cache_args)
             if jax.process_count() > 1:
                 from cbjax.runtime.distributed import PlanLink
 
                 self.link = PlanLink(self.packer, is_source=jax.process_index() == 0)
+        elif self.devices is not None:  # one device of several in the process: everything lives there
+            self.weights = jax.device_put(self.weights, self.devices[0])
+            with jax.default_device(self.devices[0]):
+                self.cache = init_cache(*cache_args)
         else:
             self.cache = init_cache(*cache_args)
         if self.tp is not None:  # the previous step's tokens are a replicated global array there
@@ -133,7 +145,8 @@ class JaxExecutor:
             widths.append(w)
             w *= 2
         self._swap = HostSwap(widths + [self.shapes.max_pages])
-        self._swap_at_warmup = scheduler.preemption == "swap"
+        # swap copies compiled at warmup: swap preemption, or K/V moving between P/D replicas
+        self.swap_at_warmup = scheduler.preemption == "swap"
         self.progress = True
         # False when no request will sample (all greedy): warmup skips compiling the sampler.
         self.sampling = True
@@ -207,6 +220,19 @@ class JaxExecutor:
             programs.store(directory, key, compiled)
         return compiled
 
+    def export_kv(self, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of `pages`' K and V (a prefilled request leaving this replica, P/D)."""
+        return self._swap.gather(self.cache, pages)
+
+    def import_kv(self, request_id: str, kv: tuple[np.ndarray, np.ndarray]) -> None:
+        """A request's K and V from another replica (`export_kv`), whatever its mesh: they
+        enter this cache when the scheduler swaps the request in."""
+        self._swap.put(request_id, *kv)
+
+    def restart_compile_count(self) -> None:
+        """Count compiles after warmup from now (a cluster, once every replica is warm)."""
+        self._compiles_at_warmup = compile_count()
+
     def follow_step(self, batch: HostBatch) -> None:
         """A process other than 0 runs process 0's step (cbjax.runtime.distributed)."""
         jax.block_until_ready(self._step(batch))
@@ -225,14 +251,14 @@ class JaxExecutor:
         compiles_before, hits_before = fresh_compile_count(), cache_hit_count()  # counting starts here
         self.programs_loaded = 0
         buckets = self.shapes.token_buckets
-        bar = _progress_bar(len(buckets) + 1 + (1 if self._swap_at_warmup else 0)) if self.progress else None
+        bar = _progress_bar(len(buckets) + 1 + (1 if self.swap_at_warmup else 0)) if self.progress else None
 
         def compile_bucket(bucket: int):
             batch = self._device_batch(self.packer.empty(bucket))
             args = (self.weights, self.cache, batch)
             leaves, treedef = jax.tree.flatten(args)
-            mesh = None if self.tp is None else self.tp.mesh
-            key = (self.graphdef, self.attention, self.matmul, mesh, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
+            where = self.tp.mesh if self.tp is not None else (self.devices[0] if self.devices else None)
+            key = (self.graphdef, self.attention, self.matmul, where, treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves))
             if key not in _COMPILED:  # like jit's own cache: same static arguments and shapes, same program
                 _COMPILED[key] = self._load_or_compile(args)
             return bucket, _COMPILED[key]
@@ -249,19 +275,21 @@ class JaxExecutor:
         if self.sampling:  # random keys and the top-k/top-p sort take seconds to compile on CPU
             empty = self.packer.empty(buckets[0])
             logits = jnp.zeros((self.shapes.num_rows, self.model_cfg.vocab_size))
+            if self.tp is None and self.devices is not None:
+                logits = jax.device_put(logits, self.devices[0])
             if self.tp is None:
                 jax.block_until_ready(sample_step(logits, empty.sampling))
             else:  # laid out as the step's outputs are
                 jax.block_until_ready(sample_step(*self.tp.to_global((np.asarray(logits), empty.sampling))))
         if bar is not None:
             bar.update(1)
-        if self._swap_at_warmup:
+        if self.swap_at_warmup:
             self.cache = self._swap.warmup(self.cache)
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        self.compiled_programs = len(buckets) + int(self.sampling) + (len(self._swap.widths) * 2 if self._swap_at_warmup else 0)
+        self.compiled_programs = len(buckets) + int(self.sampling) + (len(self._swap.widths) * 2 if self.swap_at_warmup else 0)
         self._compiles_at_warmup = compile_count()
         self.warmup_compiles = fresh_compile_count() - compiles_before
         self.warmup_cache_hits = cache_hit_count() - hits_before + self.programs_loaded

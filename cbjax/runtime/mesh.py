@@ -39,8 +39,11 @@ def check_tensor_parallel(model: ModelConfig, tensor: int, num_devices: int) -> 
             raise ValueError(f"model.{key}={value} is not divisible by executor.mesh.tensor={tensor}")
 
 
-def make_mesh(tensor: int) -> Mesh:
-    """A ("tensor",) mesh of `tensor` devices: the first tensor / process_count of each process."""
+def make_mesh(tensor: int, devices=None) -> Mesh:
+    """A ("tensor",) mesh of `tensor` devices: `devices` if given (one process), else the first
+    tensor / process_count of each process."""
+    if devices is not None:
+        return Mesh(np.array(devices), (TENSOR,))
     procs = jax.process_count()
     if tensor % procs:
         raise ValueError(
@@ -56,6 +59,24 @@ def make_mesh(tensor: int) -> Mesh:
             )
         devices += local[:per]
     return Mesh(np.array(devices), (TENSOR,))
+
+
+def replica_devices(tensors: list[int]) -> list[list[jax.Device]]:
+    """Disjoint device sets, one per cluster replica: replica i takes `tensors[i]` devices
+    after those of the replicas before it, in `jax.devices()` order."""
+    devices = jax.devices()
+    if sum(tensors) > len(devices):
+        raise ValueError(
+            f"cluster.replicas: {len(tensors)} replicas of executor.mesh.tensor {tensors} need {sum(tensors)} "
+            f"devices, but only {len(devices)} are visible"
+            + (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting)"
+               if jax.default_backend() == "cpu" else "")
+        )  # fmt: skip
+    out, lo = [], 0
+    for n in tensors:
+        out.append(devices[lo : lo + n])
+        lo += n
+    return out
 
 
 def _is_var(x) -> bool:
@@ -86,10 +107,11 @@ def place(tree, shardings):
 class TensorParallel:
     """The executor's sharded side: placement of weights, cache and batches."""
 
-    def __init__(self, model: ModelConfig, tensor: int):
-        check_tensor_parallel(model, tensor, jax.device_count())
+    def __init__(self, model: ModelConfig, tensor: int, devices=None):
+        """`devices`: the mesh's devices (as many as `tensor`); None: see `make_mesh`."""
+        check_tensor_parallel(model, tensor, jax.device_count() if devices is None else len(devices))
         self.tensor = tensor
-        self.mesh = make_mesh(tensor)
+        self.mesh = make_mesh(tensor, devices)
         self.replicated = NamedSharding(self.mesh, P())
         self.cache_sharding = cache_sharding(self.mesh)
 

@@ -63,15 +63,29 @@ class HostSwap:
             idx[: len(chunk)] = chunk
             yield idx, len(chunk)
 
-    def swap_out(self, cache: KVCache, entries: list[tuple[str, Sequence[int]]]) -> None:
-        """Copy each request's pages to host memory: all gathers, then one device_get."""
-        pages = [p for _, src in entries for p in src]
-        if not pages:
-            return
+    def gather(self, cache: KVCache, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of `pages`' K and V, each [num_layers, num_kv_heads, len(pages),
+        page_size, head_dim], whole whatever the cache's sharding: all gathers, then one
+        device_get."""
+        pages = list(pages)
         calls = [(_GATHER(cache, idx), n) for idx, n in self._calls(pages)]
         host = jax.device_get([kv for kv, _ in calls])
         k = np.concatenate([hk[:, :, :n] for (hk, _), (_, n) in zip(host, calls)], axis=2)
         v = np.concatenate([hv[:, :, :n] for (_, hv), (_, n) in zip(host, calls)], axis=2)
+        return k, v
+
+    def put(self, request_id: str, k: np.ndarray, v: np.ndarray) -> None:
+        """Hold a host copy made elsewhere (another replica's `gather`) for `swap_in`."""
+        if request_id in self._host:
+            raise ValueError(f"request {request_id}: already has a host copy")
+        self._host[request_id] = (k, v)
+
+    def swap_out(self, cache: KVCache, entries: list[tuple[str, Sequence[int]]]) -> None:
+        """Copy each request's pages to host memory."""
+        pages = [p for _, src in entries for p in src]
+        if not pages:
+            return
+        k, v = self.gather(cache, pages)
         lo = 0
         for request_id, src in entries:
             self._host[request_id] = (k[:, :, lo : lo + len(src)], v[:, :, lo : lo + len(src)])

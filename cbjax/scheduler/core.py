@@ -117,6 +117,10 @@ class Scheduler(StepResults):
         self._uncommitted: Optional[tuple[Schedule, list]] = None
         self.view = _View(self)
         self.writer = PlanWriter(cfg.max_num_seqs, self.allocator)
+        # A prefill replica of an engine cluster keeps a finished request's pages until its K/V
+        # is copied out (`held_pages`, `release_held`): a later plan would overwrite them.
+        self.hold_finished_pages = False
+        self._held: set[str] = set()
 
     # ---- intake ----
     def rejection_reason(self, req: Request) -> Optional[str]:
@@ -386,8 +390,9 @@ class Scheduler(StepResults):
             req.scheduled_s = now
         self.running.append(req)
 
-    def _release(self, req: Request) -> None:
-        self.allocator.free(req.request_id)
+    def _release(self, req: Request, keep_pages: bool = False) -> None:
+        if not keep_pages:
+            self.allocator.free(req.request_id)
         self.writer.released(req.request_id)
         self.slots[req.slot] = None
         heapq.heappush(self._free_slots, req.slot)
@@ -434,9 +439,23 @@ class Scheduler(StepResults):
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_s = now
-        self._release(req)
+        if self.hold_finished_pages:
+            self._held.add(req.request_id)
+        self._release(req, keep_pages=self.hold_finished_pages)
         if self.prefix is not None:
             self.prefix.forget(req)
+
+    def held_pages(self, request_id: str) -> list[int]:
+        """The pages a finished request holds (`hold_finished_pages`), in token order."""
+        if request_id not in self._held:
+            raise KeyError(f"request {request_id}: holds no pages (finished without hold_finished_pages?)")
+        return list(self.allocator.page_tables[request_id])
+
+    def release_held(self, request_id: str) -> None:
+        """Free a finished request's held pages (no-op if it holds none)."""
+        if request_id in self._held:
+            self._held.discard(request_id)
+            self.allocator.free(request_id)
 
     def abort_all(self, now: float) -> None:
         """End every unfinished request with reason `aborted` (e.g. a run cut short)."""

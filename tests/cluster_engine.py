@@ -1,0 +1,61 @@
+"""Subprocess body of tests/test_cluster_engine.py: serve tp_engine's workload on a single
+engine replica and on engine clusters (colocated replicas, P/D pools) in one process, and
+print each run's tokens and counters as JSON.
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (set before jax starts).
+"""
+
+import json
+import sys
+
+from cbjax.config import ClusterConfig, ExecutorConfig, MeshConfig, RunConfig
+from cbjax.engine import serve
+from cbjax.run import build_executor, cluster_executors
+from cbjax.scheduler import Scheduler
+from tp_engine import BUCKETS, CACHE, MODEL, SCHED, workload
+
+LAYOUTS = {  # name -> the cluster group and executor.mesh.tensor of the run
+    "2x1": (dict(replicas=2), 1),
+    "2x2": (dict(replicas=2), 2),
+    "pd_1_1": (dict(prefill_replicas=1, decode_replicas=1), 1),
+    "pd_2_1": (dict(prefill_replicas=1, decode_replicas=1, prefill_tensor=2, decode_tensor=1), 1),
+}
+
+
+def config(cluster: dict, tensor: int) -> RunConfig:
+    executor = ExecutorConfig(name="jax", token_buckets=BUCKETS, mesh=MeshConfig(tensor), compilation_cache_dir=None)
+    return RunConfig(
+        model=MODEL, scheduler=SCHED, cache=CACHE, executor=executor, cluster=ClusterConfig(**cluster), progress=False
+    )
+
+
+def single() -> dict:
+    cfg = config({}, 1)
+    ex = build_executor(cfg)
+    ex.sampling = False
+    sched = Scheduler(SCHED, CACHE, MODEL.max_model_len, validate=ex.validate, vocab_size=MODEL.vocab_size)
+    ex.warmup()
+    result = serve(workload(), sched, ex)
+    return {"tokens": {r.request_id: r.output_token_ids for r in result.requests}}
+
+
+def cluster(name: str) -> dict:
+    from cbjax.cluster.engine import ClusterEngine
+
+    cfg = config(*LAYOUTS[name])
+    engine = ClusterEngine(cfg, cluster_executors(cfg))
+    result = engine.serve(workload())
+    return {
+        "tokens": {r.request_id: r.output_token_ids for r in result.requests},
+        "fates": sorted({r.finish_reason.value for r in result.requests}),
+        "rows": {r.request_id: engine.row_extras(r) for r in result.requests},
+        "compiles_after_warmup": engine.replicas[0].executor.metrics()["compiles_after_warmup"],
+        # each replica's devices, from where its KV cache lives
+        "devices": [sorted(d.id for d in r.executor.cache.k.sharding.device_set) for r in engine.replicas],
+        "requests": [r.num_routed for r in engine.replicas],
+        "kv_transfers": engine.summary_fields(result)["kv_transfers"],
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: single() if name == "single" else cluster(name) for name in sys.argv[1:]}))

@@ -1,0 +1,76 @@
+"""Engine clusters in one process on disjoint forced CPU devices: 2 replicas x TP 1, 2 x TP 2,
+and P/D (1 prefill + 1 decode, prefill TP 2 into decode TP 1) give a single replica's greedy
+tokens with 0 compiles after warmup; the CLI writes each request's replica.
+
+Forced CPU devices need XLA_FLAGS before jax starts, so the engine runs in subprocesses.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cbjax_cmd
+from cbjax.runtime import mesh
+
+HERE = Path(__file__).resolve().parent
+
+
+def _env(env_cpu, devices):
+    env = dict(env_cpu)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = str(HERE) + ":" + env["PYTHONPATH"]
+    return env
+
+
+def test_engine_clusters_give_the_single_replica_tokens_with_no_compiles_after_warmup(env_cpu):
+    layouts = ["2x1", "2x2", "pd_1_1", "pd_2_1"]
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "cluster_engine.py"), "single", *layouts],
+        env=_env(env_cpu, 8), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.splitlines()[-1])
+    single = runs["single"]["tokens"]
+    assert len(single) == 6 and all(len(t) >= 4 for t in single.values())
+    for name in layouts:
+        run = runs[name]
+        assert run["tokens"] == single, name
+        assert run["fates"] == ["length"] and run["compiles_after_warmup"] == 0, name
+    # each replica on its own devices, TP inside it
+    assert runs["2x1"]["devices"] == [[0], [1]] and runs["2x2"]["devices"] == [[0, 1], [2, 3]]
+    assert runs["pd_2_1"]["devices"] == [[0, 1], [2]]
+    for name in ("2x1", "2x2"):  # round robin: both replicas served
+        assert runs[name]["requests"] == [3, 3]
+        assert {row["replica"] for row in runs[name]["rows"].values()} == {0, 1}
+    for name in ("pd_1_1", "pd_2_1"):  # every request prefilled on 0, its K/V moved, decoded on 1
+        assert runs[name]["kv_transfers"] == 6
+        for row in runs[name]["rows"].values():
+            assert (row["prefill_replica"], row["decode_replica"]) == (0, 1) and row["kv_transfer_s"] > 0
+
+
+def test_cli_runs_an_engine_cluster_and_writes_each_requests_replica(tmp_path, env_cpu):
+    cmd = cbjax_cmd() + [
+        "executor=jax", "cluster.replicas=2", "workload.num_requests=6", "model.max_model_len=64",
+        "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=32", "cache.num_pages=64", "cache.page_size=4",
+        "executor.token_buckets=[32]", "executor.compilation_cache_dir=null", "workload.prompt_len.dist=fixed", "workload.prompt_len.value=8",
+        "workload.output_len.dist=fixed", "workload.output_len.value=4", "progress=false", f"hydra.run.dir={tmp_path}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=_env(env_cpu, 2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert sorted(r["replica"] for r in rows) == [0, 0, 0, 1, 1, 1]
+    assert all(r["finish_reason"] == "length" and len(r["output_token_ids"]) == r["output_len"] == 4 for r in rows)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["replica"] for r in summary["replicas"]] == [0, 1] and summary["num_finished"] == 6
+    assert [r["requests"] for r in summary["replicas"]] == [3, 3]
+    assert summary["executor"] == "jax" and summary["compiles_after_warmup"] == 0
+
+
+def test_too_few_devices_fail_naming_the_keys(monkeypatch):
+    monkeypatch.setattr(mesh.jax, "devices", lambda: ["d0", "d1", "d2"])
+    assert mesh.replica_devices([1, 2]) == [["d0"], ["d1", "d2"]]
+    with pytest.raises(ValueError, match=r"cluster.replicas: 2 replicas of executor.mesh.tensor \[2, 2\] need 4 devices"):
+        mesh.replica_devices([2, 2])
