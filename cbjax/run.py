@@ -152,7 +152,14 @@ def run_cluster(
 
         tokenizer = load_tokenizer(cfg.model.path)
     encode_text_prompts(requests, tokenizer, where=f"model {cfg.model.name!r}")
-    cluster = build_cluster(cfg)
+    cluster, shutdown = build_cluster(cfg)
+    try:
+        return _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop)
+    finally:
+        shutdown()  # Ray actors (and Ray, if the run started it) end with the run, whatever happens
+
+
+def _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop) -> dict[str, Any]:
     extra = None if cfg.executor.name == "sim" else (lambda r: _output_row(r, tokenizer))
 
     def rows(r):
@@ -177,14 +184,26 @@ def run_cluster(
 
 
 def build_cluster(cfg: RunConfig):
-    """The cluster driver for `cfg`: simulated, or engine replicas on disjoint devices."""
+    """The cluster driver for `cfg` (simulated, or engine replicas on disjoint devices: in this
+    process, or in Ray actors with `cluster.backend=ray`), and the call that tears it down."""
     if cfg.executor.name != "jax":
         from cbjax.cluster import ClusterSim
 
-        return ClusterSim(cfg, build_executor)
+        return ClusterSim(cfg, build_executor), lambda: None
     from cbjax.cluster.engine import ClusterEngine
 
-    return ClusterEngine(cfg, cluster_executors(cfg))
+    if cfg.cluster.backend != "ray":
+        return ClusterEngine(cfg, cluster_executors(cfg)), lambda: None
+    try:
+        from cbjax.raycluster import RayReplicas
+    except ModuleNotFoundError as err:
+        raise ValueError(f"cluster.backend=ray needs Ray: pip install 'cbjax[ray]' ({err})") from None
+    replicas = RayReplicas()
+    try:
+        return ClusterEngine(cfg, replicas), replicas.shutdown
+    except BaseException:
+        replicas.shutdown()
+        raise
 
 
 def cluster_executors(cfg: RunConfig):

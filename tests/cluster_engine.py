@@ -40,21 +40,42 @@ def single() -> dict:
 
 
 def cluster(name: str) -> dict:
+    """name: a LAYOUTS key, or "ray_" + one: its replicas' executors in local Ray actors."""
     from cbjax.cluster.engine import ClusterEngine
 
-    cfg = config(*LAYOUTS[name])
-    engine = ClusterEngine(cfg, cluster_executors(cfg))
+    on_ray = name.startswith("ray_")
+    cfg = config(*LAYOUTS[name.removeprefix("ray_")])
+    if not on_ray:
+        return report(ClusterEngine(cfg, cluster_executors(cfg)), on_ray)
+    from cbjax.raycluster import RayReplicas
+
+    replicas = RayReplicas(num_cpus=2)
+    try:
+        return report(ClusterEngine(cfg, replicas), on_ray)
+    finally:
+        replicas.shutdown()
+
+
+def report(engine, on_ray: bool) -> dict:
     result = engine.serve(workload())
+    metrics = [r.executor.metrics() for r in engine.replicas]
     return {
         "tokens": {r.request_id: r.output_token_ids for r in result.requests},
         "fates": sorted({r.finish_reason.value for r in result.requests}),
         "rows": {r.request_id: engine.row_extras(r) for r in result.requests},
-        "compiles_after_warmup": engine.replicas[0].executor.metrics()["compiles_after_warmup"],
-        # each replica's devices, from where its KV cache lives
-        "devices": [sorted(d.id for d in r.executor.cache.k.sharding.device_set) for r in engine.replicas],
+        "compiles_after_warmup": [m["compiles_after_warmup"] for m in metrics],
+        # each replica's devices, from where its KV cache lives (in this process)
+        "devices": None if on_ray else [sorted(d.id for d in r.executor.cache.k.sharding.device_set) for r in engine.replicas],
+        "pids": [ray_pid(r.executor) for r in engine.replicas] if on_ray else None,
         "requests": [r.num_routed for r in engine.replicas],
         "kv_transfers": engine.summary_fields(result)["kv_transfers"],
     }
+
+
+def ray_pid(executor) -> int:
+    import ray
+
+    return ray.get(executor.actor.pid.remote())
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Forced CPU devices need XLA_FLAGS before jax starts, so the engine runs in subpr
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ def test_engine_clusters_give_the_single_replica_tokens_with_no_compiles_after_w
     for name in layouts:
         run = runs[name]
         assert run["tokens"] == single, name
-        assert run["fates"] == ["length"] and run["compiles_after_warmup"] == 0, name
+        assert run["fates"] == ["length"] and run["compiles_after_warmup"] == [0, 0], name
     # each replica on its own devices, TP inside it
     assert runs["2x1"]["devices"] == [[0], [1]] and runs["2x2"]["devices"] == [[0, 1], [2, 3]]
     assert runs["pd_2_1"]["devices"] == [[0, 1], [2]]
@@ -74,3 +75,24 @@ def test_too_few_devices_fail_naming_the_keys(monkeypatch):
     assert mesh.replica_devices([1, 2]) == [["d0"], ["d1", "d2"]]
     with pytest.raises(ValueError, match=r"cluster.replicas: 2 replicas of executor.mesh.tensor \[2, 2\] need 4 devices"):
         mesh.replica_devices([2, 2])
+
+
+@pytest.mark.slow
+def test_ray_replica_actors_give_the_in_process_replicas_tokens(env_cpu):
+    """A local Ray cluster (2 CPUs, no dashboard): 2 replica actors, each its own process, and
+    P/D with a prefill TP 2 actor whose K/V moves actor to actor into a TP 1 decode actor."""
+    pytest.importorskip("ray", reason="ray is in the test extra; install cbjax[test]")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "cluster_engine.py"), "2x1", "ray_2x1", "ray_pd_2_1"],
+        env=_env(env_cpu, 8), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.splitlines()[-1])
+    local, ray_run, ray_pd = runs["2x1"], runs["ray_2x1"], runs["ray_pd_2_1"]
+    assert len(local["tokens"]) == 6
+    assert ray_run["tokens"] == local["tokens"] and ray_pd["tokens"] == local["tokens"]
+    assert ray_run["rows"] == local["rows"]  # the same routing
+    for run in (ray_run, ray_pd):
+        assert run["fates"] == ["length"] and run["compiles_after_warmup"] == [0, 0]
+        assert len(set(run["pids"])) == 2 and os.getpid() not in run["pids"]  # one process per actor
+    assert ray_pd["kv_transfers"] == 6
