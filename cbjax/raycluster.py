@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 
@@ -34,10 +34,9 @@ ACTOR_START_TIMEOUT_S = 300.0
 class ExecutorActor:
     """One replica's engine executor, in its own process (a Ray actor)."""
 
-    def __init__(self, cfg: RunConfig):
-        from cbjax.run import build_executor
-
-        self.executor = build_executor(cfg)
+    def __init__(self, build: Callable[[RunConfig], Any], cfg: RunConfig):
+        """`build(cfg)`: the executor (`cbjax.run.build_executor`, pickled by reference)."""
+        self.executor = build(cfg)
         self.executor.progress = False
         self._launched: dict[int, Any] = {}
 
@@ -142,9 +141,11 @@ class RayReplicas:
     """`make_executor` for `ClusterEngine` under `cluster.backend=ray`: one `ExecutorActor` per
     replica. `shutdown` kills the actors, and Ray itself if this object started it."""
 
-    def __init__(self, address: Optional[str] = None, **init_kwargs):
-        """`address`: a running Ray cluster's (None: the one `ray start` made on this host, or a
+    def __init__(self, build: Callable[[RunConfig], Any], address: Optional[str] = None, **init_kwargs):
+        """`build(replica_cfg)` makes an executor in an actor (`cbjax.run.build_executor`);
+        `address`: a running Ray cluster's (None: the one `ray start` made on this host, or a
         new local one); `init_kwargs` go to `ray.init` (e.g. num_cpus for a local one)."""
+        self.build = build
         self.started_ray = False
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **init_kwargs)
@@ -159,7 +160,7 @@ class RayReplicas:
         else:
             env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={tensor}"}
             options = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
-        actor = ray.remote(ExecutorActor).options(**options).remote(cfg)
+        actor = ray.remote(ExecutorActor).options(**options).remote(self.build, cfg)
         self.actors.append(actor)
         return RayExecutor(actor)
 

@@ -198,7 +198,7 @@ def build_cluster(cfg: RunConfig):
         from cbjax.raycluster import RayReplicas
     except ModuleNotFoundError as err:
         raise ValueError(f"cluster.backend=ray needs Ray: pip install 'cbjax[ray]' ({err})") from None
-    replicas = RayReplicas()
+    replicas = RayReplicas(build_executor)
     try:
         return ClusterEngine(cfg, replicas), replicas.shutdown
     except BaseException:

@@ -49,7 +49,7 @@ def cluster(name: str) -> dict:
         return report(ClusterEngine(cfg, cluster_executors(cfg)), on_ray)
     from cbjax.raycluster import RayReplicas
 
-    replicas = RayReplicas(num_cpus=2)
+    replicas = RayReplicas(build_executor, num_cpus=2)
     try:
         return report(ClusterEngine(cfg, replicas), on_ray)
     finally:
