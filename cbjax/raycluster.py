@@ -89,6 +89,7 @@ class RayExecutor:
 
     virtual_clock = False
     reads_token_ids = True
+    remote = True  # its compile count is its own process's (ClusterEngine.summary_fields)
 
     def __init__(self, actor):
         self.actor = actor

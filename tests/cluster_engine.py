@@ -39,14 +39,27 @@ def single() -> dict:
     return {"tokens": {r.request_id: r.output_token_ids for r in result.requests}}
 
 
+class StopAfter:
+    """A stop flag set from its `turns`-th check on (the driver checks once per turn)."""
+
+    def __init__(self, turns: int):
+        self.turns = turns
+
+    def is_set(self) -> bool:
+        self.turns -= 1
+        return self.turns < 0
+
+
 def cluster(name: str) -> dict:
-    """name: a LAYOUTS key, or "ray_" + one: its replicas' executors in local Ray actors."""
+    """name: a LAYOUTS key; "ray_" + one: its replicas' executors in local Ray actors;
+    "stop_" + one: stopped after a few driver turns."""
     from cbjax.cluster.engine import ClusterEngine
 
     on_ray = name.startswith("ray_")
-    cfg = config(*LAYOUTS[name.removeprefix("ray_")])
+    stop = StopAfter(6) if name.startswith("stop_") else None
+    cfg = config(*LAYOUTS[name.removeprefix("ray_").removeprefix("stop_")])
     if not on_ray:
-        return report(ClusterEngine(cfg, cluster_executors(cfg)), on_ray)
+        return report(ClusterEngine(cfg, cluster_executors(cfg)), on_ray, stop)
     from cbjax.raycluster import RayReplicas
 
     replicas = RayReplicas(build_executor, num_cpus=2)
@@ -56,12 +69,17 @@ def cluster(name: str) -> dict:
         replicas.shutdown()
 
 
-def report(engine, on_ray: bool) -> dict:
-    result = engine.serve(workload())
+def report(engine, on_ray: bool, stop=None) -> dict:
+    result = engine.serve(workload(), stop=stop)
     metrics = [r.executor.metrics() for r in engine.replicas]
     return {
         "tokens": {r.request_id: r.output_token_ids for r in result.requests},
         "fates": sorted({r.finish_reason.value for r in result.requests}),
+        "fate": {r.request_id: r.finish_reason.value for r in result.requests},
+        "interrupted": result.interrupted,
+        # every page back in its pool: a prefill's held pages were released after their copy
+        "pages_leaked": [r.scheduler.allocator.num_usable_pages - r.scheduler.allocator.num_free_pages for r in engine.replicas],
+        "summary_compiles_after_warmup": engine.summary_fields(result)["compiles_after_warmup"],
         "rows": {r.request_id: engine.row_extras(r) for r in result.requests},
         "compiles_after_warmup": [m["compiles_after_warmup"] for m in metrics],
         # each replica's devices, from where its KV cache lives (in this process)

@@ -29,7 +29,7 @@ def _env(env_cpu, devices):
 def test_engine_clusters_give_the_single_replica_tokens_with_no_compiles_after_warmup(env_cpu):
     layouts = ["2x1", "2x2", "pd_1_1", "pd_2_1"]
     proc = subprocess.run(
-        [sys.executable, str(HERE / "cluster_engine.py"), "single", *layouts],
+        [sys.executable, str(HERE / "cluster_engine.py"), "single", *layouts, "stop_pd_1_1"],
         env=_env(env_cpu, 8), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -40,6 +40,8 @@ def test_engine_clusters_give_the_single_replica_tokens_with_no_compiles_after_w
         run = runs[name]
         assert run["tokens"] == single, name
         assert run["fates"] == ["length"] and run["compiles_after_warmup"] == [0, 0], name
+        assert run["summary_compiles_after_warmup"] == 0 and not run["interrupted"], name
+        assert run["pages_leaked"] == [0, 0], name  # a prefill's held pages were released after the copy
     # each replica on its own devices, TP inside it
     assert runs["2x1"]["devices"] == [[0], [1]] and runs["2x2"]["devices"] == [[0, 1], [2, 3]]
     assert runs["pd_2_1"]["devices"] == [[0, 1], [2]]
@@ -50,6 +52,12 @@ def test_engine_clusters_give_the_single_replica_tokens_with_no_compiles_after_w
         assert runs[name]["kv_transfers"] == 6
         for row in runs[name]["rows"].values():
             assert (row["prefill_replica"], row["decode_replica"]) == (0, 1) and row["kv_transfer_s"] > 0
+    stopped = runs["stop_pd_1_1"]  # stopped mid-run: each request ends once, no page stays held
+    assert stopped["interrupted"] and set(stopped["fates"]) == {"aborted", "length"}
+    assert stopped["pages_leaked"] == [0, 0]
+    for rid, tokens in stopped["tokens"].items():
+        assert tokens == single[rid][: len(tokens)], rid
+        assert (tokens == single[rid]) == (stopped["fate"][rid] == "length"), rid
 
 
 def test_cli_runs_an_engine_cluster_and_writes_each_requests_replica(tmp_path, env_cpu):
@@ -95,4 +103,5 @@ def test_ray_replica_actors_give_the_in_process_replicas_tokens(env_cpu):
     for run in (ray_run, ray_pd):
         assert run["fates"] == ["length"] and run["compiles_after_warmup"] == [0, 0]
         assert len(set(run["pids"])) == 2 and os.getpid() not in run["pids"]  # one process per actor
+        assert run["pages_leaked"] == [0, 0] and run["summary_compiles_after_warmup"] == 0
     assert ray_pd["kv_transfers"] == 6

@@ -114,6 +114,18 @@ class ClusterEngine(ClusterBase):
         return self._result(list(requests), interrupted, self.now(), warmup_s)
 
 
+    def summary_fields(self, result: RunResult) -> dict[str, Any]:
+        """`ClusterBase.summary_fields`, and compiles after warmup over the whole cluster:
+        replicas in this process share one count, a remote replica (a Ray actor) has its own."""
+        out = super().summary_fields(result)
+        local, remote = [], []
+        for replica in self.replicas:
+            count = replica.executor.metrics()["compiles_after_warmup"]
+            (remote if getattr(replica.executor, "remote", False) else local).append(count)
+        out["compiles_after_warmup"] = max(local, default=0) + sum(remote)
+        return out
+
+
 def check_engine_supported(cfg: RunConfig) -> None:
     """What this driver runs: engine replicas on the wall clock, in one process."""
     if cfg.executor.name != "jax":
