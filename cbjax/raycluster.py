@@ -82,6 +82,7 @@ class RemoteStep:
 
     step: int
     start: float  # the driver's perf_counter at launch (EngineLoop reads it)
+    ref: Any  # the actor's launch call: its error, if it failed, surfaces at collect
 
 
 class RayExecutor:
@@ -93,7 +94,14 @@ class RayExecutor:
 
     def __init__(self, actor):
         self.actor = actor
-        self.pipelined = ray.get(actor.ready.remote(), timeout=ACTOR_START_TIMEOUT_S)
+        try:
+            self.pipelined = ray.get(actor.ready.remote(), timeout=ACTOR_START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"cluster.backend=ray: a replica actor did not start within {ACTOR_START_TIMEOUT_S:.0f} s; the Ray "
+                f"cluster has {ray.available_resources()} free (each replica needs 1 CPU, and executor.mesh.tensor "
+                "GPUs on a cluster with GPUs)"
+            ) from None
         self.sampling = True
         self.swap_at_warmup = False
         self._step = 0
@@ -113,10 +121,11 @@ class RayExecutor:
 
     def launch(self, plan: Schedule) -> RemoteStep:
         self._step += 1
-        self.actor.launch.remote(self._step, plan)  # actor calls from one caller run in order
-        return RemoteStep(self._step, time.perf_counter())
+        ref = self.actor.launch.remote(self._step, plan)  # actor calls from one caller run in order
+        return RemoteStep(self._step, time.perf_counter(), ref)
 
     def collect(self, launched: RemoteStep) -> StepOutput:
+        ray.get(launched.ref)
         return ray.get(self.actor.collect.remote(launched.step))
 
     def export_kv(self, pages: Sequence[int]):

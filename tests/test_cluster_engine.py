@@ -89,7 +89,6 @@ def test_too_few_devices_fail_naming_the_keys(monkeypatch):
 def test_ray_replica_actors_give_the_in_process_replicas_tokens(env_cpu):
     """A local Ray cluster (2 CPUs, no dashboard): 2 replica actors, each its own process, and
     P/D with a prefill TP 2 actor whose K/V moves actor to actor into a TP 1 decode actor."""
-    pytest.importorskip("ray", reason="ray is in the test extra; install cbjax[test]")
     proc = subprocess.run(
         [sys.executable, str(HERE / "cluster_engine.py"), "2x1", "ray_2x1", "ray_pd_2_1"],
         env=_env(env_cpu, 8), capture_output=True, text=True, timeout=600,

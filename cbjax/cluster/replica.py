@@ -65,7 +65,8 @@ class Replica:
             "replica": self.index,
             "role": self.role,
             "hardware": self.cfg.hardware.name,
-            "tensor": self.cfg.hardware.num_devices,
+            # the engine's mesh; the simulator's roofline TP size
+            "tensor": self.cfg.executor.mesh.tensor if self.cfg.executor.name == "jax" else self.cfg.hardware.num_devices,
             "num_pages": self.cfg.cache.num_pages,
             "requests": self.num_routed,
             "iterations": iters,
