@@ -285,7 +285,11 @@ class PageAllocator:
         filled = 0  # sum of min(c, max(f, s)): slots that hold or will hold a token
         for rid, f in final_tokens:
             c = len(tables[rid]) * ps
-            filled += c if f >= c else max(f, stored[rid])
+            if f >= c:
+                filled += c
+            else:
+                s = stored[rid]
+                filled += f if f > s else s
         used = self.num_used_pages * ps
         held = sum(len(t) for t in tables.values()) * ps if self.prefix_caching else used
         # each extra holder of a shared page counted its page_size (full, computed) tokens again

@@ -116,8 +116,9 @@ class ClusterSim:
             t = loop.now()
             if not loop.has_work():
                 return
+            # (heap[0][0], heap[0][1]) <= (t, _STEP) is heap[0][0] <= t: no kind ranks after _STEP
             if (
-                (heap and (heap[0][0], heap[0][1]) <= (t, _STEP))
+                (heap and heap[0][0] <= t)
                 or (pending and pending[0].arrival_s <= t)
                 or (stop is not None and stop.is_set())
             ):
@@ -235,11 +236,16 @@ class ClusterSim:
 
     def _run(self, pending: deque, heap: list, stop: Optional[StopFlag]) -> bool:
         """The event loop; True if `stop` ended it."""
+        heappop = heapq.heappop
         while pending or heap:
             if stop is not None and stop.is_set():
                 return True
-            if heap and (not pending or (heap[0][0], heap[0][1]) < (pending[0].arrival_s, _ARRIVE)):
-                t, kind, _, payload = heapq.heappop(heap)
+            if heap and (
+                not pending
+                or heap[0][0] < pending[0].arrival_s
+                or (heap[0][0] == pending[0].arrival_s and heap[0][1] < _ARRIVE)
+            ):
+                t, kind, _, payload = heappop(heap)
                 self._now = t
                 if kind == _STEP:
                     self._step(payload, stop)

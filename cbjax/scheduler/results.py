@@ -70,8 +70,10 @@ class StepResults:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         yielded = []
         requests = self.writer.requests(plan)
+        running = Status.RUNNING
+        retired = False
         for i, req in enumerate(requests):
-            if req.status is not Status.RUNNING:  # stopped on a token since this plan was made
+            if req.status is not running:  # stopped on a token since this plan was made
                 req.num_new_tokens = 0
                 continue
             if errors and i in errors:  # nothing of its step counts
@@ -80,11 +82,14 @@ class StepResults:
                 continue
             if not self._computed(req):
                 continue
-            reason = self._length_reason(req)
+            # _length_reason's first test inlined: most steps end no request
+            reason = self._length_reason(req) if req.num_generated >= req.max_output_len else None
             if reason is not None:  # ends here; its reason and time are recorded at commit
                 self._finish(req, None, None)
+                retired = True
             yielded.append((i, req, reason))
-        self.running = [r for r in self.running if r.status is Status.RUNNING]
+        if retired:
+            self.running = [r for r in self.running if r.status is running]
         self._uncommitted = (plan, yielded)
         if notify:
             self.policy.on_step(requests, now)
