@@ -235,10 +235,14 @@ class PageAllocator:
         while len(pages) < n and self._num_free:
             if not (0 < page < self.num_pages and is_free[page]):
                 page = self._place(n - len(pages))
-            is_free[page] = 0
-            self._num_free -= 1
-            pages.append(page)
-            page += 1
+            # the free pages from `page` on, up to the first taken one, a stretch at a time
+            stop = min(self.num_pages, page + n - len(pages), page + self._num_free)
+            end = is_free.find(b"\0", page, stop)
+            end = stop if end < 0 else end
+            is_free[page:end] = bytes(end - page)
+            self._num_free -= end - page
+            pages.extend(range(page, end))
+            page = end
         for _ in range(n - len(pages)):
             page, _ = self._cached.popitem(last=False)
             del self._page_of[self._hash_of.pop(page)]

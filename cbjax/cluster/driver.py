@@ -103,7 +103,8 @@ class ClusterSim:
         loop = replica.loop
         loop.advance_to(t)  # idle until t: its virtual clock jumps, as `serve`'s does
         replica.step_pending = True
-        self._push(loop.now(), _STEP, replica)
+        self._seq += 1  # self._push, inlined: once per iteration
+        heapq.heappush(self._heap, (loop.now(), _STEP, self._seq, replica))
 
     def _step(self, replica: Replica, stop: Optional[StopFlag]) -> None:
         """Run the replica's iterations while each starts before every other event: the next

@@ -109,6 +109,7 @@ class StepResults:
         self._uncommitted = None
         self.writer.done(plan)
         done: list[Request] = []
+        tbt_s = self.tbt_s
         for i, req, reason in yielded:
             if reason is _FAILED:  # known at advance: its step was not counted
                 req.error = errors[i]
@@ -117,8 +118,12 @@ class StepResults:
                 req.num_generated -= 1
                 req.error = errors[i]
                 reason = FinishReason.ERROR
-            else:
-                self._stamp(req, now)
+            else:  # a token of `req` came at `now`
+                if req.first_token_s is None:
+                    req.first_token_s = now
+                else:
+                    tbt_s.append(now - req.last_token_s)
+                req.last_token_s = now
                 if token_ids is not None:
                     reason = self._take_token(req, int(token_ids[i])) or reason
             if reason is None:
@@ -145,14 +150,6 @@ class StepResults:
             return False
         req.num_generated += 1
         return True
-
-    def _stamp(self, req: Request, now: float) -> None:
-        """A token of `req` came at `now`."""
-        if req.first_token_s is None:
-            req.first_token_s = now
-        else:
-            self.tbt_s.append(now - req.last_token_s)
-        req.last_token_s = now
 
     def _take_token(self, req: Request, tok: int) -> Optional[FinishReason]:
         """Append a generated token; the reason it ends the request, if it does."""
