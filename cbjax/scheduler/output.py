@@ -31,13 +31,18 @@ class Draft:
         self.padded_rows: Optional[list[tuple[int, int, bool]]] = None
 
 
-# ScheduledRequest's fields, in order. The writer builds each entry by filling its instance
-# dict at once: a frozen dataclass's generated __init__ sets each field through
-# object.__setattr__, which made entries the costliest part of writing a plan.
+# ScheduledRequest's and Schedule's fields, in order; checked here, since the writer relies on
+# them. It builds each entry by filling its instance dict at once (a frozen dataclass's
+# generated __init__ sets each field through object.__setattr__, which made entries the
+# costliest part of writing a plan) and passes a plan's fields by position.
 _ENTRY_FIELDS = ("request_id", "slot", "num_computed", "num_new_tokens", "is_decode", "token_ids",
                  "feed_previous", "page_table", "sampling", "yields")  # fmt: skip
+_SCHEDULE_FIELDS = ("num_slots", "scheduled", "preempted", "start_s", "swap_out", "swap_in", "page_size",
+                    "step_id", "padded_rows")  # fmt: skip
 if tuple(f.name for f in fields(ScheduledRequest)) != _ENTRY_FIELDS:
     raise AssertionError("cbjax.scheduler.output: _ENTRY_FIELDS differs from ScheduledRequest's fields")
+if tuple(f.name for f in fields(Schedule)) != _SCHEDULE_FIELDS:
+    raise AssertionError("cbjax.scheduler.output: _SCHEDULE_FIELDS differs from Schedule's fields")
 _new = object.__new__
 
 
@@ -79,16 +84,16 @@ class PlanWriter:
         if draft.prefills:
             scheduled.extend([entry(r, False) for r in draft.prefills])
         self._plans[self._num_plans] = draft.decodes + draft.prefills
-        return Schedule(
-            num_slots=self.num_slots,
-            scheduled=scheduled,
-            preempted=[r.request_id for r in draft.preempted] if draft.preempted else [],
-            start_s=now,
-            swap_out=[(r.request_id, tuple(pages)) for r, pages in draft.swap_out] if draft.swap_out else [],
-            swap_in=[(r.request_id, tuple(pages)) for r, pages in draft.swap_in] if draft.swap_in else [],
-            page_size=self.allocator.page_size,
-            step_id=self._num_plans,
-            padded_rows=draft.padded_rows,
+        return Schedule(  # positional (in _SCHEDULE_FIELDS order): keywords cost twice as much
+            self.num_slots,
+            scheduled,
+            [r.request_id for r in draft.preempted] if draft.preempted else [],
+            now,
+            [(r.request_id, tuple(pages)) for r, pages in draft.swap_out] if draft.swap_out else [],
+            [(r.request_id, tuple(pages)) for r, pages in draft.swap_in] if draft.swap_in else [],
+            self.allocator.page_size,
+            self._num_plans,
+            draft.padded_rows,
         )
 
     def _entry(self, req: Request, decode: bool) -> ScheduledRequest:
