@@ -282,6 +282,8 @@ class Scheduler(StepResults):
     def _plan_running(self, plan: Draft, decoding: bool, budget: int) -> int:
         """Plan the running requests' decodes (`decoding`) or unfinished prefills, preempting
         when pages run out. Returns the budget left."""
+        if not decoding and len(plan.decodes) == len(self.running):
+            return budget  # every running request decodes in this plan: no prefill is left
         alloc = self.allocator
         running = Status.RUNNING
         planned = plan.decodes if decoding else plan.prefills
