@@ -123,7 +123,11 @@ class ClusterSim:
                 or (pending and pending[0].arrival_s <= t)
                 or (stop is not None and stop.is_set())
             ):
-                self._wake(replica, t)
+                # self._wake(replica, t), whose checks hold here: it has work, no step queued,
+                # and its clock is at t
+                replica.step_pending = True
+                self._seq += 1
+                heapq.heappush(heap, (t, _STEP, self._seq, replica))
                 return
             self._now = t
 
