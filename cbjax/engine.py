@@ -35,6 +35,7 @@ PACES = ("none", "realtime")
 # virtual clock (start = the previous step's end) rather than on the wall clock, so sleep
 # overshoot does not accumulate. Beyond it, time slips to the wall clock: an honest delay.
 PACE_SLACK_S = 0.005
+_perf_counter = time.perf_counter
 
 
 @dataclass
@@ -215,12 +216,12 @@ class EngineLoop:
             return True
         if not sched.has_work():
             return False
-        start = self.now()
-        t_sched = time.perf_counter()
+        virtual, stats = self.virtual, self.stats
+        start = self._now if virtual else self.now()
+        t_sched = _perf_counter()
         plan = sched.schedule(start)
-        t_exec = time.perf_counter()
-        self.stats.schedule_s += t_exec - t_sched
-        if plan.num_scheduled == 0:
+        stats.schedule_s += _perf_counter() - t_sched
+        if not plan.scheduled:
             if self._inflight is not None:
                 self._land()  # the step in flight may end requests whose pages or slots the plan needs
                 return True
@@ -236,15 +237,16 @@ class EngineLoop:
                 self._land()
             t_post = time.perf_counter()
             sched.advance(plan, self._clock() - self._t0)
-            self.stats.postprocess_s += time.perf_counter() - t_post
-            self._inflight = (plan, launched, batched, self.stats.iterations, requests)
+            stats.postprocess_s += time.perf_counter() - t_post
+            self._inflight = (plan, launched, batched, stats.iterations, requests)
             return True
         out = self.executor.execute(plan)
-        if self.virtual:
-            self._now += out.duration_s
+        duration = out.duration_s
+        if virtual:
+            self._now += duration
             end = self._now
         elif self.paced:
-            end = start + out.duration_s
+            end = start + duration
             delay = end - (self._clock() - self._t0)
             if delay > 0:
                 self._sleep(delay)
@@ -252,44 +254,52 @@ class EngineLoop:
         else:
             end = self._clock() - self._t0
         self.last_end = end
-        self.stats.busy_s += out.duration_s
-        t_post = time.perf_counter()
+        stats.busy_s += duration
+        t_post = _perf_counter()
         done = sched.postprocess(plan, out.token_ids, end, out.errors)
-        self.stats.postprocess_s += time.perf_counter() - t_post
-        self._finished(plan, batched, done, self.stats.iterations, end, requests)
+        stats.postprocess_s += _perf_counter() - t_post
+        self._finished(plan, batched, done, stats.iterations, end, requests)
         return True
 
     def _record(self, plan: Schedule) -> int:
         """The iteration's counters, as the plan leaves the scheduler; returns its batched tokens."""
         stats, alloc = self.stats, self.scheduler.allocator
         batched = plan.num_batched_tokens
+        num_scheduled = len(plan.scheduled)
         stats.iterations += 1
-        stats.occupied_slot_iterations += plan.num_scheduled
+        stats.occupied_slot_iterations += num_scheduled
         stats.batched_tokens += batched
         used = alloc.num_used_pages
         stats.pages_used_sum += used
         if used > stats.pages_used_peak:
             stats.pages_used_peak = used
         stats.kv_util_sum += alloc.token_utilization()
-        sums = stats.kv_share_sums
-        for i, slots in enumerate(self.scheduler.kv_breakdown()):
-            sums[i] += slots / self._pool_slots
-        if plan.num_scheduled > stats.batch_peak:
-            stats.batch_peak = plan.num_scheduled
+        sums, pool = stats.kv_share_sums, self._pool_slots
+        token, reserved, internal, external, free = self.scheduler.kv_breakdown()
+        sums[0] += token / pool
+        sums[1] += reserved / pool
+        sums[2] += internal / pool
+        sums[3] += external / pool
+        sums[4] += free / pool
+        if num_scheduled > stats.batch_peak:
+            stats.batch_peak = num_scheduled
         return batched
 
     def _finished(self, plan, batched, done, iteration, end, requests) -> None:
-        for req in done:
-            self.stats.finish_iteration[req.request_id] = iteration
+        if done:
+            finish_iteration = self.stats.finish_iteration
+            for req in done:
+                finish_iteration[req.request_id] = iteration
         if self.on_token is not None:
             self._emit_tokens(requests, end)
         if self.on_step is not None:
             self.on_step(plan, end, batched, requests)
         bar = self._bar
-        finished = len(self.scheduler.finished)
-        if bar is not None and finished != self._num_done_reported:
-            bar.update(finished - self._num_done_reported)
-            self._num_done_reported = finished
+        if bar is not None:
+            finished = len(self.scheduler.finished)
+            if finished != self._num_done_reported:
+                bar.update(finished - self._num_done_reported)
+                self._num_done_reported = finished
 
     def _emit_tokens(self, requests: list[Request], now: float) -> None:
         real = not self.executor.virtual_clock

@@ -74,6 +74,8 @@ class Schedule:
     @property
     def num_swapped_pages(self) -> int:
         """Pages copied between device and host before this step, both directions."""
+        if not (self.swap_out or self.swap_in):  # most plans: no allocation
+            return 0
         return sum(len(pages) for _, pages in self.swap_out + self.swap_in)
 
     @property
@@ -90,7 +92,7 @@ class Schedule:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum([s.num_new_tokens for s in self.scheduled])
 
 
 @dataclass

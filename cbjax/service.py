@@ -33,8 +33,10 @@ import numpy as np
 from cbjax.config import MetricsConfig
 from cbjax.engine import RunResult
 from cbjax.metrics import SERVED, _percentiles, meets_slo, request_latencies
-from cbjax.request import FinishReason, Request
+from cbjax.request import FinishReason, Request, Status
 from cbjax.plan import Schedule
+
+_FINISHED = Status.FINISHED
 
 
 class ServiceLog:
@@ -53,27 +55,32 @@ class ServiceLog:
         scheduled requests are `requests`."""
         it = len(self.end_s)
         self.end_s.append(end_s)
-        self.batch.append(plan.num_scheduled)
+        self.batch.append(len(plan.scheduled))  # plan.num_scheduled
         self.batched_tokens.append(num_batched_tokens)
+        prompt_done, generated = self._prompt_done, self._generated
         served: dict[str, list[int]] = {}
         for req in requests:
-            prompt = min(req.num_computed, req.prompt_len)
-            new_prompt = prompt - self._prompt_done.get(req, 0)
-            new_tokens = req.num_generated - self._generated.get(req, 0)
-            if req.is_finished:
-                self._prompt_done.pop(req, None)
-                self._generated.pop(req, None)
+            prompt = req.prompt_len if req.num_computed > req.prompt_len else req.num_computed
+            new_prompt = prompt - prompt_done.get(req, 0)
+            new_tokens = req.num_generated - generated.get(req, 0)
+            if req.status is _FINISHED:
+                prompt_done.pop(req, None)
+                generated.pop(req, None)
             else:
                 if new_prompt > 0:
-                    self._prompt_done[req] = prompt
+                    prompt_done[req] = prompt
                 if new_tokens > 0:
-                    self._generated[req] = req.num_generated
+                    generated[req] = req.num_generated
             if new_prompt > 0 or new_tokens > 0:
-                entry = served.setdefault(req.client_id, [0, 0])
-                entry[0] += max(new_prompt, 0)
-                entry[1] += max(new_tokens, 0)
-        for client, (prompt, generated) in served.items():
-            self.events.append((it, client, prompt, generated))
+                entry = served.get(req.client_id)
+                if entry is None:
+                    entry = served[req.client_id] = [0, 0]
+                if new_prompt > 0:
+                    entry[0] += new_prompt
+                if new_tokens > 0:
+                    entry[1] += new_tokens
+        for client, (prompt, new) in served.items():
+            self.events.append((it, client, prompt, new))
 
     def event_arrays(self) -> tuple[np.ndarray, list[str], np.ndarray, np.ndarray]:
         """(end time f64[n], client per event, prompt tokens i64[n], generated tokens i64[n])."""

@@ -115,6 +115,48 @@ def test_no_page_is_both_free_and_owned_and_all_return(ops, allocation):
     assert alloc.num_free_pages == alloc.num_usable_pages
 
 
+
+class PageAtATime(PageAllocator):
+    """The placement rule stated one page at a time (the class docstring's): the next page
+    after the table's last while it is free, else a new stretch from `_place`."""
+
+    def _take(self, n, after=None):
+        pages, page = [], -1 if after is None else after + 1
+        while len(pages) < n and self._num_free:
+            if not (0 < page < self.num_pages and self._is_free[page]):
+                page = self._place(n - len(pages))
+            self._is_free[page] = 0
+            self._num_free -= 1
+            pages.append(page)
+            page += 1
+        return pages
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free"]), st.integers(0, 9), st.integers(1, 90)), max_size=120),
+    num_pages=st.sampled_from([12, 40, 90]),
+)
+def test_pages_taken_a_stretch_at_a_time_are_the_ones_taken_a_page_at_a_time(ops, num_pages):
+    fast, slow = PageAllocator(num_pages, page_size=4), PageAtATime(num_pages, page_size=4)
+    stored = {}
+    for op, rid, n in ops:
+        rid = str(rid)
+        if op == "alloc" and rid not in stored and slow.can_allocate(n, n):
+            assert fast.allocate(rid, n, n) == slow.allocate(rid, n, n)
+            stored[rid] = n
+        elif op == "grow" and rid in stored and slow.can_append(rid, stored[rid] + n):
+            stored[rid] += n
+            fast.append(rid, stored[rid])
+            slow.append(rid, stored[rid])
+        elif op == "free" and rid in stored:
+            fast.free(rid)
+            slow.free(rid)
+            del stored[rid]
+        assert fast.page_tables == slow.page_tables and fast._cursor == slow._cursor
+        fast.check_invariants()
+
+
 # ---- prefix caching ----
 
 

@@ -123,9 +123,9 @@ def test_a_users_router_from_its_own_directory_gives_round_robins_assignments(tm
     monkeypatch.syspath_prepend(str(tmp_path))
     assert isinstance(make_router("my_routers:MyRoundRobin"), Router)
 
-    def assignments(router):
+    def assignments(router, router_args=None):
         cfg = RunConfig(
-            cluster=ClusterConfig(replicas=3, router=router),
+            cluster=ClusterConfig(replicas=3, router=router, router_args=router_args or {}),
             scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512),
             workload=WorkloadConfig(num_requests=40, arrival="poisson", rate=200.0),
             progress=False,
@@ -138,6 +138,9 @@ def test_a_users_router_from_its_own_directory_gives_round_robins_assignments(tm
     mine, theirs = assignments("my_routers:MyRoundRobin"), assignments("round_robin")
     assert mine == theirs
     assert mine[0][:6] == [0, 1, 2, 0, 1, 2]
+    # cluster.router_args reach the user's class: starting at replica 1 shifts every assignment
+    shifted = assignments("my_routers:MyRoundRobin", {"start": 1})[0]
+    assert shifted == [(i + 1) % 3 for i in range(40)]
 
 
 def test_a_router_returning_no_replica_fails_naming_it(tmp_path, monkeypatch):

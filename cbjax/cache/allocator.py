@@ -235,10 +235,14 @@ class PageAllocator:
         while len(pages) < n and self._num_free:
             if not (0 < page < self.num_pages and is_free[page]):
                 page = self._place(n - len(pages))
-            is_free[page] = 0
-            self._num_free -= 1
-            pages.append(page)
-            page += 1
+            # the free pages from `page` on, up to the first taken one, a stretch at a time
+            stop = min(self.num_pages, page + n - len(pages), page + self._num_free)
+            end = is_free.find(b"\0", page, stop)
+            end = stop if end < 0 else end
+            is_free[page:end] = bytes(end - page)
+            self._num_free -= end - page
+            pages.extend(range(page, end))
+            page = end
         for _ in range(n - len(pages)):
             page, _ = self._cached.popitem(last=False)
             del self._page_of[self._hash_of.pop(page)]
@@ -285,7 +289,11 @@ class PageAllocator:
         filled = 0  # sum of min(c, max(f, s)): slots that hold or will hold a token
         for rid, f in final_tokens:
             c = len(tables[rid]) * ps
-            filled += c if f >= c else max(f, stored[rid])
+            if f >= c:
+                filled += c
+            else:
+                s = stored[rid]
+                filled += f if f > s else s
         used = self.num_used_pages * ps
         held = sum(len(t) for t in tables.values()) * ps if self.prefix_caching else used
         # each extra holder of a shared page counted its page_size (full, computed) tokens again

@@ -68,7 +68,8 @@ class ClusterSim(ClusterBase):
         loop = replica.loop
         loop.advance_to(t)  # idle until t: its virtual clock jumps, as `serve`'s does
         replica.step_pending = True
-        self._push(loop.now(), _STEP, replica)
+        self._seq += 1  # self._push, inlined: once per iteration
+        heapq.heappush(self._heap, (loop.now(), _STEP, self._seq, replica))
 
     def _step(self, replica: Replica, stop: Optional[StopFlag]) -> None:
         """Run the replica's iterations while each starts before every other event: the next
@@ -81,12 +82,17 @@ class ClusterSim(ClusterBase):
             t = loop.now()
             if not loop.has_work():
                 return
+            # (heap[0][0], heap[0][1]) <= (t, _STEP) is heap[0][0] <= t: no kind ranks after _STEP
             if (
-                (heap and (heap[0][0], heap[0][1]) <= (t, _STEP))
+                (heap and heap[0][0] <= t)
                 or (pending and pending[0].arrival_s <= t)
                 or (stop is not None and stop.is_set())
             ):
-                self._wake(replica, t)
+                # self._wake(replica, t), whose checks hold here: it has work, no step queued,
+                # and its clock is at t
+                replica.step_pending = True
+                self._seq += 1
+                heapq.heappush(heap, (t, _STEP, self._seq, replica))
                 return
             self._now = t
 
@@ -132,11 +138,16 @@ class ClusterSim(ClusterBase):
 
     def _run(self, pending: deque, heap: list, stop: Optional[StopFlag]) -> bool:
         """The event loop; True if `stop` ended it."""
+        heappop = heapq.heappop
         while pending or heap:
             if stop is not None and stop.is_set():
                 return True
-            if heap and (not pending or (heap[0][0], heap[0][1]) < (pending[0].arrival_s, _ARRIVE)):
-                t, kind, _, payload = heapq.heappop(heap)
+            if heap and (
+                not pending
+                or heap[0][0] < pending[0].arrival_s
+                or (heap[0][0] == pending[0].arrival_s and heap[0][1] < _ARRIVE)
+            ):
+                t, kind, _, payload = heappop(heap)
                 self._now = t
                 if kind == _STEP:
                     self._step(payload, stop)

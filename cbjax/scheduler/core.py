@@ -151,7 +151,7 @@ class Scheduler(StepResults):
     def kv_breakdown(self) -> tuple[int, int, int, int, int]:
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
         fragmentation is judged against the smallest reservation among waiting requests."""
-        final = ((r.request_id, r.prompt_len + r.max_output_len - 1) for r in self.running)  # final_tokens
+        final = [(r.request_id, r.prompt_len + r.max_output_len - 1) for r in self.running]  # final_tokens
         need = min(self._waiting_pages) if self._waiting_pages else 0
         return self.allocator.slot_breakdown(final, need)
 
@@ -286,14 +286,18 @@ class Scheduler(StepResults):
     def _plan_running(self, plan: Draft, decoding: bool, budget: int) -> int:
         """Plan the running requests' decodes (`decoding`) or unfinished prefills, preempting
         when pages run out. Returns the budget left."""
+        if not decoding and len(plan.decodes) == len(self.running):
+            return budget  # every running request decodes in this plan: no prefill is left
         alloc = self.allocator
+        running = Status.RUNNING
+        planned = plan.decodes if decoding else plan.prefills
         for req in list(self.running):
-            if req.status is not Status.RUNNING or req.num_new_tokens:
+            if req.status is not running or req.num_new_tokens:
                 continue  # preempted earlier in this loop, or already planned
-            remaining = req.num_tokens - req.num_computed
+            remaining = req.prompt_len + req.num_generated - req.num_computed  # num_tokens - num_computed
             if (remaining == 1) != decoding:
                 continue
-            n = min(remaining, budget)
+            n = remaining if remaining < budget else budget
             if n == 0:
                 continue
             while not alloc.can_append(req.request_id, req.num_computed + n):
@@ -301,11 +305,11 @@ class Scheduler(StepResults):
                 budget += self._preempt(victim, plan)
                 if victim is req:
                     break
-            if req.status is Status.RUNNING:
+            if req.status is running:
                 alloc.append(req.request_id, req.num_computed + n)
                 req.num_new_tokens = n
                 budget -= n
-                (plan.decodes if decoding else plan.prefills).append(req)
+                planned.append(req)
         return budget
 
     def _admit_waiting(self, plan: Draft, budget: int, now: float) -> int:

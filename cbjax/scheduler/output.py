@@ -9,23 +9,41 @@ when it changed and sampling knobs only when a request takes its slot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import fields
 from typing import Optional
 
 from cbjax.plan import Schedule, ScheduledRequest
 from cbjax.request import Request
 
 
-@dataclass
 class Draft:
-    """A plan while the scheduler builds it, over live requests."""
+    """A plan while the scheduler builds it, over live requests. (A plain class: one is made
+    per iteration, and a dataclass's field defaults cost more to build.)"""
 
-    decodes: list[Request] = field(default_factory=list)
-    prefills: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
-    padded_rows: Optional[list[tuple[int, int, bool]]] = None
+    __slots__ = ("decodes", "prefills", "preempted", "swap_out", "swap_in", "padded_rows")
+
+    def __init__(self) -> None:
+        self.decodes: list[Request] = []
+        self.prefills: list[Request] = []
+        self.preempted: list[Request] = []
+        self.swap_out: list[tuple[Request, list[int]]] = []
+        self.swap_in: list[tuple[Request, list[int]]] = []
+        self.padded_rows: Optional[list[tuple[int, int, bool]]] = None
+
+
+# ScheduledRequest's and Schedule's fields, in order; checked here, since the writer relies on
+# them. It builds each entry by filling its instance dict at once (a frozen dataclass's
+# generated __init__ sets each field through object.__setattr__, which made entries the
+# costliest part of writing a plan) and passes a plan's fields by position.
+_ENTRY_FIELDS = ("request_id", "slot", "num_computed", "num_new_tokens", "is_decode", "token_ids",
+                 "feed_previous", "page_table", "sampling", "yields")  # fmt: skip
+_SCHEDULE_FIELDS = ("num_slots", "scheduled", "preempted", "start_s", "swap_out", "swap_in", "page_size",
+                    "step_id", "padded_rows")  # fmt: skip
+if tuple(f.name for f in fields(ScheduledRequest)) != _ENTRY_FIELDS:
+    raise AssertionError("cbjax.scheduler.output: _ENTRY_FIELDS differs from ScheduledRequest's fields")
+if tuple(f.name for f in fields(Schedule)) != _SCHEDULE_FIELDS:
+    raise AssertionError("cbjax.scheduler.output: _SCHEDULE_FIELDS differs from Schedule's fields")
+_new = object.__new__
 
 
 class PlanWriter:
@@ -61,28 +79,31 @@ class PlanWriter:
 
     def write(self, draft: Draft, now: float) -> Schedule:
         self._num_plans += 1
-        scheduled = [self._entry(r, True) for r in draft.decodes]
-        scheduled.extend(self._entry(r, False) for r in draft.prefills)
+        entry = self._entry
+        scheduled = [entry(r, True) for r in draft.decodes]
+        if draft.prefills:
+            scheduled.extend([entry(r, False) for r in draft.prefills])
         self._plans[self._num_plans] = draft.decodes + draft.prefills
-        return Schedule(
-            num_slots=self.num_slots,
-            scheduled=scheduled,
-            preempted=[r.request_id for r in draft.preempted],
-            start_s=now,
-            swap_out=[(r.request_id, tuple(pages)) for r, pages in draft.swap_out],
-            swap_in=[(r.request_id, tuple(pages)) for r, pages in draft.swap_in],
-            page_size=self.allocator.page_size,
-            step_id=self._num_plans,
-            padded_rows=draft.padded_rows,
+        return Schedule(  # positional (in _SCHEDULE_FIELDS order): keywords cost twice as much
+            self.num_slots,
+            scheduled,
+            [r.request_id for r in draft.preempted] if draft.preempted else [],
+            now,
+            [(r.request_id, tuple(pages)) for r, pages in draft.swap_out] if draft.swap_out else [],
+            [(r.request_id, tuple(pages)) for r, pages in draft.swap_in] if draft.swap_in else [],
+            self.allocator.page_size,
+            self._num_plans,
+            draft.padded_rows,
         )
 
     def _entry(self, req: Request, decode: bool) -> ScheduledRequest:
         rid = req.request_id
         table = self.allocator.page_tables[rid]
         page_table = None
-        if self._sent_pages.get(rid) != len(table):  # tables only grow while a request runs
+        sent = self._sent_pages
+        if sent.get(rid) != len(table):  # tables only grow while a request runs
             page_table = tuple(table)
-            self._sent_pages[rid] = len(table)
+            sent[rid] = len(table)
         sampling = None
         if rid in self._fresh:
             self._fresh.discard(rid)
@@ -104,8 +125,10 @@ class PlanWriter:
                 token_ids = tuple(req.prompt_ids()[lo : lo + n])
             else:
                 token_ids = tuple(req.prompt_ids()[lo:]) + tuple(out[: lo + n - p])
-        return ScheduledRequest(
+        entry = _new(ScheduledRequest)
+        entry.__dict__.update(
             request_id=rid, slot=req.slot, num_computed=lo, num_new_tokens=n, is_decode=decode,
             token_ids=token_ids, feed_previous=feed, page_table=page_table, sampling=sampling,
-            yields=lo + n >= req.num_tokens,
+            yields=lo + n >= req.prompt_len + req.num_generated,  # req.num_tokens
         )  # fmt: skip
+        return entry

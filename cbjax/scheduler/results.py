@@ -70,8 +70,10 @@ class StepResults:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         yielded = []
         requests = self.writer.requests(plan)
+        running = Status.RUNNING
+        retired = False
         for i, req in enumerate(requests):
-            if req.status is not Status.RUNNING:  # stopped on a token since this plan was made
+            if req.status is not running:  # stopped on a token since this plan was made
                 req.num_new_tokens = 0
                 continue
             if errors and i in errors:  # nothing of its step counts
@@ -80,11 +82,14 @@ class StepResults:
                 continue
             if not self._computed(req):
                 continue
-            reason = self._length_reason(req)
+            # _length_reason's first test inlined: most steps end no request
+            reason = self._length_reason(req) if req.num_generated >= req.max_output_len else None
             if reason is not None:  # ends here; its reason and time are recorded at commit
                 self._finish(req, None, None)
+                retired = True
             yielded.append((i, req, reason))
-        self.running = [r for r in self.running if r.status is Status.RUNNING]
+        if retired:
+            self.running = [r for r in self.running if r.status is running]
         self._uncommitted = (plan, yielded)
         if notify:
             self.policy.on_step(requests, now)
@@ -104,6 +109,7 @@ class StepResults:
         self._uncommitted = None
         self.writer.done(plan)
         done: list[Request] = []
+        tbt_s = self.tbt_s
         for i, req, reason in yielded:
             if reason is _FAILED:  # known at advance: its step was not counted
                 req.error = errors[i]
@@ -112,8 +118,12 @@ class StepResults:
                 req.num_generated -= 1
                 req.error = errors[i]
                 reason = FinishReason.ERROR
-            else:
-                self._stamp(req, now)
+            else:  # a token of `req` came at `now`
+                if req.first_token_s is None:
+                    req.first_token_s = now
+                else:
+                    tbt_s.append(now - req.last_token_s)
+                req.last_token_s = now
                 if token_ids is not None:
                     reason = self._take_token(req, int(token_ids[i])) or reason
             if reason is None:
@@ -140,14 +150,6 @@ class StepResults:
             return False
         req.num_generated += 1
         return True
-
-    def _stamp(self, req: Request, now: float) -> None:
-        """A token of `req` came at `now`."""
-        if req.first_token_s is None:
-            req.first_token_s = now
-        else:
-            self.tbt_s.append(now - req.last_token_s)
-        req.last_token_s = now
 
     def _take_token(self, req: Request, tok: int) -> Optional[FinishReason]:
         """Append a generated token; the reason it ends the request, if it does."""

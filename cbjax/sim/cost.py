@@ -66,21 +66,20 @@ class RooflineCost:
 
     def __call__(self, plan: Schedule) -> float:
         tokens = 0
-        seqs = 0
         pairs = 0.0
         kv_tokens = 0
         rows = plan.cost_rows()
         for n, ctx, decode in rows:
-            seqs += 1
             tokens += n
             pairs += n * ctx + n * (n + 1) / 2  # a decode: its context plus the new token
             kv_tokens += ctx + n + (1 if decode else 0)  # a decode reads its context, writes one
-        flops = tokens * self.body_flops_per_token + seqs * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
+        flops = tokens * self.body_flops_per_token + len(rows) * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
         bytes_moved = self.weight_bytes + kv_tokens * self.kv_bytes_per_token
         swapped = plan.num_swapped_pages
         swap_s = swapped * plan.page_size * self.kv_bytes_per_token / self.host_bytes_per_s
         compute_s = max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
-        return compute_s + tokens * self.allreduce_s_per_token + swap_s + self.stack.host_s(plan, rows)
+        host_s = self.stack.host_s(plan, rows) if self.stack.active else 0.0
+        return compute_s + tokens * self.allreduce_s_per_token + swap_s + host_s
 
 
 class StackOverhead:
@@ -91,12 +90,13 @@ class StackOverhead:
 
     def __init__(self, model: ModelConfig, overhead: OverheadConfig):
         self.config = overhead
+        self.active = not overhead.is_none  # host_s is 0.0 otherwise
         self.copy_s_per_page = 2 * model.num_layers * overhead.copy_latency_s
 
     def host_s(self, plan: Schedule, rows=None) -> float:
         """Seconds the stack adds to `plan`'s step; `rows`: `plan.cost_rows()` if already built."""
         o = self.config
-        if o.is_none:
+        if not self.active:
             return 0.0
         seconds = o.step_s + plan.num_scheduled * o.seq_s + plan.num_swapped_pages * self.copy_s_per_page
         if o.page_s:

@@ -17,4 +17,4 @@ class SimExecutor(SyncExecutor):
         self.cost_model = cost_model
 
     def execute(self, plan: Schedule) -> StepOutput:
-        return StepOutput(token_ids=None, duration_s=self.cost_model(plan))
+        return StepOutput(None, self.cost_model(plan))  # token_ids, duration_s (positional: once per step)
