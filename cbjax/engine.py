@@ -140,6 +140,15 @@ class EngineLoop:
             return self._now  # keeping up: the next step starts where the last one ended
         return wall
 
+    def stamp(self) -> float:
+        """The arrival time of a request reaching the loop now: the wall clock (the virtual one
+        when it is not paced). A paced loop's `now` may trail the wall clock by up to
+        PACE_SLACK_S; an arrival is still stamped when it happened, and waits for the first
+        boundary at or after it, as offline."""
+        if self.virtual:
+            return self._now
+        return self._clock() - self._t0
+
     def advance_to(self, t: float) -> None:
         """A virtual clock idle until `t` jumps there (never backwards)."""
         if self._now < t:
@@ -151,9 +160,11 @@ class EngineLoop:
         self._now = 0.0
 
     # ---- intake (thread-safe) ----
-    def submit(self, req: Request) -> None:
-        """A request arriving now; it enters the scheduler at the next iteration boundary."""
-        req.arrival_s = self.now()
+    def submit(self, req: Request, arrival_s: Optional[float] = None) -> None:
+        """A request arriving now (or at `arrival_s`, an earlier `stamp`: when the server
+        received it); it enters the scheduler at the first iteration boundary at or after its
+        arrival, and wakes an idle loop at once."""
+        req.arrival_s = self.stamp() if arrival_s is None else arrival_s
         self._inbox.append(req)
         self._wake.set()
 
@@ -182,8 +193,7 @@ class EngineLoop:
     def boundary(self) -> None:
         """Between iterations: report finished requests, take submissions and cancellations."""
         sched = self.scheduler
-        while self._inbox:
-            self.add(self._inbox.popleft())
+        self._admit()
         while self._cancels:
             request_id, reason, finish_reason = self._cancels.popleft()
             if self._inflight is not None:
@@ -192,6 +202,31 @@ class EngineLoop:
         self._report_finished()
         if self.tick is not None:
             self.tick()
+
+    def _admit(self) -> None:
+        """Hand the inbox to the scheduler. Paced, the loop's clock may trail the wall clock
+        (PACE_SLACK_S): a request that arrived after the boundary's time waits for the next
+        boundary, as it would offline; an idle loop first moves its clock to the arrival."""
+        inbox = self._inbox
+        if not inbox:
+            return
+        if not self.paced:
+            while inbox:
+                self.add(inbox.popleft())
+            return
+        if not self.has_work():
+            # idle: the next step starts at the earliest arrival, as offline; or at the wall
+            # clock if the loop comes to it more than PACE_SLACK_S late
+            self.advance_to(min(r.arrival_s for r in inbox))
+        now = self.now()
+        # stamps taken at receipt need not come in submission order: look at every one
+        due, later = [], []
+        for _ in range(len(inbox)):
+            req = inbox.popleft()
+            (due if req.arrival_s <= now else later).append(req)
+        inbox.extendleft(reversed(later))
+        for req in sorted(due, key=lambda r: r.arrival_s):
+            self.add(req, now)
 
     def _report_finished(self) -> None:
         sched = self.scheduler
@@ -316,14 +351,21 @@ class EngineLoop:
         self._finished(plan, batched, done, iteration, now, requests)
 
     # ---- driving ----
+    def turn(self) -> bool:
+        """One turn of `run`: a boundary, then one iteration; False when idle."""
+        self.boundary()
+        return self.step()
+
     def run(self, stop: threading.Event) -> None:
         """Serve submissions until `stop` is set; blocks while idle, wakes on `submit`."""
         while not stop.is_set():
-            self.boundary()
-            if self.step():
+            if self.turn():
+                continue
+            # cleared before the inbox is checked again, so a submission in between is not missed
+            self._wake.clear()
+            if self._inbox or self._cancels:
                 continue
             self._wake.wait(0.05)
-            self._wake.clear()
         if self._inflight is not None:
             self._land()
         self.boundary()
@@ -333,9 +375,9 @@ class EngineLoop:
         `not_arrived`, with no finish time."""
         if self._inflight is not None:
             self._land()
+        now = max(self.now(), self.stamp())  # paced: past every arrival stamped so far
         while self._inbox:
-            self.add(self._inbox.popleft())
-        now = self.now()
+            self.add(self._inbox.popleft(), now)
         if self.scheduler.has_work():
             self.scheduler.abort_all(now)
         for req in pending or ():
