@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from cbjax.request import FinishReason, Request, SamplingParams
 from cbjax.serve.bridge import EngineBridge, Finished, Token
@@ -45,18 +45,52 @@ class ServeState:
     draining: bool = False
 
 
-class EngineStream(StreamingResponse):
-    """A stream that calls `on_close` however it ends: done, client gone, or server error."""
+class EngineStream(Response):
+    """One request's server-sent events, as a plain ASGI response (a Response only for the
+    framework's type check: none of its body machinery is used).
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
+    It waits for the request's first event itself: the framework's return path runs while the
+    request waits for a slot, and between the first token and the client lies only the send of
+    its chunk. An end before any token with an error (a rejection) answers as a plain error
+    response instead. A watcher on `receive` aborts the request when the client leaves, at
+    any point; the stream then ends with the engine's abort."""
+
+    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+    def __init__(self, state: "ServeState", req: Request, queue: asyncio.Queue,
+                 events: Callable[[object], AsyncIterator[str]]):  # fmt: skip
+        self.state, self.req, self.queue, self.events = state, req, queue, events
+        self.status_code, self.background = 200, None
+        self.ended = False  # the stream ran to its end: nothing to abort
+
+    def _left(self, gone: asyncio.Future) -> None:
+        if not gone.cancelled() and not self.ended:
+            self.state.bridge.cancel(self.req.request_id, "client disconnected")
 
     async def __call__(self, scope, receive, send) -> None:
+        gone = asyncio.ensure_future(_disconnected(receive))
+        gone.add_done_callback(self._left)
         try:
-            await super().__call__(scope, receive, send)
+            first = await self.queue.get()
+            if gone.done():  # left while waiting for a slot: the engine's abort was its answer
+                await send({"type": "http.response.start", "status": 499, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            if isinstance(first, Finished):
+                err = end_error(self.state, first.req)
+                if err is not None:
+                    raise err  # answered by the app's error handler, before anything was sent
+            await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
+            async for text in self.events(first):
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            self.ended = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if self.background is not None:
+                await self.background()
         finally:
-            self.on_close()
+            gone.cancel()
+            if not self.ended:  # a server error mid-stream
+                self.state.bridge.cancel(self.req.request_id, "client disconnected")
 
 
 def build_request(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
@@ -150,7 +184,7 @@ async def complete(state: ServeState, req: Request, out: Output, queue: asyncio.
                    raw: HTTPRequest) -> Response:  # fmt: skip
     """Wait for the whole output, aborting the request if the client goes away first."""
     created = int(time.time())
-    gone = asyncio.ensure_future(_disconnected(raw))
+    gone = asyncio.ensure_future(_disconnected(raw.receive))
     try:
         while True:
             get = asyncio.ensure_future(queue.get())
@@ -180,9 +214,9 @@ async def complete(state: ServeState, req: Request, out: Output, queue: asyncio.
     return JSONResponse({**_envelope(req, state, chat, created), "choices": [choice], "usage": usage(req, out)})
 
 
-async def _disconnected(raw: HTTPRequest) -> None:
+async def _disconnected(receive) -> None:
     while True:
-        message = await raw.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -194,23 +228,8 @@ def _sse(data: Union[dict[str, Any], str]) -> str:
 async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Queue, chat: bool,
                  include_usage: bool, raw: HTTPRequest) -> Response:  # fmt: skip
     """Server-sent events: one chunk per token, a last chunk with the finish reason, the usage
-    chunk when asked for, then `data: [DONE]`. A rejection before any token answers as a
-    plain error response instead."""
-    gone = asyncio.ensure_future(_disconnected(raw))
-    get = asyncio.ensure_future(queue.get())
-    try:
-        done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if get not in done:  # left while waiting for a slot
-        get.cancel()
-        state.bridge.cancel(req.request_id, "client disconnected")
-        return Response(status_code=499)
-    first = get.result()
-    if isinstance(first, Finished):
-        err = end_error(state, first.req)
-        if err is not None:
-            raise err
+    chunk when asked for, then `data: [DONE]` (sent by `EngineStream`). The chunks' templates
+    are built before the first token comes."""
     created = int(time.time())
     head = _envelope(req, state, chat, created)
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
@@ -232,10 +251,7 @@ async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Qu
     def token_chunk(text: str) -> str:
         return token_head + json.dumps(text) + token_tail
 
-    ended = False
-
-    async def events() -> AsyncIterator[str]:
-        nonlocal ended
+    async def events(first: object) -> AsyncIterator[str]:
         if chat:
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
         event = first
@@ -248,7 +264,6 @@ async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Qu
                     state.bridge.cancel(req.request_id, STOP_SEQUENCE, FinishReason.STOP)
                 yield token_chunk(text)
             event = await queue.get()
-        ended = True
         err = end_error(state, event.req)
         if err is not None:
             yield _sse(err.body())
@@ -261,8 +276,4 @@ async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Qu
             yield _sse({**head, "choices": [], "usage": usage(req, out)})
         yield _sse("[DONE]")
 
-    def on_close() -> None:
-        if not ended:
-            state.bridge.cancel(req.request_id, "client disconnected")
-
-    return EngineStream(events(), on_close)
+    return EngineStream(state, req, queue, events)
