@@ -2,8 +2,8 @@
 the lean HTTP client of `cbjax.bench.http`).
 
 Times are seconds since the benchmark's start on the client's monotonic clock. A request's
-`arrival_s` is when it was sent; its first token is the first chunk that carries a choice;
-its inter-token latencies are the gaps between such chunks (a server that sends several
+`arrival_s` is when it was sent; its first token is the first chunk that carries a token
+(`is_token`: its text may be empty); its inter-token latencies are the gaps between such chunks (a server that sends several
 tokens in one chunk shows one gap for them, as vLLM's and SGLang's clients count)."""
 
 from __future__ import annotations
@@ -114,12 +114,24 @@ def _read_chunk(chunk: dict[str, Any], timing: Timing, now: float) -> None:
     if chunk.get("usage"):
         timing.completion_tokens = chunk["usage"].get("completion_tokens")
     for choice in chunk.get("choices") or ():
-        delta = choice.get("delta")
-        text = choice.get("text") if delta is None else delta.get("content")
         if choice.get("finish_reason"):
             timing.finish_reason = choice["finish_reason"]
-        if text:  # a token's text (a chat stream's opening role chunk carries none)
+        if is_token(choice):
             timing.token_s.append(now)
+
+
+def is_token(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice carries a token. Its text may be empty (a token with no text
+    of its own, such as half of a multi-byte character, or a random model's id beyond the byte
+    range): it still counts, as the time a token came. A chat stream's opening role chunk and
+    a closing chunk with only the finish reason carry none."""
+    delta = choice.get("delta")
+    if delta is not None and "role" in delta:
+        return False
+    text = choice.get("text") if delta is None else delta.get("content")
+    if text is None:
+        return False
+    return bool(text) or not choice.get("finish_reason")
 
 
 def _error_message(text: str) -> str:
