@@ -1,6 +1,6 @@
 """Benchmark: one workload served three ways, side by side, to show what the server costs.
 
-    python benchmarks/serve_overhead.py [--executor jax] [--rate 8] [--num-requests 200]
+    python benchmarks/serve_overhead.py [--executor jax] [--rate 8|half] [--num-requests 200]
         [--profile PROFILE.json] [--out DIR] [--repeats 1] [--ways offline,served,...] [OVERRIDE ...]
 
 1. offline: `cbjax` in-process (run_experiment) with the executor;
@@ -116,7 +116,8 @@ def acceptance(results: dict[str, list[dict]], logs: list[dict]) -> list[list[st
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--executor", default="jax", choices=("jax", "sim"))
-    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals, requests per second")
+    parser.add_argument("--rate", default="8", help="Poisson arrivals, requests per second; `half`: half of the "
+                        "executor's capacity, measured first offline with every request arriving at once")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--profile", help="profile.json of this machine for the paced simulator (cost_model=profiled)")
     parser.add_argument("--repeats", type=int, default=1)
@@ -129,9 +130,20 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--ways: unknown {', '.join(unknown)}; choose from {', '.join(WAYS)}")
     # the workload keys go to cbjax-bench too; the rest only to the server and offline runs
-    workload = [f"workload.num_requests={args.num_requests}", "workload.arrival=poisson", f"workload.rate={args.rate}",
-                *(o for o in args.overrides if o.startswith(("workload.", "workload=", "seed=", "slo.")))]  # fmt: skip
-    engine = [o for o in args.overrides if o not in workload]
+    lengths = [o for o in args.overrides if o.startswith(("workload.", "workload=", "seed=", "slo."))]
+    engine = [o for o in args.overrides if o not in lengths]
+    if args.rate == "half":
+        print("capacity: offline, every request at once", file=sys.stderr, flush=True)
+        cap = offline([f"executor={args.executor}", *engine, f"workload.num_requests={args.num_requests}",
+                       *lengths, "workload.arrival=all_at_once"], args.out / "capacity")  # fmt: skip
+        args.rate = round(cap["throughput_req_s"] / 2, 2)
+        print(f"capacity {cap['throughput_req_s']:.1f} req/s: rate {args.rate}/s", file=sys.stderr, flush=True)
+    else:
+        try:
+            args.rate = float(args.rate)
+        except ValueError:
+            parser.error(f"--rate: {args.rate!r} is neither a number nor `half`")
+    workload = [f"workload.num_requests={args.num_requests}", "workload.arrival=poisson", f"workload.rate={args.rate}", *lengths]
     sim = ["executor=sim", *((["executor.cost_model=profiled", f"executor.profile={args.profile}"]) if args.profile else [])]
     ways = {
         "offline": lambda out: offline([f"executor={args.executor}", *engine, *workload], out),
