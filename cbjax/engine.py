@@ -119,6 +119,9 @@ class EngineLoop:
         self._inflight = None  # pipelined: (plan, launched step, batched tokens, iteration, requests)
         self._emitted: dict[Request, int] = {}  # on_token: tokens reported so far per request
         self._inbox: deque[Request] = deque()  # submit -> next boundary (deque ops are atomic)
+        # requests received by the server and not yet submitted (being read and parsed): their
+        # arrival stamps, by a key the server holds (dict ops are atomic)
+        self._receiving: dict[object, float] = {}
         self._cancels: deque[tuple[str, str, FinishReason]] = deque()
         self._wake = threading.Event()
         self._admission_open = True
@@ -148,6 +151,19 @@ class EngineLoop:
         if self.virtual:
             return self._now
         return self._clock() - self._t0
+
+    def receive(self, key: object) -> float:
+        """A request reaching the server now, to be submitted once read and parsed: returns its
+        arrival stamp. Until `received(key)`, a paced boundary at or after the stamp waits for
+        its submission (within PACE_SLACK_S), so the time spent parsing does not push it to the
+        next boundary."""
+        stamp = self.stamp()
+        self._receiving[key] = stamp
+        return stamp
+
+    def received(self, key: object) -> None:
+        """The request `key` was submitted, or will never be (refused, or not a generation)."""
+        self._receiving.pop(key, None)
 
     def advance_to(self, t: float) -> None:
         """A virtual clock idle until `t` jumps there (never backwards)."""
@@ -206,8 +222,11 @@ class EngineLoop:
     def _admit(self) -> None:
         """Hand the inbox to the scheduler. Paced, the loop's clock may trail the wall clock
         (PACE_SLACK_S): a request that arrived after the boundary's time waits for the next
-        boundary, as it would offline; an idle loop first moves its clock to the arrival."""
+        boundary, as it would offline; an idle loop first moves its clock to the arrival; a
+        request received by the boundary's time but still being parsed is waited for."""
         inbox = self._inbox
+        if self.paced and self._receiving and self.has_work():
+            self._await_received(self.now())
         if not inbox:
             return
         if not self.paced:
@@ -227,6 +246,16 @@ class EngineLoop:
         inbox.extendleft(reversed(later))
         for req in sorted(due, key=lambda r: r.arrival_s):
             self.add(req, now)
+
+    def _await_received(self, now: float) -> None:
+        """Wait for the requests received by `now` to be submitted, for at most half of
+        PACE_SLACK_S past `now` (the other half is the step's own host time)."""
+        until = now + PACE_SLACK_S / 2
+        while any(stamp <= now for stamp in list(self._receiving.values())):
+            left = until - self.stamp()
+            if left <= 0:
+                return
+            self._sleep(min(left, 0.0002))
 
     def _report_finished(self) -> None:
         sched = self.scheduler

@@ -224,3 +224,44 @@ def test_paced_idle_loop_starts_at_the_arrival_stamped_at_receipt():
         assert loop.turn()
         assert r.arrival_s == 1.0 and r.scheduled_s == pytest.approx(start)
         assert r.first_token_s == pytest.approx(start + 0.010 + 0.001)  # Cost: one request scheduled
+
+
+class ActingClock(FakeClock):
+    """A fake wall clock whose sleeps run the actions due by their end, each at its time."""
+
+    def __init__(self, actions: list[tuple[float, object]]):
+        super().__init__()
+        self.todo = sorted(actions, key=lambda a: a[0])
+
+    def sleep(self, s: float) -> None:
+        end = self.t + s
+        while self.todo and self.todo[0][0] <= end:
+            at, act = self.todo.pop(0)
+            self.t = max(self.t, at)
+            act()
+        self.slept.append(s)
+        self.t = end
+
+
+@pytest.mark.parametrize("parse_s, admitted_at", [(0.0025, 0.022), (0.010, 0.033)])
+def test_paced_boundary_waits_briefly_for_a_request_received_before_it(parse_s, admitted_at):
+    # `a` runs alone: 11 ms steps (Cost), boundaries at 0.011, 0.022, 0.033. `b` reaches the
+    # server at 0.020 and is submitted once parsed, `parse_s` later. Offline, arriving at
+    # 0.020, it is scheduled at 0.022; paced, the boundary at 0.022 waits for a request
+    # received before it (up to half of PACE_SLACK_S), else it takes the next boundary.
+    a, b = request("a", out=8), request("b", out=2)
+    loop = None
+
+    def submit_b():
+        loop.submit(b, arrival_s=0.020)
+        loop.received("b")
+
+    clock = ActingClock([(0.020, lambda: loop.receive("b")), (0.020 + parse_s, submit_b)])
+    loop = EngineLoop(scheduler(slots=2), SimExecutor(Cost()), pace="realtime", clock=clock, sleep=clock.sleep)
+    loop.restart_clock()
+    loop.submit(a)
+    while loop.turn() or clock.todo:
+        pass
+    assert b.arrival_s == 0.020 and b.scheduled_s == pytest.approx(admitted_at)
+    assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
+    assert not loop._receiving

@@ -26,6 +26,7 @@ from cbjax.serve.text import Tokenizer
 # the request's arrival on the engine's clock, stamped by the app's intake (`Intake`) in the
 # ASGI scope's state as the request reached the server
 ARRIVAL = "cbjax_arrival_s"
+RECEIPT = "cbjax_receipt"  # the key under which the engine expects the request's submission
 
 
 @dataclass
@@ -159,15 +160,18 @@ async def generate(state: ServeState, body: SamplingFields, ids: list[int], prom
     if client_id is not None and (len(client_id) > 128 or not client_id.isprintable() or in_use):
         raise APIError(400, "x-request-id: must be printable, at most 128 characters, and not in use by a live request", "x-request-id")
     req, stops = build_request(state, body, ids, prompt_field, max_tokens, chat, client_id)
-    arrival = raw.scope.get("state", {}).get(ARRIVAL)
+    scope_state = raw.scope.get("state", {})
+    arrival, receipt = scope_state.get(ARRIVAL), scope_state.get(RECEIPT)
     bound = state.server.max_queue
     if bound is not None and state.bridge.num_waiting() >= bound:
         after = state.server.retry_after_s
         message = f"the server's queue is full ({bound} requests waiting, server.max_queue); retry later"
         req.input_error = message  # the engine records it as rejected: every request received has a row
         state.bridge.engine.submit(req, arrival)
+        state.bridge.engine.received(receipt)
         raise APIError(429, message, None, "rate_limit_error", headers={"Retry-After": str(after)})
     queue = state.bridge.submit(req, arrival)
+    state.bridge.engine.received(receipt)
     out = Output(state.tokenizer, req, stops)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
