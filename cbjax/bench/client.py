@@ -88,12 +88,13 @@ async def send_one(client: Client, cfg: BenchClientConfig, model: str, req: Requ
                 timing.error = f"HTTP {resp.status_code}: {_error_message(text)}"
                 return timing
             async for line in resp.lines():
+                now = time.perf_counter() - t0  # as the line came, before it is parsed
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     break
-                _read_chunk(json.loads(data), timing, time.perf_counter() - t0)
+                _read_chunk(json.loads(data), timing, now)
             else:
                 timing.error = "the stream ended without data: [DONE]"
     except (HTTPError, ValueError) as e:  # json.JSONDecodeError is a ValueError
