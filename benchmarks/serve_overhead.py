@@ -1,7 +1,7 @@
 """Benchmark: one workload served three ways, side by side, to show what the server costs.
 
-    python benchmarks/serve_overhead.py [--executor jax] [--rate 8] [--num-requests 200]
-        [--profile PROFILE.json] [--out DIR] [--repeats 1] [OVERRIDE ...]
+    python benchmarks/serve_overhead.py [--executor jax] [--rate 8|half] [--num-requests 200]
+        [--profile PROFILE.json] [--out DIR] [--repeats 1] [--ways offline,served,...] [OVERRIDE ...]
 
 1. offline: `cbjax` in-process (run_experiment) with the executor;
 2. served: `cbjax-serve` with the same executor, driven by `cbjax-bench` open loop at the
@@ -13,13 +13,17 @@ and, as the paced simulator's own reference, 4. offline sim: the same simulator 
 
 The table shows medians over --repeats of TTFT, TPOT, ITL (the client's; offline runs' time
 between tokens) and E2E p50, and output throughput, with served / offline and paced sim /
-offline sim. OVERRIDEs (Hydra `key=value`) apply to every run: the model, scheduler, cache,
+offline sim. With offline and served among --ways, a second table gives the server-overhead
+figures of issue 33's acceptance 1 as median [min, max]: the client's TTFT p50 minus the
+server's own (its requests.jsonl, from each request's receipt) against max(2 ms, 10%), and
+the served / offline throughput ratio. OVERRIDEs (Hydra `key=value`) apply to every run: the model, scheduler, cache,
 workload lengths. Measure on a quiet machine: the client and the server share its cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import signal
 import statistics
@@ -28,19 +32,22 @@ import sys
 import threading
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
-import cbjax.bench.cli  # noqa: F401  registers BenchConfig
-import cbjax.cli  # noqa: F401  registers RunConfig
-from cbjax.bench.config import BenchConfig
-from cbjax.bench.run import run_bench
-from cbjax.config_merge import check_known_keys, to_run_config
-from cbjax.report import markdown_table
-from cbjax.run import run_experiment
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's cbjax, as the server (run from ROOT) imports it
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+import cbjax.bench.cli  # noqa: F401, E402  registers BenchConfig
+import cbjax.cli  # noqa: F401, E402  registers RunConfig
+from cbjax.bench.config import BenchConfig  # noqa: E402
+from cbjax.bench.run import run_bench  # noqa: E402
+from cbjax.config_merge import check_known_keys, to_run_config  # noqa: E402
+from cbjax.report import markdown_table  # noqa: E402
+from cbjax.run import run_experiment  # noqa: E402
+
 CONFIGS = str(ROOT / "configs")
+WAYS = ("offline", "served", "paced sim", "offline sim")
 METRICS = (("TTFT p50 (ms)", "ttft_s_p50", 1e3), ("TPOT p50 (ms)", "tpot_s_p50", 1e3), ("ITL p50 (ms)", "tbt_s_p50", 1e3),
            ("E2E p50 (ms)", "e2e_s_p50", 1e3), ("throughput (tok/s)", "throughput_tok_s", 1.0))  # fmt: skip
 
@@ -74,20 +81,69 @@ def served(server_overrides: list[str], workload: list[str], out: Path) -> dict:
         proc.wait(timeout=120)
 
 
+def server_log(out: Path) -> dict:
+    """The served run's own summary.json: its TTFT counts from each request's receipt."""
+    return json.loads((out / "server" / "summary.json").read_text())
+
+
+def spread(vals: list[float], scale: float = 1.0) -> str:
+    """Median [min, max]."""
+    return f"{statistics.median(vals) * scale:.2f} [{min(vals) * scale:.2f}, {max(vals) * scale:.2f}]"
+
+
+def acceptance(results: dict[str, list[dict]], logs: list[dict]) -> list[list[str]]:
+    """Issue 33's server-overhead figures, per repeat then as median [min, max]: the client's
+    TTFT p50 over the server's own (from requests' receipt) and over the offline run's, with
+    the bound max(2 ms, 10%) of the latter; the served / offline throughput ratio (within 5%)."""
+    client = [s["ttft_s_p50"] for s in results["served"]]
+    server = [s["ttft_s_p50"] for s in logs]
+    off = [s["ttft_s_p50"] for s in results["offline"]]
+    thr = [a["throughput_tok_s"] / b["throughput_tok_s"] for a, b in zip(results["served"], results["offline"])]
+    diff_server = [c - s for c, s in zip(client, server)]
+    diff_offline = [c - o for c, o in zip(client, off)]
+    bound = [max(0.002, 0.1 * s) for s in server]
+    return [
+        ["client TTFT p50 (ms)", spread(client, 1e3)],
+        ["server TTFT p50, its requests.jsonl (ms)", spread(server, 1e3)],
+        ["offline TTFT p50 (ms)", spread(off, 1e3)],
+        ["client - server TTFT p50 (ms)", spread(diff_server, 1e3)],
+        ["  bound max(2 ms, 10% of server) (ms)", spread(bound, 1e3)],
+        ["client - offline TTFT p50 (ms)", spread(diff_offline, 1e3)],
+        ["throughput served / offline", spread(thr)],
+    ]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--executor", default="jax", choices=("jax", "sim"))
-    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals, requests per second")
+    parser.add_argument("--rate", default="8", help="Poisson arrivals, requests per second; `half`: half of the "
+                        "executor's capacity, measured first offline with every request arriving at once")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--profile", help="profile.json of this machine for the paced simulator (cost_model=profiled)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"which of {', '.join(WAYS)} to run (comma-separated)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "serve_overhead")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (model, scheduler, lengths)")
     args = parser.parse_args(argv)
+    chosen = args.ways.split(",")
+    unknown = [w for w in chosen if w not in WAYS]
+    if unknown:
+        parser.error(f"--ways: unknown {', '.join(unknown)}; choose from {', '.join(WAYS)}")
     # the workload keys go to cbjax-bench too; the rest only to the server and offline runs
-    workload = [f"workload.num_requests={args.num_requests}", "workload.arrival=poisson", f"workload.rate={args.rate}",
-                *(o for o in args.overrides if o.startswith(("workload.", "workload=", "seed=", "slo.")))]  # fmt: skip
-    engine = [o for o in args.overrides if o not in workload]
+    lengths = [o for o in args.overrides if o.startswith(("workload.", "workload=", "seed=", "slo."))]
+    engine = [o for o in args.overrides if o not in lengths]
+    if args.rate == "half":
+        print("capacity: offline, every request at once", file=sys.stderr, flush=True)
+        cap = offline([f"executor={args.executor}", *engine, f"workload.num_requests={args.num_requests}",
+                       *lengths, "workload.arrival=all_at_once"], args.out / "capacity")  # fmt: skip
+        args.rate = round(cap["throughput_req_s"] / 2, 2)
+        print(f"capacity {cap['throughput_req_s']:.1f} req/s: rate {args.rate}/s", file=sys.stderr, flush=True)
+    else:
+        try:
+            args.rate = float(args.rate)
+        except ValueError:
+            parser.error(f"--rate: {args.rate!r} is neither a number nor `half`")
+    workload = [f"workload.num_requests={args.num_requests}", "workload.arrival=poisson", f"workload.rate={args.rate}", *lengths]
     sim = ["executor=sim", *((["executor.cost_model=profiled", f"executor.profile={args.profile}"]) if args.profile else [])]
     ways = {
         "offline": lambda out: offline([f"executor={args.executor}", *engine, *workload], out),
@@ -95,18 +151,23 @@ def main(argv=None) -> int:
         "paced sim": lambda out: served([*sim, "executor.pace=realtime", *engine], workload, out),
         "offline sim": lambda out: offline([*sim, *engine, *workload], out),
     }
+    ways = {name: run for name, run in ways.items() if name in chosen}
     results: dict[str, list[dict]] = {name: [] for name in ways}
+    logs: list[dict] = []  # the served runs' own summaries
     for i in range(args.repeats):
         for name, run in ways.items():
             print(f"repeat {i + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
-            results[name].append(run(args.out / f"r{i}" / name.replace(" ", "_")))
+            out = args.out / f"r{i}" / name.replace(" ", "_")
+            results[name].append(run(out))
+            if name == "served":
+                logs.append(server_log(out))
 
     def value(name: str, key: str, scale: float):
-        vals = [s.get(key) for s in results[name] if s.get(key) is not None]
+        vals = [s.get(key) for s in results.get(name, ()) if s.get(key) is not None]
         return statistics.median(vals) * scale if vals else None
 
     def ratio(v: dict, a: str, b: str) -> str:
-        return f"{v[a] / v[b]:.3f}" if v[a] is not None and v[b] else "-"
+        return f"{v[a] / v[b]:.3f}" if v.get(a) is not None and v.get(b) else "-"
 
     rows = []
     for label, key, scale in METRICS:
@@ -116,6 +177,9 @@ def main(argv=None) -> int:
     header = ["metric", *ways, "served / offline", "paced sim / offline sim"]
     print(f"\nexecutor={args.executor}, {args.num_requests} requests at {args.rate}/s, medians of {args.repeats}\n")
     print(markdown_table(header, rows))
+    if "served" in ways and "offline" in ways:
+        print(f"\nserver overhead (issue 33, acceptance 1), median [min, max] of {args.repeats}\n")
+        print(markdown_table(["figure", "value"], acceptance(results, logs)))
     return 0
 
 

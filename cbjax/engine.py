@@ -120,6 +120,9 @@ class EngineLoop:
         self._inflight = None  # pipelined: (plan, launched step, batched tokens, iteration, requests)
         self._emitted: dict[Request, int] = {}  # on_token: tokens reported so far per request
         self._inbox: deque[Request] = deque()  # submit -> next boundary (deque ops are atomic)
+        # requests received by the server and not yet submitted (being read and parsed): their
+        # arrival stamps, by a key the server holds (dict ops are atomic)
+        self._receiving: dict[object, float] = {}
         self._cancels: deque[tuple[str, str, FinishReason]] = deque()
         self._wake = threading.Event()
         self._admission_open = True
@@ -141,6 +144,28 @@ class EngineLoop:
             return self._now  # keeping up: the next step starts where the last one ended
         return wall
 
+    def stamp(self) -> float:
+        """The arrival time of a request reaching the loop now: the wall clock (the virtual one
+        when it is not paced). A paced loop's `now` may trail the wall clock by up to
+        PACE_SLACK_S; an arrival is still stamped when it happened, and waits for the first
+        boundary at or after it, as offline."""
+        if self.virtual:
+            return self._now
+        return self._clock() - self._t0
+
+    def receive(self, key: object) -> float:
+        """A request reaching the server now, to be submitted once read and parsed: returns its
+        arrival stamp. Until `received(key)`, a paced boundary at or after the stamp waits for
+        its submission (within PACE_SLACK_S), so the time spent parsing does not push it to the
+        next boundary."""
+        stamp = self.stamp()
+        self._receiving[key] = stamp
+        return stamp
+
+    def received(self, key: object) -> None:
+        """The request `key` was submitted, or will never be (refused, or not a generation)."""
+        self._receiving.pop(key, None)
+
     def advance_to(self, t: float) -> None:
         """A virtual clock idle until `t` jumps there (never backwards)."""
         if self._now < t:
@@ -153,9 +178,11 @@ class EngineLoop:
         self._now = 0.0
 
     # ---- intake (thread-safe) ----
-    def submit(self, req: Request) -> None:
-        """A request arriving now; it enters the scheduler at the next iteration boundary."""
-        req.arrival_s = self.now()
+    def submit(self, req: Request, arrival_s: Optional[float] = None) -> None:
+        """A request arriving now (or at `arrival_s`, an earlier `stamp`: when the server
+        received it); it enters the scheduler at the first iteration boundary at or after its
+        arrival, and wakes an idle loop at once."""
+        req.arrival_s = self.stamp() if arrival_s is None else arrival_s
         self._inbox.append(req)
         self._wake.set()
 
@@ -184,8 +211,7 @@ class EngineLoop:
     def boundary(self) -> None:
         """Between iterations: report finished requests, take submissions and cancellations."""
         sched = self.scheduler
-        while self._inbox:
-            self.add(self._inbox.popleft())
+        self._admit()
         while self._cancels:
             request_id, reason, finish_reason = self._cancels.popleft()
             if self._inflight is not None:
@@ -194,6 +220,44 @@ class EngineLoop:
         self._report_finished()
         if self.tick is not None:
             self.tick()
+
+    def _admit(self) -> None:
+        """Hand the inbox to the scheduler. Paced, the loop's clock may trail the wall clock
+        (PACE_SLACK_S): a request that arrived after the boundary's time waits for the next
+        boundary, as it would offline; an idle loop first moves its clock to the arrival; a
+        request received by the boundary's time but still being parsed is waited for."""
+        inbox = self._inbox
+        if self.paced and self._receiving and self.has_work():
+            self._await_received(self.now())
+        if not inbox:
+            return
+        if not self.paced:
+            while inbox:
+                self.add(inbox.popleft())
+            return
+        if not self.has_work():
+            # idle: the next step starts at the earliest arrival, as offline; or at the wall
+            # clock if the loop comes to it more than PACE_SLACK_S late
+            self.advance_to(min(r.arrival_s for r in inbox))
+        now = self.now()
+        # stamps taken at receipt need not come in submission order: look at every one
+        due, later = [], []
+        for _ in range(len(inbox)):
+            req = inbox.popleft()
+            (due if req.arrival_s <= now else later).append(req)
+        inbox.extendleft(reversed(later))
+        for req in sorted(due, key=lambda r: r.arrival_s):
+            self.add(req, now)
+
+    def _await_received(self, now: float) -> None:
+        """Wait for the requests received by `now` to be submitted, for at most half of
+        PACE_SLACK_S past `now` (the other half is the step's own host time)."""
+        until = now + PACE_SLACK_S / 2
+        while any(stamp <= now for stamp in list(self._receiving.values())):
+            left = until - self.stamp()
+            if left <= 0:
+                return
+            self._sleep(min(left, 0.0002))
 
     def _report_finished(self) -> None:
         sched = self.scheduler
@@ -327,14 +391,21 @@ class EngineLoop:
         self._finished(plan, batched, done, iteration, now, requests)
 
     # ---- driving ----
+    def turn(self) -> bool:
+        """One turn of `run`: a boundary, then one iteration; False when idle."""
+        self.boundary()
+        return self.step()
+
     def run(self, stop: threading.Event) -> None:
         """Serve submissions until `stop` is set; blocks while idle, wakes on `submit`."""
         while not stop.is_set():
-            self.boundary()
-            if self.step():
+            if self.turn():
+                continue
+            # cleared before the inbox is checked again, so a submission in between is not missed
+            self._wake.clear()
+            if self._inbox or self._cancels:
                 continue
             self._wake.wait(0.05)
-            self._wake.clear()
         if self._inflight is not None:
             self._land()
         self.boundary()
@@ -344,9 +415,9 @@ class EngineLoop:
         `not_arrived`, with no finish time."""
         if self._inflight is not None:
             self._land()
+        now = max(self.now(), self.stamp())  # paced: past every arrival stamped so far
         while self._inbox:
-            self.add(self._inbox.popleft())
-        now = self.now()
+            self.add(self._inbox.popleft(), now)
         if self.scheduler.has_work():
             self.scheduler.abort_all(now)
         for req in pending or ():

@@ -81,3 +81,18 @@ def test_cbjax_bench_command_and_collect_sweep(tmp_path, env_cpu):
                          cwd=REPO, env=env_cpu, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert col.returncode == 0, col.stderr
     assert "ttft_s_p50" in col.stdout
+
+
+def test_a_chunk_is_a_token_even_with_empty_text_but_not_a_role_or_finish_only_chunk():
+    from cbjax.bench.client import is_token
+
+    # completions
+    assert is_token({"index": 0, "text": "a", "finish_reason": None})
+    assert is_token({"index": 0, "text": "", "finish_reason": None})  # a token with no text of its own
+    assert is_token({"index": 0, "text": "z", "finish_reason": "length"})  # the last token, with the reason
+    assert not is_token({"index": 0, "text": "", "finish_reason": "length"})  # only the finish reason
+    # chat
+    assert not is_token({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    assert is_token({"index": 0, "delta": {"content": ""}, "finish_reason": None})
+    assert is_token({"index": 0, "delta": {"content": "hi"}, "finish_reason": None})
+    assert not is_token({"index": 0, "delta": {}, "finish_reason": "stop"})

@@ -165,3 +165,103 @@ def test_every_executor_satisfies_the_protocol():
     sched = scheduler()
     assert isinstance(SimExecutor(UnitCost()), Executor)
     assert isinstance(CheckingExecutor(sched), Executor)
+
+
+class SubmittingClock(FakeClock):
+    """A fake wall clock whose sleeps let the world go on: each submission falling inside a
+    sleep is made at its own wall time, as the server's thread would make it."""
+
+    def __init__(self, loop_of, arrivals: list[tuple[float, Request]]):
+        super().__init__()
+        self.loop_of, self.todo = loop_of, sorted(arrivals, key=lambda a: a[0])
+
+    def sleep(self, s: float) -> None:
+        end = self.t + s
+        while self.todo and self.todo[0][0] <= end:
+            at, req = self.todo.pop(0)
+            self.t = max(self.t, at)
+            self.loop_of().submit(req)
+        self.slept.append(s)
+        self.t = end
+
+
+def test_paced_online_arrivals_get_the_offline_schedule_and_ttft():
+    # arrivals idle and mid-step, several in one step, one within PACE_SLACK_S of a step's end
+    times = [0.0, 0.004, 0.0105, 0.013, 0.0131, 0.029, 0.0335, 0.2, 0.2007, 0.5]
+    offline = [request(str(i), prompt=4 + 3 * i, out=2 + i % 4) for i in range(len(times))]
+    for r, t in zip(offline, times):
+        r.arrival_s = t
+    serve(offline, scheduler(slots=3), SimExecutor(Cost()))
+
+    online = [request(str(i), prompt=4 + 3 * i, out=2 + i % 4) for i in range(len(times))]
+    loop = None
+    clock = SubmittingClock(lambda: loop, list(zip(times, online)))
+    loop = EngineLoop(scheduler(slots=3), SimExecutor(Cost()), pace="realtime", clock=clock, sleep=clock.sleep)
+    loop.restart_clock()
+    while clock.todo or loop.has_work() or loop._inbox:
+        if not loop.turn() and clock.todo:
+            clock.sleep(clock.todo[0][0] - clock.t)  # idle until the next submission
+    loop.boundary()
+    for a, b in zip(offline, online):
+        assert b.arrival_s == pytest.approx(a.arrival_s, abs=1e-12), a.request_id  # stamped when submitted
+        # scheduled in the first iteration that starts at or after its arrival, as offline
+        assert b.scheduled_s == pytest.approx(a.scheduled_s, abs=1e-9) and b.scheduled_s >= b.arrival_s, a.request_id
+        assert b.first_token_s - b.arrival_s == pytest.approx(a.first_token_s - a.arrival_s, abs=1e-9), a.request_id
+        assert b.finish_s == pytest.approx(a.finish_s, abs=1e-9), a.request_id
+
+
+def test_paced_idle_loop_starts_at_the_arrival_stamped_at_receipt():
+    # The server stamps a request as it is received and submits it once parsed: an idle loop
+    # that comes to it within PACE_SLACK_S starts its step at the arrival, as offline does;
+    # later than that, at the wall clock (an honest delay).
+    for parse_s, start in ((0.002, 1.0), (PACE_SLACK_S + 0.002, 1.0 + PACE_SLACK_S + 0.002)):
+        clock = FakeClock()
+        loop = EngineLoop(scheduler(), SimExecutor(Cost()), pace="realtime", clock=clock, sleep=clock.sleep)
+        loop.restart_clock()
+        clock.sleep(1.0 + parse_s)
+        r = request("r", out=1)
+        loop.submit(r, arrival_s=1.0)
+        assert loop.turn()
+        assert r.arrival_s == 1.0 and r.scheduled_s == pytest.approx(start)
+        assert r.first_token_s == pytest.approx(start + 0.010 + 0.001)  # Cost: one request scheduled
+
+
+class ActingClock(FakeClock):
+    """A fake wall clock whose sleeps run the actions due by their end, each at its time."""
+
+    def __init__(self, actions: list[tuple[float, object]]):
+        super().__init__()
+        self.todo = sorted(actions, key=lambda a: a[0])
+
+    def sleep(self, s: float) -> None:
+        end = self.t + s
+        while self.todo and self.todo[0][0] <= end:
+            at, act = self.todo.pop(0)
+            self.t = max(self.t, at)
+            act()
+        self.slept.append(s)
+        self.t = end
+
+
+@pytest.mark.parametrize("parse_s, admitted_at", [(0.0025, 0.022), (0.010, 0.033)])
+def test_paced_boundary_waits_briefly_for_a_request_received_before_it(parse_s, admitted_at):
+    # `a` runs alone: 11 ms steps (Cost), boundaries at 0.011, 0.022, 0.033. `b` reaches the
+    # server at 0.020 and is submitted once parsed, `parse_s` later. Offline, arriving at
+    # 0.020, it is scheduled at 0.022; paced, the boundary at 0.022 waits for a request
+    # received before it (up to half of PACE_SLACK_S), else it takes the next boundary.
+    a, b = request("a", out=8), request("b", out=2)
+    loop = None
+
+    def submit_b():
+        loop.submit(b, arrival_s=0.020)
+        loop.received("b")
+
+    clock = ActingClock([(0.020, lambda: loop.receive("b")), (0.020 + parse_s, submit_b)])
+    loop = EngineLoop(scheduler(slots=2), SimExecutor(Cost()), pace="realtime", clock=clock, sleep=clock.sleep)
+    loop.restart_clock()
+    loop.submit(a)
+    while loop.turn() or clock.todo:
+        pass
+    assert b.arrival_s == 0.020 and b.scheduled_s == pytest.approx(admitted_at)
+    assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
+    assert not loop._receiving

@@ -1,5 +1,6 @@
-"""NVIDIA's AIPerf, a standard load client, profiles cbjax-serve offline; its per-request
-records agree with the server's requests.jsonl (slow: AIPerf starts a dozen processes).
+"""NVIDIA's AIPerf, a standard load client, profiles cbjax-serve offline; its records agree
+with the server's requests.jsonl: the same requests and token counts, and TTFT p50 within 5%
+(slow: AIPerf starts a dozen processes).
 
 AIPerf is not in the test extra (its dependencies pin optuna 5, the sweeper test needs 2.x):
 install the `bench` extra in its own environment and point CBJAX_AIPERF at its `aiperf`."""
@@ -10,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 
 import pytest
@@ -18,12 +20,15 @@ from test_serve_sigterm import start_server
 from cbjax.serve.text import write_hf_tokenizer
 
 AIPERF = os.environ.get("CBJAX_AIPERF") or shutil.which("aiperf")
-# AIPerf's timing includes its own client overhead (its workers and record processors are
-# separate processes), which grows with the requests in flight on a busy machine. Long
-# iterations, one request at a time after a warmup request (which opens the connection), keep
-# it small beside the TTFT being compared.
-ITERATION_S = 0.5
-NUM, OSL, ISL = 6, 4, 32
+# The setting: the paced simulator with 100 ms iterations (overhead.step_s; a large model's
+# step under load, not a toy's sub-millisecond one) and two requests in flight, so requests
+# share iterations and wait for a boundary, as they do when served. AIPerf's TTFT includes its
+# own client time, a roughly fixed cost per request (its workers and record processors are
+# separate processes, and on a busy machine a request now and then is late by tens of
+# milliseconds): iterations this long keep that cost small beside 5% of the TTFT. So the
+# profile's TTFT p50 is compared with the server's, and each request's is bounded below.
+ITERATION_S = 0.1
+NUM, OSL, ISL, CONCURRENCY = 12, 4, 32, 2
 
 
 @pytest.mark.slow
@@ -40,7 +45,7 @@ def test_aiperf_profile_agrees_with_the_servers_requests_jsonl(tmp_path, env_cpu
     out = tmp_path / "aiperf"
     env = {**env_cpu, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     cmd = [AIPERF, "profile", "--model", "tiny", "--url", base.removesuffix("/v1"), "--endpoint-type", "completions",
-           "--streaming", "--tokenizer", "cbjax/byte", "--request-count", str(NUM), "--concurrency", "1",
+           "--streaming", "--tokenizer", "cbjax/byte", "--request-count", str(NUM), "--concurrency", str(CONCURRENCY),
            "--warmup-request-count", "1",
            "--isl", str(ISL), "--isl-stddev", "0", "--osl", str(OSL), "--osl-stddev", "0",
            "--extra-inputs", "ignore_eos:true", "--output-artifact-dir", str(out), "--ui-type", "none",
@@ -58,11 +63,17 @@ def test_aiperf_profile_agrees_with_the_servers_requests_jsonl(tmp_path, env_cpu
         server[row["request_id"]] = row
     profiled = [rec for rec in records if rec["metadata"]["benchmark_phase"] == "profiling"]
     assert len(profiled) == NUM and len(records) == len(server) == NUM + 1  # and the warmup request
+    client_ttft, server_ttft = [], []
     for rec in records:
         row = server[f"cmpl-{rec['metadata']['x_request_id']}"]  # AIPerf's X-Request-ID
         metrics = rec["metrics"]
         assert metrics["output_sequence_length"]["value"] == row["output_len"] == OSL
         assert metrics["input_sequence_length"]["value"] == row["prompt_len"] == ISL
         if rec in profiled:
-            client_ttft = metrics["time_to_first_token"]["value"] / 1e3
-            assert client_ttft == pytest.approx(row["ttft_s"], rel=0.05)
+            client_ttft.append(metrics["time_to_first_token"]["value"] / 1e3)
+            server_ttft.append(row["ttft_s"])
+            # the server's TTFT runs from the request's receipt to the token's release: a
+            # client, which sent before and read after, never sees less
+            assert client_ttft[-1] >= server_ttft[-1] * 0.999
+    assert min(server_ttft) >= ITERATION_S  # each waited at least its prefill's iteration
+    assert statistics.median(client_ttft) == pytest.approx(statistics.median(server_ttft), rel=0.05)

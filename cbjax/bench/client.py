@@ -1,8 +1,9 @@
-"""Send a workload to an OpenAI-compatible server and time every streamed token (httpx, async).
+"""Send a workload to an OpenAI-compatible server and time every streamed token (asyncio, over
+the lean HTTP client of `cbjax.bench.http`).
 
 Times are seconds since the benchmark's start on the client's monotonic clock. A request's
-`arrival_s` is when it was sent; its first token is the first chunk that carries a choice;
-its inter-token latencies are the gaps between such chunks (a server that sends several
+`arrival_s` is when it was sent; its first token is the first chunk that carries a token
+(`is_token`: its text may be empty); its inter-token latencies are the gaps between such chunks (a server that sends several
 tokens in one chunk shows one gap for them, as vLLM's and SGLang's clients count)."""
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import httpx
 import numpy as np
 
 from cbjax.bench.config import BenchClientConfig
+from cbjax.bench.http import Client, HTTPError
 from cbjax.request import FinishReason, Request
 
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
@@ -69,30 +70,41 @@ def payload(cfg: BenchClientConfig, model: str, req: Request) -> dict[str, Any]:
     return body
 
 
-async def send_one(client: httpx.AsyncClient, cfg: BenchClientConfig, model: str, req: Request, t0: float, run_id: str) -> Timing:
-    """Stream one request; never raises (a failure is recorded in the Timing)."""
+async def send_one(client: Client, cfg: BenchClientConfig, model: str, req: Request, t0: float, run_id: str) -> Timing:
+    """Stream one request; never raises (a failure is recorded in the Timing). The request
+    counts as sent when its bytes go to the socket, after the client has built them."""
     path = "/chat/completions" if cfg.endpoint == "chat" else "/completions"
+    # X-Request-ID: a server that keeps it (cbjax-serve, vLLM) can join its rows to ours
+    headers = {"content-type": "application/json", "accept": "text/event-stream", "x-request-id": f"{run_id}-{req.request_id}"}
+    body = json.dumps(payload(cfg, model, req)).encode()
     timing = Timing(send_s=time.perf_counter() - t0)
+    resp = None
     try:
-        # X-Request-ID: a server that keeps it (cbjax-serve, vLLM) can join its rows to ours
-        headers = {"X-Request-ID": f"{run_id}-{req.request_id}"}
-        async with client.stream("POST", path, json=payload(cfg, model, req), headers=headers, timeout=cfg.timeout_s) as resp:
+        async with asyncio.timeout(cfg.timeout_s):
+            resp = await client.request("POST", path, body, headers)
             timing.status = resp.status_code
             if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
+                text = (await resp.read()).decode(errors="replace")
                 timing.error = f"HTTP {resp.status_code}: {_error_message(text)}"
                 return timing
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in resp.lines():
+                now = time.perf_counter() - t0  # as the line came, before it is parsed
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
-                _read_chunk(json.loads(data), timing, time.perf_counter() - t0)
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+                _read_chunk(json.loads(data), timing, now)
+            else:
+                timing.error = "the stream ended without data: [DONE]"
+    except (HTTPError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         timing.error = f"{type(e).__name__}: {e}"
+    except TimeoutError:
+        timing.error = f"no answer within bench.timeout_s={cfg.timeout_s}"
     finally:
         timing.end_s = time.perf_counter() - t0
+        if resp is not None:
+            resp.release()
     return timing
 
 
@@ -103,12 +115,24 @@ def _read_chunk(chunk: dict[str, Any], timing: Timing, now: float) -> None:
     if chunk.get("usage"):
         timing.completion_tokens = chunk["usage"].get("completion_tokens")
     for choice in chunk.get("choices") or ():
-        delta = choice.get("delta")
-        text = choice.get("text") if delta is None else delta.get("content")
         if choice.get("finish_reason"):
             timing.finish_reason = choice["finish_reason"]
-        if text:  # a token's text (a chat stream's opening role chunk carries none)
+        if is_token(choice):
             timing.token_s.append(now)
+
+
+def is_token(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice carries a token. Its text may be empty (a token with no text
+    of its own, such as half of a multi-byte character, or a random model's id beyond the byte
+    range): it still counts, as the time a token came. A chat stream's opening role chunk and
+    a closing chunk with only the finish reason carry none."""
+    delta = choice.get("delta")
+    if delta is not None and "role" in delta:
+        return False
+    text = choice.get("text") if delta is None else delta.get("content")
+    if text is None:
+        return False
+    return bool(text) or not choice.get("finish_reason")
 
 
 def _error_message(text: str) -> str:
@@ -144,23 +168,28 @@ def itls(timing: Timing) -> list[float]:
     return list(np.diff(timing.token_s)) if len(timing.token_s) > 1 else []
 
 
-async def first_model(client: httpx.AsyncClient) -> str:
-    resp = await client.get("/models")
+async def first_model(client: Client) -> str:
+    resp = await client.request("GET", "/models")
+    try:
+        text = (await resp.read()).decode(errors="replace")
+    finally:
+        resp.release()
+    where = f"GET {client.prefix}/models"
     if resp.status_code != 200:
-        raise ValueError(f"bench.model: unset, and GET {client.base_url}/models answered {resp.status_code}: {_error_message(resp.text)}")
-    data = resp.json().get("data") or []
+        raise ValueError(f"bench.model: unset, and {where} answered {resp.status_code}: {_error_message(text)}")
+    data = json.loads(text).get("data") or []
     if not data:
-        raise ValueError(f"bench.model: unset, and GET {client.base_url}/models lists no model")
+        raise ValueError(f"bench.model: unset, and {where} lists no model")
     return data[0]["id"]
 
 
 async def run_load(cfg: BenchClientConfig, requests: list[Request], progress=None) -> tuple[dict[Request, Timing], float]:
     """Send `requests` open loop (at their arrival times) or closed loop (cfg.concurrency in
     flight). Returns each sent request's timing and the wall time of the whole load."""
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.concurrency or 1000)
+    headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timings: dict[Request, Timing] = {}
-    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, limits=limits, timeout=cfg.timeout_s) as client:
+    client = Client(cfg.url, headers)
+    try:
         model = cfg.model or await first_model(client)
         run_id = uuid.uuid4().hex[:8]  # a prefix that keeps ids unique across runs
         t0 = time.perf_counter()
@@ -192,4 +221,6 @@ async def run_load(cfg: BenchClientConfig, requests: list[Request], progress=Non
 
             await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
         wall = time.perf_counter() - t0
+    finally:
+        await client.aclose()
     return timings, wall

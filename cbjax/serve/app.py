@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from cbjax.serve.generate import ServeState, generate
+from cbjax.serve.generate import ARRIVAL, RECEIPT, ServeState, generate
 from cbjax.serve.metrics import CONTENT_TYPE
 from cbjax.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, error_param
 
@@ -34,15 +34,7 @@ def create_app(state: ServeState) -> FastAPI:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return await _api_error(request, APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", None, kind))
 
-    @app.middleware("http")
-    async def _auth(request: HTTPRequest, call_next):
-        key = state.server.api_key
-        if key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {key}":
-                state.metrics.http_error(401)
-                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", "authorization", "authentication_error")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    app.add_middleware(Intake, state=state)
 
     @app.get("/health")
     async def health() -> Response:
@@ -83,6 +75,45 @@ def create_app(state: ServeState) -> FastAPI:
         return await generate(state, body, ids, "messages", max_tokens, chat=True, raw=raw)
 
     return app
+
+
+class Intake:
+    """Every HTTP request's first stop (plain ASGI: a streamed response passes straight
+    through, with no extra task per chunk). It stamps the request's arrival on the engine's
+    clock as the request reaches the app, before its body is read and parsed: a request's
+    TTFT in requests.jsonl counts from there (`ARRIVAL`). A POST to /v1/ is announced to the
+    engine (`EngineLoop.receive`) until it is submitted or answered. With `server.api_key` set, a /v1/
+    request without `Authorization: Bearer <key>` answers 401."""
+
+    def __init__(self, app, state: ServeState):
+        self.app, self.state = app, state
+        key = state.server.api_key
+        self.expected = None if key is None else f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        engine = self.state.bridge.engine
+        state = scope.setdefault("state", {})
+        generation = scope["method"] == "POST" and scope["path"].startswith("/v1/")
+        if generation:  # the engine expects its submission (`EngineLoop.receive`)
+            state[RECEIPT] = receipt = object()
+            state[ARRIVAL] = engine.receive(receipt)
+        else:
+            state[ARRIVAL] = engine.stamp()
+        try:
+            if self.expected is not None and scope["path"].startswith("/v1/"):
+                got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                if got != self.expected:
+                    self.state.metrics.http_error(401)
+                    err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", "authorization", "authentication_error")
+                    await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                    return
+            await self.app(scope, receive, send)
+        finally:
+            if generation:
+                engine.received(receipt)  # refused, failed, or done: nothing more to wait for
 
 
 def validation_error(err: RequestValidationError) -> APIError:

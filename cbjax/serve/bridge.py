@@ -42,14 +42,15 @@ class EngineBridge:
         self._pending: list = []  # (queue entry, event) since the last tick; engine thread only
 
     # ---- the handler's side (event loop thread) ----
-    def submit(self, req: Request) -> asyncio.Queue:
-        """Submit `req` to the engine; its events arrive on the returned queue."""
+    def submit(self, req: Request, arrival_s: Optional[float] = None) -> asyncio.Queue:
+        """Submit `req` to the engine, arrived at `arrival_s` (the engine's `stamp` at receipt;
+        None: now); its events arrive on the returned queue."""
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._queues[req.request_id] = (asyncio.get_running_loop(), queue)
             self.num_in_flight += 1
             self.num_received += 1
-        self.engine.submit(req)
+        self.engine.submit(req, arrival_s)
         return queue
 
     def cancel(self, request_id: str, reason: str, finish_reason: FinishReason = FinishReason.ABORTED) -> None:

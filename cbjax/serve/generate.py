@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from cbjax.request import FinishReason, Request, SamplingParams
 from cbjax.serve.bridge import EngineBridge, Finished, Token
@@ -21,6 +21,12 @@ from cbjax.serve.metrics import ServerMetrics
 from cbjax.serve.output import STOP_SEQUENCE, Output, usage
 from cbjax.serve.protocol import APIError, SamplingFields
 from cbjax.serve.text import Tokenizer
+
+
+# the request's arrival on the engine's clock, stamped by the app's intake (`Intake`) in the
+# ASGI scope's state as the request reached the server
+ARRIVAL = "cbjax_arrival_s"
+RECEIPT = "cbjax_receipt"  # the key under which the engine expects the request's submission
 
 
 @dataclass
@@ -40,18 +46,52 @@ class ServeState:
     draining: bool = False
 
 
-class EngineStream(StreamingResponse):
-    """A stream that calls `on_close` however it ends: done, client gone, or server error."""
+class EngineStream(Response):
+    """One request's server-sent events, as a plain ASGI response (a Response only for the
+    framework's type check: none of its body machinery is used).
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
+    It waits for the request's first event itself: the framework's return path runs while the
+    request waits for a slot, and between the first token and the client lies only the send of
+    its chunk. An end before any token with an error (a rejection) answers as a plain error
+    response instead. A watcher on `receive` aborts the request when the client leaves, at
+    any point; the stream then ends with the engine's abort."""
+
+    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+    def __init__(self, state: "ServeState", req: Request, queue: asyncio.Queue,
+                 events: Callable[[object], AsyncIterator[str]]):  # fmt: skip
+        self.state, self.req, self.queue, self.events = state, req, queue, events
+        self.status_code, self.background = 200, None
+        self.ended = False  # the stream ran to its end: nothing to abort
+
+    def _left(self, gone: asyncio.Future) -> None:
+        if not gone.cancelled() and not self.ended:
+            self.state.bridge.cancel(self.req.request_id, "client disconnected")
 
     async def __call__(self, scope, receive, send) -> None:
+        gone = asyncio.ensure_future(_disconnected(receive))
+        gone.add_done_callback(self._left)
         try:
-            await super().__call__(scope, receive, send)
+            first = await self.queue.get()
+            if gone.done():  # left while waiting for a slot: the engine's abort was its answer
+                await send({"type": "http.response.start", "status": 499, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            if isinstance(first, Finished):
+                err = end_error(self.state, first.req)
+                if err is not None:
+                    raise err  # answered by the app's error handler, before anything was sent
+            await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
+            async for text in self.events(first):
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            self.ended = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if self.background is not None:
+                await self.background()
         finally:
-            self.on_close()
+            gone.cancel()
+            if not self.ended:  # a server error mid-stream
+                self.state.bridge.cancel(self.req.request_id, "client disconnected")
 
 
 def build_request(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
@@ -91,7 +131,7 @@ def build_request(state: ServeState, body: SamplingFields, ids: list[int], promp
     prefix = "chatcmpl" if chat else "cmpl"
     req = Request(
         request_id=f"{prefix}-{client_id or uuid.uuid4().hex}",
-        arrival_s=0.0,  # stamped by the engine at submit
+        arrival_s=0.0,  # stamped at receipt (`ARRIVAL`), or by the engine at submit
         prompt_len=n,
         prompt_token_ids=ids,
         sampling=sampling,
@@ -120,14 +160,18 @@ async def generate(state: ServeState, body: SamplingFields, ids: list[int], prom
     if client_id is not None and (len(client_id) > 128 or not client_id.isprintable() or in_use):
         raise APIError(400, "x-request-id: must be printable, at most 128 characters, and not in use by a live request", "x-request-id")
     req, stops = build_request(state, body, ids, prompt_field, max_tokens, chat, client_id)
+    scope_state = raw.scope.get("state", {})
+    arrival, receipt = scope_state.get(ARRIVAL), scope_state.get(RECEIPT)
     bound = state.server.max_queue
     if bound is not None and state.bridge.num_waiting() >= bound:
         after = state.server.retry_after_s
         message = f"the server's queue is full ({bound} requests waiting, server.max_queue); retry later"
         req.input_error = message  # the engine records it as rejected: every request received has a row
-        state.bridge.engine.submit(req)
+        state.bridge.engine.submit(req, arrival)
+        state.bridge.engine.received(receipt)
         raise APIError(429, message, None, "rate_limit_error", headers={"Retry-After": str(after)})
-    queue = state.bridge.submit(req)
+    queue = state.bridge.submit(req, arrival)
+    state.bridge.engine.received(receipt)
     out = Output(state.tokenizer, req, stops)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -144,7 +188,7 @@ async def complete(state: ServeState, req: Request, out: Output, queue: asyncio.
                    raw: HTTPRequest) -> Response:  # fmt: skip
     """Wait for the whole output, aborting the request if the client goes away first."""
     created = int(time.time())
-    gone = asyncio.ensure_future(_disconnected(raw))
+    gone = asyncio.ensure_future(_disconnected(raw.receive))
     try:
         while True:
             get = asyncio.ensure_future(queue.get())
@@ -174,9 +218,9 @@ async def complete(state: ServeState, req: Request, out: Output, queue: asyncio.
     return JSONResponse({**_envelope(req, state, chat, created), "choices": [choice], "usage": usage(req, out)})
 
 
-async def _disconnected(raw: HTTPRequest) -> None:
+async def _disconnected(receive) -> None:
     while True:
-        message = await raw.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -188,23 +232,8 @@ def _sse(data: Union[dict[str, Any], str]) -> str:
 async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Queue, chat: bool,
                  include_usage: bool, raw: HTTPRequest) -> Response:  # fmt: skip
     """Server-sent events: one chunk per token, a last chunk with the finish reason, the usage
-    chunk when asked for, then `data: [DONE]`. A rejection before any token answers as a
-    plain error response instead."""
-    gone = asyncio.ensure_future(_disconnected(raw))
-    get = asyncio.ensure_future(queue.get())
-    try:
-        done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if get not in done:  # left while waiting for a slot
-        get.cancel()
-        state.bridge.cancel(req.request_id, "client disconnected")
-        return Response(status_code=499)
-    first = get.result()
-    if isinstance(first, Finished):
-        err = end_error(state, first.req)
-        if err is not None:
-            raise err
+    chunk when asked for, then `data: [DONE]` (sent by `EngineStream`). The chunks' templates
+    are built before the first token comes."""
     created = int(time.time())
     head = _envelope(req, state, chat, created)
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
@@ -226,10 +255,7 @@ async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Qu
     def token_chunk(text: str) -> str:
         return token_head + json.dumps(text) + token_tail
 
-    ended = False
-
-    async def events() -> AsyncIterator[str]:
-        nonlocal ended
+    async def events(first: object) -> AsyncIterator[str]:
         if chat:
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
         event = first
@@ -242,7 +268,6 @@ async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Qu
                     state.bridge.cancel(req.request_id, STOP_SEQUENCE, FinishReason.STOP)
                 yield token_chunk(text)
             event = await queue.get()
-        ended = True
         err = end_error(state, event.req)
         if err is not None:
             yield _sse(err.body())
@@ -255,8 +280,4 @@ async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Qu
             yield _sse({**head, "choices": [], "usage": usage(req, out)})
         yield _sse("[DONE]")
 
-    def on_close() -> None:
-        if not ended:
-            state.bridge.cancel(req.request_id, "client disconnected")
-
-    return EngineStream(events(), on_close)
+    return EngineStream(state, req, queue, events)
