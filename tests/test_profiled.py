@@ -448,7 +448,7 @@ def test_served_iterations_of_a_pipelined_engine_are_their_share_of_the_wall_clo
     shapes = plan_shapes(4, 64, 16, 64, token_buckets=[4, 16, 64])
     timed = TimedExecutor(Inner())
     rows = [(1, 10, True)] * 2
-    timed.rows, timed.num_scheduled, timed.idle = [rows] * 3, [2] * 3, [False] * 3
+    timed.rows, timed.num_scheduled, timed.idle, timed.idle_s = [rows] * 3, [2] * 3, [False] * 3, [0.0] * 3
     timed.rows_at = timed.start = [0.0, 1.0, 4.0]
     timed.end = [2.0, 3.5, 5.0]
     steps, gaps = served_points("run", timed, shapes)
