@@ -337,7 +337,24 @@ def write_markdown(report: dict, profile_paths, path: Path) -> None:
     lines += ["", f"**Overall:** {len(cells) - fails} of {len(cells)} judged figures within target; regimes biased beyond "
               f"±{REGIME_BIAS_PCT:g}%: {', '.join(biased) or 'none'}.", "", "![parity](calibration_parity.png)", ""]  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
+    status, guide = hand_kept(path)
+    path.write_text("\n".join(lines[:2] + status + lines[2:] + guide))
+
+
+# docs/CALIBRATION.md's hand-kept parts, which a regeneration keeps: a status section between the
+# title and the first `Profile:` line, and the guide from this heading to the end
+GUIDE_HEADING = "# Calibrating the simulator"
+
+
+def hand_kept(path: Path) -> tuple[list[str], list[str]]:
+    """(status lines, guide lines) of the document at `path` as it stands (none: empty)."""
+    if not path.is_file():
+        return [], []
+    old = path.read_text().split("\n")
+    first = next((i for i, line in enumerate(old) if line.startswith("Profile: `")), len(old))
+    guide = next((i for i, line in enumerate(old) if line.startswith(GUIDE_HEADING)), len(old))
+    status = old[2:first] if old and old[0].startswith("# ") and first <= guide else []
+    return status, old[guide:]
 
 
 def plot_parity(report: dict, path: Path) -> None:

@@ -136,3 +136,18 @@ def test_reports_of_two_slot_counts_merge_into_one_by_hand():
     # the regime's mean over both slot counts: (+4 - 10) / 2 = -3%, worst the 32 slots' -10%
     (row,) = merged["regimes"]
     assert row["mean_signed_error_pct"] == pytest.approx(-3.0) and row["worst_cell"].startswith("32 slots")
+
+
+def test_regeneration_keeps_the_hand_kept_status_and_guide(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "machine": {"cpu": "test cpu", "cores": 2, "jax": "0"}, "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2},
+    }))  # fmt: skip
+    doc = tmp_path / "CALIBRATION.md"
+    doc.write_text("# Calibration\n\n## Status\n\nby hand\n\nProfile: `old` (old)\n\n## Cells\n\nold table\n\n"
+                   "# Calibrating the simulator (guide)\n\nguide by hand\n")  # fmt: skip
+    report = {"repeats": 5, "quick": False, "cells": [], "regimes": [], "ratios": []}
+    calibrate.write_markdown(report, str(profile), doc)
+    text = doc.read_text()
+    assert text.index("## Status\n\nby hand") < text.index(f"Profile: `{profile}`") < text.index("guide by hand")
+    assert "old table" not in text and "Profile: `old`" not in text
