@@ -68,8 +68,8 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     assert table["steps"] == "held-out"
     assert set(table["regimes"]) == {s["regime"] for s in held} <= {"burst", "light", "medium", "heavy"}
     assert sum(r["num_steps"] for r in table["regimes"].values()) == len(held) > 0
-    # the product's defaults: served per-row, per-page and cold terms, weighted mean_relative
-    assert (profile["served_terms"], profile["fit_cold"], profile["served_weighting"]) == (True, True, "mean_relative")
+    # the product's defaults: served per-row, per-page and cold terms, the balanced weighting
+    assert (profile["served_terms"], profile["fit_cold"], profile["served_weighting"]) == (True, True, "balanced")
     assert isinstance(profile["gaps"], list)  # recorded for `cbjax.profile.refit` (none when pipelined)
     assert profile["machine"]["backend"] == "cpu" and profile["machine"]["jax"]
     assert 0.0 <= profile["machine"]["others_cpu_share"] <= 1.0  # read from /proc/stat on Linux

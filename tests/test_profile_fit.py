@@ -57,7 +57,7 @@ def test_mean_relative_weighting_fits_the_harmonic_mean_by_hand():
         fit_costs(ones, times, weighting="median")
 
 
-@pytest.mark.parametrize("weighting", ["mean_relative", "absolute"])
+@pytest.mark.parametrize("weighting", ["mean_relative", "absolute", "balanced"])
 def test_served_fit_recovers_per_row_per_page_and_cold_terms(weighting):
     # exact synthetic times: whatever the weighting, the fit must find the truth, not the grid's 0.5 ms per row
     served = synthetic_log(300, seed=1)
@@ -76,6 +76,20 @@ def test_held_out_steps_do_not_enter_the_fit():
     coef = fit_served(fit + held, FIXED, GRID, fit_cold=True, served_terms=True, weighting="mean_relative")
     assert coef["served_bucket_s"]["8"] == pytest.approx(FIXED[8], rel=1e-6)
     assert coef["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
+
+
+def test_balanced_weighting_is_halfway_between_the_sum_and_the_mean_relative_error_by_hand():
+    # one bucket, no other term, steps of 1, 2 and 4 ms: the absolute fit is their mean 7/3 ms, the
+    # mean_relative fit their harmonic mean 12/7 ms, balanced the mean of the two, (7/3 + 12/7) / 2 = 85/42 ms
+    served = [{"bucket": 4, "features": [0.0] * len(STEP_TERMS), "measured_s": t, "since_larger": 0, "idle": False}
+              for t in (1e-3, 2e-3, 4e-3) for _ in range(4)]  # fmt: skip
+    grid = {**dict.fromkeys(STEP_TERMS, 0.0), "bucket_s": {4: 1e-3}, "bucket_scale": 1.0}
+    fixed = {w: fit_served(served, {4: 1e-3}, grid, weighting=w)["served_bucket_s"]["4"]
+             for w in ("absolute", "mean_relative", "balanced")}  # fmt: skip
+    assert fixed == {"absolute": pytest.approx(7 / 3 * 1e-3), "mean_relative": pytest.approx(12 / 7 * 1e-3),
+                     "balanced": pytest.approx(85 / 42 * 1e-3)}  # fmt: skip
+    with pytest.raises(ValueError, match="served_weighting"):
+        fit_served(served, {4: 1e-3}, grid, weighting="median")
 
 
 def _step(regime, measured, predicted, held_out):
@@ -116,7 +130,7 @@ def test_refit_from_a_recorded_profile(tmp_path):
     grid_step = {"kind": "decode", "bucket": 4, "features": [1.0, 4, 0, 0, 0, 0, 8, 0, 4], "measured_s": 2e-3}
     profile = {"steps": [grid_step], "swaps": [], "served": served, "gaps": [], "coefficients": {
         "bucket_s": {str(b): v for b, v in FIXED.items()}}, "wake": {"wake_s": 1e-4, "wake_ramp_s": 1e-2}}  # fmt: skip
-    out = refit(profile, fit_cold=True, served_terms=True, served_weighting="mean_relative")
+    out = refit(profile, fit_cold=True, served_terms=True, served_weighting="balanced")
     assert out["coefficients"]["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
     table = out["residuals"]["by_regime"]
     # the held-out round is drawn from the same truth: no error, 100 steps
@@ -125,6 +139,6 @@ def test_refit_from_a_recorded_profile(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     refit_main([str(path), "--out", str(tmp_path / "refit.json")])
-    assert json.loads((tmp_path / "refit.json").read_text())["served_weighting"] == "mean_relative"
+    assert json.loads((tmp_path / "refit.json").read_text())["served_weighting"] == "balanced"
     with pytest.raises(ValueError, match="gaps"):
         refit({k: v for k, v in profile.items() if k != "gaps"}, True, True, "mean_relative")

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from cbjax.profile.measure import fit_profile
 from cbjax.profile.residuals import format_table
-from cbjax.sim.fit import WEIGHTINGS
+from cbjax.profile.serving import SERVED_WEIGHTINGS
 
 # what a profile must hold to be refitted (profiles made before `gaps` was recorded lack it)
 RECORDED = ("steps", "swaps", "served", "gaps", "wake", "coefficients")
@@ -44,7 +44,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("profile", help="profile.json from `python -m cbjax.profile`")
     ap.add_argument("--out", default=None, help="where to write the refitted profile (default: in place)")
-    ap.add_argument("--served-weighting", default="mean_relative", choices=WEIGHTINGS)
+    ap.add_argument("--served-weighting", default="balanced", choices=SERVED_WEIGHTINGS)
     ap.add_argument("--no-served-terms", action="store_true", help="keep the grid's per-row and per-page terms")
     ap.add_argument("--no-cold", action="store_true", help="no cold terms (they stay 0)")
     args = ap.parse_args(argv)

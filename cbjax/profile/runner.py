@@ -11,7 +11,7 @@ from typing import Any
 
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GRIDS, profile_grid
-from cbjax.sim.fit import WEIGHTINGS
+from cbjax.profile.serving import SERVED_WEIGHTINGS
 
 
 @dataclass
@@ -30,10 +30,11 @@ class ProfileRunConfig(RunConfig):
     # fit the per-row and per-page step terms on the served steps beside their intercepts
     # (cbjax.profile.serving.SERVED_STEP_TERMS); off: the grid's
     served_terms: bool = True
-    # how the served fit weighs its steps (cbjax.sim.fit.WEIGHTINGS): mean_relative makes each
-    # served bucket's mean signed relative error zero (what the residual table reports);
-    # absolute fits the steps' summed time (what a run's makespan adds up)
-    served_weighting: str = "mean_relative"
+    # how the served fit weighs its steps (cbjax.profile.serving.SERVED_WEIGHTINGS): mean_relative
+    # makes each served bucket's mean signed relative error zero (what the residual table
+    # reports), absolute fits the steps' summed time (what a run's makespan adds up), balanced
+    # takes the mean of the two fits (each criterion then off by half of what parts them)
+    served_weighting: str = "balanced"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,9 +44,9 @@ class ProfileRunConfig(RunConfig):
             raise ValueError(f"repeats must be >= 1, got {self.repeats!r}")
         if self.serving_rounds < 1:
             raise ValueError(f"serving_rounds must be >= 1, got {self.serving_rounds!r}")
-        if self.served_weighting not in WEIGHTINGS:
+        if self.served_weighting not in SERVED_WEIGHTINGS:
             raise ValueError(
-                f"served_weighting: unknown value {self.served_weighting!r}; choose one of {', '.join(WEIGHTINGS)}"
+                f"served_weighting: unknown value {self.served_weighting!r}; choose one of {', '.join(SERVED_WEIGHTINGS)}"
             )
         if self.executor.name != "jax":
             raise ValueError(f"executor.name: the profile times the engine (executor=jax), got {self.executor.name!r}")

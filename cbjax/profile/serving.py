@@ -18,7 +18,7 @@ from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.profile.residuals import MIN_STEPS, regime_of
 from cbjax.layout.shapes import ShapePlan
-from cbjax.sim.fit import fit_costs, nnls
+from cbjax.sim.fit import WEIGHTINGS, fit_costs, nnls
 from cbjax.sim.profiled import (
     COLD_TERMS, STEP_TERMS, bucket_intercept, step_features, step_terms, steps_since_larger,
 )  # fmt: skip
@@ -197,6 +197,9 @@ def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
 
 # Step terms `fit_served` can refit on the served steps (`served_terms`): per row and per KV page.
 SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s")
+# How `fit_served` weighs the served steps: `cbjax.sim.fit.WEIGHTINGS`, or "balanced", the mean
+# of the "absolute" and "mean_relative" fits' coefficients.
+SERVED_WEIGHTINGS = WEIGHTINGS + ("balanced",)
 
 
 def fit_served(
@@ -232,9 +235,15 @@ def fit_served(
     and a full burst then share one per-row cost fitted where runs have them, not one
     intercept per bucket pooled over both (issue 35). They are returned under their names.
 
-    Non-negative least squares on absolute error, as a run's time adds them up (thousands of
-    small decode steps and a few large prefills weigh what they cost). None served: no served
-    intercepts, scale 1, no cold terms."""
+    Non-negative least squares, weighted by `weighting` (SERVED_WEIGHTINGS). "absolute" fits the
+    summed time, as a run's makespan adds the steps up (thousands of small decode steps and a few
+    large prefills weigh what they cost); "mean_relative" makes each bucket's mean signed relative
+    error zero, the figure the profile's residual table judges (`cbjax.profile.residuals`). Where
+    the step times spread with a long tail (a slow step now and then), the two part: the first
+    leaves the mean relative error positive by about the tail's weight, the second the summed
+    time short by as much. "balanced" (the profile's default) takes the mean of their
+    coefficients, so each criterion is off by about half of it. Steps marked `held_out` are left
+    out (the residual table's). None served: no served intercepts, scale 1, no cold terms."""
     points = [s for s in served if not s.get("idle") and not s.get("held_out")]
     if not points:
         return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0)}
@@ -258,7 +267,12 @@ def fit_served(
     y = np.array([s["measured_s"] for s in points])
     used = np.any(x != 0, axis=0)
     coef = np.zeros(x.shape[1])
-    coef[used] = fit_costs(x[:, used], y, offsets=terms, weighting=weighting)
+    if weighting not in SERVED_WEIGHTINGS:
+        raise ValueError(f"served_weighting: unknown value {weighting!r}; choose one of {', '.join(SERVED_WEIGHTINGS)}")
+    if weighting == "balanced":  # halfway between the two criteria (see above)
+        coef[used] = sum(fit_costs(x[:, used], y, offsets=terms, weighting=w) for w in ("absolute", "mean_relative")) / 2
+    else:
+        coef[used] = fit_costs(x[:, used], y, offsets=terms, weighting=weighting)
     served_fixed = {b: float(c) for b, c in zip(own, coef)}
     scale = float(coef[len(own)])
     if not used[len(own)]:  # every served step has its bucket's own intercept
