@@ -222,13 +222,12 @@ def fit_served(
     (`bucket_scale`; with none, the served buckets' mean ratio to the grid's timing).
 
     With `fit_cold` the COLD_TERMS are fitted too: what a served step pays more 1 .. 4 steps after
-    the last step of a larger bucket (grid steps run after themselves). The effect is real (a
-    32-row decode ran 1.33, 1.23, 1.08, 1.04 ms on the four steps after a mixed step, 0.74 ms in
-    a static batch's run), but the profile's fcfs runs are where the cold steps are and its
-    static run where the warm ones are, so the fitted terms also took in whatever else makes a
-    static batch's decodes fast: over 15 rounds of benchmarks/engine_static_vs_continuous.py the
-    simulator's fcfs/static ratio came out -5.6% (exponential) and +2.8% (Azure) off the engine's
-    with them, -0.5% and +4.0% without (medians). Off, they stay 0.
+    the last step of a larger bucket (grid steps run after themselves; a small step right after
+    a large one runs slower, its caches cold). Fitted over pooled intercepts alone, they also
+    took in whatever else makes a static batch's decodes fast (its cold steps are in the fcfs
+    runs, its warm ones in the static run: docs/CALIBRATION.md, History); with `served_terms`
+    a thinning static batch is charged by its rows instead, which is why the profile fits both
+    by default. Off, they stay 0.
 
     With `served_terms` the SERVED_STEP_TERMS (per row, per page read) are fitted on the served
     steps too, beside the intercepts, instead of taken from the grid: a sparse light-load batch
