@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from cbjax.executor import Executor
 from cbjax.outputs import StopFlag
-from cbjax.plan import Schedule
+from cbjax.plan import Schedule, StepOutput
 from cbjax.request import FinishReason, Request
 from cbjax.scheduler.core import Scheduler
 
@@ -107,7 +107,9 @@ class EngineLoop:
         self.executor = executor
         self.virtual = executor.virtual_clock and pace == "none"
         self.paced = executor.virtual_clock and pace == "realtime"
-        self.pipelined = executor.pipelined and not executor.virtual_clock
+        # a virtual clock runs a pipelined executor's steps back to back on it (`_launch_virtual`);
+        # a paced one runs each step to completion
+        self.pipelined = executor.pipelined and (self.virtual or not executor.virtual_clock)
         scheduler.plan_token_ids = executor.reads_token_ids
         self.on_step, self.on_token, self.on_finish, self.tick = on_step, on_token, on_finish, tick
         self.stats = IterationStats()
@@ -133,6 +135,7 @@ class EngineLoop:
         self._t0 = self._wall0
         self._now = 0.0  # virtual and paced clocks: the current time
         self.last_end = 0.0  # end of the latest iteration
+        self._virtual_end = 0.0  # virtual clock, pipelined: where the latest launched step ends
 
     # ---- the clock ----
     def now(self) -> float:
@@ -296,11 +299,11 @@ class EngineLoop:
         requests = sched.requests_of(plan)
         batched = self._record(plan)
         if self.pipelined:
-            launched = self.executor.launch(plan)
+            launched = self._launch_virtual(plan, start) if self.virtual else self.executor.launch(plan)
             if self._inflight is not None:
                 self._land()
             t_post = time.perf_counter()
-            sched.advance(plan, self._clock() - self._t0)
+            sched.advance(plan, self.now() if virtual else self._clock() - self._t0)
             stats.postprocess_s += time.perf_counter() - t_post
             self._inflight = (plan, launched, batched, stats.iterations, requests)
             return True
@@ -376,15 +379,37 @@ class EngineLoop:
                     self.on_token(req, req.output_token_ids[k] if real else None, now)
                 emitted[req] = have
 
+    def _launch_virtual(self, plan: Schedule, start: float) -> "_VirtualLaunch":
+        """A pipelined executor on a virtual clock: the step runs from its launch (`start`, when
+        the loop planned it) or the end of the step launched before it, whichever is later, for
+        its `duration_s`, as the engine's device queue runs launched steps one after another.
+        The loop lands the previous step (its clock moves to that step's end) and plans the next
+        one while this one runs: a request arriving during step t is planned after t ends, into
+        step t + 2, as on the pipelined engine."""
+        out = self.executor.execute(plan)
+        begin = max(start, self._virtual_end)
+        self._virtual_end = begin + out.duration_s
+        return _VirtualLaunch(out, begin, self._virtual_end)
+
     def _land(self) -> None:
         """Pipelined: read the step in flight's tokens and commit them."""
         plan, launched, batched, iteration, requests = self._inflight
         self._inflight = None
+        if self.virtual:
+            out = launched.out
+            self._now = now = max(self._now, launched.end)
+            self.stats.busy_s += launched.end - launched.begin
+            self.last_end = now
+            self._commit(plan, out, now, batched, iteration, requests)
+            return
         out = self.executor.collect(launched)
         now = self._clock() - self._t0
         # the step's share of the wall clock: from its launch, or from the last step's end
         self.stats.busy_s += now - max(launched.start - self._t0, self.last_end)
         self.last_end = now
+        self._commit(plan, out, now, batched, iteration, requests)
+
+    def _commit(self, plan, out, now, batched, iteration, requests) -> None:
         t_post = time.perf_counter()
         done = self.scheduler.commit(plan, out.token_ids, now, out.errors)
         self.stats.postprocess_s += time.perf_counter() - t_post
@@ -447,6 +472,15 @@ class EngineLoop:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class _VirtualLaunch:
+    """`EngineLoop._launch_virtual`'s handle: the step's output and its span on the virtual clock."""
+
+    __slots__ = ("out", "begin", "end")
+
+    def __init__(self, out: StepOutput, begin: float, end: float):
+        self.out, self.begin, self.end = out, begin, end
 
 
 def serve(

@@ -62,7 +62,9 @@ def build_executor(cfg: RunConfig, devices=None):
             cfg.executor.cost_model, cfg.model, cfg.hardware,
             scheduler=cfg.scheduler, cache=cfg.cache, executor=cfg.executor, overhead=cfg.overhead,
         )  # fmt: skip
-        return SimExecutor(cost)
+        # the profiled model predicts this engine, which plans a step ahead with async_scheduling
+        pipelined = cfg.executor.cost_model == "profiled" and cfg.executor.async_scheduling
+        return SimExecutor(cost, pipelined=pipelined)
     if cfg.executor.name == "jax":
         from cbjax.runtime.executor import JaxExecutor
 

@@ -2,13 +2,18 @@
 
     python -m cbjax.profile hydra.run.dir=outputs/profile        # once per machine and model
     python experiments/calibrate.py --profile outputs/profile/profile.json [--repeats 5] [--requests 256]
+    python experiments/calibrate.py --profile P16.json P32.json    # one report over two slot counts
     python experiments/calibrate.py --profile ... --quick          # a smoke run: few cells, small, not evidence
 
 The runs take the profile's shapes (model.max_model_len, page size, slot count, step budget,
-token buckets). Workloads, kept apart from the profile's grid, one per load regime: a burst
-(every request at t=0: closed loop), Poisson arrivals at 30%, 60% and 90% of the simulator's
-saturated request rate (light, medium, heavy: open loop), and a slice of the Azure code trace
-at 70% (medium); each under fcfs, static and sjf, with and without chunked prefill.
+token buckets); several profiles (one per slot count) make one report, each cell named with its
+slot count. Workloads, other requests than the profile's served runs (other length
+distributions and seeds), one per load regime: a burst (every request at t=0: closed loop),
+Poisson arrivals at 30%, 60% and 90% of the simulator's saturated request rate (light, medium,
+heavy: open loop), and a slice of the Azure code trace at 70% (medium). By default the cells
+are issue 35's acceptance (`ACCEPTANCE_CELLS`: the burst under fcfs and static, Poisson 30%
+and 60% under fcfs, chunked prefill off); `--cells all`: every workload under fcfs, static and
+sjf, with and without chunked prefill.
 
 Every cell runs at least 5 times on the engine (`--repeats`). Closed-loop cells carry the
 throughput; open-loop cells carry the latencies, p99 beside p50 (an open-loop throughput is
@@ -28,7 +33,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -53,6 +58,11 @@ METRICS = CLOSED_METRICS + OPEN_METRICS
 TARGETS = {"throughput_tok_s": 5.0, "ttft_s_p50": 10.0, "e2e_s_p50": 10.0, "e2e_s_p99": 15.0}
 RATIO_TARGET_PCT = 5.0  # the continuous / static throughput ratio
 MIN_REPEATS = 5
+# issue 35's acceptance 1, on workloads the profile never served: a burst under fcfs and under
+# static (closed loop: throughput and the continuous / static ratio), Poisson at 30% and 60% of
+# the saturated rate under fcfs (open loop: the latencies); chunked prefill off
+ACCEPTANCE_CELLS = (("burst", "fcfs", False), ("burst", "static", False), ("poisson_30", "fcfs", False),
+                    ("poisson_60", "fcfs", False))  # fmt: skip
 POLICIES = ("fcfs", "static", "sjf")
 # workload -> (regime, closed loop, fraction of the saturated request rate; None: all at t=0)
 WORKLOADS = {
@@ -157,27 +167,34 @@ def ratio_rows(cells: list[dict], sim_tp: dict, engine_tp: dict) -> list[dict]:
 
 
 def plan_cells(args) -> list[tuple[str, str, bool]]:
-    """(workload, policy, chunked) of every cell; --quick: burst and poisson_30, fcfs and static, chunked off."""
-    names = ["burst", "poisson_30"] if args.quick else (args.workloads or list(WORKLOADS))
-    policies = [p for p in args.policies if p in ("fcfs", "static")] if args.quick else args.policies
-    chunks = (False,) if args.quick else (False, True)
-    return [(w, p, c) for w in names for p in policies for c in chunks]
+    """(workload, policy, chunked) of every cell: by default (`--cells acceptance`) ACCEPTANCE_CELLS;
+    `--cells all` every workload of `--workloads` under every policy of `--policies`, chunked prefill
+    off and on; --quick: burst and poisson_30, fcfs and static, chunked off."""
+    if args.quick:
+        policies = [p for p in args.policies if p in ("fcfs", "static")]
+        return [(w, p, False) for w in ("burst", "poisson_30") for p in policies]
+    if args.cells == "acceptance":
+        return list(ACCEPTANCE_CELLS)
+    names = args.workloads or list(WORKLOADS)
+    return [(w, p, c) for w in names for p in args.policies for c in (False, True)]
 
 
-def run_all(args) -> dict:
+def run_all(args, profile_path: str) -> dict:
     """Every cell in the simulator once, then on the engine in `args.repeats` rounds over all the
-    cells (a slow spell of the machine then lands on one run of many cells, not on one cell)."""
-    profile = json.loads(Path(args.profile).read_text())
-    out = Path(args.out_dir)
+    cells (a slow spell of the machine then lands on one run of many cells, not on one cell),
+    with the shapes and slot count of the profile at `profile_path`."""
+    profile = json.loads(Path(profile_path).read_text())
+    slots = profile["made_for"]["scheduler.max_num_seqs"]
+    out = Path(args.out_dir) / f"slots_{slots}"
     out.mkdir(parents=True, exist_ok=True)
     base = base_config(profile, args.requests)
     plan = plan_cells(args)
-    chosen = workloads(base, out, args.profile, Path(args.trace))
+    chosen = workloads(base, out, profile_path, Path(args.trace))
     cells = {}
     for w, policy, chunked in plan:
         sched = dataclasses.replace(base.scheduler, name=policy, chunked_prefill=chunked)
         cells[(w, policy, chunked)] = dataclasses.replace(base, scheduler=sched, workload=chosen[w])
-    sim = {k: run_single(sim_config(cfg, args.profile), None, verbose=False) for k, cfg in cells.items()}
+    sim = {k: run_single(sim_config(cfg, profile_path), None, verbose=False) for k, cfg in cells.items()}
     engine: dict[tuple, list[dict]] = {k: [] for k in cells}
     total, done = len(cells) * args.repeats, 0
     start = time.perf_counter()
@@ -190,11 +207,12 @@ def run_all(args) -> dict:
             engine[key].append(run_single(cfg, None, verbose=False))
             done += 1
             elapsed = time.perf_counter() - start
-            print(f"[{done}/{total}] round {r + 1}: {key[0]} {key[1]} chunked {'on' if key[2] else 'off'} | "
+            print(f"[{done}/{total}] {slots} slots, round {r + 1}: {key[0]} {key[1]} chunked {'on' if key[2] else 'off'} | "
                   f"{elapsed / 60:.1f} min in, ~{elapsed / done * (total - done) / 60:.1f} min left", flush=True)  # fmt: skip
     judged = [judge_cell(*k, sim[k], engine[k]) for k in cells]
     tp = {k: [e["throughput_tok_s"] for e in engine[k]] for k in cells}
     report = {
+        "slots": slots,
         "repeats": args.repeats,
         "quick": args.quick,
         "cells": judged,
@@ -202,8 +220,20 @@ def run_all(args) -> dict:
         "ratios": ratio_rows(judged, {k: sim[k]["throughput_tok_s"] for k in cells}, tp),
     }
     (out / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"calibration took {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+    print(f"calibration at {slots} slots took {(time.perf_counter() - start) / 60:.1f} min", flush=True)
     return report
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report of several slot counts' (`run_all` per profile): each cell and ratio named with its
+    slot count, the regimes summarised over all the cells."""
+    cells, ratios = [], []
+    for r in reports:
+        cells += [{**c, "name": f"{r['slots']} slots: {c['name']}", "slots": r["slots"]} for c in r["cells"]]
+        ratios += [{**x, "workload": f"{x['workload']} ({r['slots']} slots)"} for x in r["ratios"]]
+    return {"slots": [r["slots"] for r in reports], "repeats": min(r["repeats"] for r in reports),
+            "quick": any(r["quick"] for r in reports), "cells": cells,
+            "regimes": summarize_regimes(cells, [k for k, _ in METRICS]), "ratios": ratios}  # fmt: skip
 
 
 def _profile_notes(profile: dict) -> list[str]:
@@ -230,6 +260,21 @@ def _profile_notes(profile: dict) -> list[str]:
             f"its served runs' total time predicted {served['total_error']:+.1%}; {busy}.", ""]  # fmt: skip
 
 
+def _profile_table(profile: dict) -> list[str]:
+    """The profile's own step-time residuals by regime (`residuals.by_regime`), where it has them."""
+    table = profile.get("residuals", {}).get("by_regime")
+    if not table or not table.get("regimes"):
+        return []
+    from cbjax.profile.residuals import format_table
+
+    made = profile.get("made_for", {})
+    head = (f"Its step-time residuals by regime ({made.get('model.d_model', '?')}-wide model, "
+            f"{made.get('scheduler.max_num_seqs', '?')} slots), on the {table.get('steps', 'in-sample')} served steps, "
+            f"fit `{profile.get('served_weighting', 'absolute')}`; a regime beyond ±{table['limit']:.0%} mean signed "
+            f"fails the profile ({len(table['failures'])} do):")  # fmt: skip
+    return [head, "", *[f"- {line}" for line in format_table(table, buckets=False)], ""]
+
+
 LABELS = dict(METRICS)
 
 
@@ -237,15 +282,22 @@ def _num(x: float) -> str:
     return f"{x:.4g}"
 
 
-def write_markdown(report: dict, profile_path: str, path: Path) -> None:
-    """docs/CALIBRATION.md's generated part: the rule, every judged figure, the regimes, the ratio."""
-    profile = json.loads(Path(profile_path).read_text())
-    m = profile["machine"]
-    lines = ["# Calibration: the profiled simulator against the JAX engine", "",
-             f"Profile: `{profile_path}` (machine: {m['cpu']}, {m['cores']} cores, jax {m['jax']}; fit median error "
-             f"{profile['residuals']['median_rel_error']:.1%}, max {profile['residuals']['max_rel_error']:.1%}). "
-             "Generated by `experiments/calibrate.py`.", "",
-             *_profile_notes(profile)]  # fmt: skip
+def write_markdown(report: dict, profile_paths, path: Path, residual_profiles: Sequence[str] = ()) -> None:
+    """docs/CALIBRATION.md's generated part: the profiles (and their held-out step residuals by
+    regime), the rule, every judged figure, the regimes, the ratio. `profile_paths`: one path or a
+    list; `residual_profiles`: more profiles whose residual tables alone are listed."""
+    lines = ["# Calibration: the profiled simulator against the JAX engine", ""]
+    for profile_path in [profile_paths] if isinstance(profile_paths, str) else profile_paths:
+        profile = json.loads(Path(profile_path).read_text())
+        m = profile["machine"]
+        lines += [f"Profile: `{profile_path}` (machine: {m['cpu']}, {m['cores']} cores, jax {m['jax']}; fit median error "
+                  f"{profile['residuals']['median_rel_error']:.1%}, max {profile['residuals']['max_rel_error']:.1%}). "
+                  "Generated by `experiments/calibrate.py`.", "",
+                  *_profile_notes(profile), *_profile_table(profile)]  # fmt: skip
+    for extra in residual_profiles:
+        profile = json.loads(Path(extra).read_text())
+        lines += [f"Also profiled, not calibrated here: `{extra}` ({profile.get('model', '?')}).", "",
+                  *_profile_table(profile)]  # fmt: skip
     if report.get("quick"):
         lines += ["**A `--quick` smoke run: few cells and requests; its figures are not evidence.**", ""]
     targets = ", ".join(f"{LABELS[k]} {v:g}%" for k, v in TARGETS.items())
@@ -290,7 +342,24 @@ def write_markdown(report: dict, profile_path: str, path: Path) -> None:
     lines += ["", f"**Overall:** {len(cells) - fails} of {len(cells)} judged figures within target; regimes biased beyond "
               f"±{REGIME_BIAS_PCT:g}%: {', '.join(biased) or 'none'}.", "", "![parity](calibration_parity.png)", ""]  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
+    status, guide = hand_kept(path)
+    path.write_text("\n".join(lines[:2] + status + lines[2:] + guide))
+
+
+# docs/CALIBRATION.md's hand-kept parts, which a regeneration keeps: a status section between the
+# title and the first `Profile:` line, and the guide from this heading to the end
+GUIDE_HEADING = "# Calibrating the simulator"
+
+
+def hand_kept(path: Path) -> tuple[list[str], list[str]]:
+    """(status lines, guide lines) of the document at `path` as it stands (none: empty)."""
+    if not path.is_file():
+        return [], []
+    old = path.read_text().split("\n")
+    first = next((i for i, line in enumerate(old) if line.startswith("Profile: `")), len(old))
+    guide = next((i for i, line in enumerate(old) if line.startswith(GUIDE_HEADING)), len(old))
+    status = old[2:first] if old and old[0].startswith("# ") and first <= guide else []
+    return status, old[guide:]
 
 
 def plot_parity(report: dict, path: Path) -> None:
@@ -319,7 +388,12 @@ def plot_parity(report: dict, path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", required=True, help="profile.json from `python -m cbjax.profile`")
+    ap.add_argument("--profile", required=True, nargs="+",
+                    help="profile.json from `python -m cbjax.profile`; several (one per slot count): one report")  # fmt: skip
+    ap.add_argument("--residual-profiles", nargs="*", default=[],
+                    help="more profiles (another model) whose step-time residual tables the report lists, uncalibrated")  # fmt: skip
+    ap.add_argument("--cells", choices=("acceptance", "all"), default="acceptance",
+                    help="acceptance: ACCEPTANCE_CELLS (issue 35); all: every --workloads x --policies, chunked off and on")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"engine runs per cell (at least {MIN_REPEATS})")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: burst and poisson_30, fcfs and static, chunked off, 32 requests; any repeats")  # fmt: skip
@@ -338,9 +412,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.requests = 32 if args.quick else 256
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
 
-    report = run_all(args)
+    start = time.perf_counter()
+    reports = [run_all(args, p) for p in args.profile]
+    report = reports[0] if len(reports) == 1 else merge_reports(reports)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.out_dir) / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"calibration took {(time.perf_counter() - start) / 60:.1f} min", flush=True)
     doc = Path(args.doc)
-    write_markdown(report, args.profile, doc)
+    write_markdown(report, args.profile, doc, args.residual_profiles)
     plot_parity(report, doc.parent / "calibration_parity.png")
     print(f"wrote {doc}")
 

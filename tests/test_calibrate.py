@@ -1,6 +1,7 @@
 """The calibration's acceptance rule by hand: the bootstrap interval of the median, the verdict
 (the target's alone, never a spread), the per-regime summary and experiments/calibrate.py's report."""
 
+import argparse
 import json
 import sys
 
@@ -112,3 +113,41 @@ def test_calibration_markdown_by_hand(tmp_path):
 def test_fewer_than_five_repeats_is_refused_without_quick(tmp_path):
     with pytest.raises(SystemExit):
         calibrate.main(["--profile", str(tmp_path / "p.json"), "--repeats", "3"])
+
+
+def test_default_cells_are_issue_35s_acceptance():
+    args = argparse.Namespace(quick=False, cells="acceptance", workloads=None, policies=list(calibrate.POLICIES))
+    assert calibrate.plan_cells(args) == [("burst", "fcfs", False), ("burst", "static", False),
+                                          ("poisson_30", "fcfs", False), ("poisson_60", "fcfs", False)]  # fmt: skip
+    args.cells = "all"
+    assert len(calibrate.plan_cells(args)) == len(calibrate.WORKLOADS) * 3 * 2
+
+
+def test_reports_of_two_slot_counts_merge_into_one_by_hand():
+    runs = [100.0] * 5
+
+    def report(slots, sim):
+        cell = {**_cell("burst, fcfs, chunked off", "burst", {}), "throughput_tok_s": judge(sim, runs, 5.0)}
+        return {"slots": slots, "repeats": 5, "quick": False, "cells": [cell], "ratios": [{"workload": "burst"}]}
+
+    merged = calibrate.merge_reports([report(16, 104.0), report(32, 90.0)])
+    assert [c["name"] for c in merged["cells"]] == ["16 slots: burst, fcfs, chunked off", "32 slots: burst, fcfs, chunked off"]
+    assert [r["workload"] for r in merged["ratios"]] == ["burst (16 slots)", "burst (32 slots)"]
+    # the regime's mean over both slot counts: (+4 - 10) / 2 = -3%, worst the 32 slots' -10%
+    (row,) = merged["regimes"]
+    assert row["mean_signed_error_pct"] == pytest.approx(-3.0) and row["worst_cell"].startswith("32 slots")
+
+
+def test_regeneration_keeps_the_hand_kept_status_and_guide(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "machine": {"cpu": "test cpu", "cores": 2, "jax": "0"}, "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2},
+    }))  # fmt: skip
+    doc = tmp_path / "CALIBRATION.md"
+    doc.write_text("# Calibration\n\n## Status\n\nby hand\n\nProfile: `old` (old)\n\n## Cells\n\nold table\n\n"
+                   "# Calibrating the simulator (guide)\n\nguide by hand\n")  # fmt: skip
+    report = {"repeats": 5, "quick": False, "cells": [], "regimes": [], "ratios": []}
+    calibrate.write_markdown(report, str(profile), doc)
+    text = doc.read_text()
+    assert text.index("## Status\n\nby hand") < text.index(f"Profile: `{profile}`") < text.index("guide by hand")
+    assert "old table" not in text and "Profile: `old`" not in text

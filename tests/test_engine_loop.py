@@ -265,3 +265,22 @@ def test_paced_boundary_waits_briefly_for_a_request_received_before_it(parse_s, 
     assert b.arrival_s == 0.020 and b.scheduled_s == pytest.approx(admitted_at)
     assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
     assert not loop._receiving
+
+
+def _timed(rid, arrival, prompt=4, out=3):
+    return Request(rid, arrival, prompt, sampling=SamplingParams(max_tokens=out, ignore_eos=True), target_output_len=out)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_pipelined_simulator_plans_a_step_ahead_as_the_engine_does_by_hand(pipelined):
+    # every step takes 1 s. a arrives at 0 and b at 0.5, during step 1 (a's prefill, [0, 1]).
+    # One step at a time: step 2 ([1, 2]) holds b's prefill and a's decode: b's first token at 2.
+    # Pipelined: step 2 (a's decode) was planned at 0, while step 1 ran; b is planned after
+    # step 1 lands, into step 3 ([2, 3]): its first token at 3. a's tokens land at 1, 2, 3 either
+    # way (3 tokens); b's 3 tokens end at 4 one step at a time, at 5 pipelined.
+    a, b = _timed("a", 0.0), _timed("b", 0.5)
+    result = serve([a, b], scheduler(slots=2), SimExecutor(lambda plan: 1.0, pipelined=pipelined))
+    assert [r.finish_reason for r in result.requests] == [FinishReason.LENGTH, FinishReason.LENGTH]
+    lag = 1.0 if pipelined else 0.0
+    assert (a.first_token_s, a.finish_s) == (1.0, 3.0)
+    assert (b.first_token_s, b.finish_s) == (2.0 + lag, 4.0 + lag)

@@ -58,11 +58,19 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     for run in profile["serving"]:
         assert run["iterations"] > 0 and run["makespan_s"] >= run["execute_s"] + run["loop_s"] > 0
     assert len(profile["served"]) == sum(run["iterations"] for run in profile["serving"])
-    assert profile["residuals"]["served"]["num_points"] == sum(not s["idle"] for s in profile["served"]) > 0
-    # the residual table covers every regime the runs served, counting the non-idle steps
+    # round 1 of 2 is held out of the fit: the fit's residuals count round 0's non-idle steps, the
+    # table by regime round 1's (other requests: its own seeds), every regime they served
+    assert [s["held_out"] for s in profile["served"]] == [s["round"] == 1 for s in profile["served"]]
+    fitted = [s for s in profile["served"] if not s["idle"] and not s["held_out"]]
+    held = [s for s in profile["served"] if not s["idle"] and s["held_out"]]
+    assert profile["residuals"]["served"]["num_points"] == len(fitted) > 0
     table = profile["residuals"]["by_regime"]
-    assert set(table["regimes"]) == {s["regime"] for s in profile["served"] if not s["idle"]} <= {"burst", "light", "medium", "heavy"}
-    assert sum(r["num_steps"] for r in table["regimes"].values()) == profile["residuals"]["served"]["num_points"]
+    assert table["steps"] == "held-out"
+    assert set(table["regimes"]) == {s["regime"] for s in held} <= {"burst", "light", "medium", "heavy"}
+    assert sum(r["num_steps"] for r in table["regimes"].values()) == len(held) > 0
+    # the product's defaults: served per-row, per-page and cold terms, the balanced weighting
+    assert (profile["served_terms"], profile["fit_cold"], profile["served_weighting"]) == (True, True, "balanced")
+    assert isinstance(profile["gaps"], list)  # recorded for `cbjax.profile.refit` (none when pipelined)
     assert profile["machine"]["backend"] == "cpu" and profile["machine"]["jax"]
     assert 0.0 <= profile["machine"]["others_cpu_share"] <= 1.0  # read from /proc/stat on Linux
     assert 0 <= profile["residuals"]["median_rel_error"] <= profile["residuals"]["max_rel_error"]

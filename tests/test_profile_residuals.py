@@ -31,14 +31,17 @@ def test_residual_table_by_hand():
     assert light["num_steps"] == 12 and light["mean_signed_error"] == pytest.approx(2.2 / 12)
     assert light["median_abs_error"] == pytest.approx(0.2)
     assert light["buckets"]["16"] == {"num_steps": 2, "mean_signed_error": pytest.approx(0.1),
-                                      "median_abs_error": pytest.approx(0.1)}  # fmt: skip
+                                      "median_abs_error": pytest.approx(0.1),
+                                      "total_signed_error": pytest.approx(0.1)}  # fmt: skip
+    # light's total: (10 x 1.2 + 2 x 2.2) / (10 x 1.0 + 2 x 2.0) - 1 = 16.4 / 14 - 1
+    assert light["total_signed_error"] == pytest.approx(16.4 / 14 - 1)
     # burst: (10 x -0.04 + 10 x 0.02) / 20 = -0.01, within 5%
     assert burst["num_steps"] == 20 and burst["mean_signed_error"] == pytest.approx(-0.01)
     assert burst["median_abs_error"] == pytest.approx(0.03)
     assert list(t["regimes"]) == ["burst", "light"]
     assert t["failures"] == ["regime light: mean signed step-time error +18.3% over 12 steps exceeds ±5%"]
     assert t["sparse"] == ["regime light: bucket 16 has 2 served steps (< 10)"]
-    assert format_table(t, buckets=False)[0] == "burst: 20 steps, mean signed -1.0%, median |error| 3.0%"
+    assert format_table(t, buckets=False)[0] == "burst: 20 steps, mean signed -1.0%, median |error| 3.0%, total -1.0%"
 
 
 def test_a_cancelling_pool_still_fails_per_regime():

@@ -448,7 +448,7 @@ def test_served_iterations_of_a_pipelined_engine_are_their_share_of_the_wall_clo
     shapes = plan_shapes(4, 64, 16, 64, token_buckets=[4, 16, 64])
     timed = TimedExecutor(Inner())
     rows = [(1, 10, True)] * 2
-    timed.rows, timed.num_scheduled, timed.idle = [rows] * 3, [2] * 3, [False] * 3
+    timed.rows, timed.num_scheduled, timed.idle, timed.idle_s = [rows] * 3, [2] * 3, [False] * 3, [0.0] * 3
     timed.rows_at = timed.start = [0.0, 1.0, 4.0]
     timed.end = [2.0, 3.5, 5.0]
     steps, gaps = served_points("run", timed, shapes)
@@ -456,3 +456,19 @@ def test_served_iterations_of_a_pipelined_engine_are_their_share_of_the_wall_clo
     timed.pipelined = False
     steps, gaps = served_points("run", timed, shapes)
     assert [s["measured_s"] for s in steps] == [2.0, 2.5, 1.0] and gaps == [(2, -1.0), (2, 0.5)]
+
+
+def test_a_step_planned_while_the_previous_runs_pays_no_wake_by_hand(tmp_path):
+    # wake_s 0.5 over a 1 s ramp; each decode costs 1.0. Pipelined, step 2 is planned at 0 (while
+    # step 1 runs, [0, 1]) and runs [1, 2]; step 3 is planned at 1 (step 1's end) and runs [2, 3]:
+    # neither waited for an arrival, so neither pays the wake. Step 4 planned at 3.5, after the
+    # loop idled 0.5 s past step 3's end, pays 0.5 x min(1, 0.5 / 1) = 0.25.
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5)
+    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
+                                                                             num_slots=4)))  # fmt: skip
+    d, _ = decode_and_prefill()
+
+    def step(start_s):
+        return cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=start_s))
+
+    assert [step(0.0), step(0.0), step(1.0), step(3.5)] == pytest.approx([1.0, 1.0, 1.0, 1.25])

@@ -55,7 +55,8 @@ def _app(cfg: DictConfig) -> None:
     from cbjax.profile.residuals import format_table
 
     table = r["by_regime"]
-    print("served step time by regime and bucket (+: over-predicted):\n" + "\n".join(format_table(table)))
+    print(f"served step time by regime and bucket, on the {table['steps']} served steps (+: over-predicted):\n"
+          + "\n".join(format_table(table)))  # fmt: skip
     for line in table["sparse"] + table["failures"]:
         print(("FAIL: " if line in table["failures"] else "under-sampled: ") + line)
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")

@@ -19,6 +19,7 @@ import numpy as np
 
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GridPoint, build_schedule
+from cbjax.profile.residuals import held_out_residuals
 from cbjax.profile.serving import fit_loop, fit_served
 from cbjax.layout.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs
@@ -112,6 +113,7 @@ def fit_profile(
     wake: Optional[dict[str, Any]] = None,
     fit_cold: bool = False,
     served_terms: bool = False,
+    served_weighting: str = "absolute",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(coefficients, residuals): the timed bucket costs and the STEP_TERMS fitted on top of them
     over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one), the
@@ -129,7 +131,7 @@ def fit_profile(
     grid = {"bucket_s": bucket_s, "bucket_scale": 1.0, **{k: float(c) for k, c in zip(STEP_TERMS, coef)}}
     coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
     coefficients.update({k: grid[k] for k in STEP_TERMS})
-    coefficients.update(fit_served(served, bucket_s, grid, fit_cold, served_terms))
+    coefficients.update(fit_served(served, bucket_s, grid, fit_cold, served_terms, served_weighting))
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
     coefficients.update(fit_loop(gaps or []))
@@ -147,11 +149,12 @@ def fit_profile(
     for s in steps + served:
         s["rel_error"] = float(abs(s["predicted_s"] - s["measured_s"]) / s["measured_s"])
     grid_err = [s["rel_error"] for s in steps]
+    fitted = [s for s in served if not s.get("held_out")]  # the served totals below: the fit's own steps
     residuals: dict[str, Any] = {
         "median_rel_error": float(np.median(grid_err)), "max_rel_error": float(np.max(grid_err)), "num_points": len(steps),
         "grid_coefficients": {k: grid[k] for k in STEP_TERMS},
     }  # fmt: skip
-    busy = [s for s in served if not s.get("idle")]
+    busy = [s for s in fitted if not s.get("idle")]
     if busy:
         loop = sum(g for _, g in gaps or [])
         measured = sum(s["measured_s"] for s in busy) + loop
@@ -167,6 +170,9 @@ def fit_profile(
             # the same with the grid model's steps (timed back to back): the serving loop's effect
             "grid_model_total_error": float((grid_only - measured) / measured),
         }
+    # per regime and bucket, so opposite biases cannot cancel, on the steps the fit did not see;
+    # a biased regime fails the profile
+    residuals["by_regime"] = held_out_residuals(served)
     return coefficients, residuals
 
 

@@ -3,7 +3,9 @@
 A pooled error lets biases of opposite sign cancel: light-load steps over-predicted and burst
 steps under-predicted can sum to a total within 0%. Per regime (burst, light, medium, heavy:
 the served run a step came from) and per bucket, the table gives the count, the mean signed
-relative error of the step time (+: the model over-predicts) and the median absolute one. A
+relative error of the step time (+: the model over-predicts), the median absolute one and the
+summed prediction's error (`total_signed_error`). The profile computes it on the served steps
+held out of the fit (`held_out_residuals`). A
 regime whose mean signed error exceeds REGIME_BIAS_LIMIT is a failure of the profile, and a
 bucket a regime uses with fewer than MIN_STEPS served steps is reported as under-sampled.
 
@@ -32,9 +34,15 @@ def regime_of(label: str) -> str:
     return "burst"
 
 
-def _stats(errors: list[float]) -> dict[str, Any]:
-    e = np.asarray(errors, float)
-    return {"num_steps": int(e.size), "mean_signed_error": float(e.mean()), "median_abs_error": float(np.median(np.abs(e)))}
+def _stats(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """Over (predicted, measured) pairs: the count, the mean signed and median absolute relative
+    error, and `total_signed_error`, the summed prediction over the summed measurement less 1
+    (what the steps add up to in a run's time; beside the mean, which a skewed spread of the
+    measurements pulls away from it)."""
+    p, m = (np.asarray(x, float) for x in zip(*pairs))
+    e = (p - m) / m
+    return {"num_steps": int(e.size), "mean_signed_error": float(e.mean()), "median_abs_error": float(np.median(np.abs(e))),
+            "total_signed_error": float(p.sum() / m.sum() - 1.0)}  # fmt: skip
 
 
 def regime_residuals(served: list[dict], limit: float = REGIME_BIAS_LIMIT, min_steps: int = MIN_STEPS) -> dict[str, Any]:
@@ -43,15 +51,15 @@ def regime_residuals(served: list[dict], limit: float = REGIME_BIAS_LIMIT, min_s
 
     Each step's relative error is (predicted_s - measured_s) / measured_s; a step's regime is its
     own `regime` or `regime_of(its source)`."""
-    by_regime: dict[str, list[float]] = defaultdict(list)
-    by_bucket: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    by_regime: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    by_bucket: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for s in served:
         if s.get("idle") or s.get("predicted_s") is None or not s.get("measured_s"):
             continue
         regime = s.get("regime") or regime_of(str(s.get("source", "")))
-        err = (s["predicted_s"] - s["measured_s"]) / s["measured_s"]
-        by_regime[regime].append(err)
-        by_bucket[regime][int(s["bucket"])].append(err)
+        pair = (s["predicted_s"], s["measured_s"])
+        by_regime[regime].append(pair)
+        by_bucket[regime][int(s["bucket"])].append(pair)
     order = [r for r in REGIMES if r in by_regime] + sorted(set(by_regime) - set(REGIMES))
     table, failures, sparse = {}, [], []
     for regime in order:
@@ -68,13 +76,25 @@ def regime_residuals(served: list[dict], limit: float = REGIME_BIAS_LIMIT, min_s
     return {"limit": limit, "min_steps": min_steps, "regimes": table, "failures": failures, "sparse": sparse}
 
 
+def held_out_residuals(served: list[dict], limit: float = REGIME_BIAS_LIMIT, min_steps: int = MIN_STEPS) -> dict[str, Any]:
+    """`regime_residuals` over the served steps held out of the fit (`held_out`: the profile's odd
+    serving rounds, other requests and arrivals than the fitted rounds'), with `steps` saying so;
+    when none was held out (one round), over all of them, `steps` "in-sample" (the fit's own
+    steps: a weaker check)."""
+    held = [s for s in served if s.get("held_out")]
+    table = regime_residuals(held or served, limit, min_steps)
+    table["steps"] = "held-out" if held else "in-sample"
+    return table
+
+
 def format_table(table: dict[str, Any], buckets: Optional[bool] = True) -> list[str]:
     """Printable lines: per regime its count, mean signed and median absolute error, then per bucket."""
     lines = []
     for regime, row in table["regimes"].items():
         lines.append(f"{regime}: {row['num_steps']} steps, mean signed {row['mean_signed_error']:+.1%}, "
-                     f"median |error| {row['median_abs_error']:.1%}")  # fmt: skip
+                     f"median |error| {row['median_abs_error']:.1%}, total {row['total_signed_error']:+.1%}")  # fmt: skip
         if buckets:
             lines += [f"  bucket {b}: {r['num_steps']} steps, mean signed {r['mean_signed_error']:+.1%}, "
-                      f"median |error| {r['median_abs_error']:.1%}" for b, r in row["buckets"].items()]  # fmt: skip
+                      f"median |error| {r['median_abs_error']:.1%}, total {r['total_signed_error']:+.1%}"
+                      for b, r in row["buckets"].items()]  # fmt: skip
     return lines

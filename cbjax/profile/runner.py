@@ -11,6 +11,7 @@ from typing import Any
 
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GRIDS, profile_grid
+from cbjax.profile.serving import SERVED_WEIGHTINGS
 
 
 @dataclass
@@ -19,13 +20,21 @@ class ProfileRunConfig(RunConfig):
 
     grid: str = "full"  # full | small (a few points, for tests)
     repeats: int = 5  # timed calls per grid point; the median is fitted
-    serving_rounds: int = 3  # times the served workloads are served (a slow spell of the machine averages out)
-    # fit the cold terms (a served step's extra cost 1-4 steps after a larger bucket's); off: they
-    # stay 0 (fitted, they also take in a static batch's faster decodes: `fit_served`)
-    fit_cold: bool = False
+    # times the served workloads are served, each round with its own requests and arrivals; the
+    # odd rounds are held out of the fit and the residual table is computed on them alone
+    # (`cbjax.profile.serving.held_out_round`)
+    serving_rounds: int = 4
+    # fit the cold terms (a served step's extra cost 1-4 steps after a larger bucket's) on the
+    # served steps, beside the intercepts and the served step terms; off: they stay 0
+    fit_cold: bool = True
     # fit the per-row and per-page step terms on the served steps beside their intercepts
     # (cbjax.profile.serving.SERVED_STEP_TERMS); off: the grid's
-    served_terms: bool = False
+    served_terms: bool = True
+    # how the served fit weighs its steps (cbjax.profile.serving.SERVED_WEIGHTINGS): mean_relative
+    # makes each served bucket's mean signed relative error zero (what the residual table
+    # reports), absolute fits the steps' summed time (what a run's makespan adds up), balanced
+    # takes the mean of the two fits (each criterion then off by half of what parts them)
+    served_weighting: str = "balanced"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -35,6 +44,10 @@ class ProfileRunConfig(RunConfig):
             raise ValueError(f"repeats must be >= 1, got {self.repeats!r}")
         if self.serving_rounds < 1:
             raise ValueError(f"serving_rounds must be >= 1, got {self.serving_rounds!r}")
+        if self.served_weighting not in SERVED_WEIGHTINGS:
+            raise ValueError(
+                f"served_weighting: unknown value {self.served_weighting!r}; choose one of {', '.join(SERVED_WEIGHTINGS)}"
+            )
         if self.executor.name != "jax":
             raise ValueError(f"executor.name: the profile times the engine (executor=jax), got {self.executor.name!r}")
 
@@ -46,7 +59,6 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         measure_swaps, write_profile,
     )  # fmt: skip
     from cbjax.profile.grid import build_schedule
-    from cbjax.profile.residuals import regime_residuals
     from cbjax.profile.serving import measure_serving, measure_wake
     from cbjax.run import build_executor, resolve
 
@@ -82,10 +94,8 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native)
     coefficients, residuals = fit_profile(
         steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cfg.fit_cold,
-        served_terms=cfg.served_terms,
+        served_terms=cfg.served_terms, served_weighting=cfg.served_weighting,
     )
-    # per regime and bucket, so opposite biases cannot cancel; a biased regime fails the profile
-    residuals["by_regime"] = regime_residuals(serving["steps"])
     extra = {
         "attention": executor.attention,
         "matmul": executor.matmul,
@@ -96,8 +106,10 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "grid": cfg.grid,
         "repeats": cfg.repeats,
         "serving_rounds": cfg.serving_rounds,
+        "gaps": serving["gaps"],
         "fit_cold": cfg.fit_cold,
         "served_terms": cfg.served_terms,
+        "served_weighting": cfg.served_weighting,
         "warmup_s": warmup_s,
         "profile_s": time.perf_counter() - t0,
         "config": dataclasses.asdict(cfg.executor),

@@ -18,7 +18,7 @@ from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 from cbjax.profile.residuals import MIN_STEPS, regime_of
 from cbjax.layout.shapes import ShapePlan
-from cbjax.sim.fit import fit_costs, nnls
+from cbjax.sim.fit import WEIGHTINGS, fit_costs, nnls
 from cbjax.sim.profiled import (
     COLD_TERMS, STEP_TERMS, bucket_intercept, step_features, step_terms, steps_since_larger,
 )  # fmt: skip
@@ -27,6 +27,8 @@ from cbjax.sim.profiled import (
 MIN_SERVED = MIN_STEPS
 # Poisson runs at these shares of the saturated request rate: light, medium and heavy load.
 POISSON_SHARES = (0.3, 0.6, 0.9)
+# Round r of the served workloads draws with seeds offset by this times r (`serving_runs`).
+ROUND_SEED_STRIDE = 1000
 
 
 class TimedExecutor:
@@ -47,6 +49,7 @@ class TimedExecutor:
         self.start: list[float] = []
         self.end: list[float] = []
         self.idle: list[bool] = []
+        self.idle_s: list[float] = []  # from the previous iteration's end to this one's rows (0 for the first)
         self._turns = 0
 
     def tick(self) -> None:
@@ -65,6 +68,7 @@ class TimedExecutor:
     def launch(self, plan: Schedule):
         self.rows_at.append(time.perf_counter())
         self.idle.append(self._turns > 1)
+        self.idle_s.append(self.rows_at[-1] - self.end[-1] if self.end else 0.0)
         self._turns = 0
         self.rows.append(plan.cost_rows())
         self.num_scheduled.append(plan.num_scheduled)
@@ -83,13 +87,18 @@ class TimedExecutor:
         self.inner.close()
 
 
-def serving_runs(cfg: RunConfig, saturated_req_s: Optional[float] = None) -> list[tuple[str, RunConfig]]:
+def serving_runs(
+    cfg: RunConfig, saturated_req_s: Optional[float] = None, round_: int = 0
+) -> list[tuple[str, RunConfig]]:
     """The profile's own served workloads (apart from experiments/calibrate.py's), uniform prompts
     up to a quarter of max_model_len and uniform outputs up to an eighth, under fcfs: 3 x slots
     requests at t=0 with chunked prefill (mixed steps) and without (whole prompts), and a static
     batch (the burst regime); given the engine's saturated request rate, also 2 x slots Poisson
     arrivals at 30%, 60% and 90% of it (the light, medium and heavy regimes, few rows at a time
-    as open-loop runs have: `cbjax.profile.residuals.regime_of`)."""
+    as open-loop runs have: `cbjax.profile.residuals.regime_of`). Each round `round_` draws its
+    own requests and arrivals (seeds offset by ROUND_SEED_STRIDE x round): a round held out of
+    the fit is then other requests, not a re-timing of the same ones."""
+    seed = cfg.seed + ROUND_SEED_STRIDE * round_
     length = cfg.model.max_model_len
     slots = cfg.scheduler.max_num_seqs
     wl = WorkloadConfig(
@@ -103,12 +112,12 @@ def serving_runs(cfg: RunConfig, saturated_req_s: Optional[float] = None) -> lis
         runs.append(
             (
                 f"fcfs_chunked_{'on' if chunked else 'off'}",
-                dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=cfg.seed + 101 + i),
+                dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=seed + 101 + i),
             )
         )
     # static batches: whole prompts together, then decodes thinning out as the batch's requests end
     sched = dataclasses.replace(cfg.scheduler, name="static", chunked_prefill=False, static_padding=False)
-    runs.append(("static", dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=cfg.seed + 103)))
+    runs.append(("static", dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=seed + 103)))
     if saturated_req_s:
         sched = dataclasses.replace(cfg.scheduler, name="fcfs", chunked_prefill=True, static_padding=False)
         for i, share in enumerate(POISSON_SHARES):
@@ -116,7 +125,7 @@ def serving_runs(cfg: RunConfig, saturated_req_s: Optional[float] = None) -> lis
             runs.append(
                 (
                     f"fcfs_poisson_{round(100 * share)}pct",
-                    dataclasses.replace(cfg, scheduler=sched, workload=light, seed=cfg.seed + 201 + i),
+                    dataclasses.replace(cfg, scheduler=sched, workload=light, seed=seed + 201 + i),
                 )
             )
     return runs
@@ -155,12 +164,13 @@ def served_points(
     starts = timed.start
     if timed.pipelined:
         starts = [max(t0, prev) for t0, prev in zip(timed.start, [float("-inf")] + timed.end[:-1])]
-    for rows, t0, t1, idle in zip(timed.rows, starts, timed.end, timed.idle):
+    for rows, t0, t1, idle, idle_s in zip(timed.rows, starts, timed.end, timed.idle, timed.idle_s):
         bucket, features = step_features(rows, shapes, native)
         kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
         steps.append({
             "kind": kind, "source": label, "regime": regime_of(label), "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
             "bucket": bucket, "features": features, "measured_s": t1 - t0, "idle": idle,
+            "idle_s": max(0.0, idle_s) if idle else 0.0,
             "since_larger": steps_since_larger(recent, bucket),
         })  # fmt: skip
         recent.appendleft(bucket)
@@ -187,6 +197,9 @@ def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
 
 # Step terms `fit_served` can refit on the served steps (`served_terms`): per row and per KV page.
 SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s")
+# How `fit_served` weighs the served steps: `cbjax.sim.fit.WEIGHTINGS`, or "balanced", the mean
+# of the "absolute" and "mean_relative" fits' coefficients.
+SERVED_WEIGHTINGS = WEIGHTINGS + ("balanced",)
 
 
 def fit_served(
@@ -195,6 +208,7 @@ def fit_served(
     grid_model: dict[str, float],
     fit_cold: bool = False,
     served_terms: bool = False,
+    weighting: str = "absolute",
 ) -> dict[str, Any]:
     """`served_bucket_s`, `bucket_scale` and the COLD_TERMS, fitted on the served iterations
     (those after an idle loop left out: `wake_s` charges them) over the step terms of the
@@ -208,23 +222,28 @@ def fit_served(
     (`bucket_scale`; with none, the served buckets' mean ratio to the grid's timing).
 
     With `fit_cold` the COLD_TERMS are fitted too: what a served step pays more 1 .. 4 steps after
-    the last step of a larger bucket (grid steps run after themselves). The effect is real (a
-    32-row decode ran 1.33, 1.23, 1.08, 1.04 ms on the four steps after a mixed step, 0.74 ms in
-    a static batch's run), but the profile's fcfs runs are where the cold steps are and its
-    static run where the warm ones are, so the fitted terms also took in whatever else makes a
-    static batch's decodes fast: over 15 rounds of benchmarks/engine_static_vs_continuous.py the
-    simulator's fcfs/static ratio came out -5.6% (exponential) and +2.8% (Azure) off the engine's
-    with them, -0.5% and +4.0% without (medians). Off, they stay 0.
+    the last step of a larger bucket (grid steps run after themselves; a small step right after
+    a large one runs slower, its caches cold). Fitted over pooled intercepts alone, they also
+    took in whatever else makes a static batch's decodes fast (its cold steps are in the fcfs
+    runs, its warm ones in the static run: docs/CALIBRATION.md, History); with `served_terms`
+    a thinning static batch is charged by its rows instead, which is why the profile fits both
+    by default. Off, they stay 0.
 
     With `served_terms` the SERVED_STEP_TERMS (per row, per page read) are fitted on the served
     steps too, beside the intercepts, instead of taken from the grid: a sparse light-load batch
     and a full burst then share one per-row cost fitted where runs have them, not one
     intercept per bucket pooled over both (issue 35). They are returned under their names.
 
-    Non-negative least squares on absolute error, as a run's time adds them up (thousands of
-    small decode steps and a few large prefills weigh what they cost). None served: no served
-    intercepts, scale 1, no cold terms."""
-    points = [s for s in served if not s.get("idle")]
+    Non-negative least squares, weighted by `weighting` (SERVED_WEIGHTINGS). "absolute" fits the
+    summed time, as a run's makespan adds the steps up (thousands of small decode steps and a few
+    large prefills weigh what they cost); "mean_relative" makes each bucket's mean signed relative
+    error zero, the figure the profile's residual table judges (`cbjax.profile.residuals`). Where
+    the step times spread with a long tail (a slow step now and then), the two part: the first
+    leaves the mean relative error positive by about the tail's weight, the second the summed
+    time short by as much. "balanced" (the profile's default) takes the mean of their
+    coefficients, so each criterion is off by about half of it. Steps marked `held_out` are left
+    out (the residual table's). None served: no served intercepts, scale 1, no cold terms."""
+    points = [s for s in served if not s.get("idle") and not s.get("held_out")]
     if not points:
         return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0)}
     counts = Counter(s["bucket"] for s in points)
@@ -247,7 +266,12 @@ def fit_served(
     y = np.array([s["measured_s"] for s in points])
     used = np.any(x != 0, axis=0)
     coef = np.zeros(x.shape[1])
-    coef[used] = fit_costs(x[:, used], y, offsets=terms, relative=False)
+    if weighting not in SERVED_WEIGHTINGS:
+        raise ValueError(f"served_weighting: unknown value {weighting!r}; choose one of {', '.join(SERVED_WEIGHTINGS)}")
+    if weighting == "balanced":  # halfway between the two criteria (see above)
+        coef[used] = sum(fit_costs(x[:, used], y, offsets=terms, weighting=w) for w in ("absolute", "mean_relative")) / 2
+    else:
+        coef[used] = fit_costs(x[:, used], y, offsets=terms, weighting=weighting)
     served_fixed = {b: float(c) for b, c in zip(own, coef)}
     scale = float(coef[len(own)])
     if not used[len(own)]:  # every served step has its bucket's own intercept
@@ -256,6 +280,13 @@ def fit_served(
     out.update({k: float(c) for k, c in zip(COLD_TERMS, coef[len(own) + 1 : base])})
     out.update({k: float(c) for k, c in zip(refit, coef[base:])})
     return out
+
+
+def held_out_round(r: int, rounds: int) -> bool:
+    """Whether served round `r` of `rounds` is held out of the fit, its steps kept for the residual
+    table (`cbjax.profile.residuals`): the odd rounds, when there are at least two (one round:
+    none is held out, and the table is in-sample)."""
+    return rounds >= 2 and r % 2 == 1
 
 
 def measure_serving(
@@ -267,8 +298,9 @@ def measure_serving(
     its round, iterations, makespan and time in execute. `native`: the engine's attention is
     `native` (its features, see `cbjax.sim.profiled.step_features`)."""
     steps, gaps, runs = [], [], []
-    todo = serving_runs(cfg)
+    saturated: Optional[float] = None
     for r in range(rounds):
+        todo = serving_runs(cfg, saturated, r)
         i = 0
         while i < len(todo):  # the list grows by the Poisson runs after the first burst
             label, run_cfg = todo[i]
@@ -276,6 +308,9 @@ def measure_serving(
             t0 = time.perf_counter()
             timed = serve_timed(executor, run_cfg)
             s, g = served_points(label, timed, shapes, native)
+            for x in s:
+                x["round"] = r
+                x["held_out"] = held_out_round(r, rounds)
             steps += s
             gaps += g
             makespan = timed.end[-1] - timed.start[0] if s else 0.0
@@ -285,7 +320,8 @@ def measure_serving(
                 "wall_s": time.perf_counter() - t0,
             })  # fmt: skip
             if len(runs) == 1 and makespan > 0:  # the same bursts first, then the Poisson runs
-                todo = serving_runs(cfg, run_cfg.workload.num_requests / makespan)
+                saturated = run_cfg.workload.num_requests / makespan
+                todo = serving_runs(cfg, saturated, r)
     return {"steps": steps, "gaps": gaps, "runs": runs}
 
 

@@ -9,12 +9,18 @@ from cbjax.plan import Schedule, StepOutput
 
 
 class SimExecutor(SyncExecutor):
-    """The simulator side of the executor interface. Tokens are not materialised (None)."""
+    """The simulator side of the executor interface. Tokens are not materialised (None).
+
+    `pipelined`: the loop plans step t + 1 while step t runs, as the engine does with
+    `executor.async_scheduling` (`cbjax.engine.EngineLoop._launch_virtual`): a request arriving
+    during step t waits for step t + 1, already planned, before its own. The `profiled` cost
+    model predicts that engine and turns it on (`cbjax.run.build_executor`)."""
 
     virtual_clock = True
 
-    def __init__(self, cost_model: Callable[[Schedule], float]):
+    def __init__(self, cost_model: Callable[[Schedule], float], pipelined: bool = False):
         self.cost_model = cost_model
+        self.pipelined = pipelined
 
     def execute(self, plan: Schedule) -> StepOutput:
         return StepOutput(None, self.cost_model(plan))  # token_ids, duration_s (positional: once per step)

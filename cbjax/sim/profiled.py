@@ -197,7 +197,8 @@ class ProfiledCost:
             t += self.wake_s * min(1.0, (plan.start_s - self._last_end) / self.wake_ramp_s)
         t += cold_cost(self.coefficients, steps_since_larger(self._recent, bucket))
         self._recent.appendleft(bucket)
-        self._last_end = plan.start_s + t
+        # a pipelined loop plans a step while the previous one runs: it starts when that one ends
+        self._last_end = max(plan.start_s, self._last_end if self._last_end is not None else plan.start_s) + t
         return t
 
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 35's acceptance 1 and 2, in one go, on a quiet machine (run from a fresh clone's root):
+#   - profiles of the tiny model at 16 and 32 slots and of SmolLM-135M's shape (random weights,
+#     8 slots, 256-token steps), each printing its held-out step-time residual table by regime
+#     (acceptance 2: no regime beyond 5% mean signed error; FAIL lines otherwise);
+#   - the calibration of the tiny model's acceptance cells at both slot counts, 5 engine runs
+#     each, writing docs/CALIBRATION.md (acceptance 1) with the three profiles' tables.
+# Logs and profiles go to $OUT (default outputs/issue35); the document to $DOC (default
+# docs/CALIBRATION.md, whose hand-kept status and guide are kept).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/issue35}
+DOC=${DOC:-docs/CALIBRATION.md}
+mkdir -p "$OUT"
+start=$(date +%s)
+for slots in 16 32; do
+  python -m cbjax.profile scheduler.max_num_seqs=$slots progress=false \
+    hydra.run.dir="$OUT/profile_tiny_$slots" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_tiny_$slots.log"
+done
+python -m cbjax.profile model=smollm_135m scheduler.max_num_seqs=8 scheduler.max_num_batched_tokens=256 progress=false \
+  hydra.run.dir="$OUT/profile_smollm_135m" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_smollm_135m.log"
+echo "profiles took $(( $(date +%s) - start )) s"
+python experiments/calibrate.py --repeats 5 \
+  --profile "$OUT/profile_tiny_16/profile.json" "$OUT/profile_tiny_32/profile.json" \
+  --residual-profiles "$OUT/profile_smollm_135m/profile.json" \
+  --out-dir "$OUT/calibration" --doc "$DOC" 2>&1 | tee "$OUT/calibration.log"
+echo "all took $(( $(date +%s) - start )) s"
+grep -h "^FAIL\|^served step time\|^[a-z]*: [0-9]* steps" "$OUT"/profile_*.log || true

@@ -1,0 +1,144 @@
+"""The profile's served fit as the product runs it (issue 35): per-row, per-page and cold terms
+fitted on served steps, weighted so a bucket's mean signed relative error is zero, judged on
+served rounds held out of the fit, and refitted offline from a recorded profile. No jax."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cbjax.config import ModelConfig, RunConfig
+from cbjax.profile.refit import main as refit_main
+from cbjax.profile.refit import refit
+from cbjax.profile.residuals import held_out_residuals
+from cbjax.profile.serving import fit_served, held_out_round, serving_runs
+from cbjax.sim.fit import fit_costs
+from cbjax.sim.profiled import COLD_TERMS, STEP_TERMS
+
+# the truth the synthetic served logs are drawn from
+FIXED = {4: 1.0e-3, 8: 1.5e-3, 16: 2.5e-3}
+SEQ_S, SINGLE_PAGE_S, BLOCK_PAGE_S = 4e-5, 2e-6, 6e-6
+COLD = (5e-4, 3e-4, 1e-4, 5e-5)
+
+
+def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0) -> list[dict]:
+    """`n` served steps over buckets 4, 8 and 16 with random rows, pages and steps since a larger
+    bucket's, timed exactly by the truth above (times `scale`)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        bucket = int(rng.choice([4, 8, 16]))
+        rows = int(rng.integers(1, bucket + 1))
+        single, block = int(rng.integers(1, 60)), int(rng.integers(0, 20))
+        since = int(rng.integers(0, 5))
+        features = [1.0, rows, 0.0, 0.0, 0.0, 0.0, single, block, rows]
+        t = FIXED[bucket] + SEQ_S * rows + SINGLE_PAGE_S * single + BLOCK_PAGE_S * block
+        t += COLD[since - 1] if since else 0.0
+        out.append({"bucket": bucket, "features": features, "measured_s": scale * t, "since_larger": since,
+                    "idle": False, "regime": regime, "source": "fcfs_poisson_30pct"})  # fmt: skip
+    return out
+
+
+GRID = {**dict.fromkeys(STEP_TERMS, 0.0), "seq_s": 5e-4, "bucket_s": dict(FIXED), "bucket_scale": 1.0}
+
+
+def test_mean_relative_weighting_fits_the_harmonic_mean_by_hand():
+    # one intercept over steps of 1, 2 and 4 ms: weighted by 1 / time, the fit is their harmonic
+    # mean, 3 / (1 + 1/2 + 1/4) = 12/7 ms, whose relative errors (+71.4%, -14.3%, -57.1%) sum to 0;
+    # relative least squares gives sum(1/t) / sum(1/t^2) = 1.75 / 1.3125 = 4/3 ms, absolute the mean 7/3 ms
+    times = [1e-3, 2e-3, 4e-3]
+    ones = [[1.0]] * 3
+    assert fit_costs(ones, times, weighting="mean_relative")[0] == pytest.approx(12 / 7 * 1e-3)
+    assert fit_costs(ones, times, weighting="relative")[0] == pytest.approx(4 / 3 * 1e-3)
+    assert fit_costs(ones, times, weighting="absolute")[0] == pytest.approx(7 / 3 * 1e-3)
+    with pytest.raises(ValueError, match="weighting"):
+        fit_costs(ones, times, weighting="median")
+
+
+@pytest.mark.parametrize("weighting", ["mean_relative", "absolute", "balanced"])
+def test_served_fit_recovers_per_row_per_page_and_cold_terms(weighting):
+    # exact synthetic times: whatever the weighting, the fit must find the truth, not the grid's 0.5 ms per row
+    served = synthetic_log(300, seed=1)
+    coef = fit_served(served, FIXED, GRID, fit_cold=True, served_terms=True, weighting=weighting)
+    assert coef["served_bucket_s"] == {str(b): pytest.approx(v, rel=1e-6) for b, v in FIXED.items()}
+    assert coef["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
+    assert coef["single_page_s"] == pytest.approx(SINGLE_PAGE_S, rel=1e-6)
+    assert coef["block_page_s"] == pytest.approx(BLOCK_PAGE_S, rel=1e-6)
+    assert [coef[k] for k in COLD_TERMS] == pytest.approx(COLD, rel=1e-6)
+
+
+def test_held_out_steps_do_not_enter_the_fit():
+    # the held-out round runs 3x slower: were it fitted, the intercepts would move
+    fit = synthetic_log(200, seed=2)
+    held = [{**s, "held_out": True} for s in synthetic_log(100, seed=3, scale=3.0)]
+    coef = fit_served(fit + held, FIXED, GRID, fit_cold=True, served_terms=True, weighting="mean_relative")
+    assert coef["served_bucket_s"]["8"] == pytest.approx(FIXED[8], rel=1e-6)
+    assert coef["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
+
+
+def test_balanced_weighting_is_halfway_between_the_sum_and_the_mean_relative_error_by_hand():
+    # one bucket, no other term, steps of 1, 2 and 4 ms: the absolute fit is their mean 7/3 ms, the
+    # mean_relative fit their harmonic mean 12/7 ms, balanced the mean of the two, (7/3 + 12/7) / 2 = 85/42 ms
+    served = [{"bucket": 4, "features": [0.0] * len(STEP_TERMS), "measured_s": t, "since_larger": 0, "idle": False}
+              for t in (1e-3, 2e-3, 4e-3) for _ in range(4)]  # fmt: skip
+    grid = {**dict.fromkeys(STEP_TERMS, 0.0), "bucket_s": {4: 1e-3}, "bucket_scale": 1.0}
+    fixed = {w: fit_served(served, {4: 1e-3}, grid, weighting=w)["served_bucket_s"]["4"]
+             for w in ("absolute", "mean_relative", "balanced")}  # fmt: skip
+    assert fixed == {"absolute": pytest.approx(7 / 3 * 1e-3), "mean_relative": pytest.approx(12 / 7 * 1e-3),
+                     "balanced": pytest.approx(85 / 42 * 1e-3)}  # fmt: skip
+    with pytest.raises(ValueError, match="served_weighting"):
+        fit_served(served, {4: 1e-3}, grid, weighting="median")
+
+
+def _step(regime, measured, predicted, held_out):
+    return {"regime": regime, "bucket": 4, "measured_s": measured, "predicted_s": predicted, "idle": False,
+            "held_out": held_out}  # fmt: skip
+
+
+def test_residual_table_is_computed_on_the_held_out_steps_by_hand():
+    # a 4-step log: two fitted steps (perfect) and two held out: 1.0 predicted 1.1 (+10%) and
+    # 2.0 predicted 1.8 (-10%): mean signed 0, median |error| 10%, total 2.9 / 3.0 - 1 = -3.33%
+    log = [_step("light", 1.0, 1.0, False), _step("light", 3.0, 3.0, False),
+           _step("light", 1.0, 1.1, True), _step("light", 2.0, 1.8, True)]  # fmt: skip
+    t = held_out_residuals(log, min_steps=2)
+    light = t["regimes"]["light"]
+    assert t["steps"] == "held-out" and light["num_steps"] == 2
+    assert light["mean_signed_error"] == pytest.approx(0.0, abs=1e-12)
+    assert light["median_abs_error"] == pytest.approx(0.1)
+    assert light["total_signed_error"] == pytest.approx(-1 / 30)
+    assert not t["failures"] and not t["sparse"]
+    # none held out (one serving round): the table is the fit's own steps, and says so
+    t = held_out_residuals([{**s, "held_out": False} for s in log], min_steps=2)
+    assert t["steps"] == "in-sample" and t["regimes"]["light"]["num_steps"] == 4
+
+
+def test_odd_rounds_are_held_out_and_each_round_draws_its_own_requests():
+    assert [held_out_round(r, 4) for r in range(4)] == [False, True, False, True]
+    assert held_out_round(0, 1) is False
+    cfg = RunConfig(model=ModelConfig(max_model_len=128))
+    r0, r1 = serving_runs(cfg, 10.0, 0), serving_runs(cfg, 10.0, 1)
+    assert [a for a, _ in r0] == [b for b, _ in r1]  # the same runs (bursts, static, Poisson 30/60/90%)
+    assert all(a.seed != b.seed for (_, a), (_, b) in zip(r0, r1))
+
+
+def test_refit_from_a_recorded_profile(tmp_path):
+    # a recorded profile: one grid step, the served log (rounds 0 fitted, 1 held out), no gaps
+    served = [{**s, "round": 0, "held_out": False} for s in synthetic_log(200, seed=4)]
+    served += [{**s, "round": 1, "held_out": True} for s in synthetic_log(100, seed=5)]
+    grid_step = {"kind": "decode", "bucket": 4, "features": [1.0, 4, 0, 0, 0, 0, 8, 0, 4], "measured_s": 2e-3}
+    profile = {"steps": [grid_step], "swaps": [], "served": served, "gaps": [], "coefficients": {
+        "bucket_s": {str(b): v for b, v in FIXED.items()}}, "wake": {"wake_s": 1e-4, "wake_ramp_s": 1e-2}}  # fmt: skip
+    out = refit(profile, fit_cold=True, served_terms=True, served_weighting="balanced")
+    assert out["coefficients"]["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
+    table = out["residuals"]["by_regime"]
+    # the held-out round is drawn from the same truth: no error, 100 steps
+    assert table["steps"] == "held-out" and table["regimes"]["light"]["num_steps"] == 100
+    assert abs(table["regimes"]["light"]["mean_signed_error"]) < 1e-9 and not table["failures"]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    refit_main([str(path), "--out", str(tmp_path / "refit.json")])
+    assert json.loads((tmp_path / "refit.json").read_text())["served_weighting"] == "balanced"
+    with pytest.raises(ValueError, match="gaps"):
+        refit({k: v for k, v in profile.items() if k != "gaps"}, True, True, "mean_relative")
