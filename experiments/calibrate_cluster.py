@@ -13,12 +13,13 @@ burst (one arrival trace for both routers). Shapes are the profile's (`calibrate
 The engine: `ClusterEngine`, 2 replicas x TP 1 on 2 forced XLA:CPU devices in this process, run
 `--repeats` times per cell in rounds over the cells (as experiments/calibrate.py). The
 simulator: `ClusterSim` with the profile, its replicas sharing one host as the engine's do
-(`cluster.host_share`, cbjax/cluster/host.py). The share is measured before the cells, on runs
-of their own (`measure_host`): a lone engine replica serving the synthetic calibration workload
-(not the cells' requests) keeps its driver thread busy a share of the time and its process uses
-some cores; the host can give this process as many cores as spinning processes get
-(`available_cores`). The share is the larger of the driver thread's share and the process's
-share of those cores. Nothing is fitted on the judged cells. `--host-share X` sets it instead.
+(`cluster.host_share`, cbjax/cluster/host.py). The share is fitted before the cells on runs of
+its own, never the cells' (`fit_host_share`): experiments/calibrate.py's synthetic burst (no
+shared prefixes, seeds of its own) served by a lone engine replica and, twice as many
+requests, by 2 replicas; the model's share is then the ratio of their throughputs. Beside it,
+reported only, what a lone replica uses of the host (`measure_resources`: its driver thread's
+CPU share, its process's cores against the cores spinning processes get now).
+`--host-share X` sets the share instead.
 
 Judged (`cbjax.sim.acceptance.judge`, the engine's median and bootstrap 90% interval, the
 simulator's signed error; the verdict is the target's alone): the burst's throughput (5%) and
@@ -115,11 +116,42 @@ def host_share_of(driver: float, process: float, cores: float) -> float:
     return min(1.0, max(driver, process / cores))
 
 
-def measure_host(base: RunConfig, rounds: int = 3) -> dict:
-    """A lone engine replica serving the calibration's synthetic burst (`base`'s workload, seeds
-    of its own) `rounds` times: its driver thread's CPU seconds and its process's over the wall
-    time of each `serve`; the cores this process can get (the mean of a probe before and one
-    after); the host share from their medians."""
+def share_from_throughputs(lone: float, cluster: float) -> float:
+    """The host share that makes the model's 2-replica burst match a measured one: with both
+    replicas busy, each iteration takes max(1, 2 x share) times a lone one's, so the cluster
+    serves max(1, 2 x share) / 2 as fast per replica: share = lone / cluster; a cluster twice
+    as fast as one replica (or faster) shares nothing that binds (0.5: no slowdown)."""
+    if lone <= 0 or cluster <= 0:
+        raise ValueError(f"share_from_throughputs: throughputs must be > 0, got {lone}, {cluster}")
+    return min(1.0, max(0.5, lone / cluster))
+
+
+def fit_host_share(base: RunConfig, rounds: int = 3) -> dict:
+    """The host share fitted on runs of its own, not the cells': the calibration's synthetic
+    burst (`base`'s workload, seeds of its own, no prefix cache) served by a lone engine
+    replica, and twice as many requests by 2 replicas (round_robin: the same work per
+    replica), `rounds` times each, interleaved; `share_from_throughputs` of their medians."""
+    wl = dataclasses.replace(base.workload, num_requests=base.workload.num_requests // REPLICAS)
+    lone_cfg = dataclasses.replace(base, workload=wl, seed=base.seed + 1000)
+    pair_cfg = dataclasses.replace(
+        lone_cfg, workload=dataclasses.replace(wl, num_requests=REPLICAS * wl.num_requests),
+        cluster=ClusterConfig(replicas=REPLICAS, router="round_robin"),
+    )  # fmt: skip
+    run_single(pair_cfg, None, verbose=False)  # untimed: loads both replicas' programs
+    lone, pair = [], []
+    for _ in range(rounds):
+        lone.append(run_single(lone_cfg, None, verbose=False)["throughput_tok_s"])
+        pair.append(run_single(pair_cfg, None, verbose=False)["throughput_tok_s"])
+    lone_tp, pair_tp = float(np.median(lone)), float(np.median(pair))
+    return {"host_share": share_from_throughputs(lone_tp, pair_tp), "requests_per_replica": wl.num_requests,
+            "lone_tok_s": lone_tp, "cluster_tok_s": pair_tp, "lone_runs": lone, "cluster_runs": pair}  # fmt: skip
+
+
+def measure_resources(base: RunConfig, rounds: int = 3) -> dict:
+    """Why a replica needs the host (reported beside the fitted share, not used): a lone engine
+    replica serving the calibration's synthetic burst (seeds of their own) `rounds` times, its
+    driver thread's CPU seconds and its process's over the wall time of each `serve`; the cores
+    this process can get (the mean of a probe before and one after); `host_share_of` them."""
     from cbjax.engine import serve
     from cbjax.run import build_executor, resolve
     from cbjax.scheduler import Scheduler
@@ -132,7 +164,7 @@ def measure_host(base: RunConfig, rounds: int = 3) -> dict:
     executor.warmup()
     driver, process = [], []
     for i in range(rounds + 1):  # the first is untimed: a process's first serving pays one-time costs
-        reqs = build_workload(cfg.workload, cfg.seed + 1000 + i)
+        reqs = build_workload(cfg.workload, cfg.seed + 2000 + i)
         sched = Scheduler(cfg.scheduler, cfg.cache, cfg.model.max_model_len, validate=executor.validate,
                           vocab_size=cfg.model.vocab_size)  # fmt: skip
         t0, c0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
@@ -175,7 +207,10 @@ def run_all(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     base = base_config(profile, args.requests)
     start = time.perf_counter()
-    host = measure_host(base) if args.host_share is None else {"host_share": args.host_share, "given": True}
+    if args.host_share is None:
+        host = {**fit_host_share(base), "resources": measure_resources(base)}
+    else:
+        host = {"host_share": args.host_share, "given": True}
     share = host["host_share"]
     print(f"host share {share:.3f} ({json.dumps({k: v for k, v in host.items() if not k.endswith('_runs')})})", flush=True)
     # the Poisson rate: half the simulated round_robin burst's request rate (shared host)
@@ -245,9 +280,13 @@ def table_lines(report: dict) -> list[str]:
     if host.get("given"):
         measured = f"host share {host['host_share']:.3f}, given (`--host-share`)"
     else:
-        measured = (f"host share {host['host_share']:.3f}, measured on a lone engine replica's own runs: its driver "
-                    f"thread busy {host['driver_share']:.0%} of the time, its process using {host['process_cores']:.2f} "
-                    f"cores of the {host['available_cores']:.2f} this process could get ({host['cores']} on the machine)")  # fmt: skip
+        res = host["resources"]
+        measured = (f"host share {host['host_share']:.3f}, fitted on runs of its own (the synthetic burst, "
+                    f"{host['requests_per_replica']} requests per replica: a lone replica {host['lone_tok_s']:.4g} tok/s, "
+                    f"2 replicas {host['cluster_tok_s']:.4g} tok/s); beside it, a lone replica's driver thread busy "
+                    f"{res['driver_share']:.0%} of the time and its process using {res['process_cores']:.2f} cores of the "
+                    f"{res['available_cores']:.2f} this process could get ({res['cores']} on the machine): "
+                    f"{res['host_share']:.3f} from resources")  # fmt: skip
     lines = [
         f"Run {report.get('date', '?')} at commit {report.get('commit') or '?'}: `python experiments/calibrate_cluster.py "
         f"--profile {report['profile']}`.", "",

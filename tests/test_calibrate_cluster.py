@@ -31,12 +31,22 @@ def test_host_share_is_the_binding_of_the_driver_thread_and_the_cores():
         cc.host_share_of(0.5, 1.0, 0.0)
 
 
+def test_share_fitted_from_a_lone_and_a_two_replica_burst():
+    # both replicas busy: each iteration x max(1, 2 share), so 2 replicas serve lone / share
+    assert cc.share_from_throughputs(100.0, 125.0) == pytest.approx(0.8)
+    assert cc.share_from_throughputs(100.0, 90.0) == 1.0  # slower than one replica: capped at the whole host
+    assert cc.share_from_throughputs(100.0, 250.0) == 0.5  # twice as fast or more: nothing binds
+    with pytest.raises(ValueError, match="must be > 0"):
+        cc.share_from_throughputs(0.0, 100.0)
+
+
 def _run(tp, e2e, hit=0.5):
     return {"throughput_tok_s": tp, "e2e_s_p50": e2e, "prefix_cache_hit_rate": hit}
 
 
 def _report(cells):
-    host = {"host_share": 0.75, "driver_share": 0.5, "process_cores": 1.5, "available_cores": 2.0, "cores": 2}
+    res = {"host_share": 0.75, "driver_share": 0.5, "process_cores": 1.5, "available_cores": 2.0, "cores": 2}
+    host = {"host_share": 0.8, "requests_per_replica": 4, "lone_tok_s": 100.0, "cluster_tok_s": 125.0, "resources": res}
     return {"profile": "p.json", "replicas": 2, "requests": 8, "repeats": 5, "host": host, "poisson_rate_req_s": 10.0,
             "load_average_at_end": [0.5, 0, 0], "date": "2026-12-05 07:00 UTC", "commit": "abc1234", "cells": cells}  # fmt: skip
 
@@ -59,7 +69,8 @@ def test_cell_verdicts_and_table_by_hand(tmp_path):
     assert "| round_robin, burst | E2E p50 | 1.2 [1, 1.4] | 1.38 | +15.0 | no (±10) | fail | 0.6 (-50.0) |" in text
     assert "| prefix_affinity, poisson_50 | throughput | 102 [100, 104] | 90 | -11.8 | - | - | 90 (-11.8) |" in text
     assert "**Overall:** 2 of 3 judged figures of the 2-replica cells within target" in text
-    assert "host share 0.750, measured" in text and "at commit abc1234" in text
+    assert "host share 0.800, fitted on runs of its own" in text and "2 replicas 125 tok/s" in text
+    assert "0.750 from resources" in text and "at commit abc1234" in text
     doc = tmp_path / "cluster.md"
     doc.write_text(f"# before\n{cc.DOC_BEGIN}\nold table\n{cc.DOC_END}\n# after\n")
     cc.write_doc(_report([burst]), doc)
