@@ -20,6 +20,10 @@ cluster.kv_link_latency_s` seconds and reaches the decode replica as a host copy
 admits as a swapped-out request (`Scheduler.add_transferred`): its cost model charges the
 copy in as a swap-in. Between replicas the cluster owns the request, and ends it itself if
 it never reaches one.
+
+With `cluster.host_share` set the replicas share one host, as an engine cluster's do: each
+replica's executor is wrapped in `cbjax.cluster.host.SharedHostExecutor`, which slows an
+iteration by the busy replicas' demand on the host.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ another busy replica the same iteration gets a part of the host only.
 
 `cluster.host_share` is the share of the host's capacity a lone replica's serving keeps busy
 (its driver thread's share of one thread, or its process's share of the cores it can get,
-whichever binds; experiments/calibrate_cluster.py measures both). Then `k` busy replicas ask
+whichever binds). experiments/calibrate_cluster.py fits it on engine runs of its own, a lone
+replica's burst against 2 replicas' (the model's identity below), and reports the driver
+thread's and the cores' shares beside it. Then `k` busy replicas ask
 for `k x host_share` of the host; beyond 1 each iteration slows in proportion (processor
 sharing), so an iteration that starts while `k` replicas have work takes
 
