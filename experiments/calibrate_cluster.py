@@ -13,10 +13,11 @@ burst (one arrival trace for both routers). Shapes are the profile's (`calibrate
 The engine: `ClusterEngine`, 2 replicas x TP 1 on 2 forced XLA:CPU devices in this process, run
 `--repeats` times per cell in rounds over the cells (as experiments/calibrate.py). The
 simulator: `ClusterSim` with the profile, its replicas sharing one host as the engine's do
-(`cluster.host_share`, cbjax/cluster/host.py). The share is fitted before the cells on runs of
-its own, never the cells' (`fit_host_share`): experiments/calibrate.py's synthetic burst (no
-shared prefixes, seeds of its own) served by a lone engine replica and, twice as many
-requests, by 2 replicas; the model's share is then the ratio of their throughputs. Beside it,
+(`cluster.host_share`, cbjax/cluster/host.py). The share is fitted on runs of its own, never
+the cells' (`fit_configs`): experiments/calibrate.py's synthetic burst (no shared prefixes,
+seeds of its own) served by a lone engine replica and, twice as many requests, by 2 replicas,
+once per round beside the cells (the machine's load moves); the model's share is then the
+ratio of their median throughputs (a first fit before the rounds sets the Poisson rate). Beside it,
 reported only, what a lone replica uses of the host (`measure_resources`: its driver thread's
 CPU share, its process's cores against the cores spinning processes get now).
 `--host-share X` sets the share instead.
@@ -126,25 +127,33 @@ def share_from_throughputs(lone: float, cluster: float) -> float:
     return min(1.0, max(0.5, lone / cluster))
 
 
-def fit_host_share(base: RunConfig, rounds: int = 3) -> dict:
-    """The host share fitted on runs of its own, not the cells': the calibration's synthetic
-    burst (`base`'s workload, seeds of its own, no prefix cache) served by a lone engine
-    replica, and twice as many requests by 2 replicas (round_robin: the same work per
-    replica), `rounds` times each, interleaved; `share_from_throughputs` of their medians."""
+def fit_configs(base: RunConfig) -> tuple[RunConfig, RunConfig]:
+    """The runs the host share is fitted on, never the cells': the calibration's synthetic burst
+    (`base`'s workload, seeds of its own, no prefix cache) for a lone engine replica, and
+    twice as many requests for 2 replicas (round_robin: the same work per replica)."""
     wl = dataclasses.replace(base.workload, num_requests=base.workload.num_requests // REPLICAS)
-    lone_cfg = dataclasses.replace(base, workload=wl, seed=base.seed + 1000)
-    pair_cfg = dataclasses.replace(
-        lone_cfg, workload=dataclasses.replace(wl, num_requests=REPLICAS * wl.num_requests),
+    lone = dataclasses.replace(base, workload=wl, seed=base.seed + 1000)
+    pair = dataclasses.replace(
+        lone, workload=dataclasses.replace(wl, num_requests=REPLICAS * wl.num_requests),
         cluster=ClusterConfig(replicas=REPLICAS, router="round_robin"),
     )  # fmt: skip
-    run_single(pair_cfg, None, verbose=False)  # untimed: loads both replicas' programs
+    return lone, pair
+
+
+def fit_host_share(lone: list[float], pair: list[float], requests_per_replica: int) -> dict:
+    """`share_from_throughputs` of the medians of the fit runs' throughputs (`fit_configs`)."""
+    lone_tp, pair_tp = float(np.median(lone)), float(np.median(pair))
+    return {"host_share": share_from_throughputs(lone_tp, pair_tp), "requests_per_replica": requests_per_replica,
+            "lone_tok_s": lone_tp, "cluster_tok_s": pair_tp, "lone_runs": list(lone), "cluster_runs": list(pair)}  # fmt: skip
+
+
+def fit_runs(lone_cfg: RunConfig, pair_cfg: RunConfig, rounds: int) -> tuple[list[float], list[float]]:
+    """`rounds` of the two fit runs, interleaved: their throughputs."""
     lone, pair = [], []
     for _ in range(rounds):
         lone.append(run_single(lone_cfg, None, verbose=False)["throughput_tok_s"])
         pair.append(run_single(pair_cfg, None, verbose=False)["throughput_tok_s"])
-    lone_tp, pair_tp = float(np.median(lone)), float(np.median(pair))
-    return {"host_share": share_from_throughputs(lone_tp, pair_tp), "requests_per_replica": wl.num_requests,
-            "lone_tok_s": lone_tp, "cluster_tok_s": pair_tp, "lone_runs": lone, "cluster_runs": pair}  # fmt: skip
+    return lone, pair
 
 
 def measure_resources(base: RunConfig, rounds: int = 3) -> dict:
@@ -207,15 +216,20 @@ def run_all(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     base = base_config(profile, args.requests)
     start = time.perf_counter()
-    if args.host_share is None:
-        host = {**fit_host_share(base), "resources": measure_resources(base)}
+    lone_cfg, pair_cfg = fit_configs(base)
+    fitting = args.host_share is None
+    if fitting:
+        run_single(pair_cfg, None, verbose=False)  # untimed: loads both replicas' programs
+        # a first fit, for the Poisson rate only; the share the simulator runs with is fitted on
+        # the fit runs made in the rounds below, beside the cells (the machine's load moves)
+        first = fit_host_share(*fit_runs(lone_cfg, pair_cfg, 2), lone_cfg.workload.num_requests)
+        rate_share = first["host_share"]
+        print(f"first host share {rate_share:.3f} (the Poisson rate's)", flush=True)
     else:
-        host = {"host_share": args.host_share, "given": True}
-    share = host["host_share"]
-    print(f"host share {share:.3f} ({json.dumps({k: v for k, v in host.items() if not k.endswith('_runs')})})", flush=True)
+        rate_share = args.host_share
     # the Poisson rate: half the simulated round_robin burst's request rate (shared host)
     burst_rr = cell_config(base, "round_robin")
-    capacity = run_single(cluster_sim_config(burst_rr, args.profile, share), None, verbose=False)["throughput_req_s"]
+    capacity = run_single(cluster_sim_config(burst_rr, args.profile, rate_share), None, verbose=False)["throughput_req_s"]
     cells = {}
     for router in ROUTERS:
         for wname, (_, load) in WORKLOADS.items():
@@ -226,20 +240,33 @@ def run_all(args) -> dict:
             if load is None:
                 lone = dataclasses.replace(lone, workload=dataclasses.replace(lone.workload, num_requests=args.requests // REPLICAS))
             cells[(LONE, wname)] = with_rate(lone, None if load is None else load * capacity / REPLICAS)
-    sim = {k: run_single(cluster_sim_config(c, args.profile, share if k[0] != LONE else None), None, verbose=False)
-           for k, c in cells.items()}  # fmt: skip
-    separate = {k: run_single(cluster_sim_config(c, args.profile, None), None, verbose=False) for k, c in cells.items()}
     # untimed: the first cluster run of the process compiles (or loads) both replicas' programs
     warm = dataclasses.replace(burst_rr, workload=dataclasses.replace(burst_rr.workload, num_requests=64))
     run_single(warm, None, verbose=False)
     engine: dict[tuple, list[dict]] = {k: [] for k in cells}
+    fit_lone: list[float] = []
+    fit_pair: list[float] = []
     total, done = len(cells) * args.repeats, 0
     for r in range(args.repeats):
+        if fitting:
+            lone_tp, pair_tp = fit_runs(lone_cfg, pair_cfg, 1)
+            fit_lone += lone_tp
+            fit_pair += pair_tp
         for key, cfg in cells.items():
             engine[key].append(run_single(cfg, None, verbose=False))
             done += 1
             elapsed = time.perf_counter() - start
             print(f"[{done}/{total}] round {r + 1}: {key[0]} {key[1]} | {elapsed / 60:.1f} min in", flush=True)
+    if fitting:
+        host = {**fit_host_share(fit_lone, fit_pair, lone_cfg.workload.num_requests), "first": first,
+                "resources": measure_resources(base)}  # fmt: skip
+    else:
+        host = {"host_share": args.host_share, "given": True}
+    share = host["host_share"]
+    print(f"host share {share:.3f} ({json.dumps({k: v for k, v in host.items() if not k.endswith('_runs')})})", flush=True)
+    sim = {k: run_single(cluster_sim_config(c, args.profile, share if k[0] != LONE else None), None, verbose=False)
+           for k, c in cells.items()}  # fmt: skip
+    separate = {k: run_single(cluster_sim_config(c, args.profile, None), None, verbose=False) for k, c in cells.items()}
     judged = [judge_cluster_cell(*k, sim[k], separate[k], engine[k]) for k in cells]
     report = {
         "profile": str(args.profile),
@@ -281,9 +308,9 @@ def table_lines(report: dict) -> list[str]:
         measured = f"host share {host['host_share']:.3f}, given (`--host-share`)"
     else:
         res = host["resources"]
-        measured = (f"host share {host['host_share']:.3f}, fitted on runs of its own (the synthetic burst, "
-                    f"{host['requests_per_replica']} requests per replica: a lone replica {host['lone_tok_s']:.4g} tok/s, "
-                    f"2 replicas {host['cluster_tok_s']:.4g} tok/s); beside it, a lone replica's driver thread busy "
+        measured = (f"host share {host['host_share']:.3f}, fitted on runs of its own in the same rounds as the cells "
+                    f"(the synthetic burst, {host['requests_per_replica']} requests per replica: a lone replica "
+                    f"{host['lone_tok_s']:.4g} tok/s, 2 replicas {host['cluster_tok_s']:.4g} tok/s); beside it, a lone replica's driver thread busy "
                     f"{res['driver_share']:.0%} of the time and its process using {res['process_cores']:.2f} cores of the "
                     f"{res['available_cores']:.2f} this process could get ({res['cores']} on the machine): "
                     f"{res['host_share']:.3f} from resources")  # fmt: skip

@@ -38,6 +38,19 @@ def test_share_fitted_from_a_lone_and_a_two_replica_burst():
     assert cc.share_from_throughputs(100.0, 250.0) == 0.5  # twice as fast or more: nothing binds
     with pytest.raises(ValueError, match="must be > 0"):
         cc.share_from_throughputs(0.0, 100.0)
+    # the medians of the fit runs: lone 100, pair 125
+    fit = cc.fit_host_share([90.0, 100.0, 130.0], [125.0, 80.0, 200.0], 4)
+    assert fit["host_share"] == pytest.approx(0.8) and (fit["lone_tok_s"], fit["cluster_tok_s"]) == (100.0, 125.0)
+
+
+def test_the_fit_runs_are_not_the_cells():
+    base = RunConfig()
+    lone, pair = cc.fit_configs(base)
+    cell = cc.cell_config(base, "round_robin")
+    for fit in (lone, pair):
+        assert fit.workload.name == "synthetic" and not fit.cache.prefix_caching and fit.seed != cell.seed
+    assert lone.workload.num_requests * 2 == pair.workload.num_requests == base.workload.num_requests
+    assert (lone.cluster.replicas, pair.cluster.replicas, pair.cluster.router) == (1, 2, "round_robin")
 
 
 def _run(tp, e2e, hit=0.5):
