@@ -20,6 +20,10 @@ cluster.kv_link_latency_s` seconds and reaches the decode replica as a host copy
 admits as a swapped-out request (`Scheduler.add_transferred`): its cost model charges the
 copy in as a swap-in. Between replicas the cluster owns the request, and ends it itself if
 it never reaches one.
+
+With `cluster.host_share` set the replicas share one host, as an engine cluster's do: each
+replica's executor is wrapped in `cbjax.cluster.host.SharedHostExecutor`, which slows an
+iteration by the busy replicas' demand on the host.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 from cbjax.cluster.core import ClusterBase, ClusterServiceLog, Handoff, first_token_reason
+from cbjax.cluster.host import SharedHostExecutor, num_busy
 from cbjax.cluster.replica import Replica
 from cbjax.config import RunConfig
 from cbjax.engine import RunResult
@@ -50,6 +55,13 @@ class ClusterSim(ClusterBase):
     def __init__(self, cfg: RunConfig, make_executor: Callable[[RunConfig], Any]):
         """`make_executor(replica_cfg)` builds one replica's executor (`cbjax.run.build_executor`)."""
         check_supported(cfg)
+        share = cfg.cluster.host_share
+        if share is not None:  # one host for all replicas (cbjax.cluster.host)
+            inner = make_executor
+
+            def make_executor(rcfg):
+                return SharedHostExecutor(inner(rcfg), share, lambda t: num_busy(self.replicas, t))
+
         super().__init__(cfg, make_executor)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._pending: deque[Request] = deque()  # arrivals to come, in time order

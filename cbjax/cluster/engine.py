@@ -130,5 +130,10 @@ def check_engine_supported(cfg: RunConfig) -> None:
     """What this driver runs: engine replicas on the wall clock, in one process."""
     if cfg.executor.name != "jax":
         raise ValueError(f"executor.name={cfg.executor.name}: ClusterEngine runs the engine; use executor=jax")
+    if cfg.cluster.host_share is not None:
+        raise ValueError(
+            f"cluster.host_share={cfg.cluster.host_share}: models a shared host in the simulator; the engine's "
+            "replicas share this host for real: leave it null"
+        )
     if cfg.distributed.enabled:
         raise ValueError("distributed.num_processes: an engine cluster runs replicas on one host's devices; set it to 1")
