@@ -152,8 +152,7 @@ class Scheduler(StepResults):
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
         fragmentation is judged against the smallest reservation among waiting requests."""
         final = [(r.request_id, r.prompt_len + r.max_output_len - 1) for r in self.running]  # final_tokens
-        need = min(self._waiting_pages) if self._waiting_pages else 0
-        return self.allocator.slot_breakdown(final, need)
+        return self.allocator.slot_breakdown(final, min(self._waiting_pages) if self._waiting_pages else 0)
 
     def _track_waiting(self, req: Request, delta: int) -> None:
         if self.allocator.reserve:
