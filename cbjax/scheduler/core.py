@@ -270,7 +270,8 @@ class Scheduler(StepResults):
         if hybrid or (self.cfg.alternate_phases and self._prefilled_last):
             budget = self._plan_running(plan, True, budget)
         if hybrid or not plan.decodes:
-            budget = self._plan_running(plan, False, budget)
+            if len(plan.decodes) != len(self.running):  # else every running request decodes here
+                budget = self._plan_running(plan, False, budget)
             new_batch = not self.running
             budget = self._admit_waiting(plan, budget, now)
         else:
@@ -299,16 +300,18 @@ class Scheduler(StepResults):
             n = remaining if remaining < budget else budget
             if n == 0:
                 continue
-            while not alloc.can_append(req.request_id, req.num_computed + n):
-                victim = self.policy.choose_victim(self.running)
-                budget += self._preempt(victim, plan)
-                if victim is req:
-                    break
-            if req.status is running:
+            if not alloc.try_append(req.request_id, req.num_computed + n):
+                while not alloc.can_append(req.request_id, req.num_computed + n):
+                    victim = self.policy.choose_victim(self.running)
+                    budget += self._preempt(victim, plan)
+                    if victim is req:
+                        break
+                if req.status is not running:
+                    continue
                 alloc.append(req.request_id, req.num_computed + n)
-                req.num_new_tokens = n
-                budget -= n
-                planned.append(req)
+            req.num_new_tokens = n
+            budget -= n
+            planned.append(req)
         return budget
 
     def _admit_waiting(self, plan: Draft, budget: int, now: float) -> int:
