@@ -277,7 +277,7 @@ class EngineLoop:
         stats.pages_used_sum += used
         if used > stats.pages_used_peak:
             stats.pages_used_peak = used
-        stats.kv_util_sum += alloc.token_utilization()
+        stats.kv_util_sum += alloc.token_utilization(used)
         sums, pool = stats.kv_share_sums, self._pool_slots
         token, reserved, internal, external, free = sched.kv_breakdown()
         sums[0] += token / pool

@@ -83,7 +83,8 @@ class PlanWriter:
         scheduled = [entry(r, True) for r in draft.decodes]
         if draft.prefills:
             scheduled.extend([entry(r, False) for r in draft.prefills])
-        self._plans[self._num_plans] = draft.decodes + draft.prefills
+        # the draft's own list when it has no prefills: nothing changes it once written
+        self._plans[self._num_plans] = draft.decodes + draft.prefills if draft.prefills else draft.decodes
         return Schedule(  # positional (in _SCHEDULE_FIELDS order): keywords cost twice as much
             self.num_slots,
             scheduled,
