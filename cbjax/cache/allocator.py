@@ -314,7 +314,7 @@ class PageAllocator:
         token = self.num_stored_tokens - (held - used)
         reserved = filled - self.num_stored_tokens
         internal = held - filled
-        return token, reserved, internal, 0, self.num_usable_pages * ps - used
+        return token, reserved, internal, 0, (self.num_pages - 1) * ps - used  # num_usable_pages
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every page is exactly one of free, cached or owned, with
