@@ -113,7 +113,7 @@ class PlanWriter:
                 fresh.discard(rid)
                 sampling = req.sampling
             lo, n = req.num_computed, req.num_new_tokens
-            token_ids, feed = (self._token_ids(req, lo, n) if with_ids else (None, False))
+            token_ids, feed = self._token_ids(req, lo, n) if with_ids else (None, False)
             entry = _new(ScheduledRequest)
             entry.__dict__.update(
                 request_id=rid, slot=req.slot, num_computed=lo, num_new_tokens=n, is_decode=decode,
