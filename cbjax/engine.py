@@ -330,9 +330,13 @@ class EngineLoop:
 
     def _record(self, plan: Schedule) -> int:
         """The iteration's counters, as the plan leaves the scheduler; returns its batched tokens."""
-        stats, alloc = self.stats, self.scheduler.allocator
-        batched = plan.num_batched_tokens
-        num_scheduled = len(plan.scheduled)
+        stats, sched = self.stats, self.scheduler
+        alloc = sched.allocator
+        scheduled = plan.scheduled
+        batched = 0
+        for s in scheduled:  # plan.num_batched_tokens, without its list
+            batched += s.num_new_tokens
+        num_scheduled = len(scheduled)
         stats.iterations += 1
         stats.occupied_slot_iterations += num_scheduled
         stats.batched_tokens += batched
@@ -340,9 +344,9 @@ class EngineLoop:
         stats.pages_used_sum += used
         if used > stats.pages_used_peak:
             stats.pages_used_peak = used
-        stats.kv_util_sum += alloc.token_utilization()
+        stats.kv_util_sum += alloc.token_utilization(used)
         sums, pool = stats.kv_share_sums, self._pool_slots
-        token, reserved, internal, external, free = self.scheduler.kv_breakdown()
+        token, reserved, internal, external, free = sched.kv_breakdown()
         sums[0] += token / pool
         sums[1] += reserved / pool
         sums[2] += internal / pool

@@ -58,7 +58,8 @@ class ServiceLog:
         self.batch.append(len(plan.scheduled))  # plan.num_scheduled
         self.batched_tokens.append(num_batched_tokens)
         prompt_done, generated = self._prompt_done, self._generated
-        served: dict[str, list[int]] = {}
+        served: Optional[dict[str, list[int]]] = None  # client -> [prompt, generated], once a 2nd client serves
+        first = None  # the first served client's (client, [prompt, generated]): most steps serve one
         for req in requests:
             prompt = req.prompt_len if req.num_computed > req.prompt_len else req.num_computed
             new_prompt = prompt - prompt_done.get(req, 0)
@@ -72,15 +73,27 @@ class ServiceLog:
                 if new_tokens > 0:
                     generated[req] = req.num_generated
             if new_prompt > 0 or new_tokens > 0:
-                entry = served.get(req.client_id)
-                if entry is None:
-                    entry = served[req.client_id] = [0, 0]
+                client = req.client_id
+                if first is None:
+                    first = (client, [0, 0])
+                    entry = first[1]
+                elif served is None and client == first[0]:
+                    entry = first[1]
+                else:
+                    if served is None:
+                        served = {first[0]: first[1]}
+                    entry = served.get(client)
+                    if entry is None:
+                        entry = served[client] = [0, 0]
                 if new_prompt > 0:
                     entry[0] += new_prompt
                 if new_tokens > 0:
                     entry[1] += new_tokens
-        for client, (prompt, new) in served.items():
-            self.events.append((it, client, prompt, new))
+        if served is not None:
+            for client, (prompt, new) in served.items():
+                self.events.append((it, client, prompt, new))
+        elif first is not None:
+            self.events.append((it, first[0], first[1][0], first[1][1]))
 
     def event_arrays(self) -> tuple[np.ndarray, list[str], np.ndarray, np.ndarray]:
         """(end time f64[n], client per event, prompt tokens i64[n], generated tokens i64[n])."""

@@ -115,6 +115,48 @@ def test_no_page_is_both_free_and_owned_and_all_return(ops, allocation):
     assert alloc.num_free_pages == alloc.num_usable_pages
 
 
+def test_try_append_at_the_last_free_page():
+    alloc = PageAllocator(num_pages=6, page_size=4)  # 5 usable pages
+    alloc.allocate("a", num_tokens=8, max_tokens=8)  # 2 pages, 3 free
+    assert not alloc.try_append("a", 4 * 5 + 1)  # 6 pages: one more than there are
+    assert alloc.page_tables["a"] == [1, 2] and alloc.num_stored_tokens == 8 and alloc.num_free_pages == 3
+    assert alloc.try_append("a", 4 * 5)  # exactly the 3 free ones
+    assert len(alloc.page_tables["a"]) == 5 and alloc.num_stored_tokens == 20 and alloc.num_free_pages == 0
+    assert alloc.try_append("a", 20)  # no new page needed
+    alloc.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free"]), st.integers(0, 7), st.integers(0, 30)), max_size=80),
+    allocation=st.sampled_from(["paged", "reserve_max"]),
+)
+def test_try_append_is_can_append_then_append(ops, allocation):
+    # the scheduler's one-call growth against the two calls it replaces, on twin allocators
+    one, two = (make_allocator(num_pages=12, page_size=4, allocation=allocation) for _ in range(2))
+    stored = {}
+    for op, rid, n in ops:
+        rid = str(rid)
+        if op == "alloc" and rid not in stored and two.can_allocate(n + 1, n + 9):
+            one.allocate(rid, n + 1, n + 9)
+            two.allocate(rid, n + 1, n + 9)
+            stored[rid] = n + 1
+        elif op == "grow" and rid in stored:
+            target = stored[rid] + n
+            fits = two.can_append(rid, target)
+            if fits:
+                two.append(rid, target)
+                stored[rid] = target
+            assert one.try_append(rid, target) is fits
+        elif op == "free" and rid in stored:
+            one.free(rid)
+            two.free(rid)
+            del stored[rid]
+        assert one.page_tables == two.page_tables
+        assert one.num_stored_tokens == two.num_stored_tokens == sum(stored.values())
+        assert one.num_free_pages == two.num_free_pages
+        one.check_invariants()
+
 
 class PageAtATime(PageAllocator):
     """The placement rule stated one page at a time (the class docstring's): the next page

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 # The parent hash of a sequence's first page. A fixed int: hash(None) varies between runs
 # before Python 3.12, and runs must be reproducible.
@@ -103,11 +103,13 @@ class PageAllocator:
         """Pages referenced by at least one page table (a shared page counts once)."""
         return self.num_pages - 1 - self._num_free - len(self._cached)
 
-    def token_utilization(self) -> float:
+    def token_utilization(self, used: Optional[int] = None) -> float:
         """Tokens stored / token capacity of the owned pages (1.0 when nothing is owned).
+        `used`: `num_used_pages`, when the caller has it already.
 
         Tokens are counted per request, so with shared prefix pages this can exceed 1."""
-        used = self.num_used_pages
+        if used is None:
+            used = self.num_used_pages
         return self.num_stored_tokens / (used * self.page_size) if used else 1.0
 
     def pages_for(self, num_tokens: int) -> int:
@@ -184,6 +186,18 @@ class PageAllocator:
         # the scheduler's hottest call: num_free_pages and pages_to_append inlined
         need = -(-num_tokens // self.page_size) - len(self.page_tables[request_id])
         return need <= self._num_free + len(self._cached)
+
+    def try_append(self, request_id: str, num_tokens: int) -> bool:
+        """`append` if `can_append`; whether it did (one call for the scheduler's hot path)."""
+        table = self.page_tables[request_id]
+        need = -(-num_tokens // self.page_size) - len(table)
+        if need > 0:
+            if need > self._num_free + len(self._cached):
+                return False
+            table.extend(self._take(need, table[-1] if table else None))
+        self.num_stored_tokens += num_tokens - self._stored[request_id]
+        self._stored[request_id] = num_tokens
+        return True
 
     def append(self, request_id: str, num_tokens: int) -> None:
         """Grow the request's page table to hold `num_tokens` tokens in all."""
@@ -300,7 +314,7 @@ class PageAllocator:
         token = self.num_stored_tokens - (held - used)
         reserved = filled - self.num_stored_tokens
         internal = held - filled
-        return token, reserved, internal, 0, self.num_usable_pages * ps - used
+        return token, reserved, internal, 0, (self.num_pages - 1) * ps - used  # num_usable_pages
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every page is exactly one of free, cached or owned, with

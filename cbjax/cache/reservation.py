@@ -111,6 +111,12 @@ class ReservationAllocator(PageAllocator):
     def can_append(self, request_id: str, num_tokens: int) -> bool:
         return self.pages_for(num_tokens) <= len(self.page_tables[request_id])
 
+    def try_append(self, request_id: str, num_tokens: int) -> bool:
+        if not self.can_append(request_id, num_tokens):
+            return False
+        self.append(request_id, num_tokens)
+        return True
+
     def append(self, request_id: str, num_tokens: int) -> None:
         table = self.page_tables[request_id]
         if self.pages_for(num_tokens) > len(table):

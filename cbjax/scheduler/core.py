@@ -100,6 +100,9 @@ class Scheduler(StepResults):
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size  # model.vocab_size: prompt ids must be below it
         self.running: list[Request] = []
+        # request id -> final_tokens(req), for every request in a slot: what kv_breakdown pairs
+        # with the page tables, kept from admission to release (both are fixed while it runs)
+        self._final_tokens: dict[str, int] = {}
         self.slots: list[Optional[Request]] = [None] * cfg.max_num_seqs
         self._free_slots = list(range(cfg.max_num_seqs))  # a min-heap
         self.finished: list[Request] = []
@@ -151,9 +154,9 @@ class Scheduler(StepResults):
     def kv_breakdown(self) -> tuple[int, int, int, int, int]:
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
         fragmentation is judged against the smallest reservation among waiting requests."""
-        final = [(r.request_id, r.prompt_len + r.max_output_len - 1) for r in self.running]  # final_tokens
-        need = min(self._waiting_pages) if self._waiting_pages else 0
-        return self.allocator.slot_breakdown(final, need)
+        return self.allocator.slot_breakdown(
+            self._final_tokens.items(), min(self._waiting_pages) if self._waiting_pages else 0
+        )
 
     def _track_waiting(self, req: Request, delta: int) -> None:
         if self.allocator.reserve:
@@ -271,7 +274,8 @@ class Scheduler(StepResults):
         if hybrid or (self.cfg.alternate_phases and self._prefilled_last):
             budget = self._plan_running(plan, True, budget)
         if hybrid or not plan.decodes:
-            budget = self._plan_running(plan, False, budget)
+            if len(plan.decodes) != len(self.running):  # else every running request decodes here
+                budget = self._plan_running(plan, False, budget)
             new_batch = not self.running
             budget = self._admit_waiting(plan, budget, now)
         else:
@@ -300,16 +304,18 @@ class Scheduler(StepResults):
             n = remaining if remaining < budget else budget
             if n == 0:
                 continue
-            while not alloc.can_append(req.request_id, req.num_computed + n):
-                victim = self.policy.choose_victim(self.running)
-                budget += self._preempt(victim, plan)
-                if victim is req:
-                    break
-            if req.status is running:
+            if not alloc.try_append(req.request_id, req.num_computed + n):
+                while not alloc.can_append(req.request_id, req.num_computed + n):
+                    victim = self.policy.choose_victim(self.running)
+                    budget += self._preempt(victim, plan)
+                    if victim is req:
+                        break
+                if req.status is not running:
+                    continue
                 alloc.append(req.request_id, req.num_computed + n)
-                req.num_new_tokens = n
-                budget -= n
-                planned.append(req)
+            req.num_new_tokens = n
+            budget -= n
+            planned.append(req)
         return budget
 
     def _admit_waiting(self, plan: Draft, budget: int, now: float) -> int:
@@ -390,6 +396,7 @@ class Scheduler(StepResults):
         self._admit_counter += 1
         req.admit_seq = self._admit_counter
         self.writer.admitted(req.request_id)
+        self._final_tokens[req.request_id] = req.prompt_len + req.max_output_len - 1  # final_tokens(req)
         if req.scheduled_s is None:
             req.scheduled_s = now
         self.running.append(req)
@@ -398,6 +405,7 @@ class Scheduler(StepResults):
         if not keep_pages:
             self.allocator.free(req.request_id)
         self.writer.released(req.request_id)
+        del self._final_tokens[req.request_id]
         self.slots[req.slot] = None
         heapq.heappush(self._free_slots, req.slot)
         req.slot = -1

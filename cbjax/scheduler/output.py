@@ -79,11 +79,12 @@ class PlanWriter:
 
     def write(self, draft: Draft, now: float) -> Schedule:
         self._num_plans += 1
-        entry = self._entry
-        scheduled = [entry(r, True) for r in draft.decodes]
+        scheduled: list[ScheduledRequest] = []
+        self._entries(draft.decodes, True, scheduled)
         if draft.prefills:
-            scheduled.extend([entry(r, False) for r in draft.prefills])
-        self._plans[self._num_plans] = draft.decodes + draft.prefills
+            self._entries(draft.prefills, False, scheduled)
+        # the draft's own list when it has no prefills: nothing changes it once written
+        self._plans[self._num_plans] = draft.decodes + draft.prefills if draft.prefills else draft.decodes
         return Schedule(  # positional (in _SCHEDULE_FIELDS order): keywords cost twice as much
             self.num_slots,
             scheduled,
@@ -96,39 +97,44 @@ class PlanWriter:
             draft.padded_rows,
         )
 
-    def _entry(self, req: Request, decode: bool) -> ScheduledRequest:
-        rid = req.request_id
-        table = self.allocator.page_tables[rid]
-        page_table = None
-        sent = self._sent_pages
-        if sent.get(rid) != len(table):  # tables only grow while a request runs
-            page_table = tuple(table)
-            sent[rid] = len(table)
-        sampling = None
-        if rid in self._fresh:
-            self._fresh.discard(rid)
-            sampling = req.sampling
-        lo, n = req.num_computed, req.num_new_tokens
-        token_ids, feed = None, False
-        if self.token_ids:
-            p, out = req.prompt_len, req.output_token_ids
-            if n == 1 and lo >= p and lo - p >= len(out):
-                feed = True  # sampled by the step still in flight: the executor feeds it on the device
-            elif lo + n > p + len(out):
-                raise RuntimeError(
-                    f"schedule: request {rid} processes tokens [{lo}, {lo + n}), only {p + len(out)} "
-                    "are known; this is a bug"
-                )
-            elif lo >= p:  # a decode (or a recompute's generated tail): no copy of the prompt
-                token_ids = tuple(out[lo - p : lo - p + n])
-            elif lo + n <= p:
-                token_ids = tuple(req.prompt_ids()[lo : lo + n])
-            else:
-                token_ids = tuple(req.prompt_ids()[lo:]) + tuple(out[: lo + n - p])
-        entry = _new(ScheduledRequest)
-        entry.__dict__.update(
-            request_id=rid, slot=req.slot, num_computed=lo, num_new_tokens=n, is_decode=decode,
-            token_ids=token_ids, feed_previous=feed, page_table=page_table, sampling=sampling,
-            yields=lo + n >= req.prompt_len + req.num_generated,  # req.num_tokens
-        )  # fmt: skip
-        return entry
+    def _entries(self, requests: list[Request], decode: bool, out: list[ScheduledRequest]) -> None:
+        """Append the requests' entries to `out` (one call per list: the loop is the hot path)."""
+        tables, sent, fresh = self.allocator.page_tables, self._sent_pages, self._fresh
+        with_ids = self.token_ids
+        for req in requests:
+            rid = req.request_id
+            table = tables[rid]
+            page_table = None
+            if sent.get(rid) != len(table):  # tables only grow while a request runs
+                page_table = tuple(table)
+                sent[rid] = len(table)
+            sampling = None
+            if rid in fresh:
+                fresh.discard(rid)
+                sampling = req.sampling
+            lo, n = req.num_computed, req.num_new_tokens
+            token_ids, feed = self._token_ids(req, lo, n) if with_ids else (None, False)
+            entry = _new(ScheduledRequest)
+            entry.__dict__.update(
+                request_id=rid, slot=req.slot, num_computed=lo, num_new_tokens=n, is_decode=decode,
+                token_ids=token_ids, feed_previous=feed, page_table=page_table, sampling=sampling,
+                yields=lo + n >= req.prompt_len + req.num_generated,  # req.num_tokens
+            )  # fmt: skip
+            out.append(entry)
+
+    @staticmethod
+    def _token_ids(req: Request, lo: int, n: int) -> tuple[Optional[tuple[int, ...]], bool]:
+        """(token ids, feed_previous) of the request's tokens [lo, lo + n)."""
+        p, out = req.prompt_len, req.output_token_ids
+        if n == 1 and lo >= p and lo - p >= len(out):
+            return None, True  # sampled by the step still in flight: the executor feeds it on the device
+        if lo + n > p + len(out):
+            raise RuntimeError(
+                f"schedule: request {req.request_id} processes tokens [{lo}, {lo + n}), only {p + len(out)} "
+                "are known; this is a bug"
+            )
+        if lo >= p:  # a decode (or a recompute's generated tail): no copy of the prompt
+            return tuple(out[lo - p : lo - p + n]), False
+        if lo + n <= p:
+            return tuple(req.prompt_ids()[lo : lo + n]), False
+        return tuple(req.prompt_ids()[lo:]) + tuple(out[: lo + n - p]), False

@@ -31,9 +31,49 @@ class StepResults:
         an index into `plan.scheduled` to why its step failed: that request ends with reason
         `error` (its token and this step's K/V are dropped) and the others go on.
         """
-        self.advance(plan, now, errors, notify=False)
-        requests = self.writer.requests(plan)
-        done = self.commit(plan, token_ids, now, errors)
+        if errors or token_ids is not None:
+            self.advance(plan, now, errors, notify=False)
+            requests = self.writer.requests(plan)
+            done = self.commit(plan, token_ids, now, errors)
+            self.policy.on_step(requests, now)
+            return done
+        # Simulated tokens, no errors: `advance` then `commit`, fused into one pass over the
+        # requests. Only lengths end requests then, all in `advance`, so the frees and slot
+        # returns happen in the same order, and each request's commit touches only itself.
+        if self._uncommitted is not None:
+            raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
+        writer = self.writer
+        requests = writer.requests(plan)
+        writer.done(plan)
+        running = Status.RUNNING
+        done: list[Request] = []
+        tbt_s = self.tbt_s
+        prefix = self.prefix
+        for req in requests:
+            if req.status is not running:  # (never under postprocess: kept as advance has it)
+                req.num_new_tokens = 0
+                continue
+            # self._computed(req), inlined
+            req.num_computed += req.num_new_tokens
+            req.num_new_tokens = 0
+            if prefix is not None:
+                prefix.register(req)
+            if req.num_computed < req.prompt_len + req.num_generated:  # req.num_tokens
+                continue
+            req.num_generated += 1
+            reason = self._length_reason(req) if req.num_generated >= req.max_output_len else None
+            if req.first_token_s is None:
+                req.first_token_s = now
+            else:
+                tbt_s.append(now - req.last_token_s)
+            req.last_token_s = now
+            if reason is None:
+                continue
+            self._finish(req, reason, now)
+            done.append(req)
+        if done:
+            self.running = [r for r in self.running if r.status is running]
+            self.finished.extend(done)
         self.policy.on_step(requests, now)
         return done
 

@@ -68,17 +68,27 @@ class RooflineCost:
         tokens = 0
         pairs = 0.0
         kv_tokens = 0
-        rows = plan.cost_rows()
-        for n, ctx, decode in rows:
-            tokens += n
-            pairs += n * ctx + n * (n + 1) / 2  # a decode: its context plus the new token
-            kv_tokens += ctx + n + (1 if decode else 0)  # a decode reads its context, writes one
-        flops = tokens * self.body_flops_per_token + len(rows) * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
+        if plan.padded_rows is None:  # plan.cost_rows(), read off the entries without a list
+            num_rows = len(plan.scheduled)
+            for s in plan.scheduled:
+                n, ctx = s.num_new_tokens, s.num_computed
+                tokens += n
+                pairs += n * ctx + n * (n + 1) / 2  # a decode: its context plus the new token
+                kv_tokens += ctx + n + (1 if s.is_decode else 0)  # a decode reads its context, writes one
+        else:
+            num_rows = len(plan.padded_rows)
+            for n, ctx, decode in plan.padded_rows:
+                tokens += n
+                pairs += n * ctx + n * (n + 1) / 2
+                kv_tokens += ctx + n + (1 if decode else 0)
+        flops = tokens * self.body_flops_per_token + num_rows * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
         bytes_moved = self.weight_bytes + kv_tokens * self.kv_bytes_per_token
-        swapped = plan.num_swapped_pages
-        swap_s = swapped * plan.page_size * self.kv_bytes_per_token / self.host_bytes_per_s
+        if plan.swap_out or plan.swap_in:
+            swap_s = plan.num_swapped_pages * plan.page_size * self.kv_bytes_per_token / self.host_bytes_per_s
+        else:
+            swap_s = 0.0
         compute_s = max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
-        host_s = self.stack.host_s(plan, rows) if self.stack.active else 0.0
+        host_s = self.stack.host_s(plan) if self.stack.active else 0.0
         return compute_s + tokens * self.allreduce_s_per_token + swap_s + host_s
 
 
