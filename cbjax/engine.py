@@ -83,7 +83,9 @@ class EngineLoop:
     - `on_token(request, token_id, now)`: each token as it is committed (`token_id` None when
       the executor simulates tokens);
     - `on_finish(request)`: each request once, as it ends (rejections and aborts included);
-    - `tick()`: every loop turn (e.g. to flush a log).
+    - `tick()`: every loop turn (e.g. to flush a log), and as soon as a step's tokens went to
+      `on_token`: a hand-off of tokens waits for no more of the loop's own work (the next
+      boundary's intake, a pipelined step's `advance`).
     """
 
     def __init__(
@@ -361,8 +363,8 @@ class EngineLoop:
             finish_iteration = self.stats.finish_iteration
             for req in done:
                 finish_iteration[req.request_id] = iteration
-        if self.on_token is not None:
-            self._emit_tokens(requests, end)
+        if self.on_token is not None and self._emit_tokens(requests, end) and self.tick is not None:
+            self.tick()
         if self.on_step is not None:
             self.on_step(plan, end, batched, requests)
         bar = self._bar
@@ -372,9 +374,11 @@ class EngineLoop:
                 bar.update(finished - self._num_done_reported)
                 self._num_done_reported = finished
 
-    def _emit_tokens(self, requests: list[Request], now: float) -> None:
+    def _emit_tokens(self, requests: list[Request], now: float) -> bool:
+        """Report the requests' new tokens; True if there were any."""
         real = not self.executor.virtual_clock
         emitted = self._emitted
+        any_new = False
         for req in requests:
             have = len(req.output_token_ids) if real else req.num_generated
             sent = emitted.get(req, 0)
@@ -382,6 +386,8 @@ class EngineLoop:
                 for k in range(sent, have):
                     self.on_token(req, req.output_token_ids[k] if real else None, now)
                 emitted[req] = have
+                any_new = True
+        return any_new
 
     def _launch_virtual(self, plan: Schedule, start: float) -> "_VirtualLaunch":
         """A pipelined executor on a virtual clock: the step runs from its launch (`start`, when

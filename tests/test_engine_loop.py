@@ -284,3 +284,17 @@ def test_a_pipelined_simulator_plans_a_step_ahead_as_the_engine_does_by_hand(pip
     lag = 1.0 if pipelined else 0.0
     assert (a.first_token_s, a.finish_s) == (1.0, 3.0)
     assert (b.first_token_s, b.finish_s) == (2.0 + lag, 4.0 + lag)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_step_hands_its_tokens_off_before_the_loop_plans_on(pipelined):
+    # steps alone, no boundary between them: each step's token is followed by a tick at once
+    # (the server's hand-off), not left for the next boundary
+    events = []
+    loop = EngineLoop(scheduler(), SimExecutor(UnitCost(), pipelined=pipelined),
+                      on_token=lambda req, token_id, now: events.append("token"),
+                      tick=lambda: events.append("tick"))  # fmt: skip
+    loop.add(request("a", out=3))
+    while loop.step():
+        pass
+    assert events == ["token", "tick"] * 3

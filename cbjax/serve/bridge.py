@@ -1,9 +1,11 @@
 """Between the event loop and the engine thread: each request's events reach its handler's queue.
 
 The engine calls `on_token` and `on_finish` on its own thread. Events are buffered and handed
-to the asyncio loop once per loop turn (`tick`, at each iteration boundary): one wakeup of the
-event loop per iteration rather than one per token. The buffer keeps a request's events in
-order (its tokens, then its end)."""
+to the asyncio loop once per loop turn (`tick`, at each iteration boundary and as a step's
+tokens are committed): one wakeup of the event loop per iteration rather than one per token.
+The buffer keeps a request's events in order (its tokens, then its end). `tick` may wait, a
+bounded time, for the event loop to have run the handlers the events woke: the engine thread
+then holds no GIL while they write their chunks."""
 
 from __future__ import annotations
 
@@ -89,21 +91,32 @@ class EngineBridge:
         if entry is not None:
             self._pending.append((entry, Finished(req)))
 
-    def tick(self) -> None:
-        """Hand the buffered events to their event loops (the engine's `tick`)."""
+    def tick(self, wait_s: float = 0.0) -> None:
+        """Hand the buffered events to their event loops (the engine's `tick`). With `wait_s`,
+        wait up to that long for each loop to have run the handlers the events woke."""
         if not self._pending:
             return
         batch, self._pending = self._pending, []
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for (loop, queue), event in batch:
             by_loop.setdefault(loop, []).append((queue, event))
+        handled = []
         for loop, events in by_loop.items():
+            done = threading.Event() if wait_s > 0 else None
             try:
-                loop.call_soon_threadsafe(_deliver, events)
+                loop.call_soon_threadsafe(_deliver, loop, events, done)
             except RuntimeError:  # the event loop has closed (shutdown): nobody listens
-                pass
+                continue
+            if done is not None:
+                handled.append(done)
+        for done in handled:
+            done.wait(wait_s)
 
 
-def _deliver(events: list[tuple[asyncio.Queue, object]]) -> None:
+def _deliver(loop: asyncio.AbstractEventLoop, events: list[tuple[asyncio.Queue, object]],
+             done: Optional[threading.Event]) -> None:  # fmt: skip
     for queue, event in events:
         queue.put_nowait(event)
+    if done is not None:
+        # after the handlers the events woke: their wakeups were scheduled by put_nowait
+        loop.call_soon(done.set)

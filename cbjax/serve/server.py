@@ -35,6 +35,12 @@ DRAIN_ABORT = "server shutting down (server.drain_s passed)"
 # engine has just released would wait that long behind its planning of the next step. While
 # serving, the interval is short enough to be small beside a token's latency.
 SWITCH_INTERVAL_S = 0.0002
+# After handing a step's tokens to the event loop, the engine thread waits (at most this long)
+# for the handlers to have written them before it plans on: it would otherwise hold the GIL
+# through its planning while the event loop waits for it at each of its turns. Paced, the wait
+# moves no step (the next step starts where the last one ended on the paced clock, and the
+# bound is well inside PACE_SLACK_S).
+HANDOFF_WAIT_S = 0.001
 
 
 class Server:
@@ -95,7 +101,7 @@ class Server:
         self.summary: Optional[dict[str, Any]] = None
 
     def _tick(self) -> None:
-        self.bridge.tick()
+        self.bridge.tick(HANDOFF_WAIT_S)
         if self.live is not None:
             self.live.tick()
 
