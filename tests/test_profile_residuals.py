@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from cbjax.profile.residuals import format_table, regime_of, regime_residuals
+from cbjax.profile.residuals import format_table, regime_of, regime_residuals, round_speeds
 
 
 def step(source, bucket, measured, predicted, idle=False):
@@ -73,3 +73,27 @@ def test_served_terms_recover_per_row_and_per_page_costs_the_grid_got_wrong():
     # without: the grid's per-row cost stays, and the intercepts absorb what they can of the difference
     plain = fit_served(served, {4: 1e-3, 8: 2e-3}, grid)
     assert "seq_s" not in plain and plain["served_bucket_s"]["4"] != pytest.approx(1e-3, rel=1e-2)
+
+
+def test_machine_speed_by_round_by_hand():
+    # rounds 0 and 2 run as the model says; round 1 at half its speed (every step twice the
+    # prediction), round 3 a quarter faster on one bucket only. An idle-woken step is left out.
+    served = (
+        [dict(step("static", 4, 1.0, 1.0), round=0) for _ in range(3)]
+        + [dict(step("fcfs_poisson_30pct", 4, 2.0, 1.0), round=1) for _ in range(4)]
+        + [dict(step("fcfs_poisson_30pct", 4, 2.0, 2.0), round=2)]
+        + [dict(step("static", 16, 0.8, 1.0), round=3), dict(step("static", 4, 1.0, 1.0), round=3)]
+        + [dict(step("static", 4, 5.0, 1.0, idle=True), round=1)]
+    )
+    d = round_speeds(served)
+    # predicted / measured time per round: 3/3, 4/8, 2/2, 2/1.8
+    assert d["rounds"] == {"0": {"num_steps": 3, "speed": pytest.approx(1.0)},
+                           "1": {"num_steps": 4, "speed": pytest.approx(0.5)},
+                           "2": {"num_steps": 1, "speed": pytest.approx(1.0)},
+                           "3": {"num_steps": 2, "speed": pytest.approx(2 / 1.8)}}  # fmt: skip
+    # the fastest round over the slowest, less 1: (2 / 1.8) / 0.5 - 1
+    assert d["spread"] == pytest.approx((2 / 1.8) / 0.5 - 1)
+    assert d["drifted"] is True  # beyond the 5% limit
+    steady = [dict(step("static", 4, 1.0, 1.0 + 0.01 * r), round=r) for r in range(4)]
+    assert round_speeds(steady)["spread"] == pytest.approx(1.03 - 1) and round_speeds(steady)["drifted"] is False
+    assert round_speeds([step("static", 4, 1.0, 1.0)]) == {"rounds": {}, "spread": None, "drifted": False}

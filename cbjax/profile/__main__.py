@@ -59,6 +59,13 @@ def _app(cfg: DictConfig) -> None:
           + "\n".join(format_table(table)))  # fmt: skip
     for line in table["sparse"] + table["failures"]:
         print(("FAIL: " if line in table["failures"] else "under-sampled: ") + line)
+    machine = table.get("machine") or {}
+    if machine.get("spread") is not None:
+        speeds = ", ".join(f"round {r} {x['speed']:.2f}" for r, x in machine["rounds"].items())
+        print(f"machine speed by serving round (predicted / measured step time): {speeds}; spread {machine['spread']:.0%}")
+        if machine["drifted"]:
+            print("  the machine ran at different speeds in different rounds: the table above measures that "
+                  "drift (fitted rounds against held-out ones) as well as the model")  # fmt: skip
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
     print(f"use it: cbjax executor=sim executor.cost_model=profiled executor.profile={out_dir / 'profile.json'}")

@@ -76,6 +76,32 @@ def regime_residuals(served: list[dict], limit: float = REGIME_BIAS_LIMIT, min_s
     return {"limit": limit, "min_steps": min_steps, "regimes": table, "failures": failures, "sparse": sparse}
 
 
+def round_speeds(served: list[dict], limit: float = REGIME_BIAS_LIMIT) -> dict[str, Any]:
+    """The machine's speed in each serving round, against the fitted model: per round (the
+    steps' `round`) its summed predicted over its summed measured step time (1: as the model
+    says; 0.5: every step took twice as long), over the steps `regime_residuals` counts. The
+    fit and the residual table see different rounds, so when the machine itself runs at other
+    speeds in different rounds (a VM's speed states), that drift shows in the table as bias.
+    `spread` is the fastest round over the slowest less 1 (None with fewer than two rounds);
+    `drifted`: it exceeds `limit`. A diagnosis beside the table; it loosens no failure."""
+    num: dict[int, int] = defaultdict(int)
+    pred: dict[int, float] = defaultdict(float)
+    meas: dict[int, float] = defaultdict(float)
+    for s in served:
+        if s.get("idle") or s.get("predicted_s") is None or not s.get("measured_s") or s.get("round") is None:
+            continue
+        r = int(s["round"])
+        num[r] += 1
+        pred[r] += s["predicted_s"]
+        meas[r] += s["measured_s"]
+    rounds = {str(r): {"num_steps": num[r], "speed": pred[r] / meas[r]} for r in sorted(num)}
+    if len(rounds) < 2:
+        return {"rounds": rounds, "spread": None, "drifted": False}
+    speeds = [x["speed"] for x in rounds.values()]
+    spread = max(speeds) / min(speeds) - 1.0
+    return {"rounds": rounds, "spread": spread, "drifted": bool(spread > limit)}
+
+
 def held_out_residuals(served: list[dict], limit: float = REGIME_BIAS_LIMIT, min_steps: int = MIN_STEPS) -> dict[str, Any]:
     """`regime_residuals` over the served steps held out of the fit (`held_out`: the profile's odd
     serving rounds, other requests and arrivals than the fitted rounds'), with `steps` saying so;
@@ -84,6 +110,7 @@ def held_out_residuals(served: list[dict], limit: float = REGIME_BIAS_LIMIT, min
     held = [s for s in served if s.get("held_out")]
     table = regime_residuals(held or served, limit, min_steps)
     table["steps"] = "held-out" if held else "in-sample"
+    table["machine"] = round_speeds(served, limit)
     return table
 
 
