@@ -278,8 +278,17 @@ def _profile_table(profile: dict) -> list[str]:
 LABELS = dict(METRICS)
 
 
-def _num(x: float) -> str:
-    return f"{x:.4g}"
+def _num(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def judged_cells(j: dict) -> tuple[str, str]:
+    """A judged figure's table cells: the engine's median with its interval, and whether the
+    simulator is within the target (the target beside it). Shared with calibrate_cluster.py."""
+    lo, hi = j["interval"]
+    within = "-" if j["within_target"] is None else ("yes" if j["within_target"] else "no")
+    target = "" if j["target_pct"] is None else f" (±{j['target_pct']:g})"
+    return f"{_num(j['engine'])} [{_num(lo)}, {_num(hi)}]", within + target
 
 
 def write_markdown(report: dict, profile_paths, path: Path, residual_profiles: Sequence[str] = ()) -> None:
@@ -319,12 +328,10 @@ def write_markdown(report: dict, profile_paths, path: Path, residual_profiles: S
             j = c.get(key)
             if j is None:
                 continue
-            lo, hi = j["interval"]
-            within = "-" if j["within_target"] is None else ("yes" if j["within_target"] else "no")
-            target = "" if j["target_pct"] is None else f" (±{j['target_pct']:g})"
-            lines.append(f"| {c['name']} | {c['regime']} | {label} | {_num(j['engine'])} [{_num(lo)}, {_num(hi)}] | "
+            engine, within = judged_cells(j)
+            lines.append(f"| {c['name']} | {c['regime']} | {label} | {engine} | "
                          f"{_num(j['sim'])} | {j['error_pct']:+.1f} | {'yes' if j['in_interval'] else 'no'} | "
-                         f"{within}{target} | {j['verdict']} |")  # fmt: skip
+                         f"{within} | {j['verdict']} |")  # fmt: skip
     lines += ["", "## Regimes", "",
               "| regime | figure | cells | mean signed error % | worst cell (error %) | pass / judged | bias within "
               f"±{REGIME_BIAS_PCT:g}% |", "|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -45,7 +45,7 @@ from typing import Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrate import MIN_REPEATS, REPO, TARGETS, base_config, sim_config  # noqa: E402  (shapes, targets)
+from calibrate import MIN_REPEATS, REPO, TARGETS, _num, base_config, judged_cells, sim_config  # noqa: E402  (shapes, targets, table cells)
 
 from cbjax.config import ClusterConfig, LengthConfig, RunConfig  # noqa: E402
 from cbjax.config.workload import SharedPrefixConfig  # noqa: E402
@@ -297,10 +297,6 @@ def _commit() -> Optional[str]:
 
 
 # ---- the table ----
-def _num(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.4g}"
-
-
 def table_lines(report: dict) -> list[str]:
     """The generated part of docs/cluster.md's calibration section."""
     host = report["host"]
@@ -330,12 +326,10 @@ def table_lines(report: dict) -> list[str]:
             j = c.get(key)
             if j is None:
                 continue
-            lo, hi = j["interval"]
-            within = "-" if j["within_target"] is None else ("yes" if j["within_target"] else "no")
-            target = "" if j["target_pct"] is None else f" (±{j['target_pct']:g})"
+            engine, within = judged_cells(j)
             sep = "-" if j["separate_hosts"] is None else f"{_num(j['separate_hosts'])} ({j['separate_error_pct']:+.1f})"
-            lines.append(f"| {c['name']} | {label} | {_num(j['engine'])} [{_num(lo)}, {_num(hi)}] | {_num(j['sim'])} | "
-                         f"{j['error_pct']:+.1f} | {within}{target} | {j['verdict']} | {sep} |")  # fmt: skip
+            lines.append(f"| {c['name']} | {label} | {engine} | {_num(j['sim'])} | "
+                         f"{j['error_pct']:+.1f} | {within} | {j['verdict']} | {sep} |")  # fmt: skip
             if j["verdict"] != "-" and not c["control"]:
                 judged += 1
                 fails += j["verdict"] == "fail"
