@@ -60,3 +60,51 @@ def test_a_waiting_tick_returns_once_the_woken_handler_has_run():
         thread.join(10)
         loop.close()
 
+
+
+def test_a_first_token_is_handed_off_ahead_of_running_streams_tokens():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    bridge = EngineBridge()
+    bridge.engine = _Engine()
+    a, b, c = _request("a"), _request("b"), _request("c")
+    handled = []  # (request id, token id) in the order the handlers ran
+
+    async def handler(req, ready):
+        queue = bridge.submit(req)
+        ready.set()
+        while True:
+            event = await queue.get()
+            if isinstance(event, Finished):
+                return
+            handled.append((req.request_id, event.token_id))
+
+    readies = [threading.Event() for _ in range(3)]
+    tasks = [asyncio.run_coroutine_threadsafe(handler(r, e), loop) for r, e in zip((a, b, c), readies)]
+    try:
+        assert all(e.wait(10) for e in readies)
+        bridge.on_token(a, 1, 0.1)
+        bridge.tick(wait_s=10.0)
+        assert handled == [("a", 1)]
+        # one step: a's second token, then b's first, c's first, a's third (two steps' worth)
+        bridge.on_token(a, 2, 0.2)
+        bridge.on_token(b, 10, 0.2)
+        bridge.on_token(a, 3, 0.3)
+        bridge.on_token(c, 20, 0.3)
+        bridge.tick(wait_s=10.0)
+        assert handled[1:] == [("b", 10), ("c", 20), ("a", 2), ("a", 3)]
+        bridge.on_token(b, 11, 0.4)  # no longer a first token: in order behind c's
+        bridge.on_token(c, 21, 0.4)
+        bridge.tick(wait_s=10.0)
+        assert handled[5:] == [("b", 11), ("c", 21)]
+        for r in (a, b, c):
+            bridge.on_finish(r)
+        bridge.tick(wait_s=10.0)
+        for t in tasks:
+            t.result(10)
+        assert bridge.num_in_flight == 0
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -3,9 +3,11 @@
 The engine calls `on_token` and `on_finish` on its own thread. Events are buffered and handed
 to the asyncio loop once per loop turn (`tick`, at each iteration boundary and as a step's
 tokens are committed): one wakeup of the event loop per iteration rather than one per token.
-The buffer keeps a request's events in order (its tokens, then its end). `tick` may wait, a
-bounded time, for the event loop to have run the handlers the events woke: the engine thread
-then holds no GIL while they write their chunks."""
+The buffer keeps a request's events in order (its tokens, then its end). A request's first
+token goes ahead of the other requests' events of the same hand-off: its handler runs first in
+the event loop's turn, so a time to first token does not queue behind the chunks of every
+stream already running. `tick` may wait, a bounded time, for the event loop to have run the
+handlers the events woke: the engine thread then holds no GIL while they write their chunks."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ class EngineBridge:
         self.num_received = 0
         self.listeners: list[Callable[[Request], None]] = []
         self._pending: list = []  # (queue entry, event) since the last tick; engine thread only
+        self._first: list = []  # the same for requests' first tokens, handed off ahead of _pending
+        self._fresh: set[str] = set()  # requests submitted that have had no token yet
 
     # ---- the handler's side (event loop thread) ----
     def submit(self, req: Request, arrival_s: Optional[float] = None) -> asyncio.Queue:
@@ -52,6 +56,7 @@ class EngineBridge:
             self._queues[req.request_id] = (asyncio.get_running_loop(), queue)
             self.num_in_flight += 1
             self.num_received += 1
+            self._fresh.add(req.request_id)
         self.engine.submit(req, arrival_s)
         return queue
 
@@ -77,9 +82,14 @@ class EngineBridge:
 
     # ---- the engine's side (engine thread) ----
     def on_token(self, req: Request, token_id: Optional[int], now: float) -> None:
-        entry = self._queues.get(req.request_id)
+        rid = req.request_id
+        entry = self._queues.get(rid)
         if entry is not None:
-            self._pending.append((entry, Token(token_id, now)))
+            if rid in self._fresh:
+                self._fresh.discard(rid)
+                self._first.append((entry, Token(token_id, now)))
+            else:
+                self._pending.append((entry, Token(token_id, now)))
 
     def on_finish(self, req: Request) -> None:
         for listener in self.listeners:
@@ -88,15 +98,19 @@ class EngineBridge:
             entry = self._queues.pop(req.request_id, None)
             if entry is not None:
                 self.num_in_flight -= 1
+            self._fresh.discard(req.request_id)
         if entry is not None:
             self._pending.append((entry, Finished(req)))
 
     def tick(self, wait_s: float = 0.0) -> None:
         """Hand the buffered events to their event loops (the engine's `tick`). With `wait_s`,
         wait up to that long for each loop to have run the handlers the events woke."""
-        if not self._pending:
+        if not (self._pending or self._first):
             return
-        batch, self._pending = self._pending, []
+        if self._first:  # first tokens ahead; a request's own events stay in order
+            batch, self._first, self._pending = self._first + self._pending, [], []
+        else:
+            batch, self._pending = self._pending, []
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for (loop, queue), event in batch:
             by_loop.setdefault(loop, []).append((queue, event))
