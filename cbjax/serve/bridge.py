@@ -30,6 +30,22 @@ class Finished:
     req: Request
 
 
+class Mailbox(asyncio.Queue):
+    """A request's events on the event loop: queued for its handler, or, once the handler has
+    attached a sink, passed to the sink by the delivering callback itself (no handler wakeup
+    per event). Event-loop thread only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sink: Optional[Callable[[object], None]] = None
+
+    def attach(self, sink: Callable[[object], None]) -> None:
+        """From now on events go to `sink`; those already queued go first, in order."""
+        while not self.empty():
+            sink(self.get_nowait())
+        self.sink = sink
+
+
 class EngineBridge:
     """Owns the per-request queues and the count of requests in flight.
 
@@ -38,7 +54,7 @@ class EngineBridge:
 
     def __init__(self) -> None:
         self.engine = None  # set once the EngineLoop exists (it takes our callbacks)
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, Mailbox]] = {}
         self._lock = threading.Lock()
         self.num_in_flight = 0  # submitted, not yet finished
         self.num_received = 0
@@ -48,10 +64,10 @@ class EngineBridge:
         self._fresh: set[str] = set()  # requests submitted that have had no token yet
 
     # ---- the handler's side (event loop thread) ----
-    def submit(self, req: Request, arrival_s: Optional[float] = None) -> asyncio.Queue:
+    def submit(self, req: Request, arrival_s: Optional[float] = None) -> Mailbox:
         """Submit `req` to the engine, arrived at `arrival_s` (the engine's `stamp` at receipt;
-        None: now); its events arrive on the returned queue."""
-        queue: asyncio.Queue = asyncio.Queue()
+        None: now); its events arrive on the returned mailbox."""
+        queue = Mailbox()
         with self._lock:
             self._queues[req.request_id] = (asyncio.get_running_loop(), queue)
             self.num_in_flight += 1
@@ -127,10 +143,14 @@ class EngineBridge:
             done.wait(wait_s)
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, events: list[tuple[asyncio.Queue, object]],
+def _deliver(loop: asyncio.AbstractEventLoop, events: list[tuple[Mailbox, object]],
              done: Optional[threading.Event]) -> None:  # fmt: skip
     for queue, event in events:
-        queue.put_nowait(event)
+        sink = queue.sink
+        if sink is None:
+            queue.put_nowait(event)
+        else:
+            sink(event)
     if done is not None:
         # after the handlers the events woke: their wakeups were scheduled by put_nowait
         loop.call_soon(done.set)

@@ -9,13 +9,14 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from cbjax.request import FinishReason, Request, SamplingParams
-from cbjax.serve.bridge import EngineBridge, Finished, Token
+from cbjax.serve import direct
+from cbjax.serve.bridge import EngineBridge, Finished, Mailbox, Token
 from cbjax.serve.config import ServerConfig
 from cbjax.serve.metrics import ServerMetrics
 from cbjax.serve.output import STOP_SEQUENCE, Output, usage
@@ -44,6 +45,7 @@ class ServeState:
     chunked_prefill: bool
     created: int = 0
     draining: bool = False
+    direct_streams: int = 0  # streams whose chunks after the first were written directly (`direct`)
 
 
 class EngineStream(Response):
@@ -53,14 +55,16 @@ class EngineStream(Response):
     It waits for the request's first event itself: the framework's return path runs while the
     request waits for a slot, and between the first token and the client lies only the send of
     its chunk. An end before any token with an error (a rejection) answers as a plain error
-    response instead. A watcher on `receive` aborts the request when the client leaves, at
-    any point; the stream then ends with the engine's abort."""
+    response instead. After the first chunk, the later ones are written straight to the
+    connection by the callback that delivers the engine's events (`direct`), where the server
+    allows it; otherwise the handler sends them, all events waiting at a wakeup in one send. A
+    watcher on `receive` aborts the request when the client leaves, at any point; the stream
+    then ends with the engine's abort."""
 
     HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
-    def __init__(self, state: "ServeState", req: Request, queue: asyncio.Queue,
-                 events: Callable[[object], AsyncIterator[str]]):  # fmt: skip
-        self.state, self.req, self.queue, self.events = state, req, queue, events
+    def __init__(self, state: "ServeState", req: Request, queue: Mailbox, chunks: "SSEChunks"):
+        self.state, self.req, self.queue, self.chunks = state, req, queue, chunks
         self.status_code, self.background = 200, None
         self.ended = False  # the stream ran to its end: nothing to abort
 
@@ -71,6 +75,7 @@ class EngineStream(Response):
     async def __call__(self, scope, receive, send) -> None:
         gone = asyncio.ensure_future(_disconnected(receive))
         gone.add_done_callback(self._left)
+        chunks = self.chunks
         try:
             first = await self.queue.get()
             if gone.done():  # left while waiting for a slot: the engine's abort was its answer
@@ -82,8 +87,14 @@ class EngineStream(Response):
                 if err is not None:
                     raise err  # answered by the app's error handler, before anything was sent
             await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
-            async for text in self.events(first):
-                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": _join(chunks.opening() + chunks.feed(first)), "more_body": True})
+            if not chunks.ended:
+                write = direct.writer(scope)
+                if write is not None:
+                    self.state.direct_streams += 1
+                    await self._direct(write)
+                else:
+                    await self._sent(send)
             self.ended = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             if self.background is not None:
@@ -92,6 +103,40 @@ class EngineStream(Response):
             gone.cancel()
             if not self.ended:  # a server error mid-stream
                 self.state.bridge.cancel(self.req.request_id, "client disconnected")
+
+    async def _direct(self, write) -> None:
+        """The rest of the stream, written by the delivering callback; returns at its end."""
+        chunks = self.chunks
+        done = asyncio.get_running_loop().create_future()
+
+        def sink(event: object) -> None:
+            if done.done():  # the handler is gone (failed or cancelled): nobody to write for
+                return
+            try:
+                out = chunks.feed(event)
+                if out:
+                    write(_join(out))
+                if chunks.ended:
+                    done.set_result(None)
+            except Exception as e:  # reported to the handler, which ends the stream
+                done.set_exception(e)
+
+        self.queue.attach(sink)
+        await done
+
+    async def _sent(self, send) -> None:
+        """The rest of the stream through ASGI sends: one per wakeup, with every event waiting."""
+        chunks, queue = self.chunks, self.queue
+        while not chunks.ended:
+            out = chunks.feed(await queue.get())
+            while not chunks.ended and not queue.empty():
+                out += chunks.feed(queue.get_nowait())
+            if out:
+                await send({"type": "http.response.body", "body": _join(out), "more_body": True})
+
+
+def _join(chunks: list[str]) -> bytes:
+    return "".join(chunks).encode()
 
 
 def build_request(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
@@ -229,55 +274,64 @@ def _sse(data: Union[dict[str, Any], str]) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def stream(state: ServeState, req: Request, out: Output, queue: asyncio.Queue, chat: bool,
-                 include_usage: bool, raw: HTTPRequest) -> Response:  # fmt: skip
-    """Server-sent events: one chunk per token, a last chunk with the finish reason, the usage
-    chunk when asked for, then `data: [DONE]` (sent by `EngineStream`). The chunks' templates
-    are built before the first token comes."""
-    created = int(time.time())
-    head = _envelope(req, state, chat, created)
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    extra = {"usage": None} if include_usage else {}
+class SSEChunks:
+    """One streamed request's server-sent events, event by event: a chunk per token, a last
+    chunk with the finish reason, the usage chunk when asked for, then `data: [DONE]`. A token's
+    chunk differs from the next only in its text: it is formatted from a template built once,
+    rather than encoded whole per token."""
 
-    def chunk(text: Optional[str], reason: Optional[str] = None) -> str:
-        if chat:
+    def __init__(self, state: ServeState, req: Request, out: Output, chat: bool, include_usage: bool):
+        self.state, self.req, self.out, self.chat, self.include_usage = state, req, out, chat, include_usage
+        head = _envelope(req, state, chat, int(time.time()))
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        self.head = head
+        self.extra = {"usage": None} if include_usage else {}
+        mark = "\u0000TEXT\u0000"
+        self.token_head, self.token_tail = self.chunk(mark).split(json.dumps(mark))
+        self.ended = False  # the end's chunks went out: nothing follows
+
+    def chunk(self, text: Optional[str], reason: Optional[str] = None) -> str:
+        if self.chat:
             delta = {} if text is None else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        return _sse({**head, "choices": [choice], **extra})
+        return _sse({**self.head, "choices": [choice], **self.extra})
 
-    # A token's chunk differs from the next only in its text: format it from a template rather
-    # than encoding the whole chunk per token.
-    mark = "\u0000TEXT\u0000"
-    token_head, token_tail = chunk(mark).split(json.dumps(mark))
+    def opening(self) -> list[str]:
+        """What precedes the first token: a chat stream's role chunk."""
+        if not self.chat:
+            return []
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [_sse({**self.head, "choices": [role], **self.extra})]
 
-    def token_chunk(text: str) -> str:
-        return token_head + json.dumps(text) + token_tail
-
-    async def events(first: object) -> AsyncIterator[str]:
-        if chat:
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
-        event = first
-        while True:
-            if isinstance(event, Finished):
-                break
-            if not out.stopped:
-                text = out.add(event.token_id)
-                if out.stopped:
-                    state.bridge.cancel(req.request_id, STOP_SEQUENCE, FinishReason.STOP)
-                yield token_chunk(text)
-            event = await queue.get()
-        err = end_error(state, event.req)
+    def feed(self, event: object) -> list[str]:
+        """The chunks an engine event makes (none once the stream has ended)."""
+        if self.ended:
+            return []
+        out = self.out
+        if isinstance(event, Token):
+            if out.stopped:
+                return []
+            text = out.add(event.token_id)
+            if out.stopped:
+                self.state.bridge.cancel(self.req.request_id, STOP_SEQUENCE, FinishReason.STOP)
+            return [self.token_head + json.dumps(text) + self.token_tail]
+        self.ended = True
+        err = end_error(self.state, event.req)
         if err is not None:
-            yield _sse(err.body())
+            chunks = [_sse(err.body())]
         else:
             tail = out.flush()
-            if tail:
-                yield chunk(tail)
-            yield chunk(None, out.finish_reason(req))
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": usage(req, out)})
-        yield _sse("[DONE]")
+            chunks = [self.chunk(tail)] if tail else []
+            chunks.append(self.chunk(None, out.finish_reason(self.req)))
+        if self.include_usage:
+            chunks.append(_sse({**self.head, "choices": [], "usage": usage(self.req, out)}))
+        chunks.append(_sse("[DONE]"))
+        return chunks
 
-    return EngineStream(state, req, queue, events)
+
+async def stream(state: ServeState, req: Request, out: Output, queue: Mailbox, chat: bool,
+                 include_usage: bool, raw: HTTPRequest) -> Response:  # fmt: skip
+    """Server-sent events (`SSEChunks`), sent by `EngineStream`."""
+    return EngineStream(state, req, queue, SSEChunks(state, req, out, chat, include_usage))

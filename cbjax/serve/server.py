@@ -24,6 +24,7 @@ from cbjax.serve.app import create_app
 from cbjax.serve.generate import ServeState
 from cbjax.serve.bridge import EngineBridge
 from cbjax.serve.config import ServeConfig
+from cbjax.serve.direct import RawSend
 from cbjax.serve.metrics import ServerMetrics
 from cbjax.serve.text import load_tokenizer
 from cbjax.service import ServiceLog
@@ -116,7 +117,7 @@ class Server:
         cfg = self.cfg.server
         self.uvicorn = _Uvicorn(
             uvicorn.Config(
-                self.app,
+                RawSend(self.app),  # streams write their chunks past the middleware (`direct`)
                 host=cfg.host,
                 port=cfg.port,
                 log_level=cfg.log_level,
