@@ -108,3 +108,58 @@ def test_a_first_token_is_handed_off_ahead_of_running_streams_tokens():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_a_first_token_is_handled_before_attached_streams_are_written():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    bridge = EngineBridge()
+    bridge.engine = _Engine()
+    a, b = _request("a"), _request("b")
+    handled = []
+
+    async def attached(req, ready):  # a stream past its first event: its events go to a sink
+        queue = bridge.submit(req)
+        submitted.set()
+        ended = asyncio.get_running_loop().create_future()
+        assert isinstance(await queue.get(), Token)
+
+        def sink(event):
+            if isinstance(event, Finished):
+                ended.set_result(None)
+            else:
+                handled.append((req.request_id, event.token_id))
+
+        queue.attach(sink)
+        ready.set()
+        await ended
+
+    async def waiting(req, ready):
+        queue = bridge.submit(req)
+        ready.set()
+        event = await queue.get()
+        handled.append((req.request_id, event.token_id))
+        assert isinstance(await queue.get(), Finished)
+
+    ra, rb, submitted = threading.Event(), threading.Event(), threading.Event()
+    ta = asyncio.run_coroutine_threadsafe(attached(a, ra), loop)
+    assert submitted.wait(10)
+    bridge.on_token(a, 1, 0.1)
+    bridge.tick(wait_s=10.0)
+    tb = asyncio.run_coroutine_threadsafe(waiting(b, rb), loop)
+    try:
+        assert ra.wait(10) and rb.wait(10)
+        bridge.on_token(a, 2, 0.2)  # written by a's sink within the delivering callback
+        bridge.on_token(b, 10, 0.2)  # b's first token: its handler runs first all the same
+        bridge.tick(wait_s=10.0)
+        assert handled == [("b", 10), ("a", 2)]
+        bridge.on_finish(a)
+        bridge.on_finish(b)
+        bridge.tick(wait_s=10.0)
+        ta.result(10)
+        tb.result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

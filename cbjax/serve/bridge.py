@@ -123,18 +123,18 @@ class EngineBridge:
         wait up to that long for each loop to have run the handlers the events woke."""
         if not (self._pending or self._first):
             return
-        if self._first:  # first tokens ahead; a request's own events stay in order
-            batch, self._first, self._pending = self._first + self._pending, [], []
-        else:
-            batch, self._pending = self._pending, []
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for (loop, queue), event in batch:
-            by_loop.setdefault(loop, []).append((queue, event))
+        first, rest = self._first, self._pending
+        self._first, self._pending = [], []
+        by_loop: dict[asyncio.AbstractEventLoop, tuple[list, list]] = {}
+        for (loop, queue), event in first:
+            by_loop.setdefault(loop, ([], []))[0].append((queue, event))
+        for (loop, queue), event in rest:
+            by_loop.setdefault(loop, ([], []))[1].append((queue, event))
         handled = []
-        for loop, events in by_loop.items():
+        for loop, (f, r) in by_loop.items():
             done = threading.Event() if wait_s > 0 else None
             try:
-                loop.call_soon_threadsafe(_deliver, loop, events, done)
+                loop.call_soon_threadsafe(_deliver, loop, f, r, done)
             except RuntimeError:  # the event loop has closed (shutdown): nobody listens
                 continue
             if done is not None:
@@ -143,9 +143,23 @@ class EngineBridge:
             done.wait(wait_s)
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, events: list[tuple[Mailbox, object]],
-             done: Optional[threading.Event]) -> None:  # fmt: skip
-    for queue, event in events:
+Events = list[tuple[Mailbox, object]]
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, first: Events, rest: Events, done: Optional[threading.Event]) -> None:
+    """First tokens to their handlers (queued: no handler has attached a sink before its first
+    event); the other events once those handlers have run, from a callback queued behind
+    their wakeups, so even a sink's direct write comes after them."""
+    for queue, event in first:
+        queue.put_nowait(event)
+    if first:
+        loop.call_soon(_deliver_rest, loop, rest, done)
+    else:
+        _deliver_rest(loop, rest, done)
+
+
+def _deliver_rest(loop: asyncio.AbstractEventLoop, rest: Events, done: Optional[threading.Event]) -> None:
+    for queue, event in rest:
         sink = queue.sink
         if sink is None:
             queue.put_nowait(event)
