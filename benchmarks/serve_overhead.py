@@ -16,7 +16,9 @@ between tokens) and E2E p50, and output throughput, with served / offline and pa
 offline sim. With offline and served among --ways, a second table gives the server-overhead
 figures of issue 33's acceptance 1 as median [min, max]: the client's TTFT p50 minus the
 server's own (its requests.jsonl, from each request's receipt) against max(2 ms, 10%), and
-the served / offline throughput ratio. OVERRIDEs (Hydra `key=value`) apply to every run: the model, scheduler, cache,
+the served / offline throughput ratio; and the CPU time per output token of the server
+process (all its threads, the engine's included) and of the client while the workload ran
+(from /proc on Linux). OVERRIDEs (Hydra `key=value`) apply to every run: the model, scheduler, cache,
 workload lengths. Measure on a quiet machine: the client and the server share its cores.
 """
 
@@ -24,13 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's cbjax, as the server (run from ROOT) imports it
@@ -58,8 +63,24 @@ def offline(overrides: list[str], out: Path) -> dict:
     return run_experiment(cfg, out, verbose=False)
 
 
-def served(server_overrides: list[str], workload: list[str], out: Path) -> dict:
-    """Start cbjax-serve, send the workload with cbjax-bench, stop the server (SIGTERM)."""
+def process_cpu_s(pid: int) -> Optional[float]:
+    """A process's CPU seconds so far (user + system, all threads), from /proc; None without it."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def served(server_overrides: list[str], workload: list[str], out: Path, cpu: Optional[list] = None) -> dict:
+    """Start cbjax-serve, send the workload with cbjax-bench, stop the server (SIGTERM). With
+    `cpu`, append the CPU seconds the server process and this one (the client) spent while the
+    workload ran."""
     cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", f"hydra.run.dir={out / 'server'}", *server_overrides]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -75,7 +96,13 @@ def served(server_overrides: list[str], workload: list[str], out: Path) -> dict:
         with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
             raw = compose(config_name="bench", overrides=["progress=false", f"bench.url={base}", *workload])
         check_known_keys(raw, BenchConfig)
-        return run_bench(OmegaConf.to_object(raw), out / "bench", verbose=False)
+        server0, client0 = process_cpu_s(proc.pid), own_cpu_s()
+        summary = run_bench(OmegaConf.to_object(raw), out / "bench", verbose=False)
+        server1, client1 = process_cpu_s(proc.pid), own_cpu_s()
+        if cpu is not None:
+            cpu.append({"server_s": None if server0 is None or server1 is None else server1 - server0,
+                        "client_s": client1 - client0})  # fmt: skip
+        return summary
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -91,10 +118,12 @@ def spread(vals: list[float], scale: float = 1.0) -> str:
     return f"{statistics.median(vals) * scale:.2f} [{min(vals) * scale:.2f}, {max(vals) * scale:.2f}]"
 
 
-def acceptance(results: dict[str, list[dict]], logs: list[dict]) -> list[list[str]]:
+def acceptance(results: dict[str, list[dict]], logs: list[dict], cpu: list[dict]) -> list[list[str]]:
     """Issue 33's server-overhead figures, per repeat then as median [min, max]: the client's
     TTFT p50 over the server's own (from requests' receipt) and over the offline run's, with
-    the bound max(2 ms, 10%) of the latter; the served / offline throughput ratio (within 5%)."""
+    the bound max(2 ms, 10%) of the latter; the served / offline throughput ratio (within 5%).
+    Beside them, the CPU time per output token of the server process and of the client while
+    the workload ran: on a machine whose speed drifts, a steadier measure of what serving costs."""
     client = [s["ttft_s_p50"] for s in results["served"]]
     server = [s["ttft_s_p50"] for s in logs]
     off = [s["ttft_s_p50"] for s in results["offline"]]
@@ -102,6 +131,12 @@ def acceptance(results: dict[str, list[dict]], logs: list[dict]) -> list[list[st
     diff_server = [c - s for c, s in zip(client, server)]
     diff_offline = [c - o for c, o in zip(client, off)]
     bound = [max(0.002, 0.1 * s) for s in server]
+    tokens = [s["output_tokens"] for s in logs]
+    per_token = []
+    for key, label in (("server_s", "server process CPU per output token (us)"), ("client_s", "client CPU per output token (us)")):
+        vals = [c[key] / n for c, n in zip(cpu, tokens) if c.get(key) is not None and n]
+        if vals:
+            per_token.append([label, spread(vals, 1e6)])
     return [
         ["client TTFT p50 (ms)", spread(client, 1e3)],
         ["server TTFT p50, its requests.jsonl (ms)", spread(server, 1e3)],
@@ -110,6 +145,7 @@ def acceptance(results: dict[str, list[dict]], logs: list[dict]) -> list[list[st
         ["  bound max(2 ms, 10% of server) (ms)", spread(bound, 1e3)],
         ["client - offline TTFT p50 (ms)", spread(diff_offline, 1e3)],
         ["throughput served / offline", spread(thr)],
+        *per_token,
     ]
 
 
@@ -145,9 +181,10 @@ def main(argv=None) -> int:
             parser.error(f"--rate: {args.rate!r} is neither a number nor `half`")
     workload = [f"workload.num_requests={args.num_requests}", "workload.arrival=poisson", f"workload.rate={args.rate}", *lengths]
     sim = ["executor=sim", *((["executor.cost_model=profiled", f"executor.profile={args.profile}"]) if args.profile else [])]
+    cpu: list[dict] = []  # the served runs' CPU seconds, server and client
     ways = {
         "offline": lambda out: offline([f"executor={args.executor}", *engine, *workload], out),
-        "served": lambda out: served([f"executor={args.executor}", *engine], workload, out),
+        "served": lambda out: served([f"executor={args.executor}", *engine], workload, out, cpu),
         "paced sim": lambda out: served([*sim, "executor.pace=realtime", *engine], workload, out),
         "offline sim": lambda out: offline([*sim, *engine, *workload], out),
     }
@@ -179,7 +216,7 @@ def main(argv=None) -> int:
     print(markdown_table(header, rows))
     if "served" in ways and "offline" in ways:
         print(f"\nserver overhead (issue 33, acceptance 1), median [min, max] of {args.repeats}\n")
-        print(markdown_table(["figure", "value"], acceptance(results, logs)))
+        print(markdown_table(["figure", "value"], acceptance(results, logs, cpu)))
     return 0
 
 
