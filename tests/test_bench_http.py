@@ -277,6 +277,34 @@ def test_sse_data_stops_where_on_data_says_and_the_connection_is_reused():
     assert [c for c, _, _ in log] == [1, 1, 1, 1]  # the whole body had come with [DONE]: kept alive
 
 
+def test_a_stream_ended_before_its_last_chunk_is_read_on_to_it_then_pooled():
+    body = chunked(SSE)
+    done = body.index(b"data: [DONE]") + len(b"data: [DONE]\n\n")
+
+    async def run(answer, close: bool):
+        server, url, log = await scripted_server([answer, sized(200, b"x")], close_after={0} if close else set())
+        client = Client(url)
+        resp = await client.request("POST", "/completions", b"{}")
+        got = []
+        stopped = await resp.sse_data(lambda stamp, value: got.append(value) or value == b"[DONE]")
+        resp.release()
+        for _ in range(5000):  # until the rest of the body has come (or the server's close)
+            if not client._draining:
+                break
+            await asyncio.sleep(0.001)
+        second = await client.request("GET", "/models")
+        tail = await second.read()
+        second.release()
+        await client.aclose()
+        server.close()
+        return got, stopped, tail, [c for c, _, _ in log]
+
+    # the last chunk comes a little after [DONE]: the connection waits for it, then serves again
+    assert asyncio.run(run(cut(body, done), close=False)) == (DATA[:5], True, b"x", [1, 1])
+    # the server closes the connection without the last chunk: a new one serves the next request
+    assert asyncio.run(run(body[: body.index(b"0\r\n\r\n")], close=True)) == (DATA[:5], True, b"x", [1, 2])
+
+
 def test_an_error_in_on_data_ends_the_stream_and_the_connection():
     class Stop(Exception):
         pass

@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 # Reading pauses while this many received bytes wait untaken (and resumes below a quarter of
 # it); a response head longer than this is refused.
 READ_LIMIT = 1 << 21
+# Bytes a stream ended early may still bring before its connection is closed rather than pooled.
+DRAIN_LIMIT = 1 << 16
 # where a chunked body's parser stands: before a size line, inside a chunk's data, before the
 # CRLF that ends a chunk, among the trailer lines after the last chunk
 _SIZE, _DATA, _CRLF, _TRAILER = range(4)
@@ -111,7 +113,9 @@ class _Conn(asyncio.Protocol):
 
     def close(self) -> None:
         self.on_read = None
+        self.closed = True
         self.transport.close()
+        self.wake()
 
 
 class Response:
@@ -287,12 +291,33 @@ class Response:
         self._line = data[start:] if start < len(data) else b""
 
     def release(self) -> None:
-        """Back to the pool if the body was read whole on a connection kept alive; else closed."""
-        conn, self.conn = self.conn, None
-        if conn is None:
+        """Back to the pool if the body was read whole on a connection kept alive; else closed.
+        A stream that on_data ended before its body's end (at `[DONE]`, the last chunk not yet
+        come) is first read on to that end, in the background, and pooled then."""
+        conn = self.conn
+        if conn is None or conn.on_read == self._drain:
             return
+        if self._stopped and not self._done and self._error is None and not conn.closed and self._keep_alive():
+            self._drained = 0
+            conn.on_read = self._drain
+            self.client._draining.add(conn)
+            return
+        self._settle()
+
+    def _drain(self) -> None:
+        conn = self.conn
+        self._drained += sum(map(len, self._take()))
+        if self._done or self._error is not None or conn.closed or self._drained > DRAIN_LIMIT:
+            self.client._draining.discard(conn)
+            self._settle()
+
+    def _keep_alive(self) -> bool:
+        return self.headers.get("connection", "").lower() != "close"
+
+    def _settle(self) -> None:
+        conn, self.conn = self.conn, None
         conn.on_read = None
-        if self._done and not conn.closed and not conn.buf and self.headers.get("connection", "").lower() != "close":
+        if self._done and not conn.closed and not conn.buf and self._keep_alive():
             self.client._idle.append(conn)
         else:
             conn.close()
@@ -325,6 +350,7 @@ class Client:
         netloc = self.host if url.port is None else f"{self.host}:{url.port}"
         self.base_headers = {"host": netloc, "user-agent": "cbjax-bench", **{k.lower(): v for k, v in (headers or {}).items()}}
         self._idle: list[_Conn] = []
+        self._draining: set[_Conn] = set()  # streams ended early, read on to their body's end
 
     async def _connect(self) -> _Conn:
         try:
@@ -382,6 +408,8 @@ class Client:
     async def aclose(self) -> None:
         while self._idle:
             self._idle.pop().close()
+        while self._draining:
+            self._draining.pop().close()
 
 
 def _status(head: bytes) -> int:
