@@ -7,8 +7,10 @@ import asyncio
 import json
 import time
 
+import pytest
+
 from test_bench_http import HEAD, bytewise, chunked, cut, scripted_server, sized
-from cbjax.bench.client import send_one
+from cbjax.bench.client import loads, send_one
 from cbjax.bench.config import BenchClientConfig
 from cbjax.bench.http import Client
 from cbjax.request import Request
@@ -95,3 +97,17 @@ def test_a_request_past_its_timeout_is_named():
 
     timing = asyncio.run(run())
     assert timing.error == "no answer within bench.timeout_s=0.2" and timing.status == 200 and timing.token_s == []
+
+
+@pytest.mark.parametrize("data", [b'{"a": [1, 2.5, null, true], "t": "caf\xc3\xa9 \xf0\x9f\x98\x80"}', b'{"t": "\\ud83d\\ude00 \\n"}',
+                                  b"[1]", b'"s"', b"7", b'{"a": 1} x', b'{"a": 1}{"b": 2}', b"", b"nope", b'{"a": }', b'{"a": 1'])  # fmt: skip
+def test_loads_is_json_loads_for_a_stripped_line(data):
+    try:
+        want = ("value", json.loads(data))
+    except ValueError as e:
+        want = ("error", type(e), str(e))
+    try:
+        got = ("value", loads(data))
+    except ValueError as e:
+        got = ("error", type(e), str(e))
+    assert got == want
