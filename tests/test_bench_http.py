@@ -395,3 +395,20 @@ def test_under_uvloop_too():
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             got, stopped = runner.run(one_response(WRITES[writes](FRAMINGS[framing]), "sse_done"))
         assert got == DATA[:5] and stopped is True
+
+
+@pytest.mark.parametrize("answer, message", [
+    (b"SSH-2.0-OpenSSH\r\n", "not an HTTP/1.x status line: b'SSH-2.0-OpenSSH"),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n", "the server closed the connection mid-headers"),
+    (b"", "the server closed the connection before answering"),
+])  # fmt: skip
+def test_a_bad_or_cut_response_head_is_named(answer, message):
+    async def run():
+        server, url, _ = await scripted_server([cut(answer, 3) if answer else answer], close_after={0})
+        try:
+            await Client(url).request("GET", "/models")
+        finally:
+            server.close()
+
+    with pytest.raises(HTTPError, match=message):
+        asyncio.run(run())

@@ -372,6 +372,9 @@ class Client:
                 return await self._exchange(conn, data)
             except (HTTPError, OSError):
                 conn.close()
+            except BaseException:
+                conn.close()
+                raise
         conn = await self._connect()
         try:
             return await self._exchange(conn, data)
@@ -383,8 +386,10 @@ class Client:
             raise
 
     async def _exchange(self, conn: _Conn, data: bytes) -> Response:
-        if conn.closed or conn.buf:  # closed while idle, or bytes no request asked for
+        if conn.closed:  # while idle in the pool
             raise HTTPError("the server closed the connection before answering")
+        if conn.buf:
+            raise HTTPError(f"the server sent bytes no request asked for: {conn.buf[:80]!r}")
         await conn.send(data)
         while (end := _head_end(conn.buf)) < 0:
             buf = conn.buf
@@ -397,7 +402,7 @@ class Client:
             await conn.wait()
         head = conn.buf[:end]
         conn.keep(conn.buf[end:])
-        status_line, *lines = head.decode("latin-1").split("\n")
+        _, *lines = head.decode("latin-1").split("\n")  # after the status line
         headers: dict[str, str] = {}
         for line in lines:
             key, _, value = line.partition(":")
