@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from cbjax.bench.http import Client, HTTPError
+from cbjax.bench.http import READ_LIMIT, Client, HTTPError
 
 
 async def scripted_server(answers: list, close_after: set[int] = frozenset(), wrote: Optional[list] = None):
@@ -412,3 +412,28 @@ def test_a_bad_or_cut_response_head_is_named(answer, message):
 
     with pytest.raises(HTTPError, match=message):
         asyncio.run(run())
+
+
+def test_a_body_larger_than_the_read_buffer_comes_whole_when_read_late():
+    big = bytes(range(256)) * (3 * READ_LIMIT // 256)  # the connection pauses reading, then resumes
+    events = b"".join(b'data: {"i": %d}\n\n' % i for i in range(READ_LIMIT // 8))
+
+    async def run():
+        server, url, _ = await scripted_server([sized(200, big), chunked(events, b"data: [DONE]\n\n")])
+        client = Client(url)
+        resp = await client.request("GET", "/big")
+        await asyncio.sleep(0.3)  # the body waits unread
+        body = await resp.read()
+        resp = await client.request("POST", "/completions", b"{}")
+        await asyncio.sleep(0.3)
+        got = []
+        stopped = await resp.sse_data(lambda stamp, value: got.append(value) or value == b"[DONE]")
+        resp.release()
+        await client.aclose()
+        server.close()
+        return body, got, stopped
+
+    body, got, stopped = asyncio.run(run())
+    assert body == big
+    assert stopped and len(got) == READ_LIMIT // 8 + 1 and got[-2:] == [b'{"i": %d}' % (READ_LIMIT // 8 - 1), b"[DONE]"]
+    assert got[:-1] == [b'{"i": %d}' % i for i in range(READ_LIMIT // 8)]
