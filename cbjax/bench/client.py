@@ -3,8 +3,9 @@ the lean HTTP client of `cbjax.bench.http`).
 
 Times are seconds since the benchmark's start on the client's monotonic clock. A request's
 `arrival_s` is when it was sent; its first token is the first chunk that carries a token
-(`is_token`: its text may be empty); its inter-token latencies are the gaps between such chunks (a server that sends several
-tokens in one chunk shows one gap for them, as vLLM's and SGLang's clients count)."""
+(`is_token`: its text may be empty), timed at the socket read that brought the chunk's line,
+before it is parsed; its inter-token latencies are the gaps between such chunks (a server that
+sends several tokens in one chunk shows one gap for them, as vLLM's and SGLang's clients count)."""
 
 from __future__ import annotations
 
@@ -87,15 +88,14 @@ async def send_one(client: Client, cfg: BenchClientConfig, model: str, req: Requ
                 text = (await resp.read()).decode(errors="replace")
                 timing.error = f"HTTP {resp.status_code}: {_error_message(text)}"
                 return timing
-            async for line in resp.lines():
-                now = time.perf_counter() - t0  # as the line came, before it is parsed
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
+
+            def on_data(stamp: float, data: bytes) -> bool:  # inside the socket read that brought it
                 if data == b"[DONE]":
-                    break
-                _read_chunk(json.loads(data), timing, now)
-            else:
+                    return True
+                _read_chunk(loads(data), timing, stamp - t0)
+                return False
+
+            if not await resp.sse_data(on_data):
                 timing.error = "the stream ended without data: [DONE]"
     except (HTTPError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         timing.error = f"{type(e).__name__}: {e}"
@@ -106,6 +106,20 @@ async def send_one(client: Client, cfg: BenchClientConfig, model: str, req: Requ
         if resp is not None:
             resp.release()
     return timing
+
+
+_raw_decode = json.JSONDecoder().raw_decode
+
+
+def loads(data: bytes) -> Any:
+    """json.loads of a UTF-8 `data:` value stripped of white space at its ends: the same value or
+    the same error, less the encoding sniffing and white-space scans a token's chunk needs not."""
+    text = data.decode("utf-8", "surrogatepass")
+    value, end = _raw_decode(text)
+    if end != len(text):  # where json.loads reports it: past the white space
+        rest = text[end:]
+        raise json.JSONDecodeError("Extra data", text, end + len(rest) - len(rest.lstrip(" \t\n\r")))
+    return value
 
 
 def _read_chunk(chunk: dict[str, Any], timing: Timing, now: float) -> None:

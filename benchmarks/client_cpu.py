@@ -1,0 +1,133 @@
+"""Benchmark: cbjax-bench's own CPU time per streamed token, this checkout against another.
+
+    python benchmarks/client_cpu.py [--base DIR] [--rate 80] [--num-requests 200] [--repeats 3]
+        [OVERRIDE ...]
+
+One `cbjax-serve executor=sim executor.pace=realtime` (this checkout's) serves every run. Each
+run is cbjax-bench in a process of its own, open loop at the workload's Poisson arrivals, with
+the cbjax of the checkout it measures (this one, and --base's, a plain copy of another commit:
+`git -C REPO archive COMMIT | tar -x -C DIR`), the two alternating. A run reports the client
+process's CPU seconds (user + system, getrusage) spent in run_bench per output token, the
+server's CPU seconds per output token over the same span (from /proc), and the client's TTFT
+and ITL p50. The client shares the machine's cores with the server, so its CPU time both
+delays its own timestamps and slows the server: measure on a quiet machine. OVERRIDEs
+(Hydra `key=value`): `workload.*` go to the client, the rest to the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the client process: run_bench in-process between two getrusage readings; one JSON line out
+CLIENT = r"""
+import json, resource, sys
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+import cbjax, cbjax.bench.cli
+from cbjax.bench.config import BenchConfig
+from cbjax.bench.run import run_bench
+from cbjax.config_merge import check_known_keys
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    raw = compose(config_name="bench", overrides=["progress=false", *sys.argv[2:]])
+check_known_keys(raw, BenchConfig)
+cfg = OmegaConf.to_object(raw)
+ru = resource.getrusage(resource.RUSAGE_SELF)
+before = ru.ru_utime + ru.ru_stime
+print("start", flush=True)
+summary = run_bench(cfg, None, verbose=False)
+ru = resource.getrusage(resource.RUSAGE_SELF)
+out = {"cpu_s": ru.ru_utime + ru.ru_stime - before, "cbjax": cbjax.__file__}
+out.update({k: summary.get(k) for k in ("output_tokens", "num_finished", "num_http_errors", "ttft_s_p50", "itl_s_p50")})
+print("result " + json.dumps(out), flush=True)
+"""
+
+
+def start_server(overrides: list[str], out: Path) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "cbjax.serve", "executor=sim", "executor.pace=realtime", "server.port=0",
+           f"hydra.run.dir={out}", *overrides]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        match = re.match(r"cbjax-serve: listening on (http://\S+/v1)", line)
+        if match:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, match.group(1)
+    raise SystemExit(f"cbjax-serve exited {proc.wait()} before listening: {' '.join(cmd)}")
+
+
+def cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_client(checkout: Path, server: subprocess.Popen, overrides: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(checkout), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-c", CLIENT, str(checkout / "configs"), *overrides]
+    proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE, text=True)
+    result, server_before = None, None
+    for line in proc.stdout:
+        if line.startswith("start"):
+            server_before = cpu_s(server.pid)
+        elif line.startswith("result "):
+            result = json.loads(line[7:])
+            result["server_cpu_s"] = cpu_s(server.pid) - server_before
+    if proc.wait() != 0 or result is None:
+        raise SystemExit(f"the client in {checkout} failed ({proc.returncode})")
+    if not result["cbjax"].startswith(str(checkout)):
+        raise SystemExit(f"the client meant for {checkout} imported {result['cbjax']}")
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, help="another checkout's root to compare against (its cbjax-bench)")
+    parser.add_argument("--rate", type=float, default=80.0, help="Poisson arrivals, requests per second")
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "client_cpu")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides: workload.* for the client, the rest for the server")
+    args = parser.parse_args(argv)
+    workload = [o for o in args.overrides if o.startswith(("workload.", "workload=", "seed="))]
+    server_overrides = [o for o in args.overrides if o not in workload]
+    checkouts = {"this": ROOT, **({"base": args.base.resolve()} if args.base else {})}
+    server, url = start_server(server_overrides, args.out / "server")
+    results: dict[str, list[dict]] = {name: [] for name in checkouts}
+    try:
+        client = [f"bench.url={url}", f"workload.num_requests={args.num_requests}", "workload.arrival=poisson",
+                  f"workload.rate={args.rate}", *workload]  # fmt: skip
+        for i in range(args.repeats):
+            for name in (list(checkouts) if i % 2 else list(checkouts)[::-1]):
+                r = run_client(checkouts[name], server, client)
+                results[name].append(r)
+                print(f"repeat {i + 1} {name}: {r['cpu_s'] / r['output_tokens'] * 1e6:.1f} us/token client, "
+                      f"{r['server_cpu_s'] / r['output_tokens'] * 1e6:.1f} us/token server, "
+                      f"TTFT p50 {r['ttft_s_p50'] * 1e3:.2f} ms, ITL p50 {r['itl_s_p50'] * 1e3:.2f} ms, "
+                      f"{r['num_finished']} finished, {r['num_http_errors']} errors", flush=True)  # fmt: skip
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+    print(f"\nmedians of {args.repeats}, {args.num_requests} requests at {args.rate}/s")
+
+    def med(runs: list[dict], f) -> float:
+        return statistics.median(f(r) for r in runs)
+
+    for name, runs in results.items():
+        print(f"{name:>5}: client {med(runs, lambda r: r['cpu_s'] / r['output_tokens']) * 1e6:.1f} us/token, "
+              f"server {med(runs, lambda r: r['server_cpu_s'] / r['output_tokens']) * 1e6:.1f} us/token, "
+              f"TTFT p50 {med(runs, lambda r: r['ttft_s_p50']) * 1e3:.2f} ms, ITL p50 {med(runs, lambda r: r['itl_s_p50']) * 1e3:.2f} ms")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
