@@ -186,6 +186,20 @@ MALFORMED = [
 NOT_JSON = [b"{bad", b"", b"[1, 2]", b'"text"']
 
 
+def test_the_socket_listens_once_bound_before_the_server_runs():
+    """cbjax-serve says it is listening right after `bind`; a client that connects then waits in
+    the backlog rather than being refused while uvicorn starts."""
+    import socket
+
+    srv = Server(serve_config(), None)
+    sock = srv.bind()
+    try:
+        conn = socket.create_connection(sock.getsockname()[:2], timeout=10)  # refused unless listening
+        conn.close()
+    finally:
+        sock.close()
+
+
 def _sse_events(url: str, body: dict) -> list:
     """A stream's events, without the fields that differ between two requests (id, created)."""
     with httpx.stream("POST", url, json=body, timeout=60) as resp:

@@ -114,6 +114,8 @@ class Server:
         self.executor.warmup()
 
     def bind(self) -> socket.socket:
+        """The server's socket, bound and listening (connections wait in its backlog until
+        `run` accepts them)."""
         cfg = self.cfg.server
         self.uvicorn = _Uvicorn(
             uvicorn.Config(
@@ -128,7 +130,12 @@ class Server:
             ),
             on_signal=self.begin_drain,
         )
-        return self.uvicorn.config.bind_socket()
+        sock = self.uvicorn.config.bind_socket()
+        # uvicorn listens only once its loop has started: a client that connects as soon as
+        # `bind` returns (when cbjax-serve says it is listening) would be refused until then.
+        # Listening here queues such connections in the backlog instead.
+        sock.listen(self.uvicorn.config.backlog)
+        return sock
 
     def run(self, sock: Optional[socket.socket] = None) -> dict[str, Any]:
         """Serve on `sock` (from `bind`; default: bind now) until told to stop; then write
