@@ -19,15 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's cbjax, as the server (run from ROOT) imports it
+
+from cbjax.serve import process as serve_process  # noqa: E402
+
 
 # the client process: run_bench in-process between two getrusage readings; one JSON line out
 CLIENT = r"""
@@ -53,24 +55,6 @@ print("result " + json.dumps(out), flush=True)
 """
 
 
-def start_server(overrides: list[str], out: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "cbjax.serve", "executor=sim", "executor.pace=realtime", "server.port=0",
-           f"hydra.run.dir={out}", *overrides]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        match = re.match(r"cbjax-serve: listening on (http://\S+/v1)", line)
-        if match:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, match.group(1)
-    raise SystemExit(f"cbjax-serve exited {proc.wait()} before listening: {' '.join(cmd)}")
-
-
-def cpu_s(pid: int) -> float:
-    """A process's user + system CPU seconds so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_client(checkout: Path, server: subprocess.Popen, overrides: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout), "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-c", CLIENT, str(checkout / "configs"), *overrides]
@@ -78,10 +62,10 @@ def run_client(checkout: Path, server: subprocess.Popen, overrides: list[str]) -
     result, server_before = None, None
     for line in proc.stdout:
         if line.startswith("start"):
-            server_before = cpu_s(server.pid)
+            server_before = serve_process.cpu_s(server.pid)
         elif line.startswith("result "):
             result = json.loads(line[7:])
-            result["server_cpu_s"] = cpu_s(server.pid) - server_before
+            result["server_cpu_s"] = serve_process.cpu_s(server.pid) - server_before
     if proc.wait() != 0 or result is None:
         raise SystemExit(f"the client in {checkout} failed ({proc.returncode})")
     if not result["cbjax"].startswith(str(checkout)):
@@ -101,7 +85,8 @@ def main(argv=None) -> int:
     workload = [o for o in args.overrides if o.startswith(("workload.", "workload=", "seed="))]
     server_overrides = [o for o in args.overrides if o not in workload]
     checkouts = {"this": ROOT, **({"base": args.base.resolve()} if args.base else {})}
-    server, url = start_server(server_overrides, args.out / "server")
+    server, url = serve_process.start(["executor=sim", "executor.pace=realtime", f"hydra.run.dir={args.out / 'server'}",
+                                       *server_overrides], ROOT)  # fmt: skip
     results: dict[str, list[dict]] = {name: [] for name in checkouts}
     try:
         client = [f"bench.url={url}", f"workload.num_requests={args.num_requests}", "workload.arrival=poisson",

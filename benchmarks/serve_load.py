@@ -22,28 +22,19 @@ import collections
 import json
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's cbjax, as the server (run from ROOT) imports it
+
+from cbjax.serve import process as serve_process  # noqa: E402
+
+
 LEAVE_AFTER = 10  # tokens a leaving stream reads
-
-
-def start(out: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", f"hydra.run.dir={out}", "overhead.step_s=0.005",
-           "scheduler.max_num_seqs=64", *overrides]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        match = re.match(r"cbjax-serve: listening on (http://\S+/v1)", line)
-        if match:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, match.group(1)
-    raise SystemExit(f"cbjax-serve exited {proc.wait()} before listening")
 
 
 def rss_mib(pid: int) -> float:
@@ -96,7 +87,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "serve_load")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for cbjax-serve")
     args = parser.parse_args(argv)
-    proc, base = start(args.out, args.overrides)
+    proc, base = serve_process.start([f"hydra.run.dir={args.out}", "overhead.step_s=0.005", "scheduler.max_num_seqs=64",
+                                      *args.overrides], ROOT)  # fmt: skip
     try:
         rss_start = rss_mib(proc.pid)
         t0 = time.perf_counter()

@@ -26,14 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import resource
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -50,6 +46,7 @@ from cbjax.bench.run import run_bench  # noqa: E402
 from cbjax.config_merge import check_known_keys, to_run_config  # noqa: E402
 from cbjax.report import markdown_table  # noqa: E402
 from cbjax.run import run_experiment  # noqa: E402
+from cbjax.serve import process as serve_process  # noqa: E402
 
 CONFIGS = str(ROOT / "configs")
 WAYS = ("offline", "served", "paced sim", "offline sim")
@@ -63,15 +60,6 @@ def offline(overrides: list[str], out: Path) -> dict:
     return run_experiment(cfg, out, verbose=False)
 
 
-def process_cpu_s(pid: int) -> Optional[float]:
-    """A process's CPU seconds so far (user + system, all threads), from /proc; None without it."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def own_cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -81,24 +69,14 @@ def served(server_overrides: list[str], workload: list[str], out: Path, cpu: Opt
     """Start cbjax-serve, send the workload with cbjax-bench, stop the server (SIGTERM). With
     `cpu`, append the CPU seconds the server process and this one (the client) spent while the
     workload ran."""
-    cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", f"hydra.run.dir={out / 'server'}", *server_overrides]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc, base = serve_process.start([f"hydra.run.dir={out / 'server'}", *server_overrides], ROOT)
     try:
-        base = None
-        for line in proc.stderr:
-            match = re.match(r"cbjax-serve: listening on (http://\S+/v1)", line)
-            if match:
-                base = match.group(1)
-                threading.Thread(target=proc.stderr.read, daemon=True).start()
-                break
-        if base is None:
-            raise SystemExit(f"cbjax-serve exited {proc.wait()} before listening: {' '.join(cmd)}")
         with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
             raw = compose(config_name="bench", overrides=["progress=false", f"bench.url={base}", *workload])
         check_known_keys(raw, BenchConfig)
-        server0, client0 = process_cpu_s(proc.pid), own_cpu_s()
+        server0, client0 = serve_process.cpu_s(proc.pid), own_cpu_s()
         summary = run_bench(OmegaConf.to_object(raw), out / "bench", verbose=False)
-        server1, client1 = process_cpu_s(proc.pid), own_cpu_s()
+        server1, client1 = serve_process.cpu_s(proc.pid), own_cpu_s()
         if cpu is not None:
             cpu.append({"server_s": None if server0 is None or server1 is None else server1 - server0,
                         "client_s": client1 - client0})  # fmt: skip

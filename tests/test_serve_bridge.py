@@ -6,6 +6,8 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from cbjax.request import Request, SamplingParams
 from cbjax.serve.bridge import EngineBridge, Finished, Token
 
@@ -22,12 +24,26 @@ def _request(rid):
     return Request(rid, 0.0, 4, sampling=SamplingParams(max_tokens=2, ignore_eos=True), target_output_len=2)
 
 
-def test_a_waiting_tick_returns_once_the_woken_handler_has_run():
+@pytest.fixture
+def loop():
+    """An event loop running on its own thread, as uvicorn's runs beside the engine's."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+@pytest.fixture
+def bridge():
     bridge = EngineBridge()
     bridge.engine = _Engine()
+    return bridge
+
+
+def test_a_waiting_tick_returns_once_the_woken_handler_has_run(loop, bridge):
     req = _request("a")
     ready = threading.Event()
     handled = []
@@ -43,31 +59,20 @@ def test_a_waiting_tick_returns_once_the_woken_handler_has_run():
                 return
 
     done = asyncio.run_coroutine_threadsafe(handler(), loop)
-    try:
-        assert ready.wait(10)
-        bridge.on_token(req, 7, 0.5)
-        bridge.tick(wait_s=10.0)
-        assert [(type(e), e.token_id) for e in handled] == [(Token, 7)]
-        bridge.on_token(req, 9, 0.6)
-        bridge.on_finish(req)
-        bridge.tick(wait_s=10.0)
-        assert [type(e) for e in handled] == [Token, Token, Finished]
-        assert handled[1].token_id == 9 and handled[2].req is req
-        assert bridge.num_in_flight == 0 and not bridge.is_live("a")
-        done.result(10)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    assert ready.wait(10)
+    bridge.on_token(req, 7, 0.5)
+    bridge.tick(wait_s=10.0)
+    assert [(type(e), e.token_id) for e in handled] == [(Token, 7)]
+    bridge.on_token(req, 9, 0.6)
+    bridge.on_finish(req)
+    bridge.tick(wait_s=10.0)
+    assert [type(e) for e in handled] == [Token, Token, Finished]
+    assert handled[1].token_id == 9 and handled[2].req is req
+    assert bridge.num_in_flight == 0 and not bridge.is_live("a")
+    done.result(10)
 
 
-
-def test_a_first_token_is_handed_off_ahead_of_running_streams_tokens():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    bridge = EngineBridge()
-    bridge.engine = _Engine()
+def test_a_first_token_is_handed_off_ahead_of_running_streams_tokens(loop, bridge):
     a, b, c = _request("a"), _request("b"), _request("c")
     handled = []  # (request id, token id) in the order the handlers ran
 
@@ -82,40 +87,30 @@ def test_a_first_token_is_handed_off_ahead_of_running_streams_tokens():
 
     readies = [threading.Event() for _ in range(3)]
     tasks = [asyncio.run_coroutine_threadsafe(handler(r, e), loop) for r, e in zip((a, b, c), readies)]
-    try:
-        assert all(e.wait(10) for e in readies)
-        bridge.on_token(a, 1, 0.1)
-        bridge.tick(wait_s=10.0)
-        assert handled == [("a", 1)]
-        # one step: a's second token, then b's first, c's first, a's third (two steps' worth)
-        bridge.on_token(a, 2, 0.2)
-        bridge.on_token(b, 10, 0.2)
-        bridge.on_token(a, 3, 0.3)
-        bridge.on_token(c, 20, 0.3)
-        bridge.tick(wait_s=10.0)
-        assert handled[1:] == [("b", 10), ("c", 20), ("a", 2), ("a", 3)]
-        bridge.on_token(b, 11, 0.4)  # no longer a first token: in order behind c's
-        bridge.on_token(c, 21, 0.4)
-        bridge.tick(wait_s=10.0)
-        assert handled[5:] == [("b", 11), ("c", 21)]
-        for r in (a, b, c):
-            bridge.on_finish(r)
-        bridge.tick(wait_s=10.0)
-        for t in tasks:
-            t.result(10)
-        assert bridge.num_in_flight == 0
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    assert all(e.wait(10) for e in readies)
+    bridge.on_token(a, 1, 0.1)
+    bridge.tick(wait_s=10.0)
+    assert handled == [("a", 1)]
+    # one step: a's second token, then b's first, c's first, a's third (two steps' worth)
+    bridge.on_token(a, 2, 0.2)
+    bridge.on_token(b, 10, 0.2)
+    bridge.on_token(a, 3, 0.3)
+    bridge.on_token(c, 20, 0.3)
+    bridge.tick(wait_s=10.0)
+    assert handled[1:] == [("b", 10), ("c", 20), ("a", 2), ("a", 3)]
+    bridge.on_token(b, 11, 0.4)  # no longer a first token: in order behind c's
+    bridge.on_token(c, 21, 0.4)
+    bridge.tick(wait_s=10.0)
+    assert handled[5:] == [("b", 11), ("c", 21)]
+    for r in (a, b, c):
+        bridge.on_finish(r)
+    bridge.tick(wait_s=10.0)
+    for t in tasks:
+        t.result(10)
+    assert bridge.num_in_flight == 0
 
 
-def test_a_first_token_is_handled_before_attached_streams_are_written():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    bridge = EngineBridge()
-    bridge.engine = _Engine()
+def test_a_first_token_is_handled_before_attached_streams_are_written(loop, bridge):
     a, b = _request("a"), _request("b")
     handled = []
 
@@ -148,18 +143,13 @@ def test_a_first_token_is_handled_before_attached_streams_are_written():
     bridge.on_token(a, 1, 0.1)
     bridge.tick(wait_s=10.0)
     tb = asyncio.run_coroutine_threadsafe(waiting(b, rb), loop)
-    try:
-        assert ra.wait(10) and rb.wait(10)
-        bridge.on_token(a, 2, 0.2)  # written by a's sink within the delivering callback
-        bridge.on_token(b, 10, 0.2)  # b's first token: its handler runs first all the same
-        bridge.tick(wait_s=10.0)
-        assert handled == [("b", 10), ("a", 2)]
-        bridge.on_finish(a)
-        bridge.on_finish(b)
-        bridge.tick(wait_s=10.0)
-        ta.result(10)
-        tb.result(10)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    assert ra.wait(10) and rb.wait(10)
+    bridge.on_token(a, 2, 0.2)  # written by a's sink within the delivering callback
+    bridge.on_token(b, 10, 0.2)  # b's first token: its handler runs first all the same
+    bridge.tick(wait_s=10.0)
+    assert handled == [("b", 10), ("a", 2)]
+    bridge.on_finish(a)
+    bridge.on_finish(b)
+    bridge.tick(wait_s=10.0)
+    ta.result(10)
+    tb.result(10)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -13,21 +12,14 @@ import time
 import httpx
 
 from conftest import REPO
+from cbjax.serve import process as serve_process
 
 SHORT, LONG = 20, 3000  # tokens: at 2 ms an iteration, done well within the 3 s drain / running after it
 
 
 def start_server(tmp_path, env, *overrides: str) -> tuple[subprocess.Popen, str]:
     """Start `python -m cbjax.serve` on a free port; return it and its /v1 URL once it listens."""
-    cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", f"hydra.run.dir={tmp_path / 'run'}", *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        match = re.match(r"cbjax-serve: listening on (http://\S+/v1)", line)
-        if match:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-            return proc, match.group(1)
-    proc.wait(timeout=30)
-    raise AssertionError(f"cbjax-serve exited {proc.returncode} before listening")
+    return serve_process.start([f"hydra.run.dir={tmp_path / 'run'}", *overrides], REPO, env)
 
 
 def num_received(base: str) -> float:

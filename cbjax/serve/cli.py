@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from cbjax.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
 from cbjax.config_merge import check_known_keys
 from cbjax.serve.config import ServeConfig
+from cbjax.serve.process import LISTENING
 
 ConfigStore.instance().store(name="serve_base_config", node=ServeConfig)
 # serve.yaml's default executor.pace: the simulator is paced to the wall clock, the engine is not
@@ -40,7 +41,7 @@ def _app(cfg: DictConfig) -> None:
     host, port = sock.getsockname()[:2]
     # One line on stderr once the socket listens: scripts wait for it (and read the port when
     # server.port=0 picked a free one).
-    print(f"cbjax-serve: listening on http://{host}:{port}/v1 (model {server.state.model_name!r}); "
+    print(LISTENING.format(url=f"http://{host}:{port}") + f" (model {server.state.model_name!r}); "
           f"outputs in {out_dir}", file=sys.stderr, flush=True)  # fmt: skip
     summary = server.run(sock)
     print(f"cbjax-serve: stopped; {summary['num_requests']} requests, outputs in {out_dir}", file=sys.stderr, flush=True)

@@ -1,0 +1,40 @@
+"""cbjax-serve as a child process, for scripts and tests: start it, learn its URL, read its CPU.
+
+cbjax-serve prints one line on stderr once its socket listens (`LISTENING`, written by
+`cbjax.serve.cli`); `start` waits for it and reads the URL from it (with `server.port=0` the
+port is the one the system picked). No jax or hydra here."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Optional, Sequence
+
+LISTENING = "cbjax-serve: listening on {url}/v1"
+_LISTENING = re.compile(re.escape(LISTENING).replace(re.escape("{url}"), r"(http://\S+)"))
+
+
+def start(overrides: Sequence[str], cwd: Path, env: Optional[dict] = None) -> tuple[subprocess.Popen, str]:
+    """`python -m cbjax.serve server.port=0 OVERRIDES` in `cwd`; returns the process and its
+    /v1 base URL once it listens. Its stderr is drained on a thread from then on."""
+    cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", *overrides]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        match = _LISTENING.match(line)
+        if match:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+            return proc, match.group(1) + "/v1"
+    raise RuntimeError(f"cbjax-serve exited {proc.wait()} before listening: {' '.join(cmd)}")
+
+
+def cpu_s(pid: int) -> Optional[float]:
+    """A process's CPU seconds so far (user + system, all threads), from /proc; None without it."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
