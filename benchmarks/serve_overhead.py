@@ -3,9 +3,12 @@
     python benchmarks/serve_overhead.py [--executor jax] [--rate 8|half] [--num-requests 200]
         [--profile PROFILE.json] [--out DIR] [--repeats 1] [--ways offline,served,...] [OVERRIDE ...]
 
+--ways defaults to every way but `engine process`.
+
 1. offline: `cbjax` in-process (run_experiment) with the executor;
 2. served: `cbjax-serve` with the same executor, driven by `cbjax-bench` open loop at the
-   workload's arrival times, on this machine (client-side times);
+   workload's arrival times, on this machine (client-side times); and, as `engine process`,
+   the same with `server.engine_process=true` (the engine in a process of its own);
 3. paced sim: `cbjax-serve executor=sim executor.pace=realtime` (cost_model=profiled with
    --profile, the profile of this machine from `python -m cbjax.profile`; roofline without),
    driven the same way;
@@ -49,7 +52,7 @@ from cbjax.run import run_experiment  # noqa: E402
 from cbjax.serve import process as serve_process  # noqa: E402
 
 CONFIGS = str(ROOT / "configs")
-WAYS = ("offline", "served", "paced sim", "offline sim")
+WAYS = ("offline", "served", "engine process", "paced sim", "offline sim")
 METRICS = (("TTFT p50 (ms)", "ttft_s_p50", 1e3), ("TPOT p50 (ms)", "tpot_s_p50", 1e3), ("ITL p50 (ms)", "tbt_s_p50", 1e3),
            ("E2E p50 (ms)", "e2e_s_p50", 1e3), ("throughput (tok/s)", "throughput_tok_s", 1.0))  # fmt: skip
 
@@ -135,7 +138,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--profile", help="profile.json of this machine for the paced simulator (cost_model=profiled)")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--ways", default=",".join(WAYS), help=f"which of {', '.join(WAYS)} to run (comma-separated)")
+    default_ways = ",".join(w for w in WAYS if w != "engine process")
+    parser.add_argument("--ways", default=default_ways, help=f"which of {', '.join(WAYS)} to run (comma-separated)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "serve_overhead")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (model, scheduler, lengths)")
     args = parser.parse_args(argv)
@@ -163,6 +167,7 @@ def main(argv=None) -> int:
     ways = {
         "offline": lambda out: offline([f"executor={args.executor}", *engine, *workload], out),
         "served": lambda out: served([f"executor={args.executor}", *engine], workload, out, cpu),
+        "engine process": lambda out: served([f"executor={args.executor}", "server.engine_process=true", *engine], workload, out),
         "paced sim": lambda out: served([*sim, "executor.pace=realtime", *engine], workload, out),
         "offline sim": lambda out: offline([*sim, *engine, *workload], out),
     }
@@ -188,8 +193,9 @@ def main(argv=None) -> int:
     for label, key, scale in METRICS:
         v = {name: value(name, key, scale) for name in ways}
         rows.append([label, *(f"{v[n]:.2f}" if v[n] is not None else "-" for n in ways),
-                     ratio(v, "served", "offline"), ratio(v, "paced sim", "offline sim")])  # fmt: skip
-    header = ["metric", *ways, "served / offline", "paced sim / offline sim"]
+                     ratio(v, "served", "offline"), ratio(v, "engine process", "offline"),
+                     ratio(v, "paced sim", "offline sim")])  # fmt: skip
+    header = ["metric", *ways, "served / offline", "engine process / offline", "paced sim / offline sim"]
     print(f"\nexecutor={args.executor}, {args.num_requests} requests at {args.rate}/s, medians of {args.repeats}\n")
     print(markdown_table(header, rows))
     if "served" in ways and "offline" in ways:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from cbjax.executor import Executor
 from cbjax.outputs import StopFlag
@@ -35,6 +35,7 @@ PACES = ("none", "realtime")
 # virtual clock (start = the previous step's end) rather than on the wall clock, so sleep
 # overshoot does not accumulate. Beyond it, time slips to the wall clock: an honest delay.
 PACE_SLACK_S = 0.005
+IDLE_WAIT_S = 0.05  # an idle `run` looks at its stop flag at least this often
 _perf_counter = time.perf_counter
 
 
@@ -58,6 +59,16 @@ class IterationStats:
     postprocess_s: float = 0.0
     # iteration index at which each finished request ended (1-based), for "done in N iterations"
     finish_iteration: dict[str, int] = field(default_factory=dict)
+
+
+class LoadCounts(NamedTuple):
+    """The scheduler's load at one moment: for gauges and admission bounds."""
+
+    running: int  # requests holding a slot
+    waiting: int  # requests waiting for one (preempted ones included)
+    pages_used: int  # KV pages held (the null page excluded)
+    pages_total: int  # usable KV pages
+    preemptions: int  # since start
 
 
 @dataclass
@@ -170,6 +181,14 @@ class EngineLoop:
     def received(self, key: object) -> None:
         """The request `key` was submitted, or will never be (refused, or not a generation)."""
         self._receiving.pop(key, None)
+
+    def counts(self) -> LoadCounts:
+        """The scheduler's load now (from another thread: a racy read of list lengths and
+        counters, which may see an iteration half done but never a torn number)."""
+        sched = self.scheduler
+        alloc = sched.allocator
+        return LoadCounts(len(sched.running), len(sched.policy), alloc.num_used_pages, alloc.num_usable_pages,
+                          sched.num_preemptions)  # fmt: skip
 
     def advance_to(self, t: float) -> None:
         """A virtual clock idle until `t` jumps there (never backwards)."""
@@ -431,16 +450,24 @@ class EngineLoop:
         self.boundary()
         return self.step()
 
-    def run(self, stop: threading.Event) -> None:
-        """Serve submissions until `stop` is set; blocks while idle, wakes on `submit`."""
+    def run(self, stop: threading.Event, intake: Optional[Callable[[float], None]] = None) -> None:
+        """Serve submissions until `stop` is set; blocks while idle, wakes on `submit`. With
+        `intake(timeout_s)` (submissions that come from elsewhere, e.g. another process's pipe),
+        it is called before each turn with 0, and while idle in place of the wait: it submits
+        what has come, waiting up to timeout_s for something to."""
         while not stop.is_set():
+            if intake is not None:
+                intake(0.0)
             if self.turn():
                 continue
             # cleared before the inbox is checked again, so a submission in between is not missed
             self._wake.clear()
             if self._inbox or self._cancels:
                 continue
-            self._wake.wait(0.05)
+            if intake is not None:
+                intake(IDLE_WAIT_S)
+            else:
+                self._wake.wait(IDLE_WAIT_S)
         if self._inflight is not None:
             self._land()
         self.boundary()

@@ -94,7 +94,7 @@ class EngineBridge:
 
     def num_waiting(self) -> int:
         """Requests accepted and not yet holding a slot (a racy read; good for a bound)."""
-        return max(0, self.num_in_flight - len(self.engine.scheduler.running))
+        return max(0, self.num_in_flight - self.engine.counts().running)
 
     # ---- the engine's side (engine thread) ----
     def on_token(self, req: Request, token_id: Optional[int], now: float) -> None:
@@ -120,7 +120,9 @@ class EngineBridge:
 
     def tick(self, wait_s: float = 0.0) -> None:
         """Hand the buffered events to their event loops (the engine's `tick`). With `wait_s`,
-        wait up to that long for each loop to have run the handlers the events woke."""
+        wait up to that long for each loop to have run the handlers the events woke. Called on
+        an event loop (the engine in another process, its reports read there), that loop's
+        events are delivered at once."""
         if not (self._pending or self._first):
             return
         first, rest = self._first, self._pending
@@ -131,7 +133,14 @@ class EngineBridge:
         for (loop, queue), event in rest:
             by_loop.setdefault(loop, ([], []))[1].append((queue, event))
         handled = []
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         for loop, (f, r) in by_loop.items():
+            if loop is here:  # called on the event loop itself (an engine process's report)
+                _deliver(loop, f, r, None)
+                continue
             done = threading.Event() if wait_s > 0 else None
             try:
                 loop.call_soon_threadsafe(_deliver, loop, f, r, done)

@@ -44,6 +44,9 @@ def _app(cfg: DictConfig) -> None:
     print(LISTENING.format(url=f"http://{host}:{port}") + f" (model {server.state.model_name!r}); "
           f"outputs in {out_dir}", file=sys.stderr, flush=True)  # fmt: skip
     summary = server.run(sock)
+    if summary is None:
+        print(f"cbjax-serve: error: {server.remote.error}; no summary written", file=sys.stderr, flush=True)
+        sys.exit(1)
     print(f"cbjax-serve: stopped; {summary['num_requests']} requests, outputs in {out_dir}", file=sys.stderr, flush=True)
 
 

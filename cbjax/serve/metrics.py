@@ -1,8 +1,8 @@
 """GET /metrics: Prometheus text with vLLM's metric meanings under a `cbjax:` prefix.
 
-Gauges and the preemption counter are read from the scheduler when scraped (a read of list
-lengths and counters from another thread: a scrape may see an iteration half done, never a
-torn number). Latency histograms are observed once per request, as it ends served."""
+Gauges and the preemption counter are the engine's load when scraped (`counts`: read from the
+scheduler on another thread, or the engine process's latest report).
+Latency histograms are observed once per request, as it ends served."""
 
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ class EngineCollector:
         self.labels = {"model_name": model_name}
 
     def collect(self) -> Iterator[Metric]:
-        sched = self.engine.scheduler
-        alloc = sched.allocator
+        load = self.engine.counts()
         names = list(self.labels)
         values = list(self.labels.values())
 
@@ -40,14 +39,14 @@ class EngineCollector:
             g.add_metric(values, value)
             return g
 
-        yield gauge("num_requests_running", "Requests in the running batch (holding a slot).", len(sched.running))
-        yield gauge("num_requests_waiting", "Requests waiting for a slot (preempted ones included).", len(sched.policy))
-        used = alloc.num_used_pages
+        yield gauge("num_requests_running", "Requests in the running batch (holding a slot).", load.running)
+        yield gauge("num_requests_waiting", "Requests waiting for a slot (preempted ones included).", load.waiting)
+        used, total = load.pages_used, load.pages_total
         yield gauge("kv_cache_pages_used", "KV pages held by requests (the null page excluded).", used)
-        yield gauge("kv_cache_pages_total", "Usable KV pages (cache.num_pages - 1).", alloc.num_usable_pages)
-        yield gauge("kv_cache_usage_perc", "Fraction of usable KV pages held (1 = full).", used / max(1, alloc.num_usable_pages))
+        yield gauge("kv_cache_pages_total", "Usable KV pages (cache.num_pages - 1).", total)
+        yield gauge("kv_cache_usage_perc", "Fraction of usable KV pages held (1 = full).", used / max(1, total))
         c = CounterMetricFamily("cbjax:num_preemptions", "Preemptions since start.", labels=names)
-        c.add_metric(values, sched.num_preemptions)
+        c.add_metric(values, load.preemptions)
         yield c
 
 

@@ -1,4 +1,5 @@
-"""cbjax-serve as a child process, for scripts and tests: start it, learn its URL, read its CPU.
+"""cbjax-serve as a child process, for scripts and tests: start it, learn its URL, read its CPU
+(its engine process's included).
 
 cbjax-serve prints one line on stderr once its socket listens (`LISTENING`, written by
 `cbjax.serve.cli`); `start` waits for it and reads the URL from it (with `server.port=0` the
@@ -32,7 +33,21 @@ def start(overrides: Sequence[str], cwd: Path, env: Optional[dict] = None) -> tu
 
 
 def cpu_s(pid: int) -> Optional[float]:
-    """A process's CPU seconds so far (user + system, all threads), from /proc; None without it."""
+    """A process's CPU seconds so far (user + system, all threads), its live child processes'
+    included (cbjax-serve's engine process), from /proc; None without it."""
+    total = _own_cpu_s(pid)
+    if total is None:
+        return None
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
+        total += cpu_s(int(child)) or 0.0
+    return total
+
+
+def _own_cpu_s(pid: int) -> Optional[float]:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:

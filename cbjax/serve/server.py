@@ -1,8 +1,10 @@
-"""One cbjax-serve process: the engine on its own thread, uvicorn on the caller's, a drain on
-SIGTERM, and the run's outputs written at exit as an offline run writes them."""
+"""One cbjax-serve: uvicorn on the caller's thread, the engine in a process of its own (the real
+engine, `server.engine_process`) or on a thread of this one, a drain on SIGTERM, and the run's
+outputs written at exit as an offline run writes them."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -15,19 +17,16 @@ from typing import Any, Iterator, Optional
 
 import uvicorn
 
-from cbjax.engine import EngineLoop
-from cbjax.metrics import request_row
-from cbjax.outputs import RequestLog
-from cbjax.run import build_executor, resolve, write_outputs
-from cbjax.scheduler.core import Scheduler
+from cbjax.run import resolve
 from cbjax.serve.app import create_app
 from cbjax.serve.generate import ServeState
 from cbjax.serve.bridge import EngineBridge
 from cbjax.serve.config import ServeConfig
 from cbjax.serve.direct import RawSend
+from cbjax.serve.host import EngineHost
 from cbjax.serve.metrics import ServerMetrics
+from cbjax.serve.remote import EngineProcess, uses_engine_process
 from cbjax.serve.text import load_tokenizer
-from cbjax.service import ServiceLog
 
 log = logging.getLogger("cbjax")
 DRAIN_ABORT = "server shutting down (server.drain_s passed)"
@@ -51,37 +50,19 @@ class Server:
         cfg = resolve(cfg)
         self.cfg = cfg
         self.out_dir = out_dir
-        self.executor = build_executor(cfg)
-        scheduler = Scheduler(
-            cfg.scheduler,
-            cfg.cache,
-            cfg.model.max_model_len,
-            validate=self.executor.validate,
-            eos_token_id=cfg.model.eos_token_id,
-            vocab_size=cfg.model.vocab_size,
-        )
         self.bridge = EngineBridge()
-        self.service_log = ServiceLog()
-        self.engine = EngineLoop(
-            scheduler,
-            self.executor,
-            pace=cfg.executor.pace,
-            on_step=self.service_log.on_step,
-            on_token=self.bridge.on_token,
-            on_finish=self.bridge.on_finish,
-            tick=self._tick,
-        )
-        self.bridge.engine = self.engine
+        # the engine: in a process of its own (`remote`), or on a thread of this one (`host`)
+        self.remote: Optional[EngineProcess] = None
+        self.host: Optional[EngineHost] = None
+        if uses_engine_process(cfg):
+            self.remote = EngineProcess(cfg, out_dir, self.bridge)
+            self.bridge.engine = self.remote
+        else:
+            self.host = EngineHost(cfg, out_dir, self.bridge.on_token, self.bridge.on_finish, self._tick)
+            self.bridge.engine = self.host.engine
         name = cfg.server.served_model_name or cfg.model.name
-        self.metrics = ServerMetrics(self.engine, name)
+        self.metrics = ServerMetrics(self.bridge.engine, name)
         self.bridge.listeners.append(self.metrics.on_finish)
-        # the engine's tokens in each row, as an offline run writes them (the simulator has none)
-        self.extra_rows = None if self.executor.virtual_clock else (lambda r: {"output_token_ids": r.output_token_ids})
-        self.live: Optional[RequestLog] = None
-        if out_dir is not None:
-            extra = self.extra_rows
-            self.live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **(extra(r) if extra else {})})
-            self.bridge.listeners.append(self.live.write)
         self.state = ServeState(
             bridge=self.bridge,
             tokenizer=load_tokenizer(cfg.model.path, cfg.model.vocab_size, cfg.model.eos_token_id),
@@ -103,15 +84,13 @@ class Server:
 
     def _tick(self) -> None:
         self.bridge.tick(HANDOFF_WAIT_S)
-        if self.live is not None:
-            self.live.tick()
 
     def warmup(self) -> None:
-        """Compile before listening. A served request may sample, so the engine's sampler is
-        compiled too (an offline run compiles it only when its workload samples)."""
-        if hasattr(self.executor, "sampling"):
-            self.executor.sampling = True
-        self.executor.warmup()
+        """Compile before listening (in the engine process, wait until it has)."""
+        if self.remote is not None:
+            self.remote.wait_ready()
+        else:
+            self.host.warmup()
 
     def bind(self) -> socket.socket:
         """The server's socket, bound and listening (connections wait in its backlog until
@@ -129,6 +108,7 @@ class Server:
                 timeout_graceful_shutdown=int(cfg.drain_s) + 10,
             ),
             on_signal=self.begin_drain,
+            on_startup=self.remote.attach if self.remote is not None else None,
         )
         sock = self.uvicorn.config.bind_socket()
         # uvicorn listens only once its loop has started: a client that connects as soon as
@@ -137,16 +117,19 @@ class Server:
         sock.listen(self.uvicorn.config.backlog)
         return sock
 
-    def run(self, sock: Optional[socket.socket] = None) -> dict[str, Any]:
+    def run(self, sock: Optional[socket.socket] = None) -> Optional[dict[str, Any]]:
         """Serve on `sock` (from `bind`; default: bind now) until told to stop; then write
-        the outputs and return the summary."""
+        the outputs and return the summary (None: the engine process failed, and wrote none)."""
         if sock is None:
             sock = self.bind()
-        self.engine.restart_clock()  # arrivals count from here, after warmup
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self._thread = threading.Thread(target=self.engine.run, args=(self.stop,), name="cbjax-engine", daemon=True)
-        self._thread.start()
+        if self.remote is not None:  # arrivals count from here, after warmup
+            self.remote.start()
+        else:
+            self.host.engine.restart_clock()
+            self._thread = threading.Thread(target=self.host.engine.run, args=(self.stop,), name="cbjax-engine", daemon=True)
+            self._thread.start()
         try:
             self.uvicorn.run(sockets=[sock])
         finally:
@@ -160,7 +143,7 @@ class Server:
         if self.state.draining:
             return
         self.state.draining = True
-        self.engine.close_admission()
+        self.bridge.engine.close_admission()
         self._drain_timer = threading.Timer(self.cfg.server.drain_s, self.bridge.cancel_all, (DRAIN_ABORT,))
         self._drain_timer.daemon = True
         self._drain_timer.start()
@@ -175,18 +158,18 @@ class Server:
         write requests.jsonl, summary.json and config.yaml."""
         self.begin_drain()
         self.stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self.remote is not None:
+            self.summary = self.remote.finish()  # None if the engine process failed
+            if self.summary is None:
+                log.error("cbjax-serve: %s; requests.jsonl written without the engine's summary", self.remote.error)
+                if self.out_dir is not None:
+                    self.remote.write_rows(self.out_dir / "requests.jsonl")
+        else:
+            if self._thread is not None:
+                self._thread.join()
+            self.summary = self.host.finish()
         if self._drain_timer is not None:
             self._drain_timer.cancel()
-        self.engine.abort_all()
-        self.bridge.tick()
-        result = self.engine.result()
-        self.summary = write_outputs(self.cfg, self.out_dir, result, self.service_log, self.executor, extra_rows=self.extra_rows)
-        if self.live is not None:
-            self.live.close()
-        self.engine.close()
-        self.executor.close()
 
 
 class _Uvicorn(uvicorn.Server):
@@ -194,9 +177,14 @@ class _Uvicorn(uvicorn.Server):
     graceful exit; uvicorn's own re-raise of the signal at exit (which would kill the process
     before the outputs are written) is left out."""
 
-    def __init__(self, config: uvicorn.Config, on_signal):
+    def __init__(self, config: uvicorn.Config, on_signal, on_startup=None):
         super().__init__(config)
-        self.on_signal = on_signal
+        self.on_signal, self.on_startup = on_signal, on_startup
+
+    async def startup(self, sockets=None) -> None:
+        if self.on_startup is not None:  # on the event loop, before any connection is accepted
+            self.on_startup(asyncio.get_running_loop())
+        await super().startup(sockets)
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:

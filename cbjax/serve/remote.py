@@ -1,0 +1,306 @@
+"""The engine in a process of its own, beside the server's (`server.engine_process`).
+
+Why: in one process the engine's thread and the event loop share one GIL. Every step, the
+loop's writes of the step's tokens and the engine's planning of the next step take turns, so
+each step also waits for the other's share (measured in docs/benchmarks.md, Serving). In two
+processes they overlap: the server process parses requests and writes chunks while the engine
+process plans and runs steps.
+
+The contract is the loop's own, across a pipe (`multiprocessing`, spawned: the server process
+starts no JAX runtime of its own, and a forked JAX runtime would not be safe):
+- server -> engine: `start` (the clock's origin, `time.perf_counter` being one clock for every
+  process of the machine), `submit` (a Request and its arrival stamp), `cancel`, `close`
+  (admission), `finish` (stop, abort what is left, write the outputs);
+- engine -> server: `ready` (warmed up, with the load counts), then per loop turn with news an
+  `events` message (tokens as (request id, token id, time), finished requests as Requests, in
+  the order the loop reported them, and the load counts), and `done` with the summary; or
+  `error` (the exception's type, message and traceback), at any point.
+
+The engine process writes requests.jsonl (live, as requests end) and the outputs, as a server
+that runs the engine on a thread does. It ignores SIGINT: the server drains on Ctrl-C and then
+tells it to finish; if the server process dies, the pipe closes and the engine process stops.
+If the engine process dies, the server writes requests.jsonl itself (`write_rows`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from cbjax.engine import IDLE_WAIT_S, LoadCounts
+from cbjax.metrics import request_row
+from cbjax.request import FinishReason, Request
+from cbjax.serve.config import ServeConfig
+
+log = logging.getLogger("cbjax")
+ENGINE_LOST = "the engine process exited"
+
+
+def uses_engine_process(cfg: ServeConfig) -> bool:
+    """Whether the server runs `cfg`'s engine in a process of its own."""
+    return cfg.server.engine_process and cfg.executor.name == "jax"
+
+
+class EngineProcess:
+    """The server's handle on the engine process: the loop's intake (`submit`, `cancel`,
+    `close_admission`, `stamp`, `receive`, `received`, `counts`), with its callbacks delivered
+    to `bridge` (`on_token`, `on_finish`, `tick`) on the event loop (`attach`), and after it
+    has stopped by `finish`."""
+
+    def __init__(self, cfg: ServeConfig, out_dir: Optional[Path], bridge):
+        self.bridge = bridge
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_engine_main, args=(cfg, out_dir, child), name="cbjax-engine", daemon=True)
+        self._proc.start()
+        child.close()
+        self._send_lock = threading.Lock()
+        self._requests: dict[str, Request] = {}  # submitted, not yet finished: the server's objects
+        self.submitted: list[Request] = []  # every request sent, in order (rows if the engine is lost)
+        self._counts = LoadCounts(0, 0, 0, 0, 0)
+        self._t0 = time.perf_counter()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.summary: Optional[dict[str, Any]] = None
+        self.error: Optional[str] = None
+
+    # ---- start and end ----
+    def wait_ready(self) -> None:
+        """Block until the engine process has built and warmed up its executor. A config error
+        there is raised here as a ValueError, anything else as a RuntimeError."""
+        msg = self._recv()
+        if msg is None or msg[0] != "ready":
+            self._proc.join(timeout=10)
+            if msg is None:
+                raise RuntimeError(f"{ENGINE_LOST} while starting (code {self._proc.exitcode})")
+            _, kind, text, trace = msg
+            if kind == "ValueError":  # a config the executor refused: the message names the field
+                raise ValueError(text)
+            raise RuntimeError(f"the engine process failed while starting:\n{trace}")
+        self._counts = msg[1]
+
+    def start(self) -> None:
+        """Start the clock now: arrivals count from here."""
+        self._t0 = time.perf_counter()
+        self._send(("start", self._t0))
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's reports on `loop` (the server's event loop, from its thread): the
+        events reach their handlers in the same loop turn, with no thread between."""
+        loop.add_reader(self._conn.fileno(), self._readable)
+        self._loop = loop
+
+    def finish(self, timeout_s: float = 600.0) -> Optional[dict[str, Any]]:
+        """Once the event loop has stopped: stop the engine, which aborts what is left, reports
+        their ends, writes the outputs and exits. Returns the summary (None if the engine
+        process failed: see `error`)."""
+        try:
+            self._send(("finish",))
+        except OSError:
+            pass  # already gone
+        deadline = time.monotonic() + timeout_s
+        while self.summary is None and self.error is None:
+            if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+                self._lost(f"the engine process did not finish within {timeout_s:.0f} s")
+                break
+            self._handle(self._recv())
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+        return self.summary
+
+    def write_rows(self, path: Path) -> None:
+        """With the engine lost (its outputs unwritten): one requests.jsonl row per request sent,
+        from the server's copies: the fates the engine reported, and `error` for the rest."""
+        with open(path, "w") as f:
+            for req in self.submitted:
+                f.write(json.dumps({**request_row(req), "output_token_ids": req.output_token_ids}) + "\n")
+
+    # ---- the loop's intake ----
+    def stamp(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def receive(self, key: object) -> float:
+        return self.stamp()  # the engine is not paced: nothing waits for the submission
+
+    def received(self, key: object) -> None:
+        pass
+
+    def submit(self, req: Request, arrival_s: Optional[float] = None) -> None:
+        """Send `req` to the engine; with the engine gone, it ends in error at once."""
+        req.arrival_s = self.stamp() if arrival_s is None else arrival_s
+        self._requests[req.request_id] = req
+        self.submitted.append(req)
+        if self.error is None:
+            try:
+                self._send(("submit", req, req.arrival_s))
+                return
+            except OSError:
+                self._lost(f"{ENGINE_LOST} (code {self._proc.exitcode})")
+        self._lost(self.error)
+
+    def cancel(self, request_id: str, reason: str = "client disconnected", finish_reason: FinishReason = FinishReason.ABORTED) -> None:
+        self._command(("cancel", request_id, reason, finish_reason))
+
+    def close_admission(self) -> None:
+        self._command(("close",))
+
+    def _command(self, msg: tuple) -> None:
+        """A command whose loss with the engine changes nothing (its requests end in error)."""
+        try:
+            self._send(msg)
+        except OSError:
+            pass
+
+    def counts(self) -> LoadCounts:
+        """The load as of the engine's latest report (at most one loop turn old)."""
+        return self._counts
+
+    # ---- the pipe ----
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def _recv(self) -> Optional[tuple]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            return None
+
+    def _readable(self) -> None:
+        """The pipe has data (on the event loop): handle every message that has come."""
+        while self.summary is None and self.error is None and self._conn.poll(0):
+            self._handle(self._recv())
+        if self.error is not None and self._loop is not None:
+            self._loop.remove_reader(self._conn.fileno())
+            self._loop = None
+
+    def _handle(self, msg: Optional[tuple]) -> None:
+        """One report of the engine's, delivered to the bridge as the engine's thread would."""
+        if msg is None:
+            self._lost(f"{ENGINE_LOST} (code {self._proc.exitcode})")
+            return
+        kind = msg[0]
+        if kind == "events":
+            bridge, requests = self.bridge, self._requests
+            for event in msg[1]:
+                if type(event) is tuple:
+                    req = requests.get(event[0])
+                    if req is not None:
+                        bridge.on_token(req, event[1], event[2])
+                else:
+                    req = requests.pop(event.request_id, None)
+                    if req is None:
+                        req = event
+                    else:  # the handler holds the server's object: bring it up to date
+                        req.__dict__.update(event.__dict__)
+                    bridge.on_finish(req)
+            self._counts = msg[2]
+            bridge.tick()
+        elif kind == "done":
+            self.summary = msg[1]
+        elif kind == "error":
+            log.error("cbjax-serve: the engine failed:\n%s", msg[3])
+            self._lost(f"the engine failed: {msg[1]}: {msg[2]}")
+
+    def _lost(self, error: str) -> None:
+        """The engine is gone: every request it held ends in error, so no handler waits forever."""
+        self.error = error
+        for req in list(self._requests.values()):
+            self._requests.pop(req.request_id, None)
+            req.finish_reason, req.error = FinishReason.ERROR, error
+            self.bridge.on_finish(req)
+        self.bridge.tick()
+
+
+class _Forward:
+    """The engine process's callbacks: buffer the loop's reports, send them once per turn."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.engine = None  # set once the loop exists
+        self.events: list = []
+        self.sent_counts: Optional[LoadCounts] = None
+
+    def on_token(self, req: Request, token_id: Optional[int], now: float) -> None:
+        self.events.append((req.request_id, token_id, now))
+
+    def on_finish(self, req: Request) -> None:
+        self.events.append(req)
+
+    def tick(self) -> None:
+        counts = self.engine.counts()
+        if self.events or counts != self.sent_counts:
+            events, self.events = self.events, []
+            self.conn.send(("events", events, counts))
+            self.sent_counts = counts
+
+
+def _engine_main(cfg: ServeConfig, out_dir: Optional[Path], conn) -> None:
+    """The engine process: build and warm up, then one thread runs the loop and reads the
+    server's commands between its turns; at the end, write the outputs."""
+    from cbjax.serve.host import EngineHost  # here: the server process needs no executor
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on Ctrl-C, then says finish
+    try:
+        forward = _Forward(conn)
+        host = EngineHost(cfg, out_dir, forward.on_token, forward.on_finish, forward.tick)
+        forward.engine = host.engine
+        host.warmup()
+        conn.send(("ready", host.engine.counts()))
+        commands = _Commands(conn, host.engine)
+        while not commands.started.is_set():
+            commands(IDLE_WAIT_S)
+        host.engine.run(commands.stop, intake=commands)
+        conn.send(("done", host.finish()))
+    except BaseException as err:  # reported to the server, which ends its requests in error
+        try:
+            conn.send(("error", type(err).__name__, str(err), traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+    finally:
+        conn.close()
+
+
+class _Commands:
+    """The server's commands, read by the loop's own thread between turns (the loop's
+    `intake`): no second thread contends for the engine process's GIL."""
+
+    def __init__(self, conn, engine):
+        self.conn, self.engine = conn, engine
+        self.started, self.stop = threading.Event(), threading.Event()
+
+    def __call__(self, timeout_s: float) -> None:
+        conn, engine = self.conn, self.engine
+        try:
+            if not conn.poll(timeout_s):
+                return
+            while True:
+                msg = conn.recv()
+                kind = msg[0]
+                if kind == "submit":
+                    engine.submit(msg[1], msg[2])
+                elif kind == "cancel":
+                    engine.cancel(msg[1], msg[2], msg[3])
+                elif kind == "close":
+                    engine.close_admission()
+                elif kind == "start":
+                    engine.restart_clock(msg[1])
+                    self.started.set()
+                elif kind == "finish":
+                    break
+                if not conn.poll(0):
+                    return
+        except (EOFError, OSError):  # the server process is gone: finish, its outputs written
+            pass
+        self.started.set()
+        self.stop.set()

@@ -1,0 +1,71 @@
+"""The real engine in a process of its own (`server.engine_process=true`) against the same engine on
+a thread of the server's process: the same requests get the same tokens and the same fates, a
+client that leaves frees its slot and pages across the pipe, and the engine process writes the
+run's outputs."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import httpx
+import openai
+
+from test_serve import metric, rows, running, wait_for
+
+SMALL = ["executor=jax", "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=32", "model.max_model_len=512",
+         "cache.num_pages=64", "executor.token_buckets=[4,32]"]  # fmt: skip
+
+
+def _serve(out_dir, process: bool) -> dict:
+    """Three requests (greedy streamed, sampled with a seed, one that leaves after 3 chunks);
+    returns what the client saw, the gauges afterwards, and whether an engine process ran."""
+    seen = {}
+    with running(out_dir, *SMALL, f"server.engine_process={str(process).lower()}") as (base, srv):
+        seen["children"] = len(multiprocessing.active_children())
+        client = openai.OpenAI(base_url=base, api_key="unused")
+        seen["greedy"] = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt="hello", max_tokens=12, temperature=0, stream=True) if c.choices)  # fmt: skip
+        sampled = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=1.0, seed=7)
+        seen["sampled"] = (sampled.choices[0].text, sampled.usage.completion_tokens)
+        body = {"prompt": "leave", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/completions", json=body, timeout=60) as resp:
+            chunks = 0
+            for line in resp.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks == 3:
+                    break  # closes the connection midway
+        wait_for(lambda: metric(base, "num_requests_running") == 0, "no request running")
+        seen["gauges"] = [metric(base, name) for name in ("num_requests_waiting", "kv_cache_pages_used", "kv_cache_pages_total")]
+    return seen
+
+
+def test_the_engine_process_serves_as_the_engine_thread_does(tmp_path):
+    thread, process = tmp_path / "thread", tmp_path / "process"
+    on_thread, in_process = _serve(thread, False), _serve(process, True)
+    assert (on_thread["children"], in_process["children"]) == (0, 1)
+    assert in_process["greedy"] and in_process["greedy"] == on_thread["greedy"]
+    assert in_process["sampled"] == on_thread["sampled"] and in_process["sampled"][1] == 5
+    assert in_process["gauges"] == on_thread["gauges"] == [0, 0, 63]
+    a, b = rows(thread), rows(process)
+    assert [r["output_token_ids"] for r in a[:2]] == [r["output_token_ids"] for r in b[:2]]
+    assert [len(r["output_token_ids"]) for r in b[:2]] == [12, 5]
+    assert [(r["finish_reason"], r["error"]) for r in a] == [(r["finish_reason"], r["error"]) for r in b]
+    assert b[2]["finish_reason"] == "aborted" and b[2]["error"] == "client disconnected" and 3 <= b[2]["output_len"] < 400
+    summary = json.loads((process / "summary.json").read_text())  # written by the engine process
+    assert summary["executor"] == "jax" and summary["num_requests"] == 3 and summary["compiles_after_warmup"] == 0
+
+
+def test_a_lost_engine_process_fails_its_requests_and_the_server_stays_up(tmp_path):
+    with running(tmp_path, *SMALL, "server.engine_process=true") as (base, srv):
+        body = {"prompt": "a", "max_tokens": 3}
+        assert httpx.post(f"{base}/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 3
+        srv.remote._proc.kill()
+        srv.remote._proc.join()
+        r = httpx.post(f"{base}/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "the engine process exited" in r.json()["error"]["message"]
+        assert httpx.get(f"{base}/models").json()["data"][0]["id"] == "tiny"  # the HTTP side still answers
+    assert srv.summary is None and "the engine process exited" in srv.remote.error
+    served, lost = rows(tmp_path)  # written by the server: every request has a row with its fate
+    assert (served["finish_reason"], served["output_len"], len(served["output_token_ids"])) == ("length", 3, 3)
+    assert lost["finish_reason"] == "error" and "the engine process exited" in lost["error"]
