@@ -1,6 +1,6 @@
 """Benchmark: one workload served three ways, side by side, to show what the server costs.
 
-    python benchmarks/serve_overhead.py [--executor jax] [--rate 8|half] [--num-requests 200]
+    python benchmarks/serve_overhead.py [--executor jax] [--rate 8|half|half-served] [--num-requests 200]
         [--profile PROFILE.json] [--out DIR] [--repeats 1] [--ways offline,served,...] [OVERRIDE ...]
 
 --ways defaults to every way but `engine process`.
@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--executor", default="jax", choices=("jax", "sim"))
     parser.add_argument("--rate", default="8", help="Poisson arrivals, requests per second; `half`: half of the "
-                        "executor's capacity, measured first offline with every request arriving at once")
+                        "executor's capacity, measured first offline with every request arriving at once; "
+                        "`half-served`: half of the server's, every request sent at once through cbjax-serve")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--profile", help="profile.json of this machine for the paced simulator (cost_model=profiled)")
     parser.add_argument("--repeats", type=int, default=1)
@@ -150,17 +151,21 @@ def main(argv=None) -> int:
     # the workload keys go to cbjax-bench too; the rest only to the server and offline runs
     lengths = [o for o in args.overrides if o.startswith(("workload.", "workload=", "seed=", "slo."))]
     engine = [o for o in args.overrides if o not in lengths]
-    if args.rate == "half":
-        print("capacity: offline, every request at once", file=sys.stderr, flush=True)
-        cap = offline([f"executor={args.executor}", *engine, f"workload.num_requests={args.num_requests}",
-                       *lengths, "workload.arrival=all_at_once"], args.out / "capacity")  # fmt: skip
+    if args.rate in ("half", "half-served"):
+        burst = [f"workload.num_requests={args.num_requests}", *lengths, "workload.arrival=all_at_once"]
+        if args.rate == "half":
+            print("capacity: offline, every request at once", file=sys.stderr, flush=True)
+            cap = offline([f"executor={args.executor}", *engine, *burst], args.out / "capacity")
+        else:
+            print("capacity: served, every request at once", file=sys.stderr, flush=True)
+            cap = served([f"executor={args.executor}", *engine], burst, args.out / "capacity")
         args.rate = round(cap["throughput_req_s"] / 2, 2)
         print(f"capacity {cap['throughput_req_s']:.1f} req/s: rate {args.rate}/s", file=sys.stderr, flush=True)
     else:
         try:
             args.rate = float(args.rate)
         except ValueError:
-            parser.error(f"--rate: {args.rate!r} is neither a number nor `half`")
+            parser.error(f"--rate: {args.rate!r} is neither a number, `half` nor `half-served`")
     workload = [f"workload.num_requests={args.num_requests}", "workload.arrival=poisson", f"workload.rate={args.rate}", *lengths]
     sim = ["executor=sim", *((["executor.cost_model=profiled", f"executor.profile={args.profile}"]) if args.profile else [])]
     cpu: list[dict] = []  # the served runs' CPU seconds, server and client
