@@ -416,6 +416,12 @@ class EngineLoop:
         one while this one runs: a request arriving during step t is planned after t ends, into
         step t + 2, as on the pipelined engine."""
         out = self.executor.execute(plan)
+        if out.launch_s and self._inflight is not None:
+            # the step in flight is collected only once this one is launched: its host time
+            # (packing a large prefill) can outlast that step
+            prev = self._inflight[1]
+            prev.end += out.launch_s
+            self._virtual_end = max(self._virtual_end, prev.end)
         begin = max(start, self._virtual_end)
         self._virtual_end = begin + out.duration_s
         return _VirtualLaunch(out, begin, self._virtual_end)

@@ -105,3 +105,6 @@ class StepOutput:
     token_ids: Optional[Sequence[int]]
     duration_s: float
     errors: Optional[dict[int, str]] = None
+    # A virtual pipelined step's host time to launch it: the loop collects the step in flight
+    # only after this one is launched (`cbjax.engine.EngineLoop._launch_virtual`).
+    launch_s: float = 0.0

@@ -23,12 +23,14 @@ SEQ_S, SINGLE_PAGE_S, BLOCK_PAGE_S = 4e-5, 2e-6, 6e-6
 COLD = (5e-4, 3e-4, 1e-4, 5e-5)
 
 
-def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0) -> list[dict]:
+def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0, launch: float = 0.0) -> list[dict]:
     """`n` served steps over buckets 4, 8 and 16 with random rows, pages and steps since a larger
-    bucket's, timed exactly by the truth above (times `scale`)."""
+    bucket's, timed exactly by the truth above (times `scale`). With `launch`, a third of them
+    also hold the launch of a next step of 1-256 tokens, at `launch` seconds a token."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
+        nxt = int(rng.integers(1, 257)) if launch and rng.random() < 1 / 3 else 0
         bucket = int(rng.choice([4, 8, 16]))
         rows = int(rng.integers(1, bucket + 1))
         single, block = int(rng.integers(1, 60)), int(rng.integers(0, 20))
@@ -36,8 +38,11 @@ def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0) 
         features = [1.0, rows, 0.0, 0.0, 0.0, 0.0, single, block, rows]
         t = FIXED[bucket] + SEQ_S * rows + SINGLE_PAGE_S * single + BLOCK_PAGE_S * block
         t += COLD[since - 1] if since else 0.0
+        t += launch * nxt
         out.append({"bucket": bucket, "features": features, "measured_s": scale * t, "since_larger": since,
                     "idle": False, "regime": regime, "source": "fcfs_poisson_30pct"})  # fmt: skip
+        if nxt:
+            out[-1]["next_tokens"] = nxt
     return out
 
 
@@ -67,6 +72,18 @@ def test_served_fit_recovers_per_row_per_page_and_cold_terms(weighting):
     assert coef["single_page_s"] == pytest.approx(SINGLE_PAGE_S, rel=1e-6)
     assert coef["block_page_s"] == pytest.approx(BLOCK_PAGE_S, rel=1e-6)
     assert [coef[k] for k in COLD_TERMS] == pytest.approx(COLD, rel=1e-6)
+    assert coef["launch_token_s"] == 0.0  # no step held a next launch
+
+
+def test_served_fit_recovers_the_next_steps_launch_time():
+    # a third of the steps hold the launch of a next step (1-256 tokens at 2 us each: up to
+    # 0.5 ms, a decode step's worth): the fit must put it on the launch term, not the intercepts
+    launch = 2e-6
+    coef = fit_served(synthetic_log(300, seed=4, launch=launch), FIXED, GRID, fit_cold=True, served_terms=True,
+                      weighting="absolute")  # fmt: skip
+    assert coef["launch_token_s"] == pytest.approx(launch, rel=1e-6)
+    assert coef["served_bucket_s"] == {str(b): pytest.approx(v, rel=1e-6) for b, v in FIXED.items()}
+    assert coef["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
 
 
 def test_held_out_steps_do_not_enter_the_fit():

@@ -453,6 +453,9 @@ def test_served_iterations_of_a_pipelined_engine_are_their_share_of_the_wall_clo
     timed.end = [2.0, 3.5, 5.0]
     steps, gaps = served_points("run", timed, shapes)
     assert [s["measured_s"] for s in steps] == [2.0, 1.5, 1.0] and gaps == []
+    # step 2 (2 tokens) was launched at 1.0, before step 1 was collected at 2.0: step 1's share
+    # holds that launch; step 3 was launched at 4.0, after step 2 was collected at 3.5
+    assert [s.get("next_tokens") for s in steps] == [2, None, None]
     timed.pipelined = False
     steps, gaps = served_points("run", timed, shapes)
     assert [s["measured_s"] for s in steps] == [2.0, 2.5, 1.0] and gaps == [(2, -1.0), (2, 0.5)]

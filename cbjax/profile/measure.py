@@ -145,7 +145,8 @@ def fit_profile(
         s["grid_model_s"] = float(predict(grid, s["bucket"], s["features"]))
         s["predicted_s"] = float(
             predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
-        )
+            + coefficients.get("launch_token_s", 0.0) * s.get("next_tokens", 0)
+        )  # fmt: skip
     for s in steps + served:
         s["rel_error"] = float(abs(s["predicted_s"] - s["measured_s"]) / s["measured_s"])
     grid_err = [s["rel_error"] for s in steps]

@@ -158,7 +158,10 @@ def served_points(
 
     Pipelined serving overlaps the loop's host work with the step in flight: an iteration's
     seconds are then its share of the wall clock, from its launch or the previous step's end
-    (whichever is later) to its own end, and there are no gaps."""
+    (whichever is later) to its own end, and there are no gaps. The loop collects a step only
+    after it has launched the next one, so a step's share holds that launch's host time where
+    the launch outlasts the step: `next_tokens`, the next step's tokens, is its feature
+    (`fit_served`'s `launch_token_s`)."""
     steps = []
     recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the previous iterations' buckets, latest first
     starts = timed.start
@@ -174,6 +177,11 @@ def served_points(
             "since_larger": steps_since_larger(recent, bucket),
         })  # fmt: skip
         recent.appendleft(bucket)
+    # the next step's tokens where it was launched before this one was collected (pipelined): its
+    # launch's host time (packing its rows) is in this step's share of the wall clock
+    for i in range(len(steps) - 1):
+        if timed.start[i + 1] < timed.end[i]:
+            steps[i]["next_tokens"] = steps[i + 1]["tokens"]
     gaps = [
         (n, nxt - end)
         for n, end, nxt, idle in zip(timed.num_scheduled, timed.end, timed.rows_at[1:], timed.idle[1:])
@@ -234,6 +242,14 @@ def fit_served(
     and a full burst then share one per-row cost fitted where runs have them, not one
     intercept per bucket pooled over both (issue 35). They are returned under their names.
 
+    `launch_token_s` is fitted on every served step that has a `next_tokens` (`served_points`):
+    the host time, per token of the next step, of launching it while this step runs, which this
+    step's share of the wall clock holds when the launch outlasts it (a large prefill's packing
+    behind a short decode step). The simulator charges it where the engine pays it: to the step
+    in flight when a step is launched (`cbjax.engine.EngineLoop._launch_virtual`), which puts it
+    on the path of every new request's first token. Steps without it (profiles made before
+    it) leave it 0.
+
     Non-negative least squares, weighted by `weighting` (SERVED_WEIGHTINGS). "absolute" fits the
     summed time, as a run's makespan adds the steps up (thousands of small decode steps and a few
     large prefills weigh what they cost); "mean_relative" makes each bucket's mean signed relative
@@ -245,16 +261,18 @@ def fit_served(
     out (the residual table's). None served: no served intercepts, scale 1, no cold terms."""
     points = [s for s in served if not s.get("idle") and not s.get("held_out")]
     if not points:
-        return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0)}
+        return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0), "launch_token_s": 0.0}
     counts = Counter(s["bucket"] for s in points)
     own = sorted(b for b, n in counts.items() if n >= MIN_SERVED)  # buckets with a served intercept
     refit = SERVED_STEP_TERMS if served_terms else ()
     idx = [STEP_TERMS.index(k) for k in refit]
     base = len(own) + 1 + len(COLD_TERMS)
-    x = np.zeros((len(points), base + len(refit)))  # own intercepts, bucket_scale, cold terms, refitted terms
+    launch = base + len(refit)  # the column of launch_token_s, the last
+    x = np.zeros((len(points), launch + 1))  # own intercepts, bucket_scale, cold terms, refitted terms, launch
     for i, s in enumerate(points):
         for j, k in enumerate(idx):
             x[i, base + j] = s["features"][k]
+        x[i, launch] = s.get("next_tokens", 0)
         if s["bucket"] in own:
             x[i, own.index(s["bucket"])] = 1.0
         else:
@@ -278,7 +296,8 @@ def fit_served(
         scale = float(np.mean([served_fixed[b] / bucket_intercept(bucket_s, b) for b in own]))
     out: dict[str, Any] = {"served_bucket_s": {str(b): v for b, v in served_fixed.items()}, "bucket_scale": scale}
     out.update({k: float(c) for k, c in zip(COLD_TERMS, coef[len(own) + 1 : base])})
-    out.update({k: float(c) for k, c in zip(refit, coef[base:])})
+    out.update({k: float(c) for k, c in zip(refit, coef[base:launch])})
+    out["launch_token_s"] = float(coef[launch])
     return out
 
 

@@ -124,6 +124,8 @@ class WithOverhead:
         self.cost = cost
         self.name = getattr(cost, "name", type(cost).__name__)
         self.stack = StackOverhead(model, overhead)
+        if hasattr(cost, "launch_s"):
+            self.launch_s = cost.launch_s
 
     def __call__(self, plan: Schedule) -> float:
         return self.cost(plan) + self.stack.host_s(plan)

@@ -21,6 +21,10 @@ class SimExecutor(SyncExecutor):
     def __init__(self, cost_model: Callable[[Schedule], float], pipelined: bool = False):
         self.cost_model = cost_model
         self.pipelined = pipelined
+        # a cost model that knows a step's launch time (`profiled`) delays the step in flight
+        self._launch = getattr(cost_model, "launch_s", None) if pipelined else None
 
     def execute(self, plan: Schedule) -> StepOutput:
+        if self._launch is not None:
+            return StepOutput(None, self.cost_model(plan), launch_s=self._launch(plan))
         return StepOutput(None, self.cost_model(plan))  # token_ids, duration_s (positional: once per step)

@@ -22,6 +22,9 @@ the native decode pass is charged per group), plus its swap copies:
            + cold_s, cold2_s, cold3_s or cold4_s  on the 1st, 2nd, 3rd or 4th step after the
              last step of a larger bucket (a small step runs slower for a few steps after a
              large one; a run of same-bucket steps, as a static batch's decodes, is warm)
+    launch = launch_token_s * tokens  (`launch_s`: the host time of launching the step, which
+             the pipelined loop charges to the step in flight, collected only after it:
+             `cbjax.engine.EngineLoop._launch_virtual`)
 
 The step terms are fitted on the grid's steps, which reach long contexts and large prefills;
 the fixed costs (and, when asked, the cold terms) on the iterations the profile serves through
@@ -62,7 +65,7 @@ SERVE_TERMS = ("bucket_scale",)
 # The cold terms: what the 1st .. 4th step after the last step of a larger bucket pays more.
 COLD_TERMS = ("cold_s", "cold2_s", "cold3_s", "cold4_s")
 # absent from profiles made before the terms: charged 0
-OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s",), 0.0)
+OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s", "launch_token_s"), 0.0)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -200,6 +203,10 @@ class ProfiledCost:
         # a pipelined loop plans a step while the previous one runs: it starts when that one ends
         self._last_end = max(plan.start_s, self._last_end if self._last_end is not None else plan.start_s) + t
         return t
+
+    def launch_s(self, plan: Schedule) -> float:
+        """The host time of launching `plan`'s step, which delays the step in flight (pure)."""
+        return self.coefficients.get("launch_token_s", 0.0) * plan.num_batched_tokens
 
 
 def make_profiled_cost(
