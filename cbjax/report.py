@@ -99,11 +99,17 @@ def write_run(out_dir: Path, config: Any, summary: dict[str, Any], requests: lis
         raise OutputError(f"cannot write the output folder {out_dir}: {e.strerror or e}") from e
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
     atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+    write_requests(out_dir / "requests.jsonl", requests, extra_rows)
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2, sort_keys=False) + "\n")
+
+
+def write_requests(path: Path, requests: list[Request], extra_rows=None) -> None:
+    """requests.jsonl at `path`: one row per request, in submission order, with `extra_rows(req)`'s
+    fields added; written to a temporary name renamed into place."""
     lines = []
     for req in requests:
         row = request_row(req)
         if extra_rows is not None:
             row.update(extra_rows(req))
         lines.append(json.dumps(row) + "\n")
-    atomic_write_text(out_dir / "requests.jsonl", "".join(lines))
-    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(path, "".join(lines))

@@ -133,10 +133,7 @@ class EngineBridge:
         for (loop, queue), event in rest:
             by_loop.setdefault(loop, ([], []))[1].append((queue, event))
         handled = []
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:
-            here = None
+        here = asyncio._get_running_loop()  # None off an event loop (the engine's thread), without raising
         for loop, (f, r) in by_loop.items():
             if loop is here:  # called on the event loop itself (an engine process's report)
                 _deliver(loop, f, r, None)

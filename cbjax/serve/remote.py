@@ -24,7 +24,6 @@ If the engine process dies, the server writes requests.jsonl itself (`write_rows
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import multiprocessing
 import signal
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cbjax.engine import IDLE_WAIT_S, LoadCounts
-from cbjax.metrics import request_row
+from cbjax.report import write_requests
 from cbjax.request import FinishReason, Request
 from cbjax.serve.config import ServeConfig
 
@@ -120,9 +119,7 @@ class EngineProcess:
     def write_rows(self, path: Path) -> None:
         """With the engine lost (its outputs unwritten): one requests.jsonl row per request sent,
         from the server's copies: the fates the engine reported, and `error` for the rest."""
-        with open(path, "w") as f:
-            for req in self.submitted:
-                f.write(json.dumps({**request_row(req), "output_token_ids": req.output_token_ids}) + "\n")
+        write_requests(path, self.submitted, lambda r: {"output_token_ids": r.output_token_ids})
 
     # ---- the loop's intake ----
     def stamp(self) -> float:
@@ -144,7 +141,7 @@ class EngineProcess:
                 self._send(("submit", req, req.arrival_s))
                 return
             except OSError:
-                self._lost(f"{ENGINE_LOST} (code {self._proc.exitcode})")
+                self.error = f"{ENGINE_LOST} (code {self._proc.exitcode})"
         self._lost(self.error)
 
     def cancel(self, request_id: str, reason: str = "client disconnected", finish_reason: FinishReason = FinishReason.ABORTED) -> None:
