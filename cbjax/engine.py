@@ -414,13 +414,17 @@ class EngineLoop:
         its `duration_s`, as the engine's device queue runs launched steps one after another.
         The loop lands the previous step (its clock moves to that step's end) and plans the next
         one while this one runs: a request arriving during step t is planned after t ends, into
-        step t + 2, as on the pipelined engine."""
+        step t + 2, as on the pipelined engine.
+
+        The loop collects the step in flight only after this launch: from `start` (where it
+        collected the one before) it commits, plans and launches for `launch_s` of host time
+        (`StepOutput.launch_s`), so the step in flight ends no earlier than that. The longer of
+        the two sets its end, as on the engine, where a small step is over before the host is
+        and a prefill's packing outlasts a decode step."""
         out = self.executor.execute(plan)
         if out.launch_s and self._inflight is not None:
-            # the step in flight is collected only once this one is launched: its host time
-            # (packing a large prefill) can outlast that step
             prev = self._inflight[1]
-            prev.end += out.launch_s
+            prev.end = max(prev.end, start + out.launch_s)
             self._virtual_end = max(self._virtual_end, prev.end)
         begin = max(start, self._virtual_end)
         self._virtual_end = begin + out.duration_s

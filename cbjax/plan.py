@@ -105,6 +105,6 @@ class StepOutput:
     token_ids: Optional[Sequence[int]]
     duration_s: float
     errors: Optional[dict[int, str]] = None
-    # A virtual pipelined step's host time to launch it: the loop collects the step in flight
-    # only after this one is launched (`cbjax.engine.EngineLoop._launch_virtual`).
+    # A virtual pipelined step's launch: the loop's host time from collecting the last step to
+    # launching this one; the step in flight is collected no earlier (`cbjax.engine.EngineLoop._launch_virtual`).
     launch_s: float = 0.0

@@ -13,9 +13,9 @@ from cbjax.config import ModelConfig, RunConfig
 from cbjax.profile.refit import main as refit_main
 from cbjax.profile.refit import refit
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.serving import fit_served, held_out_round, serving_runs
+from cbjax.profile.serving import censored, fit_launch, fit_served, held_out_round, serving_runs
 from cbjax.sim.fit import fit_costs
-from cbjax.sim.profiled import COLD_TERMS, STEP_TERMS
+from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS
 
 # the truth the synthetic served logs are drawn from
 FIXED = {4: 1.0e-3, 8: 1.5e-3, 16: 2.5e-3}
@@ -23,14 +23,12 @@ SEQ_S, SINGLE_PAGE_S, BLOCK_PAGE_S = 4e-5, 2e-6, 6e-6
 COLD = (5e-4, 3e-4, 1e-4, 5e-5)
 
 
-def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0, launch: float = 0.0) -> list[dict]:
+def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0) -> list[dict]:
     """`n` served steps over buckets 4, 8 and 16 with random rows, pages and steps since a larger
-    bucket's, timed exactly by the truth above (times `scale`). With `launch`, a third of them
-    also hold the launch of a next step of 1-256 tokens, at `launch` seconds a token."""
+    bucket's, timed exactly by the truth above (times `scale`)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        nxt = int(rng.integers(1, 257)) if launch and rng.random() < 1 / 3 else 0
         bucket = int(rng.choice([4, 8, 16]))
         rows = int(rng.integers(1, bucket + 1))
         single, block = int(rng.integers(1, 60)), int(rng.integers(0, 20))
@@ -38,11 +36,29 @@ def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0, 
         features = [1.0, rows, 0.0, 0.0, 0.0, 0.0, single, block, rows]
         t = FIXED[bucket] + SEQ_S * rows + SINGLE_PAGE_S * single + BLOCK_PAGE_S * block
         t += COLD[since - 1] if since else 0.0
-        t += launch * nxt
         out.append({"bucket": bucket, "features": features, "measured_s": scale * t, "since_larger": since,
                     "idle": False, "regime": regime, "source": "fcfs_poisson_30pct"})  # fmt: skip
-        if nxt:
-            out[-1]["next_tokens"] = nxt
+    return out
+
+
+# the loop's host time before a collect, by the launched plan (LAUNCH_TERMS' order)
+LAUNCH = (1.5e-4, 8e-6, 1.5e-3, 4e-5, 2e-7)
+
+
+def with_launches(log: list[dict], seed: int) -> list[dict]:
+    """`log`'s steps, each holding the launch of a next plan of 1-16 rows, none to all of them
+    prefills, timed exactly by LAUNCH (`host_s`). A step whose host time outlasts it is censored
+    (its collect waited 1 us) and its share is that host time; the others' collect waited."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in log:
+        rows = int(rng.integers(1, 17))
+        prefills = int(rng.integers(0, rows + 1)) if rng.random() < 0.3 else 0
+        tokens = rows - prefills + prefills * int(rng.integers(16, 257))
+        host = LAUNCH[0] + LAUNCH[1] * rows + (LAUNCH[2] + LAUNCH[3] * prefills if prefills else 0.0) + LAUNCH[4] * tokens
+        step = s["measured_s"]
+        out.append({**s, "next_rows": rows, "next_prefill_rows": prefills, "next_tokens": tokens, "host_s": host,
+                    "measured_s": max(step, host), "collect_wait_s": step - host if step > host else 1e-6})  # fmt: skip
     return out
 
 
@@ -72,16 +88,28 @@ def test_served_fit_recovers_per_row_per_page_and_cold_terms(weighting):
     assert coef["single_page_s"] == pytest.approx(SINGLE_PAGE_S, rel=1e-6)
     assert coef["block_page_s"] == pytest.approx(BLOCK_PAGE_S, rel=1e-6)
     assert [coef[k] for k in COLD_TERMS] == pytest.approx(COLD, rel=1e-6)
-    assert coef["launch_token_s"] == 0.0  # no step held a next launch
 
 
-def test_served_fit_recovers_the_next_steps_launch_time():
-    # a third of the steps hold the launch of a next step (1-256 tokens at 2 us each: up to
-    # 0.5 ms, a decode step's worth): the fit must put it on the launch term, not the intercepts
-    launch = 2e-6
-    coef = fit_served(synthetic_log(300, seed=4, launch=launch), FIXED, GRID, fit_cold=True, served_terms=True,
-                      weighting="absolute")  # fmt: skip
-    assert coef["launch_token_s"] == pytest.approx(launch, rel=1e-6)
+@pytest.mark.parametrize("weighting", ["absolute", "balanced"])
+def test_launch_fit_recovers_the_loops_host_time_and_ignores_a_stall(weighting):
+    # every step holds a next launch timed exactly by LAUNCH; one step's host time is a 50 ms
+    # stall (a garbage collection): left out, it cannot move the fit
+    served = with_launches(synthetic_log(300, seed=4), seed=5)
+    served[7] = {**served[7], "host_s": 0.05}
+    coef = fit_launch(served, weighting)
+    assert [coef[k] for k in LAUNCH_TERMS] == pytest.approx(LAUNCH, rel=1e-6)
+    assert fit_launch(synthetic_log(10, seed=4)) == dict.fromkeys(LAUNCH_TERMS, 0.0)  # no launch recorded
+
+
+def test_a_step_whose_share_a_prefill_launch_set_stays_out_of_the_step_fit():
+    # Where the host time before a prefill's launch outlasts the step, the step's share is that
+    # host time: fitted as the step's, it would raise its bucket's intercept. The steps' own
+    # truth must come back; a censored step before decodes alone stays in (its share there is
+    # the loop's steady host time), so the log keeps those uncensored.
+    served = with_launches(synthetic_log(300, seed=6), seed=7)
+    assert sum(1 for s in served if censored(s) and s["next_prefill_rows"]) > 20
+    served = [s for s in served if not (censored(s) and not s["next_prefill_rows"])]
+    coef = fit_served(served, FIXED, GRID, fit_cold=True, served_terms=True, weighting="absolute")
     assert coef["served_bucket_s"] == {str(b): pytest.approx(v, rel=1e-6) for b, v in FIXED.items()}
     assert coef["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
 

@@ -453,12 +453,37 @@ def test_served_iterations_of_a_pipelined_engine_are_their_share_of_the_wall_clo
     timed.end = [2.0, 3.5, 5.0]
     steps, gaps = served_points("run", timed, shapes)
     assert [s["measured_s"] for s in steps] == [2.0, 1.5, 1.0] and gaps == []
-    # step 2 (2 tokens) was launched at 1.0, before step 1 was collected at 2.0: step 1's share
-    # holds that launch; step 3 was launched at 4.0, after step 2 was collected at 3.5
-    assert [s.get("next_tokens") for s in steps] == [2, None, None]
     timed.pipelined = False
     steps, gaps = served_points("run", timed, shapes)
     assert [s["measured_s"] for s in steps] == [2.0, 2.5, 1.0] and gaps == [(2, -1.0), (2, 0.5)]
+
+
+def test_a_pipelined_step_records_the_loops_host_time_before_its_collect_by_hand():
+    # Four steps; step 3 holds a prefill row (5 tokens) beside a decode. Step 2 was launched at
+    # 1.0 while step 1 ran (collected at 2.0), and step 3 at 2.5 while step 2 ran: step 2's share
+    # starts at 2.0, the loop's host time before its collect is step 3's launch returning (3.0)
+    # less 2.0 = 1.0, and the collect then waited 3.5 - 3.0 = 0.5. Step 1 was launched with
+    # nothing in flight, and step 4 (at 6.0) after step 3's collect (5.0): neither records one.
+    from cbjax.profile.serving import TimedExecutor, censored, served_points
+
+    class Inner:
+        pipelined = True
+        reads_token_ids = False
+
+    shapes = plan_shapes(4, 64, 16, 64, token_buckets=[4, 16, 64])
+    timed = TimedExecutor(Inner())
+    decode, mixed = [(1, 10, True)] * 2, [(1, 10, True), (5, 0, False)]
+    timed.rows, timed.num_scheduled = [decode, decode, mixed, decode], [2] * 4
+    timed.idle, timed.idle_s = [False] * 4, [0.0] * 4
+    timed.rows_at = timed.start = [0.0, 1.0, 2.5, 6.0]
+    timed.launched = [0.2, 1.3, 3.0, 6.1]
+    timed.end = [2.0, 3.5, 5.0, 7.0]
+    steps, _ = served_points("run", timed, shapes)
+    assert [s["measured_s"] for s in steps] == [2.0, 1.5, 1.5, 1.0]
+    assert [s.get("host_s") for s in steps] == [None, 1.0, None, None]
+    step = steps[1]
+    assert (step["next_rows"], step["next_prefill_rows"], step["next_tokens"], step["collect_wait_s"]) == (2, 1, 6, 0.5)
+    assert not censored(step) and censored({**step, "collect_wait_s": 1e-6}) and not censored(steps[0])
 
 
 def test_a_step_planned_while_the_previous_runs_pays_no_wake_by_hand(tmp_path):
@@ -475,3 +500,31 @@ def test_a_step_planned_while_the_previous_runs_pays_no_wake_by_hand(tmp_path):
         return cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=start_s))
 
     assert [step(0.0), step(0.0), step(1.0), step(3.5)] == pytest.approx([1.0, 1.0, 1.0, 1.25])
+
+
+def test_the_launch_terms_by_hand_and_a_long_launch_is_no_idle_loop(tmp_path):
+    # launch_iter_s 0.1, 0.01 a row, 0.5 for a plan with a prefill and 0.2 a prefill row, 0.001
+    # a token: a decode alone (1 row, 1 token) 0.111; the decode and a 40-token prefill (2 rows,
+    # 41 tokens) 0.1 + 0.02 + 0.5 + 0.2 + 0.041 = 0.861
+    launch = {"launch_iter_s": 0.1, "launch_seq_s": 0.01, "launch_prefill_s": 0.5, "launch_prefill_seq_s": 0.2,
+              "launch_token_s": 0.001}  # fmt: skip
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, **launch)
+    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
+                                                                             num_slots=4)))  # fmt: skip
+    d, p = decode_and_prefill()
+    decode = make_plan(num_slots=4, decodes=[d], page_size=4, start_s=0.0)
+    mixed = make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4, start_s=0.0)
+    assert (cost.launch_s(decode), cost.launch_s(mixed)) == pytest.approx((0.111, 0.861))
+    # Pipelined, launch 4.0 for a prefill: step 1 (a decode, [0, 1]); step 2 (a prefill, bucket
+    # 64: 7.0) planned at 0 while step 1 runs, which the launch holds until 4.0: step 2 runs
+    # [4, 11]; step 3 (a decode), planned at 4.0 (step 1's collect), runs [11, 12]; step 4, planned
+    # at 11.0 (step 2's collect) while step 3 runs, is no idle loop: no wake (a clock that left
+    # the launch out would put step 3's end at 9 and charge step 4 a 2 s idle's wake, 0.5).
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, launch_prefill_s=4.0)
+    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "q.json", coef, page_size=4,
+                                                                             num_slots=4)))  # fmt: skip
+    prefill = make_plan(num_slots=4, prefills=[p], page_size=4, start_s=0.0)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=0.0)) == pytest.approx(1.0)
+    assert cost(prefill) == pytest.approx(7.0)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=4.0)) == pytest.approx(1.0)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=11.0)) == pytest.approx(1.0)

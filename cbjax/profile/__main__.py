@@ -66,6 +66,13 @@ def _app(cfg: DictConfig) -> None:
         if machine["drifted"]:
             print("  the machine ran at different speeds in different rounds: the table above measures that "
                   "drift (fitted rounds against held-out ones) as well as the model")  # fmt: skip
+    launch = r.get("launch") or {}
+    parts = [
+        f"{n} {launch[k]['num_steps']} steps, mean signed {launch[k]['mean_signed_error']:+.1%}"
+        for k, n in (("decode", "decodes alone"), ("prefill", "with a prefill")) if launch.get(k, {}).get("num_steps")
+    ]  # fmt: skip
+    if parts:
+        print(f"loop host time before a collect, by the launched plan ({launch['steps']}): " + "; ".join(parts))
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
     print(f"use it: cbjax executor=sim executor.cost_model=profiled executor.profile={out_dir / 'profile.json'}")

@@ -20,11 +20,11 @@ import numpy as np
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.serving import fit_loop, fit_served
+from cbjax.profile.serving import HOST_STALL, fit_launch, fit_loop, fit_served
 from cbjax.layout.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs
 from cbjax.sim.profiled import (
-    STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, predict, profile_key, step_features,
+    STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, launch_cost, predict, profile_key, step_features,
 )  # fmt: skip
 
 
@@ -119,7 +119,9 @@ def fit_profile(
     over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one), the
     grid model, whose step terms the model keeps; then the served steps' fixed costs and cold
     terms over them, `fit_served` on the served iterations (steps as the serving loop runs them;
-    none served: the grid model), the swap terms, the loop's (`fit_loop`) and the wake's.
+    none served: the grid model), the launch terms (`fit_launch`: a pipelined loop's host time
+    before it collects the step in flight), the swap terms, the loop's (`fit_loop`) and the wake's.
+    A served step's prediction is the longer of its own and that host time where it recorded one.
     Residuals: the grid model's relative error per grid point and its coefficients; per served
     iteration the model's, and the served runs' total time (steps and loop) predicted against
     measured, by the model and by the grid model."""
@@ -132,6 +134,7 @@ def fit_profile(
     coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
     coefficients.update({k: grid[k] for k in STEP_TERMS})
     coefficients.update(fit_served(served, bucket_s, grid, fit_cold, served_terms, served_weighting))
+    coefficients.update(fit_launch(served, served_weighting))
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
     coefficients.update(fit_loop(gaps or []))
@@ -143,10 +146,12 @@ def fit_profile(
         s["predicted_s"] = float(predict(grid, s["bucket"], s["features"]))
     for s in served:
         s["grid_model_s"] = float(predict(grid, s["bucket"], s["features"]))
-        s["predicted_s"] = float(
-            predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
-            + coefficients.get("launch_token_s", 0.0) * s.get("next_tokens", 0)
-        )  # fmt: skip
+        step = predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
+        if "host_s" in s:  # pipelined: collected only after the loop launched the next step
+            host = launch_cost(coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"])
+            s["launch_predicted_s"] = float(host)
+            step = max(step, host)
+        s["predicted_s"] = float(step)
     for s in steps + served:
         s["rel_error"] = float(abs(s["predicted_s"] - s["measured_s"]) / s["measured_s"])
     grid_err = [s["rel_error"] for s in steps]
@@ -174,7 +179,29 @@ def fit_profile(
     # per regime and bucket, so opposite biases cannot cancel, on the steps the fit did not see;
     # a biased regime fails the profile
     residuals["by_regime"] = held_out_residuals(served)
+    residuals["launch"] = launch_residuals(served)
     return coefficients, residuals
+
+
+def launch_residuals(served: list[dict]) -> dict[str, Any]:
+    """The launch terms' error on the host times the fit did not see (held-out rounds; all of
+    them when none is held out), apart for launches of decodes alone and of plans with a prefill
+    (what a new request's first token waits behind): steps, mean signed and median |relative
+    error| of `launch_predicted_s` against `host_s`, stalls (`HOST_STALL`) left out as in the fit."""
+    points = [s for s in served if "launch_predicted_s" in s and s.get("host_s", 0.0) > 0 and not s.get("idle")]
+    held = [s for s in points if s.get("held_out")]
+    points = held or points
+    points = [s for s in points if s["host_s"] <= HOST_STALL * s["launch_predicted_s"]]
+    out: dict[str, Any] = {"steps": "held-out" if held else "in-sample"}
+    for name, group in (("decode", [s for s in points if not s["next_prefill_rows"]]),
+                        ("prefill", [s for s in points if s["next_prefill_rows"]])):  # fmt: skip
+        err = np.array([(s["launch_predicted_s"] - s["host_s"]) / s["host_s"] for s in group])
+        out[name] = {
+            "num_steps": len(group),
+            "mean_signed_error": float(err.mean()) if len(err) else None,
+            "median_abs_error": float(np.median(np.abs(err))) if len(err) else None,
+        }
+    return out
 
 
 class OthersLoad:

@@ -20,7 +20,7 @@ from cbjax.profile.residuals import MIN_STEPS, regime_of
 from cbjax.layout.shapes import ShapePlan
 from cbjax.sim.fit import WEIGHTINGS, fit_costs, nnls
 from cbjax.sim.profiled import (
-    COLD_TERMS, STEP_TERMS, bucket_intercept, step_features, step_terms, steps_since_larger,
+    COLD_TERMS, LAUNCH_TERMS, STEP_TERMS, bucket_intercept, step_features, step_terms, steps_since_larger,
 )  # fmt: skip
 
 # A bucket gets its own served intercept (`served_bucket_s`) from this many served iterations on.
@@ -29,13 +29,20 @@ MIN_SERVED = MIN_STEPS
 POISSON_SHARES = (0.3, 0.6, 0.9)
 # Round r of the served workloads draws with seeds offset by this times r (`serving_runs`).
 ROUND_SEED_STRIDE = 1000
+# A pipelined collect that waited less than this found its step done: the copy and bookkeeping
+# alone, so the loop's host time, not the step, set the step's share (`censored`).
+COLLECT_FLOOR_S = 50e-6
+# Host times over this multiple of what their plan explains are stalls (a garbage collection, the
+# VM held back), not the loop's work: `fit_launch` leaves them out, as one would swamp a least-squares fit.
+HOST_STALL = 5.0
 
 
 class TimedExecutor:
     """Passes each iteration to `inner` and records its rows and clock: `rows_at` (before the
     recorder's own bookkeeping), `start`/`end` (around `inner.execute`; when `inner` is
-    pipelined, at `launch` and after `collect`), and `idle`: whether the loop idled waiting
-    for an arrival before it (it turned more than once: `tick`)."""
+    pipelined, at `launch` and after `collect`), `launched` (when `inner.launch` returned: its
+    host part, packing the rows and dispatching, is over), and `idle`: whether the loop idled
+    waiting for an arrival before it (it turned more than once: `tick`)."""
 
     virtual_clock = False
 
@@ -48,6 +55,7 @@ class TimedExecutor:
         self.rows_at: list[float] = []
         self.start: list[float] = []
         self.end: list[float] = []
+        self.launched: list[float] = []
         self.idle: list[bool] = []
         self.idle_s: list[float] = []  # from the previous iteration's end to this one's rows (0 for the first)
         self._turns = 0
@@ -73,7 +81,9 @@ class TimedExecutor:
         self.rows.append(plan.cost_rows())
         self.num_scheduled.append(plan.num_scheduled)
         self.start.append(time.perf_counter())
-        return self.inner.launch(plan)
+        launched = self.inner.launch(plan)
+        self.launched.append(time.perf_counter())
+        return launched
 
     def collect(self, launched) -> StepOutput:
         out = self.inner.collect(launched)
@@ -159,9 +169,13 @@ def served_points(
     Pipelined serving overlaps the loop's host work with the step in flight: an iteration's
     seconds are then its share of the wall clock, from its launch or the previous step's end
     (whichever is later) to its own end, and there are no gaps. The loop collects a step only
-    after it has launched the next one, so a step's share holds that launch's host time where
-    the launch outlasts the step: `next_tokens`, the next step's tokens, is its feature
-    (`fit_served`'s `launch_token_s`)."""
+    after it has committed the previous one and planned and launched the next, so a step's share
+    is the longer of its device time and that host time. Where the step was launched while its
+    predecessor was in flight and the next one while it was, the point records the host time
+    (`host_s`, from its share's start to the next launch's return), the next plan's rows,
+    prefill rows and tokens (`next_rows`, `next_prefill_rows`, `next_tokens`: `fit_launch`'s
+    features) and how long the collect then waited (`collect_wait_s`: about nothing when the
+    host time set the share, `censored`)."""
     steps = []
     recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the previous iterations' buckets, latest first
     starts = timed.start
@@ -171,17 +185,22 @@ def served_points(
         bucket, features = step_features(rows, shapes, native)
         kind = "decode" if all(n == 1 for n, _, _ in rows) else "prefill" if all(n > 1 for n, _, _ in rows) else "mixed"
         steps.append({
-            "kind": kind, "source": label, "regime": regime_of(label), "rows": len(rows), "tokens": sum(n for n, _, _ in rows),
+            "kind": kind, "source": label, "regime": regime_of(label), "rows": len(rows),
+            "prefill_rows": sum(1 for _, _, decode in rows if not decode), "tokens": sum(n for n, _, _ in rows),
             "bucket": bucket, "features": features, "measured_s": t1 - t0, "idle": idle,
             "idle_s": max(0.0, idle_s) if idle else 0.0,
             "since_larger": steps_since_larger(recent, bucket),
         })  # fmt: skip
         recent.appendleft(bucket)
-    # the next step's tokens where it was launched before this one was collected (pipelined): its
-    # launch's host time (packing its rows) is in this step's share of the wall clock
-    for i in range(len(steps) - 1):
-        if timed.start[i + 1] < timed.end[i]:
-            steps[i]["next_tokens"] = steps[i + 1]["tokens"]
+    # pipelined, step i launched while step i-1 was in flight (its share starts at i-1's end) and
+    # step i+1 while step i was: the loop's host time in between set step i's share or hid behind it
+    for i in range(1, len(steps) - 1):
+        if timed.start[i] < timed.end[i - 1] and timed.start[i + 1] < timed.end[i] and len(timed.launched) > i + 1:
+            nxt = steps[i + 1]
+            steps[i].update({
+                "next_rows": nxt["rows"], "next_prefill_rows": nxt["prefill_rows"], "next_tokens": nxt["tokens"],
+                "host_s": timed.launched[i + 1] - starts[i], "collect_wait_s": timed.end[i] - timed.launched[i + 1],
+            })  # fmt: skip
     gaps = [
         (n, nxt - end)
         for n, end, nxt, idle in zip(timed.num_scheduled, timed.end, timed.rows_at[1:], timed.idle[1:])
@@ -242,13 +261,12 @@ def fit_served(
     and a full burst then share one per-row cost fitted where runs have them, not one
     intercept per bucket pooled over both (issue 35). They are returned under their names.
 
-    `launch_token_s` is fitted on every served step that has a `next_tokens` (`served_points`):
-    the host time, per token of the next step, of launching it while this step runs, which this
-    step's share of the wall clock holds when the launch outlasts it (a large prefill's packing
-    behind a short decode step). The simulator charges it where the engine pays it: to the step
-    in flight when a step is launched (`cbjax.engine.EngineLoop._launch_virtual`), which puts it
-    on the path of every new request's first token. Steps without it (profiles made before
-    it) leave it 0.
+    A pipelined step whose share the loop's host time set (`censored`) while the next plan held
+    a prefill is left out: its share is that launch's host time, which `fit_launch` fits and
+    the simulator charges as the longer of the two (`cbjax.engine.EngineLoop._launch_virtual`);
+    fitted here too, it would raise every step of its bucket. A censored step before a decode
+    stays in: its share is the loop's steady host time, what the engine's step costs when the
+    host is the slower side.
 
     Non-negative least squares, weighted by `weighting` (SERVED_WEIGHTINGS). "absolute" fits the
     summed time, as a run's makespan adds the steps up (thousands of small decode steps and a few
@@ -259,20 +277,21 @@ def fit_served(
     time short by as much. "balanced" (the profile's default) takes the mean of their
     coefficients, so each criterion is off by about half of it. Steps marked `held_out` are left
     out (the residual table's). None served: no served intercepts, scale 1, no cold terms."""
-    points = [s for s in served if not s.get("idle") and not s.get("held_out")]
+    points = [
+        s for s in served
+        if not s.get("idle") and not s.get("held_out") and not (censored(s) and s.get("next_prefill_rows", 0))
+    ]  # fmt: skip
     if not points:
-        return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0), "launch_token_s": 0.0}
+        return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0)}
     counts = Counter(s["bucket"] for s in points)
     own = sorted(b for b, n in counts.items() if n >= MIN_SERVED)  # buckets with a served intercept
     refit = SERVED_STEP_TERMS if served_terms else ()
     idx = [STEP_TERMS.index(k) for k in refit]
     base = len(own) + 1 + len(COLD_TERMS)
-    launch = base + len(refit)  # the column of launch_token_s, the last
-    x = np.zeros((len(points), launch + 1))  # own intercepts, bucket_scale, cold terms, refitted terms, launch
+    x = np.zeros((len(points), base + len(refit)))  # own intercepts, bucket_scale, cold terms, refitted terms
     for i, s in enumerate(points):
         for j, k in enumerate(idx):
             x[i, base + j] = s["features"][k]
-        x[i, launch] = s.get("next_tokens", 0)
         if s["bucket"] in own:
             x[i, own.index(s["bucket"])] = 1.0
         else:
@@ -296,9 +315,47 @@ def fit_served(
         scale = float(np.mean([served_fixed[b] / bucket_intercept(bucket_s, b) for b in own]))
     out: dict[str, Any] = {"served_bucket_s": {str(b): v for b, v in served_fixed.items()}, "bucket_scale": scale}
     out.update({k: float(c) for k, c in zip(COLD_TERMS, coef[len(own) + 1 : base])})
-    out.update({k: float(c) for k, c in zip(refit, coef[base:launch])})
-    out["launch_token_s"] = float(coef[launch])
+    out.update({k: float(c) for k, c in zip(refit, coef[base:])})
     return out
+
+
+def censored(point: dict) -> bool:
+    """Whether a served step's collect found it done (`COLLECT_FLOOR_S`): its share of the wall
+    clock is then the loop's host time, its own time only bounded by it. Steps without a
+    recorded collect (one step at a time, or profiles made before it) are not."""
+    return point.get("collect_wait_s", float("inf")) < COLLECT_FLOOR_S
+
+
+def launch_features(rows: int, prefill_rows: int, tokens: int) -> list[float]:
+    """The LAUNCH_TERMS' multipliers for a launched plan (`cbjax.sim.profiled.launch_cost`)."""
+    return [1.0, float(rows), float(prefill_rows > 0), float(prefill_rows), float(tokens)]
+
+
+def fit_launch(served: list[dict], weighting: str = "absolute") -> dict[str, float]:
+    """The LAUNCH_TERMS, fitted on the served steps that recorded the loop's host time before
+    their collect (`host_s`, `served_points`), over the plan launched in it (`launch_features`). Non-negative least squares weighted by `weighting` (as `fit_served`);
+    steps held out, after an idle loop, or with a stall (HOST_STALL) are left out. None: all 0."""
+    if weighting not in SERVED_WEIGHTINGS:
+        raise ValueError(f"served_weighting: unknown value {weighting!r}; choose one of {', '.join(SERVED_WEIGHTINGS)}")
+    points = [s for s in served if s.get("host_s", 0.0) > 0 and not s.get("idle") and not s.get("held_out")]
+    if not points:
+        return dict.fromkeys(LAUNCH_TERMS, 0.0)
+    x = np.array([launch_features(s["next_rows"], s["next_prefill_rows"], s["next_tokens"]) for s in points])
+    y = np.array([s["host_s"] for s in points])
+    ways = ("absolute", "mean_relative") if weighting == "balanced" else (weighting,)
+
+    def fit(keep: np.ndarray) -> np.ndarray:
+        coef = np.zeros(x.shape[1])
+        used = np.any(x[keep] != 0, axis=0)
+        coef[used] = sum(fit_costs(x[keep][:, used], y[keep], weighting=w) for w in ways) / len(ways)
+        return coef
+
+    # fit on all, then twice on the steps within HOST_STALL of the last fit's prediction: a stall
+    # is far above what its plan explains (a prefill's launch is not, though far above the median)
+    coef = fit(np.ones(len(y), bool))
+    for _ in range(2):
+        coef = fit(y <= HOST_STALL * np.maximum(x @ coef, 1e-12))
+    return {k: float(c) for k, c in zip(LAUNCH_TERMS, coef)}
 
 
 def held_out_round(r: int, rounds: int) -> bool:

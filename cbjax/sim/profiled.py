@@ -22,9 +22,14 @@ the native decode pass is charged per group), plus its swap copies:
            + cold_s, cold2_s, cold3_s or cold4_s  on the 1st, 2nd, 3rd or 4th step after the
              last step of a larger bucket (a small step runs slower for a few steps after a
              large one; a run of same-bucket steps, as a static batch's decodes, is warm)
-    launch = launch_token_s * tokens  (`launch_s`: the host time of launching the step, which
-             the pipelined loop charges to the step in flight, collected only after it:
-             `cbjax.engine.EngineLoop._launch_virtual`)
+    launch = launch_iter_s + launch_seq_s * rows + launch_prefill_s * (any prefill rows)
+             + launch_prefill_seq_s * prefill rows + launch_token_s * tokens
+             (`launch_s`: the pipelined loop's host time from
+             collecting a step to launching this one (commit, plan, pack, dispatch); the step in
+             flight is collected only after it, so it ends no earlier than that:
+             `cbjax.engine.EngineLoop._launch_virtual`. A tiny model's decode step on a CPU is
+             over before the host is: its share of the wall clock is this host time, and a
+             prefill in the next plan lengthens it)
 
 The step terms are fitted on the grid's steps, which reach long contexts and large prefills;
 the fixed costs (and, when asked, the cold terms) on the iterations the profile serves through
@@ -64,8 +69,12 @@ SWAP_TERMS = ("swap_iter_s", "swap_page_s")
 SERVE_TERMS = ("bucket_scale",)
 # The cold terms: what the 1st .. 4th step after the last step of a larger bucket pays more.
 COLD_TERMS = ("cold_s", "cold2_s", "cold3_s", "cold4_s")
+# The pipelined loop's host time before it can collect the step in flight, from the plan it
+# launches: fixed, per row, once for a plan with any prefill (its packing path: prompt rows,
+# their pages and tiles), per prefill row, and per token.
+LAUNCH_TERMS = ("launch_iter_s", "launch_seq_s", "launch_prefill_s", "launch_prefill_seq_s", "launch_token_s")
 # absent from profiles made before the terms: charged 0
-OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s", "launch_token_s"), 0.0)
+OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s",) + LAUNCH_TERMS, 0.0)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -196,6 +205,11 @@ class ProfiledCost:
         pages = plan.num_swapped_pages
         if pages:
             t += self.swap_iter_s + self.swap_page_s * pages
+        if self._last_end is not None and plan.start_s < self._last_end:
+            # planned while the last step runs (pipelined): that step ends no earlier than this
+            # launch's host time (`launch_s`, `cbjax.engine.EngineLoop._launch_virtual`), so
+            # the clock here follows the loop's and a later plan is not mistaken for an idle one
+            self._last_end = max(self._last_end, plan.start_s + self.launch_s(plan))
         if self._last_end is not None and plan.start_s > self._last_end:  # the loop idled until an arrival
             t += self.wake_s * min(1.0, (plan.start_s - self._last_end) / self.wake_ramp_s)
         t += cold_cost(self.coefficients, steps_since_larger(self._recent, bucket))
@@ -205,8 +219,11 @@ class ProfiledCost:
         return t
 
     def launch_s(self, plan: Schedule) -> float:
-        """The host time of launching `plan`'s step, which delays the step in flight (pure)."""
-        return self.coefficients.get("launch_token_s", 0.0) * plan.num_batched_tokens
+        """The loop's host time from collecting a step to launching `plan`'s (pure): the step in
+        flight ends no earlier (`cbjax.engine.EngineLoop._launch_virtual`)."""
+        rows = plan.cost_rows()
+        prefills = sum(1 for _, _, decode in rows if not decode)
+        return launch_cost(self.coefficients, len(rows), prefills, sum(n for n, _, _ in rows))
 
 
 def make_profiled_cost(
@@ -226,6 +243,16 @@ def fixed_cost(coefficients: dict, bucket: int) -> float:
     if bucket in served:
         return served[bucket]
     return coefficients["bucket_scale"] * bucket_intercept(coefficients["bucket_s"], bucket)
+
+
+def launch_cost(coefficients: dict, rows: int, prefill_rows: int, tokens: int) -> float:
+    """The LAUNCH_TERMS' host time for launching a plan of `rows` rows, `prefill_rows` of them
+    prefills (not decodes), and `tokens` tokens (see the module docstring)."""
+    c = coefficients
+    t = c.get("launch_iter_s", 0.0) + c.get("launch_seq_s", 0.0) * rows + c.get("launch_token_s", 0.0) * tokens
+    if prefill_rows:
+        t += c.get("launch_prefill_s", 0.0) + c.get("launch_prefill_seq_s", 0.0) * prefill_rows
+    return t
 
 
 def step_terms(coefficients: dict, features: Sequence[float]) -> float:
