@@ -13,7 +13,8 @@ from cbjax.config import ModelConfig, RunConfig
 from cbjax.profile.refit import main as refit_main
 from cbjax.profile.refit import refit
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.serving import censored, fit_launch, fit_served, held_out_round, serving_runs
+from cbjax.profile.served_fit import censored, fit_launch, fit_served
+from cbjax.profile.serving import held_out_round, serving_runs
 from cbjax.sim.fit import fit_costs
 from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS
 

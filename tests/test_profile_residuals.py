@@ -52,7 +52,7 @@ def test_a_cancelling_pool_still_fails_per_regime():
 
 
 def test_served_terms_recover_per_row_and_per_page_costs_the_grid_got_wrong():
-    from cbjax.profile.serving import fit_served
+    from cbjax.profile.served_fit import fit_served
     from cbjax.sim.profiled import STEP_TERMS
 
     # truth: bucket 4 costs 1 ms, bucket 8 2 ms, plus 0.1 ms per row and 0.01 ms per single page;

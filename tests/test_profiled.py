@@ -435,20 +435,28 @@ def test_other_processes_cpu_share_by_hand():
     assert others_share(30.0, 0.0, 10.0, 2) == 1.0 and others_share(1.0, 0.0, 0.0, 2) == 0.0
 
 
-def test_served_iterations_of_a_pipelined_engine_are_their_share_of_the_wall_clock_by_hand():
-    # One step at a time: an iteration is its execute, the loop's gap after it counted apart.
-    # Pipelined: step t+1 launches before step t ends, so an iteration runs from its launch or
-    # the previous end, whichever is later, to its end, and no gaps are left to fit.
-    from cbjax.profile.serving import TimedExecutor, served_points
+def _pipelined_recorder(rows: list) -> tuple:
+    """(a TimedExecutor over a pipelined engine that ran no step, its shape plan), its per-step
+    record set to `rows` (two scheduled requests each, no idle loop); the clock is the test's."""
+    from cbjax.profile.serving import TimedExecutor
 
     class Inner:
         pipelined = True
         reads_token_ids = False
 
-    shapes = plan_shapes(4, 64, 16, 64, token_buckets=[4, 16, 64])
     timed = TimedExecutor(Inner())
-    rows = [(1, 10, True)] * 2
-    timed.rows, timed.num_scheduled, timed.idle, timed.idle_s = [rows] * 3, [2] * 3, [False] * 3, [0.0] * 3
+    n = len(rows)
+    timed.rows, timed.num_scheduled, timed.idle, timed.idle_s = rows, [2] * n, [False] * n, [0.0] * n
+    return timed, plan_shapes(4, 64, 16, 64, token_buckets=[4, 16, 64])
+
+
+def test_served_iterations_of_a_pipelined_engine_are_their_share_of_the_wall_clock_by_hand():
+    # One step at a time: an iteration is its execute, the loop's gap after it counted apart.
+    # Pipelined: step t+1 launches before step t ends, so an iteration runs from its launch or
+    # the previous end, whichever is later, to its end, and no gaps are left to fit.
+    from cbjax.profile.serving import served_points
+
+    timed, shapes = _pipelined_recorder([[(1, 10, True)] * 2] * 3)
     timed.rows_at = timed.start = [0.0, 1.0, 4.0]
     timed.end = [2.0, 3.5, 5.0]
     steps, gaps = served_points("run", timed, shapes)
@@ -464,17 +472,11 @@ def test_a_pipelined_step_records_the_loops_host_time_before_its_collect_by_hand
     # starts at 2.0, the loop's host time before its collect is step 3's launch returning (3.0)
     # less 2.0 = 1.0, and the collect then waited 3.5 - 3.0 = 0.5. Step 1 was launched with
     # nothing in flight, and step 4 (at 6.0) after step 3's collect (5.0): neither records one.
-    from cbjax.profile.serving import TimedExecutor, censored, served_points
+    from cbjax.profile.served_fit import censored
+    from cbjax.profile.serving import served_points
 
-    class Inner:
-        pipelined = True
-        reads_token_ids = False
-
-    shapes = plan_shapes(4, 64, 16, 64, token_buckets=[4, 16, 64])
-    timed = TimedExecutor(Inner())
     decode, mixed = [(1, 10, True)] * 2, [(1, 10, True), (5, 0, False)]
-    timed.rows, timed.num_scheduled = [decode, decode, mixed, decode], [2] * 4
-    timed.idle, timed.idle_s = [False] * 4, [0.0] * 4
+    timed, shapes = _pipelined_recorder([decode, decode, mixed, decode])
     timed.rows_at = timed.start = [0.0, 1.0, 2.5, 6.0]
     timed.launched = [0.2, 1.3, 3.0, 6.1]
     timed.end = [2.0, 3.5, 5.0, 7.0]

@@ -2,7 +2,8 @@
 
 `measure_steps` needs only the executor interface (`execute(plan) -> StepOutput`), so a synthetic
 executor with hand-set costs checks the fit; the swap timing needs the JAX engine's `HostSwap`;
-the served iterations and the loop's host time come from `cbjax.profile.serving`.
+the served iterations and the loop's host time come from `cbjax.profile.serving`, their fits
+from `cbjax.profile.served_fit`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.serving import HOST_STALL, fit_launch, fit_loop, fit_served
+from cbjax.profile.served_fit import HOST_STALL, fit_launch, fit_loop, fit_served
 from cbjax.layout.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs
 from cbjax.sim.profiled import (

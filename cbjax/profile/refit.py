@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from cbjax.profile.measure import fit_profile
 from cbjax.profile.residuals import format_table
-from cbjax.profile.serving import SERVED_WEIGHTINGS
+from cbjax.profile.served_fit import SERVED_WEIGHTINGS
 
 # what a profile must hold to be refitted (profiles made before `gaps` was recorded lack it)
 RECORDED = ("steps", "swaps", "served", "gaps", "wake", "coefficients")

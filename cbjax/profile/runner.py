@@ -11,7 +11,7 @@ from typing import Any
 
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GRIDS, profile_grid
-from cbjax.profile.serving import SERVED_WEIGHTINGS
+from cbjax.profile.served_fit import SERVED_WEIGHTINGS
 
 
 @dataclass
@@ -28,9 +28,9 @@ class ProfileRunConfig(RunConfig):
     # served steps, beside the intercepts and the served step terms; off: they stay 0
     fit_cold: bool = True
     # fit the per-row and per-page step terms on the served steps beside their intercepts
-    # (cbjax.profile.serving.SERVED_STEP_TERMS); off: the grid's
+    # (cbjax.profile.served_fit.SERVED_STEP_TERMS); off: the grid's
     served_terms: bool = True
-    # how the served fit weighs its steps (cbjax.profile.serving.SERVED_WEIGHTINGS): mean_relative
+    # how the served fit weighs its steps (cbjax.profile.served_fit.SERVED_WEIGHTINGS): mean_relative
     # makes each served bucket's mean signed relative error zero (what the residual table
     # reports), absolute fits the steps' summed time (what a run's makespan adds up), balanced
     # takes the mean of the two fits (each criterion then off by half of what parts them)

@@ -1,14 +1,14 @@
 """Time the engine inside its own serving loop: each iteration's `execute` as the loop calls it,
 and the loop's host time around it (scheduling, postprocess, stats), as `cbjax.run.run_single`
 serves. The grid times steps back to back on fixed batches; these iterations are what a run
-pays, and the profile's step terms are fitted on them.
+pays, and the profile's step terms are fitted on them (`cbjax.profile.served_fit`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import Any, Optional
 
 import numpy as np
@@ -16,25 +16,14 @@ import numpy as np
 from cbjax.config import LengthConfig, RunConfig, WorkloadConfig
 from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
-from cbjax.profile.residuals import MIN_STEPS, regime_of
+from cbjax.profile.residuals import regime_of
 from cbjax.layout.shapes import ShapePlan
-from cbjax.sim.fit import WEIGHTINGS, fit_costs, nnls
-from cbjax.sim.profiled import (
-    COLD_TERMS, LAUNCH_TERMS, STEP_TERMS, bucket_intercept, step_features, step_terms, steps_since_larger,
-)  # fmt: skip
+from cbjax.sim.profiled import COLD_TERMS, step_features, steps_since_larger
 
-# A bucket gets its own served intercept (`served_bucket_s`) from this many served iterations on.
-MIN_SERVED = MIN_STEPS
 # Poisson runs at these shares of the saturated request rate: light, medium and heavy load.
 POISSON_SHARES = (0.3, 0.6, 0.9)
 # Round r of the served workloads draws with seeds offset by this times r (`serving_runs`).
 ROUND_SEED_STRIDE = 1000
-# A pipelined collect that waited less than this found its step done: the copy and bookkeeping
-# alone, so the loop's host time, not the step, set the step's share (`censored`).
-COLLECT_FLOOR_S = 50e-6
-# Host times over this multiple of what their plan explains are stalls (a garbage collection, the
-# VM held back), not the loop's work: `fit_launch` leaves them out, as one would swamp a least-squares fit.
-HOST_STALL = 5.0
 
 
 class TimedExecutor:
@@ -173,9 +162,9 @@ def served_points(
     is the longer of its device time and that host time. Where the step was launched while its
     predecessor was in flight and the next one while it was, the point records the host time
     (`host_s`, from its share's start to the next launch's return), the next plan's rows,
-    prefill rows and tokens (`next_rows`, `next_prefill_rows`, `next_tokens`: `fit_launch`'s
+    prefill rows and tokens (`next_rows`, `next_prefill_rows`, `next_tokens`: `served_fit.fit_launch`'s
     features) and how long the collect then waited (`collect_wait_s`: about nothing when the
-    host time set the share, `censored`)."""
+    host time set the share, `served_fit.censored`)."""
     steps = []
     recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the previous iterations' buckets, latest first
     starts = timed.start
@@ -209,155 +198,6 @@ def served_points(
     return steps, gaps
 
 
-def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
-    """loop_s + loop_seq_s * rows, the loop's host seconds after an iteration of `rows`
-    scheduled requests (postprocess, stats, the next schedule): non-negative least squares on
-    absolute error, so the fit keeps the mean a run's wall clock adds up."""
-    if not gaps:
-        return {"loop_s": 0.0, "loop_seq_s": 0.0}
-    a = np.array([[1.0, float(n)] for n, _ in gaps])
-    y = np.array([g for _, g in gaps])
-    scale = a.max(axis=0)
-    coef = nnls(a / scale, y) / scale
-    return {"loop_s": float(coef[0]), "loop_seq_s": float(coef[1])}
-
-
-# Step terms `fit_served` can refit on the served steps (`served_terms`): per row and per KV page.
-SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s")
-# How `fit_served` weighs the served steps: `cbjax.sim.fit.WEIGHTINGS`, or "balanced", the mean
-# of the "absolute" and "mean_relative" fits' coefficients.
-SERVED_WEIGHTINGS = WEIGHTINGS + ("balanced",)
-
-
-def fit_served(
-    served: list[dict],
-    bucket_s: dict[int, float],
-    grid_model: dict[str, float],
-    fit_cold: bool = False,
-    served_terms: bool = False,
-    weighting: str = "absolute",
-) -> dict[str, Any]:
-    """`served_bucket_s`, `bucket_scale` and the COLD_TERMS, fitted on the served iterations
-    (those after an idle loop left out: `wake_s` charges them) over the step terms of the
-    `grid_model` (STEP_TERMS: the per-row, per-chunk and per-page costs, which the grid measures
-    over wide ranges of rows, contexts and prompts that served runs hardly span).
-
-    Each bucket with at least MIN_SERVED served iterations gets its own served fixed cost
-    (`served_bucket_s`): a bucket's program costs more between the loop's host work than back to
-    back, and not by one factor for all (small decodes about the same, mixed steps a quarter
-    more). The served steps of rarer buckets share one scale of the grid's timed bucket costs
-    (`bucket_scale`; with none, the served buckets' mean ratio to the grid's timing).
-
-    With `fit_cold` the COLD_TERMS are fitted too: what a served step pays more 1 .. 4 steps after
-    the last step of a larger bucket (grid steps run after themselves; a small step right after
-    a large one runs slower, its caches cold). Fitted over pooled intercepts alone, they also
-    took in whatever else makes a static batch's decodes fast (its cold steps are in the fcfs
-    runs, its warm ones in the static run: docs/CALIBRATION.md, History); with `served_terms`
-    a thinning static batch is charged by its rows instead, which is why the profile fits both
-    by default. Off, they stay 0.
-
-    With `served_terms` the SERVED_STEP_TERMS (per row, per page read) are fitted on the served
-    steps too, beside the intercepts, instead of taken from the grid: a sparse light-load batch
-    and a full burst then share one per-row cost fitted where runs have them, not one
-    intercept per bucket pooled over both (issue 35). They are returned under their names.
-
-    A pipelined step whose share the loop's host time set (`censored`) while the next plan held
-    a prefill is left out: its share is that launch's host time, which `fit_launch` fits and
-    the simulator charges as the longer of the two (`cbjax.engine.EngineLoop._launch_virtual`);
-    fitted here too, it would raise every step of its bucket. A censored step before a decode
-    stays in: its share is the loop's steady host time, what the engine's step costs when the
-    host is the slower side.
-
-    Non-negative least squares, weighted by `weighting` (SERVED_WEIGHTINGS). "absolute" fits the
-    summed time, as a run's makespan adds the steps up (thousands of small decode steps and a few
-    large prefills weigh what they cost); "mean_relative" makes each bucket's mean signed relative
-    error zero, the figure the profile's residual table judges (`cbjax.profile.residuals`). Where
-    the step times spread with a long tail (a slow step now and then), the two part: the first
-    leaves the mean relative error positive by about the tail's weight, the second the summed
-    time short by as much. "balanced" (the profile's default) takes the mean of their
-    coefficients, so each criterion is off by about half of it. Steps marked `held_out` are left
-    out (the residual table's). None served: no served intercepts, scale 1, no cold terms."""
-    points = [
-        s for s in served
-        if not s.get("idle") and not s.get("held_out") and not (censored(s) and s.get("next_prefill_rows", 0))
-    ]  # fmt: skip
-    if not points:
-        return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0)}
-    counts = Counter(s["bucket"] for s in points)
-    own = sorted(b for b, n in counts.items() if n >= MIN_SERVED)  # buckets with a served intercept
-    refit = SERVED_STEP_TERMS if served_terms else ()
-    idx = [STEP_TERMS.index(k) for k in refit]
-    base = len(own) + 1 + len(COLD_TERMS)
-    x = np.zeros((len(points), base + len(refit)))  # own intercepts, bucket_scale, cold terms, refitted terms
-    for i, s in enumerate(points):
-        for j, k in enumerate(idx):
-            x[i, base + j] = s["features"][k]
-        if s["bucket"] in own:
-            x[i, own.index(s["bucket"])] = 1.0
-        else:
-            x[i, len(own)] = bucket_intercept(bucket_s, s["bucket"])
-        if fit_cold and s.get("since_larger", 0):
-            x[i, len(own) + s["since_larger"]] = 1.0
-    kept = {**grid_model, **dict.fromkeys(refit, 0.0)}  # the grid's terms but those refitted here
-    terms = np.array([step_terms(kept, s["features"]) for s in points])
-    y = np.array([s["measured_s"] for s in points])
-    used = np.any(x != 0, axis=0)
-    coef = np.zeros(x.shape[1])
-    if weighting not in SERVED_WEIGHTINGS:
-        raise ValueError(f"served_weighting: unknown value {weighting!r}; choose one of {', '.join(SERVED_WEIGHTINGS)}")
-    if weighting == "balanced":  # halfway between the two criteria (see above)
-        coef[used] = sum(fit_costs(x[:, used], y, offsets=terms, weighting=w) for w in ("absolute", "mean_relative")) / 2
-    else:
-        coef[used] = fit_costs(x[:, used], y, offsets=terms, weighting=weighting)
-    served_fixed = {b: float(c) for b, c in zip(own, coef)}
-    scale = float(coef[len(own)])
-    if not used[len(own)]:  # every served step has its bucket's own intercept
-        scale = float(np.mean([served_fixed[b] / bucket_intercept(bucket_s, b) for b in own]))
-    out: dict[str, Any] = {"served_bucket_s": {str(b): v for b, v in served_fixed.items()}, "bucket_scale": scale}
-    out.update({k: float(c) for k, c in zip(COLD_TERMS, coef[len(own) + 1 : base])})
-    out.update({k: float(c) for k, c in zip(refit, coef[base:])})
-    return out
-
-
-def censored(point: dict) -> bool:
-    """Whether a served step's collect found it done (`COLLECT_FLOOR_S`): its share of the wall
-    clock is then the loop's host time, its own time only bounded by it. Steps without a
-    recorded collect (one step at a time, or profiles made before it) are not."""
-    return point.get("collect_wait_s", float("inf")) < COLLECT_FLOOR_S
-
-
-def launch_features(rows: int, prefill_rows: int, tokens: int) -> list[float]:
-    """The LAUNCH_TERMS' multipliers for a launched plan (`cbjax.sim.profiled.launch_cost`)."""
-    return [1.0, float(rows), float(prefill_rows > 0), float(prefill_rows), float(tokens)]
-
-
-def fit_launch(served: list[dict], weighting: str = "absolute") -> dict[str, float]:
-    """The LAUNCH_TERMS, fitted on the served steps that recorded the loop's host time before
-    their collect (`host_s`, `served_points`), over the plan launched in it (`launch_features`). Non-negative least squares weighted by `weighting` (as `fit_served`);
-    steps held out, after an idle loop, or with a stall (HOST_STALL) are left out. None: all 0."""
-    if weighting not in SERVED_WEIGHTINGS:
-        raise ValueError(f"served_weighting: unknown value {weighting!r}; choose one of {', '.join(SERVED_WEIGHTINGS)}")
-    points = [s for s in served if s.get("host_s", 0.0) > 0 and not s.get("idle") and not s.get("held_out")]
-    if not points:
-        return dict.fromkeys(LAUNCH_TERMS, 0.0)
-    x = np.array([launch_features(s["next_rows"], s["next_prefill_rows"], s["next_tokens"]) for s in points])
-    y = np.array([s["host_s"] for s in points])
-    ways = ("absolute", "mean_relative") if weighting == "balanced" else (weighting,)
-
-    def fit(keep: np.ndarray) -> np.ndarray:
-        coef = np.zeros(x.shape[1])
-        used = np.any(x[keep] != 0, axis=0)
-        coef[used] = sum(fit_costs(x[keep][:, used], y[keep], weighting=w) for w in ways) / len(ways)
-        return coef
-
-    # fit on all, then twice on the steps within HOST_STALL of the last fit's prediction: a stall
-    # is far above what its plan explains (a prefill's launch is not, though far above the median)
-    coef = fit(np.ones(len(y), bool))
-    for _ in range(2):
-        coef = fit(y <= HOST_STALL * np.maximum(x @ coef, 1e-12))
-    return {k: float(c) for k, c in zip(LAUNCH_TERMS, coef)}
-
-
 def held_out_round(r: int, rounds: int) -> bool:
     """Whether served round `r` of `rounds` is held out of the fit, its steps kept for the residual
     table (`cbjax.profile.residuals`): the odd rounds, when there are at least two (one round:
@@ -370,7 +210,7 @@ def measure_serving(
 ) -> dict[str, Any]:
     """Serve the profile's workloads (`serving_runs`) on the warm engine, `rounds` times over: the
     bursts first, then the Poisson runs at shares of the first burst's request rate (set in the
-    first round). Returns the served steps for the fit, loop gaps for `fit_loop`, and per run
+    first round). Returns the served steps for the fit, loop gaps for `served_fit.fit_loop`, and per run
     its round, iterations, makespan and time in execute. `native`: the engine's attention is
     `native` (its features, see `cbjax.sim.profiled.step_features`)."""
     steps, gaps, runs = [], [], []

@@ -34,7 +34,7 @@ the native decode pass is charged per group), plus its swap copies:
 The step terms are fitted on the grid's steps, which reach long contexts and large prefills;
 the fixed costs (and, when asked, the cold terms) on the iterations the profile serves through
 the real loop over them, since a step there costs what a run pays, not what the same step costs
-run back to back (`cbjax.profile.serving.fit_served`). `token_s` is the work per token the step
+run back to back (`cbjax.profile.served_fit.fit_served`). `token_s` is the work per token the step
 really holds: the native matmul multiplies those and skips the bucket's padding, so the model's
 matmuls grow with the tokens, not the bucket (XLA's matmuls compute the padding too: their cost
 is the bucket's, and `token_s` fits near 0). The attention's work does not grow with the
@@ -198,9 +198,13 @@ class ProfiledCost:
         self.shapes = shapes
         self._last_end: Optional[float] = None  # where the previous iteration ended, on the run's clock
         self._recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the last iterations' token buckets, latest first
+        # (plan, its launch_s) as `__call__` last computed it: the pipelined SimExecutor asks for
+        # the same plan's launch right after, and the rows are walked once a step, not twice
+        self._launch: tuple[Optional[Schedule], float] = (None, 0.0)
 
     def __call__(self, plan: Schedule) -> float:
-        bucket, x = step_features(plan.cost_rows(), self.shapes, self.native)
+        rows = plan.cost_rows()
+        bucket, x = step_features(rows, self.shapes, self.native)
         t = self.loop_s + self.loop_seq_s * plan.num_scheduled + predict(self.coefficients, bucket, x)
         pages = plan.num_swapped_pages
         if pages:
@@ -209,7 +213,7 @@ class ProfiledCost:
             # planned while the last step runs (pipelined): that step ends no earlier than this
             # launch's host time (`launch_s`, `cbjax.engine.EngineLoop._launch_virtual`), so
             # the clock here follows the loop's and a later plan is not mistaken for an idle one
-            self._last_end = max(self._last_end, plan.start_s + self.launch_s(plan))
+            self._last_end = max(self._last_end, plan.start_s + self._launch_of(plan, rows))
         if self._last_end is not None and plan.start_s > self._last_end:  # the loop idled until an arrival
             t += self.wake_s * min(1.0, (plan.start_s - self._last_end) / self.wake_ramp_s)
         t += cold_cost(self.coefficients, steps_since_larger(self._recent, bucket))
@@ -221,9 +225,17 @@ class ProfiledCost:
     def launch_s(self, plan: Schedule) -> float:
         """The loop's host time from collecting a step to launching `plan`'s (pure): the step in
         flight ends no earlier (`cbjax.engine.EngineLoop._launch_virtual`)."""
-        rows = plan.cost_rows()
-        prefills = sum(1 for _, _, decode in rows if not decode)
-        return launch_cost(self.coefficients, len(rows), prefills, sum(n for n, _, _ in rows))
+        last, launch = self._launch
+        return launch if last is plan else self._launch_of(plan, plan.cost_rows())
+
+    def _launch_of(self, plan: Schedule, rows: Sequence[tuple[int, int, bool]]) -> float:
+        tokens = prefills = 0
+        for n, _, decode in rows:
+            tokens += n
+            prefills += not decode
+        launch = launch_cost(self.coefficients, len(rows), prefills, tokens)
+        self._launch = (plan, launch)
+        return launch
 
 
 def make_profiled_cost(
