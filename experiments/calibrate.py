@@ -33,7 +33,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 from cbjax.config import (  # noqa: E402
     CacheConfig, ExecutorConfig, LengthConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig,
 )  # fmt: skip
+from cbjax.profile.anchor import SPEED_TOLERANCE, anchor_config, anchor_speed, on_speed, time_anchor  # noqa: E402
 from cbjax.run import run_single  # noqa: E402
 from cbjax.sim.acceptance import REGIME_BIAS_PCT, judge, signed_error_pct, summarize_regimes  # noqa: E402
 from cbjax.sim.profiled import COLD_TERMS  # noqa: E402
@@ -58,6 +59,9 @@ METRICS = CLOSED_METRICS + OPEN_METRICS
 TARGETS = {"throughput_tok_s": 5.0, "ttft_s_p50": 10.0, "e2e_s_p50": 10.0, "e2e_s_p99": 15.0}
 RATIO_TARGET_PCT = 5.0  # the continuous / static throughput ratio
 MIN_REPEATS = 5
+# with the profile's anchor, rounds go on until each cell has `repeats` runs made at the
+# profile's machine speed, up to this many rounds per repeat (`engine_rounds`)
+MAX_ROUNDS_PER_REPEAT = 3
 # issue 35's acceptance 1, on workloads the profile never served: a burst under fcfs and under
 # static (closed loop: throughput and the continuous / static ratio), Poisson at 30% and 60% of
 # the saturated rate under fcfs (open loop: the latencies); chunked prefill off
@@ -138,17 +142,76 @@ def sim_config(cfg: RunConfig, profile: str) -> RunConfig:
     return dataclasses.replace(cfg, executor=ex)
 
 
-def judge_cell(wname: str, policy: str, chunked: bool, sim: dict, engine: list[dict], seed: int = 0) -> dict:
+def judge_cell(
+    wname: str, policy: str, chunked: bool, sim: dict, engine: list[dict], seed: int = 0,
+    repeats: int = 0, runs: Optional[int] = None,
+) -> dict:  # fmt: skip
     """One cell: its regime, and per figure it carries (closed loop: throughput; open loop: the
-    latencies) `cbjax.sim.acceptance.judge` of the simulator against the engine's runs."""
+    latencies) `cbjax.sim.acceptance.judge` of the simulator against the engine's runs `engine`
+    (those made at the profile's machine speed, of `runs` made). With fewer than `repeats` of
+    them every targeted figure fails: the cell was not measured at the profile's speed."""
     regime, closed, _ = WORKLOADS[wname]
     name = f"{wname}, {policy}, chunked {'on' if chunked else 'off'}"
     cell = {"name": name, "workload": wname, "regime": regime, "closed_loop": closed, "policy": policy,
-            "chunked": chunked}  # fmt: skip
+            "chunked": chunked, "runs_judged": len(engine), "runs": len(engine) if runs is None else runs}  # fmt: skip
+    short = len(engine) < repeats
     for key, _ in CLOSED_METRICS if closed else OPEN_METRICS:
         values = [e[key] for e in engine if e.get(key) is not None]
         cell[key] = judge(sim[key], values, TARGETS.get(key), seed=seed) if values and sim.get(key) is not None else None
+        if short and cell[key] is not None and cell[key]["within_target"] is not None:
+            cell[key].update(within_target=False, verdict="fail")
     return cell
+
+
+def anchor_timer(base: RunConfig, record: dict) -> Callable[[], float]:
+    """A warm engine of `base`'s model serving the profile's anchor (`cbjax.profile.anchor`);
+    returns what times it (`time_anchor`: the median of ANCHOR_RUNS makespans)."""
+    from cbjax.profile.serving import serve_timed
+    from cbjax.run import build_executor, resolve
+
+    cfg = resolve(anchor_config(base, record))
+    executor = build_executor(cfg)
+    executor.sampling = False
+    executor.warmup()
+    serve_timed(executor, cfg)  # untimed: the first serving's one-time costs
+
+    def makespan() -> float:
+        timed = serve_timed(executor, cfg)
+        return timed.end[-1] - timed.start[0]
+
+    return lambda: time_anchor(makespan)
+
+
+def engine_rounds(
+    cells: dict, repeats: int, run: Callable[..., dict], anchor: Optional[Callable[[], float]],
+    reference: Optional[float], max_rounds: Optional[int] = None,
+) -> dict[tuple, list[dict]]:  # fmt: skip
+    """Every cell's engine runs, in rounds over all the cells (a slow spell of the machine then
+    lands on one run of many cells, not on one cell): `run(key, cfg, round, done, total)`
+    returns a run's summary. With an `anchor` (the profile's, timed before the first run and
+    after each; `reference`: its timing at the profile) each run gets its `anchor_speed` and
+    `on_speed` (`cbjax.profile.anchor.on_speed`), and rounds go on, for the cells short of
+    `repeats` runs on speed, up to `max_rounds` (default MAX_ROUNDS_PER_REPEAT x repeats).
+    Without one, `repeats` rounds, every run on speed. Returns every run made, per cell."""
+    max_rounds = repeats if anchor is None else (max_rounds or MAX_ROUNDS_PER_REPEAT * repeats)
+    runs: dict[tuple, list[dict]] = {k: [] for k in cells}
+    before = anchor() if anchor else None
+    done = 0
+    for r in range(max_rounds):
+        todo = [k for k in cells if sum(e["on_speed"] for e in runs[k]) < repeats]
+        if not todo:
+            break
+        for key in todo:
+            summary = run(key, cells[key], r, done, len(cells) * repeats)
+            done += 1
+            if anchor is None:
+                runs[key].append({**summary, "anchor_speed": None, "on_speed": True})
+                continue
+            after = anchor()
+            runs[key].append({**summary, "anchor_speed": anchor_speed(before, after, reference),
+                              "on_speed": on_speed(before, after, reference)})  # fmt: skip
+            before = after
+    return runs
 
 
 def ratio_rows(cells: list[dict], sim_tp: dict, engine_tp: dict) -> list[dict]:
@@ -195,26 +258,35 @@ def run_all(args, profile_path: str) -> dict:
         sched = dataclasses.replace(base.scheduler, name=policy, chunked_prefill=chunked)
         cells[(w, policy, chunked)] = dataclasses.replace(base, scheduler=sched, workload=chosen[w])
     sim = {k: run_single(sim_config(cfg, profile_path), None, verbose=False) for k, cfg in cells.items()}
-    engine: dict[tuple, list[dict]] = {k: [] for k in cells}
-    total, done = len(cells) * args.repeats, 0
     start = time.perf_counter()
     # untimed: a process's first serving pays one-time costs (compiles loaded, first allocations)
     run_single(
         dataclasses.replace(base, workload=dataclasses.replace(base.workload, num_requests=64)), None, verbose=False
     )
-    for r in range(args.repeats):
-        for key, cfg in cells.items():
-            engine[key].append(run_single(cfg, None, verbose=False))
-            done += 1
-            elapsed = time.perf_counter() - start
-            print(f"[{done}/{total}] {slots} slots, round {r + 1}: {key[0]} {key[1]} chunked {'on' if key[2] else 'off'} | "
-                  f"{elapsed / 60:.1f} min in, ~{elapsed / done * (total - done) / 60:.1f} min left", flush=True)  # fmt: skip
-    judged = [judge_cell(*k, sim[k], engine[k]) for k in cells]
+    anchor, reference = None, None
+    if profile.get("anchor"):
+        anchor, reference = anchor_timer(base, profile["anchor"]), profile["anchor"]["reference_s"]
+    else:
+        print(f"{profile_path}: no anchor (a profile made before it): every engine run is judged, whatever the "
+              "machine's speed", flush=True)  # fmt: skip
+
+    def run(key, cfg, r, done, total):
+        elapsed = time.perf_counter() - start
+        print(f"[{done + 1}/~{total}] {slots} slots, round {r + 1}: {key[0]} {key[1]} chunked {'on' if key[2] else 'off'} | "
+              f"{elapsed / 60:.1f} min in", flush=True)  # fmt: skip
+        return run_single(cfg, None, verbose=False)
+
+    runs = engine_rounds(cells, args.repeats, run, anchor, reference)
+    engine = {k: [e for e in v if e["on_speed"]] for k, v in runs.items()}
+    judged = [judge_cell(*k, sim[k], engine[k], repeats=args.repeats, runs=len(runs[k])) for k in cells]
+    for cell, k in zip(judged, cells):
+        cell["anchor_runs"] = [{"speed": e["anchor_speed"], "judged": e["on_speed"]} for e in runs[k]]
     tp = {k: [e["throughput_tok_s"] for e in engine[k]] for k in cells}
     report = {
         "slots": slots,
         "repeats": args.repeats,
         "quick": args.quick,
+        "anchor_reference_s": reference,
         "cells": judged,
         "regimes": summarize_regimes(judged, [k for k, _ in METRICS]),
         "ratios": ratio_rows(judged, {k: sim[k]["throughput_tok_s"] for k in cells}, tp),
@@ -282,6 +354,30 @@ def _num(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.4g}"
 
 
+def _speed_section(cells: list[dict]) -> list[str]:
+    """The runs judged per cell and the machine's speed around them (`cbjax.profile.anchor`); none
+    where no run was timed against an anchor."""
+    timed = [c for c in cells if any(x["speed"] is not None for x in c.get("anchor_runs", []))]
+    if not timed:
+        return []
+    lines = [
+        "## Machine speed", "",
+        "The profile timed its anchor (`cbjax.profile.anchor`: one of its closed-loop bursts) through its served "
+        "rounds; the calibration timed it again before and after each engine run, and judges a cell on the runs made "
+        f"while both timings lay within ±{100 * SPEED_TOLERANCE:g}% of the profile's median (rounds go on, up to "
+        f"{MAX_ROUNDS_PER_REPEAT} per repeat, until each cell has its repeats). A run off that speed measured another "
+        "machine than the profile's and is counted here, not judged; a cell short of its repeats fails. Speed: the "
+        "anchor's timing around a run over the profile's (above 1: slower).", "",
+        "| cell | runs judged / made | speed of the runs judged | speed of the runs not judged |", "|---|---|---|---|",
+    ]  # fmt: skip
+    for c in timed:
+        judged = sorted(x["speed"] for x in c["anchor_runs"] if x["judged"])
+        off = sorted(x["speed"] for x in c["anchor_runs"] if not x["judged"])
+        span = lambda xs: f"{xs[0]:.3f}-{xs[-1]:.3f}" if xs else "-"  # noqa: E731
+        lines.append(f"| {c['name']} | {c['runs_judged']} / {c['runs']} | {span(judged)} | {span(off)} |")
+    return lines + [""]
+
+
 def judged_cells(j: dict) -> tuple[str, str]:
     """A judged figure's table cells: the engine's median with its interval, and whether the
     simulator is within the target (the target beside it). Shared with calibrate_cluster.py."""
@@ -319,6 +415,7 @@ def write_markdown(report: dict, profile_paths, path: Path, residual_profiles: S
         "carry the throughput; open-loop cells (Poisson, the trace) carry the latencies, p99 beside p50. Per regime, "
         f"each figure's mean signed error must stay within ±{REGIME_BIAS_PCT:g}%; the continuous / static throughput "
         f"ratio within ±{RATIO_TARGET_PCT:g}%.", "",
+        *_speed_section(report["cells"]),
         "## Cells", "",
         "| cell | regime | figure | engine median [90% interval] | simulator | error % | in interval | within target | verdict |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -13,12 +13,14 @@ OUT=${OUT:-outputs/issue35}
 DOC=${DOC:-docs/CALIBRATION.md}
 mkdir -p "$OUT"
 start=$(date +%s)
+# SmolLM's shape first: its profile takes minutes, and the tiny profiles are best taken just
+# before their calibration, at the machine speed it will find (`cbjax.profile.anchor`)
+python -m cbjax.profile model=smollm_135m scheduler.max_num_seqs=8 scheduler.max_num_batched_tokens=256 progress=false \
+  hydra.run.dir="$OUT/profile_smollm_135m" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_smollm_135m.log"
 for slots in 16 32; do
   python -m cbjax.profile scheduler.max_num_seqs=$slots progress=false \
     hydra.run.dir="$OUT/profile_tiny_$slots" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_tiny_$slots.log"
 done
-python -m cbjax.profile model=smollm_135m scheduler.max_num_seqs=8 scheduler.max_num_batched_tokens=256 progress=false \
-  hydra.run.dir="$OUT/profile_smollm_135m" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_smollm_135m.log"
 echo "profiles took $(( $(date +%s) - start )) s"
 python experiments/calibrate.py --repeats 5 \
   --profile "$OUT/profile_tiny_16/profile.json" "$OUT/profile_tiny_32/profile.json" \

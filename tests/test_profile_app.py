@@ -10,7 +10,9 @@ from omegaconf import OmegaConf
 
 from cbjax.cli import CONFIG_DIR
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from cbjax.profile.anchor import anchor_config
 from cbjax.profile.runner import ProfileRunConfig, run_profile
+from cbjax.profile.serving import serving_runs
 from cbjax.sim import make_cost_model
 from cbjax.sim.profiled import LOOP_TERMS, OPTIONAL_TERMS, SERVE_TERMS, STEP_TERMS, SWAP_TERMS
 
@@ -71,6 +73,14 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     # the product's defaults: served per-row, per-page and cold terms, the balanced weighting
     assert (profile["served_terms"], profile["fit_cold"], profile["served_weighting"]) == (True, True, "balanced")
     assert isinstance(profile["gaps"], list)  # recorded for `cbjax.profile.refit` (none when pipelined)
+    # the anchor: round 0's whole-prompt fcfs burst (3 x 4 requests), timed before each of the 2
+    # rounds and after the last; its reference is their median, and the record rebuilds the run
+    anchor = profile["anchor"]
+    assert len(anchor["timings_s"]) == 3 and anchor["reference_s"] == sorted(anchor["timings_s"])[1] > 0
+    rebuilt = anchor_config(cfg, json.loads(json.dumps(anchor)))
+    (original,) = [c for label, c in serving_runs(cfg, None, 0) if label == "fcfs_chunked_off"]
+    assert (rebuilt.scheduler, rebuilt.workload, rebuilt.seed) == (original.scheduler, original.workload, original.seed)
+    assert (rebuilt.scheduler.name, rebuilt.scheduler.chunked_prefill, rebuilt.workload.num_requests) == ("fcfs", False, 12)
     assert profile["machine"]["backend"] == "cpu" and profile["machine"]["jax"]
     assert 0.0 <= profile["machine"]["others_cpu_share"] <= 1.0  # read from /proc/stat on Linux
     assert 0 <= profile["residuals"]["median_rel_error"] <= profile["residuals"]["max_rel_error"]

@@ -101,6 +101,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "matmul": executor.matmul,
         "machine": {**machine(), "load_average_at_start": load_at_start, "others_cpu_share": others.share()},
         "serving": serving["runs"],
+        "anchor": serving["anchor"],
         "wake": wake,
         "served": serving["steps"],
         "grid": cfg.grid,

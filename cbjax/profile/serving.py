@@ -15,6 +15,7 @@ import numpy as np
 
 from cbjax.config import LengthConfig, RunConfig, WorkloadConfig
 from cbjax.plan import Schedule, StepOutput
+from cbjax.profile.anchor import anchor_record, anchor_spec, time_anchor
 from cbjax.request import Request
 from cbjax.profile.residuals import regime_of
 from cbjax.layout.shapes import ShapePlan
@@ -24,6 +25,9 @@ from cbjax.sim.profiled import COLD_TERMS, step_features, steps_since_larger
 POISSON_SHARES = (0.3, 0.6, 0.9)
 # Round r of the served workloads draws with seeds offset by this times r (`serving_runs`).
 ROUND_SEED_STRIDE = 1000
+# the served run the profile and the calibration time as the anchor of the machine's speed
+# (`cbjax.profile.anchor`): round 0's closed-loop burst of whole prompts
+ANCHOR_RUN = "fcfs_chunked_off"
 
 
 class TimedExecutor:
@@ -210,12 +214,22 @@ def measure_serving(
 ) -> dict[str, Any]:
     """Serve the profile's workloads (`serving_runs`) on the warm engine, `rounds` times over: the
     bursts first, then the Poisson runs at shares of the first burst's request rate (set in the
-    first round). Returns the served steps for the fit, loop gaps for `served_fit.fit_loop`, and per run
-    its round, iterations, makespan and time in execute. `native`: the engine's attention is
+    first round). Before each round and after the last it times the anchor (`cbjax.profile.anchor`:
+    round 0's ANCHOR_RUN burst, served ANCHOR_RUNS times a timing). Returns the served steps for
+    the fit, loop gaps for `served_fit.fit_loop`, per run its round, iterations, makespan and
+    time in execute, and the anchor's record (`anchor_record`). `native`: the engine's attention is
     `native` (its features, see `cbjax.sim.profiled.step_features`)."""
     steps, gaps, runs = [], [], []
     saturated: Optional[float] = None
+    anchor_cfg = dict(serving_runs(cfg, None, 0))[ANCHOR_RUN]
+    timings = []
+
+    def anchor_makespan() -> float:
+        timed = serve_timed(executor, anchor_cfg)
+        return timed.end[-1] - timed.start[0]
+
     for r in range(rounds):
+        timings.append(time_anchor(anchor_makespan))
         todo = serving_runs(cfg, saturated, r)
         i = 0
         while i < len(todo):  # the list grows by the Poisson runs after the first burst
@@ -238,7 +252,8 @@ def measure_serving(
             if len(runs) == 1 and makespan > 0:  # the same bursts first, then the Poisson runs
                 saturated = run_cfg.workload.num_requests / makespan
                 todo = serving_runs(cfg, saturated, r)
-    return {"steps": steps, "gaps": gaps, "runs": runs}
+    timings.append(time_anchor(anchor_makespan))
+    return {"steps": steps, "gaps": gaps, "runs": runs, "anchor": anchor_record(anchor_spec(anchor_cfg), timings)}
 
 
 def measure_wake(
