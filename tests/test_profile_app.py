@@ -70,8 +70,8 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     assert table["steps"] == "held-out"
     assert set(table["regimes"]) == {s["regime"] for s in held} <= {"burst", "light", "medium", "heavy"}
     assert sum(r["num_steps"] for r in table["regimes"].values()) == len(held) > 0
-    # the product's defaults: served per-row, per-page and cold terms, the balanced weighting
-    assert (profile["served_terms"], profile["fit_cold"], profile["served_weighting"]) == (True, True, "balanced")
+    # the product's defaults: served per-row, per-page and cold terms, the mean_relative weighting
+    assert (profile["served_terms"], profile["fit_cold"], profile["served_weighting"]) == (True, True, "mean_relative")
     assert isinstance(profile["gaps"], list)  # recorded for `cbjax.profile.refit` (none when pipelined)
     # the anchor: round 0's whole-prompt fcfs burst (3 x 4 requests), timed before each of the 2
     # rounds and after the last; its reference is their median, and the record rebuilds the run

@@ -185,6 +185,6 @@ def test_refit_from_a_recorded_profile(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     refit_main([str(path), "--out", str(tmp_path / "refit.json")])
-    assert json.loads((tmp_path / "refit.json").read_text())["served_weighting"] == "balanced"
+    assert json.loads((tmp_path / "refit.json").read_text())["served_weighting"] == "mean_relative"  # the profile's default
     with pytest.raises(ValueError, match="gaps"):
         refit({k: v for k, v in profile.items() if k != "gaps"}, True, True, "mean_relative")
