@@ -45,7 +45,7 @@ from cbjax.config import (  # noqa: E402
 )  # fmt: skip
 from cbjax.profile.anchor import SPEED_TOLERANCE, anchor_config, anchor_speed, on_speed, time_anchor  # noqa: E402
 from cbjax.run import run_single  # noqa: E402
-from cbjax.sim.acceptance import REGIME_BIAS_PCT, judge, signed_error_pct, summarize_regimes  # noqa: E402
+from cbjax.sim.acceptance import REGIME_BIAS_PCT, judge, signed_error_pct, summarize_regimes, unmeasured  # noqa: E402
 from cbjax.sim.profiled import COLD_TERMS  # noqa: E402
 
 # the first 500 requests of the Azure code trace, shipped with cbjax (cbjax/data/README.md)
@@ -157,7 +157,12 @@ def judge_cell(
     short = len(engine) < repeats
     for key, _ in CLOSED_METRICS if closed else OPEN_METRICS:
         values = [e[key] for e in engine if e.get(key) is not None]
-        cell[key] = judge(sim[key], values, TARGETS.get(key), seed=seed) if values and sim.get(key) is not None else None
+        if sim.get(key) is None:
+            cell[key] = None
+        elif not values:  # no run at the profile's speed (or none made): a targeted figure fails
+            cell[key] = unmeasured(sim[key], TARGETS.get(key)) if engine or cell["runs"] else None
+        else:
+            cell[key] = judge(sim[key], values, TARGETS.get(key), seed=seed)
         if short and cell[key] is not None and cell[key]["within_target"] is not None:
             cell[key].update(within_target=False, verdict="fail")
     return cell
@@ -222,6 +227,9 @@ def ratio_rows(cells: list[dict], sim_tp: dict, engine_tp: dict) -> list[dict]:
         key_f, key_s = (w, "fcfs", False), (w, "static", False)
         if key_f in sim_tp and key_s in sim_tp:
             sim = sim_tp[key_f] / sim_tp[key_s]
+            if not (engine_tp[key_f] and engine_tp[key_s]):  # a cell with no run at the profile's speed
+                rows.append({"workload": w, "sim": sim, "engine": None, "error_pct": None, "verdict": "fail"})
+                continue
             eng = float(np.median(engine_tp[key_f])) / float(np.median(engine_tp[key_s]))
             err = signed_error_pct(sim, eng)
             rows.append({"workload": w, "sim": sim, "engine": eng, "error_pct": err,
@@ -384,6 +392,8 @@ def judged_cells(j: dict) -> tuple[str, str]:
     lo, hi = j["interval"]
     within = "-" if j["within_target"] is None else ("yes" if j["within_target"] else "no")
     target = "" if j["target_pct"] is None else f" (±{j['target_pct']:g})"
+    if j["engine"] is None:  # `unmeasured`
+        return "no run at the profile's speed", within + target
     return f"{_num(j['engine'])} [{_num(lo)}, {_num(hi)}]", within + target
 
 
@@ -426,20 +436,23 @@ def write_markdown(report: dict, profile_paths, path: Path, residual_profiles: S
             if j is None:
                 continue
             engine, within = judged_cells(j)
+            error = "-" if j["error_pct"] is None else f"{j['error_pct']:+.1f}"
             lines.append(f"| {c['name']} | {c['regime']} | {label} | {engine} | "
-                         f"{_num(j['sim'])} | {j['error_pct']:+.1f} | {'yes' if j['in_interval'] else 'no'} | "
+                         f"{_num(j['sim'])} | {error} | {'yes' if j['in_interval'] else 'no'} | "
                          f"{within} | {j['verdict']} |")  # fmt: skip
     lines += ["", "## Regimes", "",
               "| regime | figure | cells | mean signed error % | worst cell (error %) | pass / judged | bias within "
               f"±{REGIME_BIAS_PCT:g}% |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in report["regimes"]:
         judged = f"{r['num_pass']} / {r['num_targeted']}" if r["num_targeted"] else "-"
+        worst = "-" if r["worst_error_pct"] is None else f"{r['worst_error_pct']:+.1f}"
         lines.append(f"| {r['regime']} | {LABELS[r['figure']]} | {r['num_cells']} | {r['mean_signed_error_pct']:+.1f} | "
-                     f"{r['worst_cell']} ({r['worst_error_pct']:+.1f}) | {judged} | {'yes' if r['bias_ok'] else 'no'} |")  # fmt: skip
+                     f"{r['worst_cell']} ({worst}) | {judged} | {'yes' if r['bias_ok'] else 'no'} |")  # fmt: skip
     lines += ["", "## Continuous / static throughput ratio (fcfs over static, chunked prefill off, closed loop)", "",
               "| workload | simulator | engine (medians) | error % | verdict |", "|---|---|---|---|---|"]  # fmt: skip
     for r in report["ratios"]:
-        lines.append(f"| {r['workload']} | {r['sim']:.3f} | {r['engine']:.3f} | {r['error_pct']:+.1f} | {r['verdict']} |")
+        engine, error = ("-", "-") if r["engine"] is None else (f"{r['engine']:.3f}", f"{r['error_pct']:+.1f}")
+        lines.append(f"| {r['workload']} | {r['sim']:.3f} | {engine} | {error} | {r['verdict']} |")
     cells = [c[k] for c in report["cells"] for k, _ in METRICS if c.get(k) and c[k]["verdict"] != "-"]
     fails = sum(j["verdict"] == "fail" for j in cells)
     biased = [f"{r['regime']} {LABELS[r['figure']]}" for r in report["regimes"] if not r["bias_ok"]]
@@ -474,7 +487,7 @@ def plot_parity(report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(2, 4, figsize=(15, 8))
     for ax, (key, label) in zip(axes.flat, METRICS):
-        pts = [(c[key]["engine"], c[key]["sim"], *c[key]["interval"]) for c in report["cells"] if c.get(key)]
+        pts = [(c[key]["engine"], c[key]["sim"], *c[key]["interval"]) for c in report["cells"] if c.get(key) and c[key]["engine"] is not None]
         if not pts:
             ax.set_visible(False)
             continue

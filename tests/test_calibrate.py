@@ -186,3 +186,32 @@ def test_without_an_anchor_every_run_counts_and_repeats_bound_the_rounds():
     runs = calibrate.engine_rounds({"a": None, "b": None}, 3, _engine, None, None)
     assert [len(v) for v in runs.values()] == [3, 3]
     assert all(e["on_speed"] and e["anchor_speed"] is None for v in runs.values() for e in v)
+
+
+def test_a_cell_with_no_run_at_the_profiles_speed_is_listed_and_fails(tmp_path):
+    # 16 slots: every run off speed (none judged of 15); 32 slots: measured, +2%
+    none = calibrate.judge_cell("burst", "fcfs", False, _run(1.0), [], repeats=5, runs=15)
+    ok = calibrate.judge_cell("burst", "fcfs", False, _run(1.02), [_run(1.0)] * 5, repeats=5, runs=5)
+    assert none["throughput_tok_s"]["verdict"] == "fail" and none["throughput_tok_s"]["engine"] is None
+    report = calibrate.merge_reports([
+        {"slots": 16, "repeats": 5, "quick": False, "cells": [none], "ratios": []},
+        {"slots": 32, "repeats": 5, "quick": False, "cells": [ok], "ratios": []},
+    ])  # fmt: skip
+    (row,) = report["regimes"]
+    # the regime's mean is the measured cell's alone, but it is not shown unbiased, and 1 of 2 pass
+    assert row["mean_signed_error_pct"] == pytest.approx(2.0) and not row["bias_ok"]
+    assert (row["num_pass"], row["num_targeted"]) == (1, 2)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "machine": {"cpu": "test cpu", "cores": 2, "jax": "0"}, "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2},
+    }))  # fmt: skip
+    doc = tmp_path / "CALIBRATION.md"
+    calibrate.write_markdown(report, str(profile), doc)
+    text = doc.read_text()
+    assert "| 16 slots: burst, fcfs, chunked off | burst | throughput | no run at the profile's speed | 1 | - | no | no (±5) | fail |" in text
+    assert "**Overall:** 1 of 2 judged figures within target" in text
+    # no ratio without the engine's runs of both policies
+    rows = calibrate.ratio_rows([{"workload": "burst", "closed_loop": True}],
+                                {("burst", "fcfs", False): 2.0, ("burst", "static", False): 1.0},
+                                {("burst", "fcfs", False): [], ("burst", "static", False): [1.0]})  # fmt: skip
+    assert rows == [{"workload": "burst", "sim": 2.0, "engine": None, "error_pct": None, "verdict": "fail"}]

@@ -67,6 +67,17 @@ def judge(sim: float, engine_values: Sequence[float], target_pct: Optional[float
     }
 
 
+def unmeasured(sim: float, target_pct: Optional[float]) -> dict:
+    """A cell's figure with no engine run to judge it by (`judge`'s keys; the engine's median,
+    interval and error None): it fails where it has a target, as a figure nobody measured
+    cannot be shown within one."""
+    return {
+        "sim": sim, "engine": None, "engine_runs": [], "interval": [None, None], "error_pct": None,
+        "in_interval": False, "target_pct": target_pct, "within_target": None if target_pct is None else False,
+        "verdict": "-" if target_pct is None else "fail",
+    }  # fmt: skip
+
+
 def summarize_regimes(cells: list[dict], figures: Sequence[str]) -> list[dict]:
     """Per regime and figure: the cells' mean signed error, the worst cell (largest |error|), how
     many cells pass their target, and whether the regime's bias is within REGIME_BIAS_PCT.
@@ -80,9 +91,10 @@ def summarize_regimes(cells: list[dict], figures: Sequence[str]) -> list[dict]:
             judged = [(c["name"], c[fig]) for c in cells if c["regime"] == regime and c.get(fig) is not None]
             if not judged:
                 continue
-            errors = [j["error_pct"] for _, j in judged]
-            mean = sum(errors) / len(errors)
-            worst_name, worst = max(judged, key=lambda nj: abs(nj[1]["error_pct"]))
+            measured = [(n, j) for n, j in judged if j["error_pct"] is not None]  # not `unmeasured`
+            errors = [j["error_pct"] for _, j in measured]
+            mean = sum(errors) / len(errors) if errors else float("nan")
+            worst_name, worst = max(measured, key=lambda nj: abs(nj[1]["error_pct"])) if measured else judged[0]
             targeted = [j for _, j in judged if j["within_target"] is not None]
             out.append({
                 "regime": regime,
@@ -93,6 +105,7 @@ def summarize_regimes(cells: list[dict], figures: Sequence[str]) -> list[dict]:
                 "worst_cell": worst_name,
                 "num_pass": sum(j["within_target"] for j in targeted),
                 "num_targeted": len(targeted),
-                "bias_ok": abs(mean) <= REGIME_BIAS_PCT and math.isfinite(mean),
+                # a regime with a cell no run measured is not shown unbiased
+                "bias_ok": abs(mean) <= REGIME_BIAS_PCT and math.isfinite(mean) and len(measured) == len(judged),
             })  # fmt: skip
     return out
