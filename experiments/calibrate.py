@@ -520,7 +520,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--trace", default=str(AZURE_CODE), help="the Azure LLM inference code trace CSV")
     ap.add_argument("--out-dir", default=str(REPO / "outputs" / "calibration"))
     ap.add_argument("--doc", default=str(REPO / "docs" / "CALIBRATION.md"))
+    ap.add_argument("--reports", nargs="+", default=None,
+                    help="no engine runs: merge these calibration.json files (one per --profile, in its order, as a "
+                         "run per slot count writes them) into one report and document")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.reports is not None and len(args.reports) != len(args.profile):
+        ap.error(f"--reports: {len(args.reports)} files for {len(args.profile)} --profile files; give one per profile")
     if args.repeats < MIN_REPEATS and not args.quick:
         ap.error(f"--repeats {args.repeats}: a cell needs at least {MIN_REPEATS} engine runs (or --quick, which is not evidence)")
     if args.repeats < 1:
@@ -530,7 +535,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
 
     start = time.perf_counter()
-    reports = [run_all(args, p) for p in args.profile]
+    if args.reports is not None:  # each slot count calibrated just after its profile: merge them
+        reports = [json.loads(Path(r).read_text()) for r in args.reports]
+    else:
+        reports = [run_all(args, p) for p in args.profile]
     report = reports[0] if len(reports) == 1 else merge_reports(reports)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.out_dir) / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")

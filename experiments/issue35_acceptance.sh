@@ -17,13 +17,14 @@ start=$(date +%s)
 # before their calibration, at the machine speed it will find (`cbjax.profile.anchor`)
 python -m cbjax.profile model=smollm_135m scheduler.max_num_seqs=8 scheduler.max_num_batched_tokens=256 progress=false \
   hydra.run.dir="$OUT/profile_smollm_135m" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_smollm_135m.log"
-for slots in 16 32; do
+for slots in 16 32; do  # each slot count calibrated right after its profile
   python -m cbjax.profile scheduler.max_num_seqs=$slots progress=false \
     hydra.run.dir="$OUT/profile_tiny_$slots" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_tiny_$slots.log"
+  python experiments/calibrate.py --repeats 5 --profile "$OUT/profile_tiny_$slots/profile.json" \
+    --out-dir "$OUT/calibration_$slots" --doc "$OUT/calibration_$slots/CALIBRATION.md" 2>&1 | tee "$OUT/calibration_$slots.log"
 done
-echo "profiles took $(( $(date +%s) - start )) s"
-python experiments/calibrate.py --repeats 5 \
-  --profile "$OUT/profile_tiny_16/profile.json" "$OUT/profile_tiny_32/profile.json" \
+python experiments/calibrate.py --profile "$OUT/profile_tiny_16/profile.json" "$OUT/profile_tiny_32/profile.json" \
+  --reports "$OUT/calibration_16/calibration.json" "$OUT/calibration_32/calibration.json" \
   --residual-profiles "$OUT/profile_smollm_135m/profile.json" \
   --out-dir "$OUT/calibration" --doc "$DOC" 2>&1 | tee "$OUT/calibration.log"
 echo "all took $(( $(date +%s) - start )) s"

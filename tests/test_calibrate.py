@@ -215,3 +215,26 @@ def test_a_cell_with_no_run_at_the_profiles_speed_is_listed_and_fails(tmp_path):
                                 {("burst", "fcfs", False): 2.0, ("burst", "static", False): 1.0},
                                 {("burst", "fcfs", False): [], ("burst", "static", False): [1.0]})  # fmt: skip
     assert rows == [{"workload": "burst", "sim": 2.0, "engine": None, "error_pct": None, "verdict": "fail"}]
+
+
+def test_reports_calibrated_apart_merge_into_one_document(tmp_path):
+    profiles, reports = [], []
+    for slots, sim in ((16, 104.0), (32, 90.0)):
+        profile = tmp_path / f"p{slots}.json"
+        profile.write_text(json.dumps({
+            "machine": {"cpu": "test cpu", "cores": 2, "jax": "0"}, "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2},
+        }))  # fmt: skip
+        cell = {**_cell("burst, fcfs, chunked off", "burst", {}), "throughput_tok_s": judge(sim, [100.0] * 5, 5.0)}
+        report = tmp_path / f"r{slots}.json"
+        report.write_text(json.dumps({"slots": slots, "repeats": 5, "quick": False, "cells": [cell], "ratios": []}))
+        profiles.append(str(profile))
+        reports.append(str(report))
+    doc = tmp_path / "CALIBRATION.md"
+    args = ["--profile", *profiles, "--out-dir", str(tmp_path / "out"), "--doc", str(doc)]
+    calibrate.main([*args, "--reports", *reports])
+    text = doc.read_text()
+    assert "| 16 slots: burst, fcfs, chunked off | burst | throughput | 100 [100, 100] | 104 | +4.0 |" in text
+    assert "| 32 slots: burst, fcfs, chunked off | burst | throughput | 100 [100, 100] | 90 | -10.0 |" in text
+    assert "**Overall:** 1 of 2 judged figures within target" in text
+    with pytest.raises(SystemExit):
+        calibrate.main([*args, "--reports", reports[0]])
