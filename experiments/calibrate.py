@@ -61,7 +61,7 @@ RATIO_TARGET_PCT = 5.0  # the continuous / static throughput ratio
 MIN_REPEATS = 5
 # with the profile's anchor, rounds go on until each cell has `repeats` runs made at the
 # profile's machine speed, up to this many rounds per repeat (`engine_rounds`)
-MAX_ROUNDS_PER_REPEAT = 3
+MAX_ROUNDS_PER_REPEAT = 4
 # issue 35's acceptance 1, on workloads the profile never served: a burst under fcfs and under
 # static (closed loop: throughput and the continuous / static ratio), Poisson at 30% and 60% of
 # the saturated rate under fcfs (open loop: the latencies); chunked prefill off
