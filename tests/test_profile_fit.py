@@ -63,9 +63,7 @@ def with_launches(log: list[dict], seed: int) -> list[dict]:
     return out
 
 
-# the grid model: the truth's per-page costs (the grid spans contexts), a wrong per-row cost
-GRID = {**dict.fromkeys(STEP_TERMS, 0.0), "seq_s": 5e-4, "single_page_s": SINGLE_PAGE_S, "block_page_s": BLOCK_PAGE_S,
-        "bucket_s": dict(FIXED), "bucket_scale": 1.0}  # fmt: skip
+GRID = {**dict.fromkeys(STEP_TERMS, 0.0), "seq_s": 5e-4, "bucket_s": dict(FIXED), "bucket_scale": 1.0}
 
 
 def test_mean_relative_weighting_fits_the_harmonic_mean_by_hand():
@@ -82,14 +80,14 @@ def test_mean_relative_weighting_fits_the_harmonic_mean_by_hand():
 
 
 @pytest.mark.parametrize("weighting", ["mean_relative", "absolute", "balanced"])
-def test_served_fit_recovers_per_row_and_cold_terms_over_the_grids_page_costs(weighting):
-    # exact synthetic times: whatever the weighting, the fit must find the truth, not the grid's
-    # 0.5 ms per row; the per-page costs are the grid's, not refitted (not returned)
+def test_served_fit_recovers_per_row_per_page_and_cold_terms(weighting):
+    # exact synthetic times: whatever the weighting, the fit must find the truth, not the grid's 0.5 ms per row
     served = synthetic_log(300, seed=1)
     coef = fit_served(served, FIXED, GRID, fit_cold=True, served_terms=True, weighting=weighting)
     assert coef["served_bucket_s"] == {str(b): pytest.approx(v, rel=1e-6) for b, v in FIXED.items()}
     assert coef["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
-    assert "single_page_s" not in coef and "block_page_s" not in coef
+    assert coef["single_page_s"] == pytest.approx(SINGLE_PAGE_S, rel=1e-6)
+    assert coef["block_page_s"] == pytest.approx(BLOCK_PAGE_S, rel=1e-6)
     assert [coef[k] for k in COLD_TERMS] == pytest.approx(COLD, rel=1e-6)
 
 
@@ -172,14 +170,11 @@ def test_odd_rounds_are_held_out_and_each_round_draws_its_own_requests():
 
 
 def test_refit_from_a_recorded_profile(tmp_path):
-    # a recorded profile: grid steps, the served log (rounds 0 fitted, 1 held out), no gaps
+    # a recorded profile: one grid step, the served log (rounds 0 fitted, 1 held out), no gaps
     served = [{**s, "round": 0, "held_out": False} for s in synthetic_log(200, seed=4)]
     served += [{**s, "round": 1, "held_out": True} for s in synthetic_log(100, seed=5)]
-    # grid steps timed by the truth, with no step since a larger bucket's (the grid's steps run
-    # after themselves) and no token count (its column is the rows': the grid could not split them)
-    grid = [{**s, "kind": "decode", "features": s["features"][:8] + [0.0]} for s in synthetic_log(60, seed=6)
-            if not s["since_larger"]]  # fmt: skip
-    profile = {"steps": grid, "swaps": [], "served": served, "gaps": [], "coefficients": {
+    grid_step = {"kind": "decode", "bucket": 4, "features": [1.0, 4, 0, 0, 0, 0, 8, 0, 4], "measured_s": 2e-3}
+    profile = {"steps": [grid_step], "swaps": [], "served": served, "gaps": [], "coefficients": {
         "bucket_s": {str(b): v for b, v in FIXED.items()}}, "wake": {"wake_s": 1e-4, "wake_ramp_s": 1e-2}}  # fmt: skip
     out = refit(profile, fit_cold=True, served_terms=True, served_weighting="balanced")
     assert out["coefficients"]["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)

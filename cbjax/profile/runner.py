@@ -27,8 +27,8 @@ class ProfileRunConfig(RunConfig):
     # fit the cold terms (a served step's extra cost 1-4 steps after a larger bucket's) on the
     # served steps, beside the intercepts and the served step terms; off: they stay 0
     fit_cold: bool = True
-    # fit the per-row step term on the served steps beside their intercepts
-    # (cbjax.profile.served_fit.SERVED_STEP_TERMS; per page: the grid's); off: the grid's
+    # fit the per-row and per-page step terms on the served steps beside their intercepts
+    # (cbjax.profile.served_fit.SERVED_STEP_TERMS); off: the grid's
     served_terms: bool = True
     # how the served fit weighs its steps (cbjax.profile.served_fit.SERVED_WEIGHTINGS): mean_relative
     # makes each served bucket's mean signed relative error zero (what the residual table

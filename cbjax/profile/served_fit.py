@@ -37,11 +37,8 @@ def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
     return {"loop_s": float(coef[0]), "loop_seq_s": float(coef[1])}
 
 
-# Step terms `fit_served` refits on the served steps (`served_terms`): per row. The per-page
-# terms stay the grid's: a profile's served runs hold contexts of one range (their steps' pages
-# span a third either way), too narrow to tell a page's cost from a bucket's intercept, and a
-# fit there put 0 per page; the grid times steps over contexts up to max_model_len.
-SERVED_STEP_TERMS = ("seq_s",)
+# Step terms `fit_served` can refit on the served steps (`served_terms`): per row and per KV page.
+SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s")
 # How `fit_served` weighs the served steps: `cbjax.sim.fit.WEIGHTINGS`, or "balanced", the mean
 # of the "absolute" and "mean_relative" fits' coefficients.
 SERVED_WEIGHTINGS = WEIGHTINGS + ("balanced",)
@@ -74,11 +71,10 @@ def fit_served(
     a thinning static batch is charged by its rows instead, which is why the profile fits both
     by default. Off, they stay 0.
 
-    With `served_terms` the SERVED_STEP_TERMS (per row) are fitted on the served steps too,
-    beside the intercepts, instead of taken from the grid: a sparse light-load batch and a full
-    burst then share one per-row cost fitted where runs have them, not one intercept per bucket
-    pooled over both (issue 35). They are returned under their names; the per-page terms stay
-    the grid's (SERVED_STEP_TERMS says why).
+    With `served_terms` the SERVED_STEP_TERMS (per row, per page read) are fitted on the served
+    steps too, beside the intercepts, instead of taken from the grid: a sparse light-load batch
+    and a full burst then share one per-row cost fitted where runs have them, not one
+    intercept per bucket pooled over both (issue 35). They are returned under their names.
 
     A pipelined step whose share the loop's host time set (`censored`) while the next plan held
     a prefill is left out: its share is that launch's host time, which `fit_launch` fits and
