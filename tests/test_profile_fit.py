@@ -167,6 +167,9 @@ def test_odd_rounds_are_held_out_and_each_round_draws_its_own_requests():
     r0, r1 = serving_runs(cfg, 10.0, 0), serving_runs(cfg, 10.0, 1)
     assert [a for a, _ in r0] == [b for b, _ in r1]  # the same runs (bursts, static, Poisson 30/60/90%)
     assert all(a.seed != b.seed for (_, a), (_, b) in zip(r0, r1))
+    # rounds 0 and 1 prompt up to half of the 128 tokens, rounds 2 and 3 up to an eighth, round 4 half again
+    longest = [{c.workload.prompt_len.high for _, c in serving_runs(cfg, 10.0, r)} for r in range(5)]
+    assert longest == [{64}, {64}, {16}, {16}, {64}]
 
 
 def test_refit_from_a_recorded_profile(tmp_path):

@@ -94,7 +94,8 @@ def serving_runs(
     cfg: RunConfig, saturated_req_s: Optional[float] = None, round_: int = 0
 ) -> list[tuple[str, RunConfig]]:
     """The profile's own served workloads (apart from experiments/calibrate.py's), uniform prompts
-    up to a quarter of max_model_len and uniform outputs up to an eighth, under fcfs: 3 x slots
+    up to half of max_model_len (rounds 2 and 3 of every 4: an eighth) and uniform outputs up to
+    an eighth, under fcfs: 3 x slots
     requests at t=0 with chunked prefill (mixed steps) and without (whole prompts), and a static
     batch (the burst regime); given the engine's saturated request rate, also 2 x slots Poisson
     arrivals at 30%, 60% and 90% of it (the light, medium and heavy regimes, few rows at a time
@@ -104,9 +105,13 @@ def serving_runs(
     seed = cfg.seed + ROUND_SEED_STRIDE * round_
     length = cfg.model.max_model_len
     slots = cfg.scheduler.max_num_seqs
+    # rounds 0 and 1 prompt up to half of max_model_len, rounds 2 and 3 up to an eighth, and so
+    # on: the fitted (even) and held-out (odd) rounds both span long and short contexts, so that
+    # the served fit can tell a KV page's cost from a bucket's intercept
+    longest = length // 2 if (round_ // 2) % 2 == 0 else length // 8
     wl = WorkloadConfig(
         num_requests=3 * slots, vocab_size=cfg.model.vocab_size,
-        prompt_len=LengthConfig(dist="uniform", low=min(8, length // 2), high=max(8, length // 2)),
+        prompt_len=LengthConfig(dist="uniform", low=min(8, longest), high=max(8, longest)),
         output_len=LengthConfig(dist="uniform", low=min(8, length // 2), high=max(8, length // 8)),
     )  # fmt: skip
     runs = []
