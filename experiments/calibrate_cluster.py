@@ -45,11 +45,14 @@ from typing import Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrate import MIN_REPEATS, REPO, TARGETS, _num, base_config, judged_cells, sim_config  # noqa: E402  (shapes, targets, table cells)
+from calibrate import (  # noqa: E402  (shapes, targets, table cells, the anchor's rounds)
+    MIN_REPEATS, REPO, TARGETS, _num, anchor_timer, base_config, engine_rounds, judged_cells, sim_config,
+)  # fmt: skip
 
 from cbjax.config import ClusterConfig, LengthConfig, RunConfig  # noqa: E402
 from cbjax.config.workload import SharedPrefixConfig  # noqa: E402
 from cbjax.run import run_single  # noqa: E402
+from cbjax.sim.acceptance import unmeasured  # noqa: E402
 from cbjax.sim.acceptance import judge, signed_error_pct  # noqa: E402
 
 ROUTERS = ("round_robin", "prefix_affinity")
@@ -190,17 +193,26 @@ def measure_resources(base: RunConfig, rounds: int = 3) -> dict:
 
 
 # ---- cells ----
-def judge_cluster_cell(router: str, wname: str, sim: dict, separate: dict, engine: list[dict]) -> dict:
+def judge_cluster_cell(
+    router: str, wname: str, sim: dict, separate: dict, engine: list[dict], repeats: int = 0, runs: Optional[int] = None
+) -> dict:  # fmt: skip
     """One cell: per figure of FIGURES[wname], `judge` of the simulator (shared host) against the
-    engine's runs, and the error of the simulator with a host per replica beside it."""
+    engine's runs `engine` (those at the profile's machine speed, of `runs` made: calibrate.py's
+    anchor rule), and the error of the simulator with a host per replica beside it. With fewer
+    than `repeats` runs judged every targeted figure fails; with none, `unmeasured`."""
     cell = {"name": f"{router}, {wname}", "router": router, "workload": wname, "closed_loop": WORKLOADS[wname][0],
-            "control": router == LONE}  # fmt: skip
+            "control": router == LONE, "runs_judged": len(engine), "runs": len(engine) if runs is None else runs}  # fmt: skip
     for key, _, target in FIGURES[wname]:
         values = [e[key] for e in engine if e.get(key) is not None]
-        if not values or sim.get(key) is None:
+        if sim.get(key) is None or not (values or cell["runs"]):
             cell[key] = None
             continue
+        if not values:
+            cell[key] = {**unmeasured(sim[key], target), "separate_hosts": separate.get(key), "separate_error_pct": None}
+            continue
         j = judge(sim[key], values, target)
+        if len(values) < repeats and target is not None:
+            j.update(within_target=False, verdict="fail")
         j["separate_hosts"] = separate.get(key)
         j["separate_error_pct"] = signed_error_pct(separate[key], j["engine"]) if separate.get(key) is not None else None
         cell[key] = j
@@ -243,20 +255,27 @@ def run_all(args) -> dict:
     # untimed: the first cluster run of the process compiles (or loads) both replicas' programs
     warm = dataclasses.replace(burst_rr, workload=dataclasses.replace(burst_rr.workload, num_requests=64))
     run_single(warm, None, verbose=False)
-    engine: dict[tuple, list[dict]] = {k: [] for k in cells}
     fit_lone: list[float] = []
     fit_pair: list[float] = []
-    total, done = len(cells) * args.repeats, 0
-    for r in range(args.repeats):
-        if fitting:
+    anchor, reference = None, None
+    if profile.get("anchor"):  # judge the runs made at the profile's machine speed (calibrate.py's rule)
+        anchor, reference = anchor_timer(base, profile["anchor"]), profile["anchor"]["reference_s"]
+    else:
+        print(f"{args.profile}: no anchor (a profile made before it): every engine run is judged", flush=True)
+    rounds_fitted: set[int] = set()
+
+    def run(key, cfg, r, done, total):
+        if fitting and r not in rounds_fitted:  # once per round, beside the cells
+            rounds_fitted.add(r)
             lone_tp, pair_tp = fit_runs(lone_cfg, pair_cfg, 1)
-            fit_lone += lone_tp
-            fit_pair += pair_tp
-        for key, cfg in cells.items():
-            engine[key].append(run_single(cfg, None, verbose=False))
-            done += 1
-            elapsed = time.perf_counter() - start
-            print(f"[{done}/{total}] round {r + 1}: {key[0]} {key[1]} | {elapsed / 60:.1f} min in", flush=True)
+            fit_lone.extend(lone_tp)
+            fit_pair.extend(pair_tp)
+        print(f"[{done + 1}/~{total}] round {r + 1}: {key[0]} {key[1]} | {(time.perf_counter() - start) / 60:.1f} min in",
+              flush=True)  # fmt: skip
+        return run_single(cfg, None, verbose=False)
+
+    runs = engine_rounds(cells, args.repeats, run, anchor, reference)
+    engine = {k: [e for e in v if e["on_speed"]] for k, v in runs.items()}
     if fitting:
         host = {**fit_host_share(fit_lone, fit_pair, lone_cfg.workload.num_requests), "first": first,
                 "resources": measure_resources(base)}  # fmt: skip
@@ -267,7 +286,9 @@ def run_all(args) -> dict:
     sim = {k: run_single(cluster_sim_config(c, args.profile, share if k[0] != LONE else None), None, verbose=False)
            for k, c in cells.items()}  # fmt: skip
     separate = {k: run_single(cluster_sim_config(c, args.profile, None), None, verbose=False) for k, c in cells.items()}
-    judged = [judge_cluster_cell(*k, sim[k], separate[k], engine[k]) for k in cells]
+    judged = [judge_cluster_cell(*k, sim[k], separate[k], engine[k], args.repeats, len(runs[k])) for k in cells]
+    for cell, k in zip(judged, cells):
+        cell["anchor_runs"] = [{"speed": e["anchor_speed"], "judged": e["on_speed"]} for e in runs[k]]
     report = {
         "profile": str(args.profile),
         "replicas": REPLICAS,
@@ -316,9 +337,9 @@ def table_lines(report: dict) -> list[str]:
         f"Profile `{report['profile']}`; {report['replicas']} replicas, {report['requests']} requests per run, each cell "
         f"{report['repeats']} times on the engine; Poisson at {report['poisson_rate_req_s']:.4g} req/s; {measured}; load "
         f"average {report['load_average_at_end'][0]:.2f} at the end.", "",
-        "| cell | figure | engine median [90% interval] | simulator (shared host) | error % | within target | verdict "
-        "| simulator, a host per replica (error %) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cell | figure | runs judged / made | engine median [90% interval] | simulator (shared host) | error % "
+        "| within target | verdict | simulator, a host per replica (error %) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     judged = fails = 0
     for c in report["cells"]:
@@ -327,9 +348,11 @@ def table_lines(report: dict) -> list[str]:
             if j is None:
                 continue
             engine, within = judged_cells(j)
-            sep = "-" if j["separate_hosts"] is None else f"{_num(j['separate_hosts'])} ({j['separate_error_pct']:+.1f})"
-            lines.append(f"| {c['name']} | {label} | {engine} | {_num(j['sim'])} | "
-                         f"{j['error_pct']:+.1f} | {within} | {j['verdict']} | {sep} |")  # fmt: skip
+            sep = "-" if j["separate_error_pct"] is None else f"{_num(j['separate_hosts'])} ({j['separate_error_pct']:+.1f})"
+            error = "-" if j["error_pct"] is None else f"{j['error_pct']:+.1f}"
+            count = f"{c.get('runs_judged', '?')} / {c.get('runs', '?')}"
+            lines.append(f"| {c['name']} | {label} | {count} | {engine} | {_num(j['sim'])} | "
+                         f"{error} | {within} | {j['verdict']} | {sep} |")  # fmt: skip
             if j["verdict"] != "-" and not c["control"]:
                 judged += 1
                 fails += j["verdict"] == "fail"

@@ -78,9 +78,9 @@ def test_cell_verdicts_and_table_by_hand(tmp_path):
     control = cc.judge_cluster_cell(cc.LONE, "burst", _run(50.0, 1.2), _run(50.0, 1.2), runs)
     assert control["control"] and control["throughput_tok_s"]["verdict"] == "fail"
     text = "\n".join(cc.table_lines(_report([burst, poisson, control])))
-    assert "| round_robin, burst | throughput | 102 [100, 104] | 107 | +4.9 | yes (±5) | pass | 204 (+100.0) |" in text
-    assert "| round_robin, burst | E2E p50 | 1.2 [1, 1.4] | 1.38 | +15.0 | no (±10) | fail | 0.6 (-50.0) |" in text
-    assert "| prefix_affinity, poisson_50 | throughput | 102 [100, 104] | 90 | -11.8 | - | - | 90 (-11.8) |" in text
+    assert "| round_robin, burst | throughput | 5 / 5 | 102 [100, 104] | 107 | +4.9 | yes (±5) | pass | 204 (+100.0) |" in text
+    assert "| round_robin, burst | E2E p50 | 5 / 5 | 1.2 [1, 1.4] | 1.38 | +15.0 | no (±10) | fail | 0.6 (-50.0) |" in text
+    assert "| prefix_affinity, poisson_50 | throughput | 5 / 5 | 102 [100, 104] | 90 | -11.8 | - | - | 90 (-11.8) |" in text
     assert "**Overall:** 2 of 3 judged figures of the 2-replica cells within target" in text
     assert "host share 0.800, fitted on runs of its own" in text and "2 replicas 125 tok/s" in text
     assert "0.750 from resources" in text and "at commit abc1234" in text
@@ -100,3 +100,15 @@ def test_docs_cluster_md_has_the_markers_and_fewer_than_five_repeats_are_refused
     assert text.count(cc.DOC_BEGIN) == 1 and text.count(cc.DOC_END) == 1
     with pytest.raises(SystemExit):
         cc.main(["--profile", str(tmp_path / "p.json"), "--repeats", "3"])
+
+
+def test_runs_off_the_profiles_speed_leave_a_cell_short_and_failing():
+    runs = [_run(100.0, 1.0)] * 2
+    # 2 runs at the profile's speed of 9 made, 5 wanted: +1% still fails; none at all: unmeasured
+    short = cc.judge_cluster_cell("round_robin", "burst", _run(101.0, 1.0), _run(101.0, 1.0), runs, 5, 9)
+    assert short["throughput_tok_s"]["verdict"] == "fail" and (short["runs_judged"], short["runs"]) == (2, 9)
+    none = cc.judge_cluster_cell("round_robin", "burst", _run(101.0, 1.0), _run(101.0, 1.0), [], 5, 9)
+    assert none["throughput_tok_s"]["verdict"] == "fail" and none["throughput_tok_s"]["engine"] is None
+    text = "\n".join(cc.table_lines(_report([short, none])))
+    assert "| round_robin, burst | throughput | 0 / 9 | no run at the profile's speed | 101 | - | no (±5) | fail | - |" in text
+    assert "**Overall:** 0 of 4 judged figures of the 2-replica cells within target" in text
