@@ -15,11 +15,23 @@ mkdir -p "$OUT"
 start=$(date +%s)
 # SmolLM's shape first: its profile takes minutes, and the tiny profiles are best taken just
 # before their calibration, at the machine speed it will find (`cbjax.profile.anchor`)
-python -m cbjax.profile model=smollm_135m scheduler.max_num_seqs=8 scheduler.max_num_batched_tokens=256 progress=false \
-  hydra.run.dir="$OUT/profile_smollm_135m" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_smollm_135m.log"
+steady() {  # whether a profile's anchor held one machine speed (cbjax.profile.anchor.steady)
+  python -c "import json, sys; from cbjax.profile.anchor import steady
+sys.exit(0 if steady(json.load(open(sys.argv[1])).get('anchor')) else 1)" "$1"
+}
+for attempt in 1 2; do  # a profile whose machine changed speed while it ran is taken again
+  python -m cbjax.profile model=smollm_135m scheduler.max_num_seqs=8 scheduler.max_num_batched_tokens=256 progress=false \
+    hydra.run.dir="$OUT/profile_smollm_135m" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_smollm_135m.log"
+  if steady "$OUT/profile_smollm_135m/profile.json"; then break; fi
+  echo "SmolLM profile, attempt $attempt: the machine changed speed while it ran"
+done
 for slots in 16 32; do  # each slot count calibrated right after its profile
-  python -m cbjax.profile scheduler.max_num_seqs=$slots progress=false \
-    hydra.run.dir="$OUT/profile_tiny_$slots" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_tiny_$slots.log"
+  for attempt in 1 2 3; do  # a profile whose machine changed speed while it ran is taken again
+    python -m cbjax.profile scheduler.max_num_seqs=$slots progress=false \
+      hydra.run.dir="$OUT/profile_tiny_$slots" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_tiny_$slots.log"
+    if steady "$OUT/profile_tiny_$slots/profile.json"; then break; fi
+    echo "profile at $slots slots, attempt $attempt: the machine changed speed while it ran"
+  done
   python experiments/calibrate.py --repeats 5 --profile "$OUT/profile_tiny_$slots/profile.json" \
     --out-dir "$OUT/calibration_$slots" --doc "$OUT/calibration_$slots/CALIBRATION.md" 2>&1 | tee "$OUT/calibration_$slots.log"
 done

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cbjax.config import LengthConfig, RunConfig, SchedulerConfig, WorkloadConfig
-from cbjax.profile.anchor import anchor_config, anchor_record, anchor_spec, anchor_speed, on_speed, spread, time_anchor
+from cbjax.profile.anchor import anchor_config, anchor_record, anchor_spec, anchor_speed, on_speed, spread, steady, time_anchor
 
 
 def test_the_record_keeps_every_timing_and_their_median():
@@ -16,6 +16,8 @@ def test_the_record_keeps_every_timing_and_their_median():
     assert rec["timings_s"] == [0.12, 0.10, 0.11, 0.13, 0.30] and rec["reference_s"] == 0.12
     assert spread(rec) == (pytest.approx(0.10 / 0.12), pytest.approx(0.30 / 0.12))
     assert spread(None) is None
+    # 0.10 .. 0.30 over 0.12: a spread of 167%, not steady; within 10% of each other, steady
+    assert not steady(rec) and steady(anchor_record({}, [0.100, 0.105, 0.109])) and not steady(None)
 
 
 def test_speed_is_the_mean_of_the_anchors_around_a_run_and_both_must_be_on_speed():

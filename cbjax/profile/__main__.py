@@ -52,7 +52,7 @@ def _app(cfg: DictConfig) -> None:
     if busy or abs(grid_gap) > 0.25:
         print(f"warning: a busy machine? the grid model (steps back to back) puts the served steps {grid_gap:+.0%} off. "
               "Profile again on a quiet machine.")  # fmt: skip
-    from cbjax.profile.anchor import SPEED_TOLERANCE, spread
+    from cbjax.profile.anchor import SPEED_TOLERANCE, spread, steady
     from cbjax.profile.residuals import format_table
 
     table = r["by_regime"]
@@ -72,7 +72,7 @@ def _app(cfg: DictConfig) -> None:
         lo, hi = spread(anchor)
         print(f"anchor (machine speed, `cbjax.profile.anchor`): {1e3 * anchor['reference_s']:.1f} ms, timings "
               f"{lo:.2f}-{hi:.2f} of it before and after the rounds")  # fmt: skip
-        if hi - lo > 2 * SPEED_TOLERANCE:
+        if not steady(anchor):
             print(f"  the machine's speed moved by more than {2 * SPEED_TOLERANCE:.0%} while profiling: its fit blends "
                   "speeds. Profile again on a steadier machine.")  # fmt: skip
     launch = r.get("launch") or {}

@@ -84,6 +84,14 @@ def on_speed(before: float, after: float, reference: float, tolerance: float = S
     return all(abs(t / reference - 1) <= tolerance for t in (before, after))
 
 
+def steady(record: Optional[dict[str, Any]], tolerance: float = SPEED_TOLERANCE) -> bool:
+    """Whether a profile's anchor timings stayed within 2 x `tolerance` of each other (min to max
+    over the reference): the machine held one speed while it profiled, so its fit describes one
+    machine. A profile without an anchor is not known to be steady."""
+    span = spread(record)
+    return span is not None and span[1] - span[0] <= 2 * tolerance
+
+
 def spread(record: Optional[dict[str, Any]]) -> Optional[tuple[float, float]]:
     """(min, max) of a profile's anchor timings over its reference; None without an anchor."""
     if not record or not record.get("timings_s"):
