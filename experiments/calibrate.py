@@ -21,7 +21,10 @@ the offered load, evidence of nothing). Per cell and figure the report gives the
 median, a seeded bootstrap 90% interval of it, the simulator's signed error, and whether the
 simulator lies inside the interval and within the target; the verdict is the target's alone
 (`cbjax.sim.acceptance`): no target is replaced by a spread. Per regime, each figure's mean
-signed error and worst cell. Run it on a quiet machine.
+signed error and worst cell. Run it on a quiet machine, just after the profile: an engine run
+counts only when the profile's anchor, timed before and after it, ran within 5% of the
+profile's speed (`cbjax.profile.anchor`; `engine_rounds`), and `--reports` merges slot counts
+calibrated one after another into one document (experiments/issue35_acceptance.sh).
 """
 
 from __future__ import annotations
