@@ -171,6 +171,16 @@ def judge_cell(
     return cell
 
 
+def profile_anchor(base: RunConfig, profile: dict, where: str) -> tuple[Optional[Callable[[], float]], Optional[float]]:
+    """(what times the anchor now, its reference_s) for `engine_rounds`, from the profile at
+    `where`; (None, None), said once, for a profile made before the anchor (every run judged)."""
+    if not profile.get("anchor"):
+        print(f"{where}: no anchor (a profile made before it): every engine run is judged, whatever the machine's "
+              "speed", flush=True)  # fmt: skip
+        return None, None
+    return anchor_timer(base, profile["anchor"]), profile["anchor"]["reference_s"]
+
+
 def anchor_timer(base: RunConfig, record: dict) -> Callable[[], float]:
     """A warm engine of `base`'s model serving the profile's anchor (`cbjax.profile.anchor`);
     returns what times it (`time_anchor`: the median of ANCHOR_RUNS makespans)."""
@@ -183,11 +193,7 @@ def anchor_timer(base: RunConfig, record: dict) -> Callable[[], float]:
     executor.warmup()
     serve_timed(executor, cfg)  # untimed: the first serving's one-time costs
 
-    def makespan() -> float:
-        timed = serve_timed(executor, cfg)
-        return timed.end[-1] - timed.start[0]
-
-    return lambda: time_anchor(makespan)
+    return lambda: time_anchor(lambda: serve_timed(executor, cfg).makespan)
 
 
 def engine_rounds(
@@ -274,12 +280,7 @@ def run_all(args, profile_path: str) -> dict:
     run_single(
         dataclasses.replace(base, workload=dataclasses.replace(base.workload, num_requests=64)), None, verbose=False
     )
-    anchor, reference = None, None
-    if profile.get("anchor"):
-        anchor, reference = anchor_timer(base, profile["anchor"]), profile["anchor"]["reference_s"]
-    else:
-        print(f"{profile_path}: no anchor (a profile made before it): every engine run is judged, whatever the "
-              "machine's speed", flush=True)  # fmt: skip
+    anchor, reference = profile_anchor(base, profile, profile_path)
 
     def run(key, cfg, r, done, total):
         elapsed = time.perf_counter() - start

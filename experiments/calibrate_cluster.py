@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrate import (  # noqa: E402  (shapes, targets, table cells, the anchor's rounds)
-    MIN_REPEATS, REPO, TARGETS, _num, anchor_timer, base_config, engine_rounds, judged_cells, sim_config,
+    MIN_REPEATS, REPO, TARGETS, _num, base_config, engine_rounds, judged_cells, profile_anchor, sim_config,
 )  # fmt: skip
 
 from cbjax.config import ClusterConfig, LengthConfig, RunConfig  # noqa: E402
@@ -257,11 +257,8 @@ def run_all(args) -> dict:
     run_single(warm, None, verbose=False)
     fit_lone: list[float] = []
     fit_pair: list[float] = []
-    anchor, reference = None, None
-    if profile.get("anchor"):  # judge the runs made at the profile's machine speed (calibrate.py's rule)
-        anchor, reference = anchor_timer(base, profile["anchor"]), profile["anchor"]["reference_s"]
-    else:
-        print(f"{args.profile}: no anchor (a profile made before it): every engine run is judged", flush=True)
+    # judge the runs made at the profile's machine speed (calibrate.py's rule)
+    anchor, reference = profile_anchor(base, profile, args.profile)
     rounds_fitted: set[int] = set()
 
     def run(key, cfg, r, done, total):

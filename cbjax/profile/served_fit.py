@@ -12,7 +12,7 @@ import numpy as np
 
 from cbjax.profile.residuals import MIN_STEPS
 from cbjax.sim.fit import WEIGHTINGS, fit_costs, nnls
-from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS, bucket_intercept, step_terms
+from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS, bucket_intercept, launch_features, step_terms
 
 # A bucket gets its own served intercept (`served_bucket_s`) from this many served iterations on.
 MIN_SERVED = MIN_STEPS
@@ -149,11 +149,6 @@ def censored(point: dict) -> bool:
     clock is then the loop's host time, its own time only bounded by it. Steps without a
     recorded collect (one step at a time, or profiles made before it) are not."""
     return point.get("collect_wait_s", float("inf")) < COLLECT_FLOOR_S
-
-
-def launch_features(rows: int, prefill_rows: int, tokens: int) -> list[float]:
-    """The LAUNCH_TERMS' multipliers for a launched plan (`cbjax.sim.profiled.launch_cost`)."""
-    return [1.0, float(rows), float(prefill_rows > 0), float(prefill_rows), float(tokens)]
 
 
 def fit_launch(served: list[dict], weighting: str = "absolute") -> dict[str, float]:

@@ -83,6 +83,11 @@ class TimedExecutor:
         self.end.append(time.perf_counter())
         return out
 
+    @property
+    def makespan(self) -> float:
+        """Seconds from the first launch to the last collect (0 before any iteration)."""
+        return self.end[-1] - self.start[0] if self.end else 0.0
+
     def metrics(self) -> dict:
         return self.inner.metrics()
 
@@ -230,8 +235,7 @@ def measure_serving(
     timings = []
 
     def anchor_makespan() -> float:
-        timed = serve_timed(executor, anchor_cfg)
-        return timed.end[-1] - timed.start[0]
+        return serve_timed(executor, anchor_cfg).makespan
 
     for r in range(rounds):
         timings.append(time_anchor(anchor_makespan))
@@ -248,7 +252,7 @@ def measure_serving(
                 x["held_out"] = held_out_round(r, rounds)
             steps += s
             gaps += g
-            makespan = timed.end[-1] - timed.start[0] if s else 0.0
+            makespan = timed.makespan
             runs.append({
                 "run": label, "round": r, "iterations": len(s), "makespan_s": makespan,
                 "execute_s": float(sum(x["measured_s"] for x in s)), "loop_s": float(sum(x for _, x in g)),

@@ -257,14 +257,16 @@ def fixed_cost(coefficients: dict, bucket: int) -> float:
     return coefficients["bucket_scale"] * bucket_intercept(coefficients["bucket_s"], bucket)
 
 
-def launch_cost(coefficients: dict, rows: int, prefill_rows: int, tokens: int) -> float:
-    """The LAUNCH_TERMS' host time for launching a plan of `rows` rows, `prefill_rows` of them
+def launch_features(rows: int, prefill_rows: int, tokens: int) -> list[float]:
+    """The LAUNCH_TERMS' multipliers for launching a plan of `rows` rows, `prefill_rows` of them
     prefills (not decodes), and `tokens` tokens (see the module docstring)."""
-    c = coefficients
-    t = c.get("launch_iter_s", 0.0) + c.get("launch_seq_s", 0.0) * rows + c.get("launch_token_s", 0.0) * tokens
-    if prefill_rows:
-        t += c.get("launch_prefill_s", 0.0) + c.get("launch_prefill_seq_s", 0.0) * prefill_rows
-    return t
+    return [1.0, float(rows), float(prefill_rows > 0), float(prefill_rows), float(tokens)]
+
+
+def launch_cost(coefficients: dict, rows: int, prefill_rows: int, tokens: int) -> float:
+    """The LAUNCH_TERMS' host time for launching that plan (`launch_features`; a term a profile
+    lacks is 0)."""
+    return sum(coefficients.get(k, 0.0) * f for k, f in zip(LAUNCH_TERMS, launch_features(rows, prefill_rows, tokens)))
 
 
 def step_terms(coefficients: dict, features: Sequence[float]) -> float:
