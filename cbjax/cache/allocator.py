@@ -126,6 +126,10 @@ class PageAllocator:
             pages.append(page)
         return pages
 
+    def num_hashed(self, request_id: str) -> int:
+        """The request's leading pages already offered to `register` (0 if it holds none)."""
+        return self._num_hashed.get(request_id, 0)
+
     def register(self, request_id: str, hashes: Sequence[int], num_pages: int) -> None:
         """Record the request's first `num_pages` pages, full and computed, as holding
         `hashes[:num_pages]` (fewer if fewer hashes are known). Cheap when nothing is new.

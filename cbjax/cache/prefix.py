@@ -48,8 +48,15 @@ class PrefixCache:
             self.prompt_tokens_hit += num_hit
 
     def register(self, req: Request) -> None:
-        """Register the request's computed full pages whose token ids are known."""
-        self.allocator.register(req.request_id, self._chain(req), req.num_computed // self.page_size)
+        """Register the request's computed full pages whose token ids are known. Called for every
+        row of every step: it returns at once when no full page is both computed and known
+        beyond those already offered (most decode steps; every step of a simulated decode, whose
+        token ids are unknown), the loop's host time per row."""
+        offered = self.allocator.num_hashed(req.request_id)
+        full = req.num_computed // self.page_size
+        if full <= offered or (req.prompt_len + len(req.output_token_ids)) // self.page_size <= offered:
+            return
+        self.allocator.register(req.request_id, self._chain(req), full)
 
     def forget(self, req: Request) -> None:
         self._chains.pop(req, None)
