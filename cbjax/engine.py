@@ -195,6 +195,21 @@ class EngineLoop:
         if self._now < t:
             self._now = t
 
+    def inflight_end(self) -> Optional[float]:
+        """A virtual pipelined loop: where its step in flight ends on its clock; None when no
+        step is in flight (or the clock is not virtual)."""
+        if not self.virtual or self._inflight is None:
+            return None
+        return self._inflight[1].end
+
+    def delay_inflight(self, end: float) -> None:
+        """A virtual pipelined loop: its step in flight ends at `end` instead, when that is later
+        (a cluster driver whose replicas share one host: `cbjax.cluster.host`)."""
+        launched = self._inflight[1]
+        if end > launched.end:
+            launched.end = end
+            self._virtual_end = max(self._virtual_end, end)
+
     def restart_clock(self, t0: Optional[float] = None) -> None:
         """Start the clock at 0 now, or at `t0` on its clock (several loops sharing one
         origin); after warmup, before the first arrival."""

@@ -21,9 +21,10 @@ admits as a swapped-out request (`Scheduler.add_transferred`): its cost model ch
 copy in as a swap-in. Between replicas the cluster owns the request, and ends it itself if
 it never reaches one.
 
-With `cluster.host_share` set the replicas share one host, as an engine cluster's do: each
-replica's executor is wrapped in `cbjax.cluster.host.SharedHostExecutor`, which slows an
-iteration by the busy replicas' demand on the host.
+With `cluster.host_share` set the replicas share one host, as an engine cluster's do, and the
+driver runs the engine driver's turns instead of the event queue's independent timelines
+(`_run_turns`, the model in `cbjax.cluster.host`): each turn admits what is due, steps every
+busy replica once, and ends when the replicas' iterations together are over on the shared host.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 from cbjax.cluster.core import ClusterBase, ClusterServiceLog, Handoff, first_token_reason
-from cbjax.cluster.host import SharedHostExecutor, num_busy
+from cbjax.cluster.host import SharedHostExecutor, turn_length
 from cbjax.cluster.replica import Replica
 from cbjax.config import RunConfig
 from cbjax.engine import RunResult
@@ -55,12 +56,12 @@ class ClusterSim(ClusterBase):
     def __init__(self, cfg: RunConfig, make_executor: Callable[[RunConfig], Any]):
         """`make_executor(replica_cfg)` builds one replica's executor (`cbjax.run.build_executor`)."""
         check_supported(cfg)
-        share = cfg.cluster.host_share
-        if share is not None:  # one host for all replicas (cbjax.cluster.host)
+        self._host_share = cfg.cluster.host_share
+        if self._host_share is not None:  # one host for all replicas, in turns (cbjax.cluster.host)
             inner = make_executor
 
             def make_executor(rcfg):
-                return SharedHostExecutor(inner(rcfg), share, lambda t: num_busy(self.replicas, t))
+                return SharedHostExecutor(inner(rcfg))
 
         super().__init__(cfg, make_executor)
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -74,8 +75,9 @@ class ClusterSim(ClusterBase):
         heapq.heappush(self._heap, (t, kind, self._seq, payload))
 
     def _wake(self, replica: Replica, t: float) -> None:
-        """Queue the replica's next iteration: now if it was idle, else when its current one ends."""
-        if replica.step_pending or not replica.loop.has_work():
+        """Queue the replica's next iteration: now if it was idle, else when its current one ends
+        (in turns, the next turn steps it)."""
+        if replica.step_pending or not replica.loop.has_work() or self._host_share is not None:
             return
         loop = replica.loop
         loop.advance_to(t)  # idle until t: its virtual clock jumps, as `serve`'s does
@@ -143,7 +145,10 @@ class ClusterSim(ClusterBase):
         pending = self._pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         heap = self._heap
         with _cyclic_gc_paused():
-            interrupted = self._run(pending, heap, stop)
+            if self._host_share is None:
+                interrupted = self._run(pending, heap, stop)
+            else:
+                interrupted = self._run_turns(pending, heap, stop, self._host_share)
         if interrupted:
             self._stop(list(pending))
         return self._result(list(requests), interrupted, time.perf_counter() - wall0)
@@ -172,6 +177,51 @@ class ClusterSim(ClusterBase):
                 self._now = req.arrival_s
                 self._arrive(req, req.arrival_s)
         return False
+
+    def _run_turns(self, pending: deque, heap: list, stop: Optional[StopFlag], share: float) -> bool:
+        """The shared host's loop, as `ClusterEngine.serve`'s: a turn at `t` takes what is due by
+        `t` (prefill ends, transfer ends and arrivals, in time order), then steps every replica
+        with work once, each on its own timeline from `t`, and ends all their iterations at
+        `t + turn_length(spans, share)` (`cbjax.cluster.host`); idle, it jumps to the next
+        event. True if `stop` ended it."""
+        heappop = heapq.heappop
+        t = 0.0
+        while True:
+            if stop is not None and stop.is_set():
+                return True
+            while (heap and heap[0][0] <= t) or (pending and pending[0].arrival_s <= t):
+                if heap and (not pending or (heap[0][0], heap[0][1]) <= (pending[0].arrival_s, _ARRIVE)):
+                    te, kind, _, payload = heappop(heap)  # no _STEP events: turns step the replicas
+                    self._now = te
+                    if kind == _PREFILLED:
+                        self._prefilled(payload, te)
+                    else:
+                        self._on_transferred(payload, te)
+                else:
+                    req = pending.popleft()
+                    self._now = req.arrival_s
+                    self._arrive(req, req.arrival_s)
+            busy = [r for r in self.replicas if r.loop.has_work()]
+            if not busy:
+                if not heap and not pending:
+                    return False
+                t = min(heap[0][0] if heap else float("inf"), pending[0].arrival_s if pending else float("inf"))
+                continue
+            spans = []
+            for replica in busy:
+                loop = replica.loop
+                loop.advance_to(t)
+                loop.step()
+                loop.boundary()  # reports the iteration's finished requests
+                end = loop.inflight_end()
+                spans.append(0.0 if end is None else max(0.0, end - t))  # a landing alone costs the turn nothing
+            t_end = t + turn_length(spans, share)
+            for replica in busy:
+                end = replica.loop.inflight_end()
+                if end is not None and end < t_end:
+                    replica.executor.delay_s += t_end - end
+                    replica.loop.delay_inflight(t_end)
+            t = self._now = max(t, t_end)
 
     def _stop(self, pending: list[Request]) -> None:
         """End what is unfinished: aborted if it had arrived, `not_arrived` if not."""
@@ -214,6 +264,11 @@ def check_supported(cfg: RunConfig) -> None:
         raise ValueError(
             f"cluster.backend={c.backend}: Ray actors run engine replicas (executor=jax); the simulated "
             "cluster runs in one process, use cluster.backend=local"
+        )
+    if c.host_share is not None and not cfg.executor.async_scheduling:
+        raise ValueError(
+            f"cluster.host_share={c.host_share}: the shared host runs the pipelined engine loop's turns; "
+            "set executor.async_scheduling=true (the default)"
         )
     if cfg.executor.pace != "none":
         raise ValueError(f"executor.pace={cfg.executor.pace}: a cluster runs on the virtual clock only (pace none)")

@@ -1,55 +1,56 @@
 """Replicas sharing one host in the simulator (no jax): the engine cluster's situation.
 
-`ClusterEngine` runs every replica's serving loop on one driver thread, and replicas on
-forced CPU devices share the host's cores (one XLA:CPU thread pool). A cost model fitted on a
-lone replica (`profiled`) charges each iteration what it costs with the host to itself; beside
-another busy replica the same iteration gets a part of the host only.
+`ClusterEngine` runs every replica's serving loop on one driver thread, in turns: each turn
+admits the arrivals due, then steps every replica with work once, in replica order. A
+pipelined replica launches its next step and then waits for the one in flight, so a replica's
+iteration spans the whole turn, and the turn lasts as long as the replicas' work together
+takes on the host they share (one driver thread; replicas on forced CPU devices share the
+host's cores, one XLA:CPU thread pool). A cost model fitted on a lone replica (`profiled`)
+charges each iteration what it costs with the host to itself.
 
-`cluster.host_share` is the share of the host's capacity a lone replica's serving keeps busy
-(its driver thread's share of one thread, or its process's share of the cores it can get,
-whichever binds). experiments/calibrate_cluster.py fits it on engine runs of its own, a lone
-replica's burst against 2 replicas' (the model's identity below), and reports the driver
-thread's and the cores' shares beside it. Then `k` busy replicas ask
-for `k x host_share` of the host; beyond 1 each iteration slows in proportion (processor
-sharing), so an iteration that starts while `k` replicas have work takes
+`cluster.host_share` (s) is the share of the host's capacity a lone replica's serving keeps
+busy. The simulator then runs the engine's turns (`cbjax.cluster.driver.ClusterSim`): in a
+turn starting at `t`, each busy replica runs its iteration as if alone, taking `span_r`
+(from `t` to the end of the step it launched), and every iteration of the turn ends at
 
-    duration x max(1, k x host_share)
+    t + turn_length(spans, s),   turn_length = max(max_r span_r, s x sum_r span_r)
 
-`k` counts the replicas busy when the iteration starts, itself included: those with work, and
-those whose last iteration runs past that time (the simulator settles an iteration's
-requests at its start, so a replica whose requests all end in it has no work left, yet it is
-still running). The factor is fixed at the start (a replica that goes idle mid-way does not
-shorten it).
+the replicas' summed demand on the host at share s, but no less than the longest iteration.
+So a replica's decode waits for a neighbour's prefill in the same turn, as on the engine. Two
+equal replicas take 2s times a lone iteration: experiments/calibrate_cluster.py fits s as a
+lone replica's burst throughput over 2 replicas' (with the same work each). At s = 1 the turn
+is the iterations one after another; at s = 1/2 or less two equal replicas are as fast as on
+hosts of their own.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from cbjax.executor import SyncExecutor
 from cbjax.plan import Schedule, StepOutput
 from cbjax.request import Request
 
 
-def host_stretch(num_busy: int, host_share: float) -> float:
-    """How much slower an iteration runs while `num_busy` replicas share the host."""
-    return max(1.0, num_busy * host_share)
+def turn_length(spans: Sequence[float], host_share: float) -> float:
+    """How long a turn lasts whose replicas' iterations take `spans` alone (module docstring)."""
+    return max(max(spans, default=0.0), host_share * sum(spans))
 
 
 class SharedHostExecutor(SyncExecutor):
-    """A replica's simulated executor on a shared host: `inner`'s durations stretched by
-    `host_stretch(busy(plan.start_s), host_share)`.
+    """A replica's simulated executor on a shared host: `inner`'s steps, on the replica's own
+    timeline. The driver lengthens the replica's iterations to their turn's end and adds what
+    it added to `delay_s`; the inner cost model sees the clock minus that delay, so an
+    iteration that a neighbour delayed does not look like one after an idle loop (the
+    `profiled` model's wake-up cost): only a real idle gap does."""
 
-    The inner cost model sees the replica's own timeline, its clock minus the delay the
-    sharing added so far, so an iteration that a neighbour delayed does not look like one
-    after an idle loop (the `profiled` model's wake-up cost): only a real idle gap does."""
-
-    def __init__(self, inner: Any, host_share: float, busy: Callable[[float], int]):
+    def __init__(self, inner: Any):
         if not getattr(inner, "virtual_clock", False):
             raise ValueError("cluster.host_share: models a shared host in the simulator; it needs executor=sim")
         self.inner = inner
-        self.host_share = host_share
-        self.busy = busy
+        # the turns are the pipelined engine loop's (`executor.async_scheduling`, checked by the
+        # driver), whatever the cost model: an iteration spans its turn
+        self.pipelined = True
         self.delay_s = 0.0  # time the sharing added to this replica's iterations so far
         self.reads_token_ids = getattr(inner, "reads_token_ids", False)
 
@@ -60,9 +61,10 @@ class SharedHostExecutor(SyncExecutor):
             out = self.inner.execute(plan)
         finally:
             plan.start_s = start
-        duration = out.duration_s * host_stretch(self.busy(start), self.host_share)
-        self.delay_s += duration - out.duration_s
-        return StepOutput(token_ids=out.token_ids, duration_s=duration, errors=out.errors)
+        # In a turn the step runs from the turn's start; its launch (the host time that, on a
+        # lone pipelined loop, ends the step in flight no earlier) is the host part of this
+        # iteration's span: the iteration takes the longer of the two, one plan early.
+        return StepOutput(out.token_ids, max(out.duration_s, out.launch_s), errors=out.errors)
 
     def validate(self, req: Request) -> Optional[str]:
         return self.inner.validate(req)
@@ -80,9 +82,3 @@ class SharedHostExecutor(SyncExecutor):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-
-def num_busy(replicas: Sequence[Any], t: float) -> int:
-    """Replicas busy at `t` on the virtual clock: with work (`EngineLoop.has_work`), or with an
-    iteration that ends after `t`."""
-    return sum(1 for r in replicas if r.loop.has_work() or r.loop.now() > t)

@@ -43,7 +43,8 @@ class ClusterConfig:
     decode_tensor: Optional[int] = None
     # The simulator only: replicas sharing one host, as the engine cluster's do (one driver
     # thread, the host's cores): the share (0, 1] of the host a lone replica's serving keeps
-    # busy; k busy replicas slow each iteration by max(1, k x host_share) (cbjax.cluster.host).
+    # busy; the simulator then runs the engine driver's turns, each lasting max(its longest
+    # iteration, host_share x their sum) (cbjax.cluster.host).
     # null: each replica has a host of its own.
     host_share: Optional[float] = None
 
