@@ -16,8 +16,10 @@ simulator: `ClusterSim` with the profile, its replicas sharing one host as the e
 (`cluster.host_share`, cbjax/cluster/host.py). The share is fitted on runs of its own, never
 the cells' (`fit_configs`): experiments/calibrate.py's synthetic burst (no shared prefixes,
 seeds of its own) served by a lone engine replica and, twice as many requests, by 2 replicas,
-once per round beside the cells (the machine's load moves); the model's share is then the
-ratio of their median throughputs (a first fit before the rounds sets the Poisson rate). Beside it,
+once per round beside the cells (the machine's load moves); the model's share is then the one
+at which the simulator's 2-replica fit run is as many times faster than its lone one as the
+engine's medians are (`share_for_speedup`; a first fit before the rounds sets the Poisson
+rate). Beside it,
 reported only, what a lone replica uses of the host (`measure_resources`: its driver thread's
 CPU share, its process's cores against the cores spinning processes get now).
 `--host-share X` sets the share instead.
@@ -40,7 +42,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -120,14 +122,34 @@ def host_share_of(driver: float, process: float, cores: float) -> float:
     return min(1.0, max(driver, process / cores))
 
 
-def share_from_throughputs(lone: float, cluster: float) -> float:
-    """The host share that makes the model's 2-replica burst match a measured one: with both
-    replicas busy, each iteration takes max(1, 2 x share) times a lone one's, so the cluster
-    serves max(1, 2 x share) / 2 as fast per replica: share = lone / cluster; a cluster twice
-    as fast as one replica (or faster) shares nothing that binds (0.5: no slowdown)."""
-    if lone <= 0 or cluster <= 0:
-        raise ValueError(f"share_from_throughputs: throughputs must be > 0, got {lone}, {cluster}")
-    return min(1.0, max(0.5, lone / cluster))
+def share_for_speedup(speedup: float, simulated_speedup: Callable[[float], float], tol: float = 1e-3) -> float:
+    """The host share at which the simulator's 2-replica burst is `speedup` times as fast as its
+    lone replica's, as the engine's is on the fit runs. The simulated speedup falls as the share
+    grows (`cbjax.cluster.host.turn_length`), so bisection on [0.5, 1] finds it: a speedup at or
+    above the simulator's at 0.5 gives 0.5 (nothing binds), one at or below its speedup at 1
+    gives 1 (the whole host). Matching the ratio, not the pair's throughput, keeps the profile's
+    own error on the fit workload out of the share."""
+    if not speedup > 0:
+        raise ValueError(f"share_for_speedup: speedup must be > 0, got {speedup}")
+    lo, hi = 0.5, 1.0
+    if speedup >= simulated_speedup(lo):
+        return lo
+    if speedup <= simulated_speedup(hi):
+        return hi
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if simulated_speedup(mid) > speedup:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def simulated_speedup(lone_cfg: RunConfig, pair_cfg: RunConfig, profile: str) -> Callable[[float], float]:
+    """share -> the simulator's throughput of the 2-replica fit run at that host share over its
+    lone replica's (`fit_configs`)."""
+    lone = run_single(sim_config(lone_cfg, profile), None, verbose=False)["throughput_tok_s"]
+    return lambda share: run_single(cluster_sim_config(pair_cfg, profile, share), None, verbose=False)["throughput_tok_s"] / lone
 
 
 def fit_configs(base: RunConfig) -> tuple[RunConfig, RunConfig]:
@@ -143,11 +165,19 @@ def fit_configs(base: RunConfig) -> tuple[RunConfig, RunConfig]:
     return lone, pair
 
 
-def fit_host_share(lone: list[float], pair: list[float], requests_per_replica: int) -> dict:
-    """`share_from_throughputs` of the medians of the fit runs' throughputs (`fit_configs`)."""
+def fit_host_share(
+    lone: list[float], pair: list[float], requests_per_replica: int, simulated: Callable[[float], float]
+) -> dict:  # fmt: skip
+    """`share_for_speedup` of the engine's speedup on the fit runs (`fit_configs`): the median
+    of the 2-replica runs' throughputs over the median of the lone ones'; `simulated`: the
+    simulator's speedup at a share (`simulated_speedup`)."""
     lone_tp, pair_tp = float(np.median(lone)), float(np.median(pair))
-    return {"host_share": share_from_throughputs(lone_tp, pair_tp), "requests_per_replica": requests_per_replica,
-            "lone_tok_s": lone_tp, "cluster_tok_s": pair_tp, "lone_runs": list(lone), "cluster_runs": list(pair)}  # fmt: skip
+    if lone_tp <= 0 or pair_tp <= 0:
+        raise ValueError(f"fit_host_share: throughputs must be > 0, got {lone_tp}, {pair_tp}")
+    share = share_for_speedup(pair_tp / lone_tp, simulated)
+    return {"host_share": share, "requests_per_replica": requests_per_replica, "lone_tok_s": lone_tp,
+            "cluster_tok_s": pair_tp, "speedup": pair_tp / lone_tp, "simulated_speedup": simulated(share),
+            "lone_runs": list(lone), "cluster_runs": list(pair)}  # fmt: skip
 
 
 def fit_runs(lone_cfg: RunConfig, pair_cfg: RunConfig, rounds: int) -> tuple[list[float], list[float]]:
@@ -234,7 +264,8 @@ def run_all(args) -> dict:
         run_single(pair_cfg, None, verbose=False)  # untimed: loads both replicas' programs
         # a first fit, for the Poisson rate only; the share the simulator runs with is fitted on
         # the fit runs made in the rounds below, beside the cells (the machine's load moves)
-        first = fit_host_share(*fit_runs(lone_cfg, pair_cfg, 2), lone_cfg.workload.num_requests)
+        simulated = simulated_speedup(lone_cfg, pair_cfg, args.profile)
+        first = fit_host_share(*fit_runs(lone_cfg, pair_cfg, 2), lone_cfg.workload.num_requests, simulated)
         rate_share = first["host_share"]
         print(f"first host share {rate_share:.3f} (the Poisson rate's)", flush=True)
     else:
@@ -274,7 +305,7 @@ def run_all(args) -> dict:
     runs = engine_rounds(cells, args.repeats, run, anchor, reference)
     engine = {k: [e for e in v if e["on_speed"]] for k, v in runs.items()}
     if fitting:
-        host = {**fit_host_share(fit_lone, fit_pair, lone_cfg.workload.num_requests), "first": first,
+        host = {**fit_host_share(fit_lone, fit_pair, lone_cfg.workload.num_requests, simulated), "first": first,
                 "resources": measure_resources(base)}  # fmt: skip
     else:
         host = {"host_share": args.host_share, "given": True}
@@ -324,7 +355,9 @@ def table_lines(report: dict) -> list[str]:
         res = host["resources"]
         measured = (f"host share {host['host_share']:.3f}, fitted on runs of its own in the same rounds as the cells "
                     f"(the synthetic burst, {host['requests_per_replica']} requests per replica: a lone replica "
-                    f"{host['lone_tok_s']:.4g} tok/s, 2 replicas {host['cluster_tok_s']:.4g} tok/s); beside it, a lone replica's driver thread busy "
+                    f"{host['lone_tok_s']:.4g} tok/s, 2 replicas {host['cluster_tok_s']:.4g} tok/s, "
+                    f"{host.get('speedup', 0):.3f}x; the simulator's 2 replicas {host.get('simulated_speedup', 0):.3f}x "
+                    f"its lone one at this share); beside it, a lone replica's driver thread busy "
                     f"{res['driver_share']:.0%} of the time and its process using {res['process_cores']:.2f} cores of the "
                     f"{res['available_cores']:.2f} this process could get ({res['cores']} on the machine): "
                     f"{res['host_share']:.3f} from resources")  # fmt: skip

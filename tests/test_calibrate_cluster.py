@@ -31,16 +31,24 @@ def test_host_share_is_the_binding_of_the_driver_thread_and_the_cores():
         cc.host_share_of(0.5, 1.0, 0.0)
 
 
-def test_share_fitted_from_a_lone_and_a_two_replica_burst():
-    # both replicas busy: each iteration x max(1, 2 share), so 2 replicas serve lone / share
-    assert cc.share_from_throughputs(100.0, 125.0) == pytest.approx(0.8)
-    assert cc.share_from_throughputs(100.0, 90.0) == 1.0  # slower than one replica: capped at the whole host
-    assert cc.share_from_throughputs(100.0, 250.0) == 0.5  # twice as fast or more: nothing binds
+def test_share_fitted_so_the_simulated_speedup_is_the_engines():
+    # a simulator whose 2 equal replicas serve 1/share times one (the turn model's symmetric case)
+    def ideal(share):
+        return min(2.0, 1.0 / share)
+
+    assert cc.share_for_speedup(1.25, ideal) == pytest.approx(0.8, abs=1e-3)
+    assert cc.share_for_speedup(0.9, ideal) == 1.0  # slower than one replica: capped at the whole host
+    assert cc.share_for_speedup(2.5, ideal) == 0.5  # twice as fast or more: nothing binds
+    # a simulator 10% slower at every share than that needs a smaller share for the same speedup
+    assert cc.share_for_speedup(1.25, lambda s: 0.9 * ideal(s)) == pytest.approx(0.72, abs=1e-3)
+    with pytest.raises(ValueError, match="speedup must be > 0"):
+        cc.share_for_speedup(0.0, ideal)
+    # the medians of the fit runs: lone 100, pair 125; the simulator's speedup at the share beside it
+    fit = cc.fit_host_share([90.0, 100.0, 130.0], [125.0, 80.0, 200.0], 4, ideal)
+    assert fit["host_share"] == pytest.approx(0.8, abs=1e-3) and (fit["lone_tok_s"], fit["cluster_tok_s"]) == (100.0, 125.0)
+    assert fit["speedup"] == 1.25 and fit["simulated_speedup"] == pytest.approx(1.25, abs=2e-3)
     with pytest.raises(ValueError, match="must be > 0"):
-        cc.share_from_throughputs(0.0, 100.0)
-    # the medians of the fit runs: lone 100, pair 125
-    fit = cc.fit_host_share([90.0, 100.0, 130.0], [125.0, 80.0, 200.0], 4)
-    assert fit["host_share"] == pytest.approx(0.8) and (fit["lone_tok_s"], fit["cluster_tok_s"]) == (100.0, 125.0)
+        cc.fit_host_share([0.0], [100.0], 4, ideal)
 
 
 def test_the_fit_runs_are_not_the_cells():
