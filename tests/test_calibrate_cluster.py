@@ -37,7 +37,9 @@ def test_share_fitted_so_the_simulated_speedup_is_the_engines():
         return min(2.0, 1.0 / share)
 
     assert cc.share_for_speedup(1.25, ideal) == pytest.approx(0.8, abs=1e-3)
-    assert cc.share_for_speedup(0.9, ideal) == 1.0  # slower than one replica: capped at the whole host
+    # slower than one replica: beyond taking turns, up to MAX_SHARE
+    assert cc.share_for_speedup(0.9, ideal) == pytest.approx(1 / 0.9, abs=1e-3)
+    assert cc.share_for_speedup(0.4, ideal) == cc.MAX_SHARE == 2.0
     assert cc.share_for_speedup(2.5, ideal) == 0.5  # twice as fast or more: nothing binds
     # a simulator 10% slower at every share than that needs a smaller share for the same speedup
     assert cc.share_for_speedup(1.25, lambda s: 0.9 * ideal(s)) == pytest.approx(0.72, abs=1e-3)

@@ -55,6 +55,8 @@ def test_a_turn_is_the_replicas_demand_on_the_host_but_no_shorter_than_its_longe
     assert turn_length([2.0, 1.0], 1.0) == 3.0  # the whole host: one after the other
     assert turn_length([1.0, 1.0], 0.5) == 1.0 and turn_length([0.0, 0.0], 0.9) == 0.0
     assert turn_length([], 0.75) == 0.0
+    # above 1: two busy replicas slow each other beyond taking turns; one alone is not slowed
+    assert turn_length([1.0, 1.0], 1.25) == 2.5 and turn_length([1.0, 0.0], 1.25) == 1.0
 
 
 def test_two_busy_replicas_on_one_host_by_hand():
@@ -76,6 +78,13 @@ def test_two_busy_replicas_on_one_host_by_hand():
     assert inner[0].starts == [0.0, 1.0, 2.0] and inner[1].starts == [1.0, 2.0, 3.0]
 
 
+def test_a_share_above_one_slows_shared_turns_only():
+    reqs, result, _ = serve(1.25)
+    # the same turns: the two shared ones last 2.5 (at 1 and 3.5), the lone ones 1 (at 0 and 6)
+    assert [r.first_token_s for r in reqs] == [1.0, 3.5, 3.5]
+    assert [r.finish_s for r in reqs] == [6.0, 7.0, 6.0] and result.makespan_s == 7.0
+
+
 def test_half_a_host_each_ends_every_turn_with_its_longest_iteration():
     reqs, result, _ = serve(0.5)
     # the same turns as above, each lasting 1: nothing slows but the wait for a turn
@@ -84,8 +93,8 @@ def test_half_a_host_each_ends_every_turn_with_its_longest_iteration():
 
 
 def test_host_share_errors_name_the_key():
-    for bad in (0.0, 1.5, float("nan")):
-        with pytest.raises(ValueError, match=r"cluster\.host_share must be in \(0, 1\]"):
+    for bad in (0.0, 2.5, float("nan")):
+        with pytest.raises(ValueError, match=r"cluster\.host_share must be in \(0, 2\]"):
             ClusterConfig(replicas=2, host_share=bad)
     blocking = dataclasses.replace(config(host_share=0.5), executor=ExecutorConfig(async_scheduling=False))
     with pytest.raises(ValueError, match=r"cluster\.host_share=0\.5: .*executor\.async_scheduling=true"):

@@ -17,10 +17,11 @@ turn starting at `t`, each busy replica runs its iteration as if alone, taking `
 
 the replicas' summed demand on the host at share s, but no less than the longest iteration.
 So a replica's decode waits for a neighbour's prefill in the same turn, as on the engine. Two
-equal replicas take 2s times a lone iteration: experiments/calibrate_cluster.py fits s as a
-lone replica's burst throughput over 2 replicas' (with the same work each). At s = 1 the turn
-is the iterations one after another; at s = 1/2 or less two equal replicas are as fast as on
-hosts of their own.
+equal replicas take 2s times a lone iteration; experiments/calibrate_cluster.py fits s so that
+the simulator's 2 replicas are as many times faster than one as the engine's are. At s = 1 the
+turn is the iterations one after another; at s = 1/2 or less two equal replicas are as fast as
+on hosts of their own; above 1 (at most 2) busy replicas slow each other beyond taking turns,
+as when their XLA:CPU threads and the driver thread are more than the host's cores.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ from cbjax.request import Request
 
 
 def turn_length(spans: Sequence[float], host_share: float) -> float:
-    """How long a turn lasts whose replicas' iterations take `spans` alone (module docstring)."""
-    return max(max(spans, default=0.0), host_share * sum(spans))
+    """How long a turn lasts whose replicas' iterations take `spans` alone (module docstring);
+    a replica alone in its turn (the others idle or only landing: span 0) shares nothing."""
+    longest = max(spans, default=0.0)
+    if sum(1 for s in spans if s > 0) < 2:
+        return longest
+    return max(longest, host_share * sum(spans))
 
 
 class SharedHostExecutor(SyncExecutor):

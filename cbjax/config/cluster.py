@@ -42,9 +42,10 @@ class ClusterConfig:
     prefill_tensor: Optional[int] = None
     decode_tensor: Optional[int] = None
     # The simulator only: replicas sharing one host, as the engine cluster's do (one driver
-    # thread, the host's cores): the share (0, 1] of the host a lone replica's serving keeps
-    # busy; the simulator then runs the engine driver's turns, each lasting max(its longest
-    # iteration, host_share x their sum) (cbjax.cluster.host).
+    # thread, the host's cores): the share of the host a lone replica's serving keeps busy, in
+    # (0, 2] (above 1: busy replicas slow each other beyond taking turns); the simulator then
+    # runs the engine driver's turns, each lasting max(its longest iteration, host_share x
+    # their sum) (cbjax.cluster.host).
     # null: each replica has a host of its own.
     host_share: Optional[float] = None
 
@@ -94,7 +95,7 @@ class ClusterConfig:
         )  # fmt: skip
         if self.host_share is not None:
             _require(
-                0 < self.host_share <= 1 and math.isfinite(self.host_share), "cluster.host_share", "must be in (0, 1]",
+                0 < self.host_share <= 2 and math.isfinite(self.host_share), "cluster.host_share", "must be in (0, 2]",
                 self.host_share,
             )  # fmt: skip
         for key in ("prefill_tensor", "decode_tensor"):
