@@ -53,9 +53,11 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     assert {s["bucket"] for s in profile["steps"]} == {4, 16, 64} and all(s["measured_s"] > 0 for s in profile["steps"])
     assert {s["direction"] for s in profile["swaps"]} == {"out", "in"}
     # the served runs: every iteration timed, the loop's time between them, in the runs' makespans
-    # (bursts under fcfs and static, then Poisson arrivals at shares of the first burst's rate;
-    # the fit leaves out the iterations after an idle loop)
-    runs = ["fcfs_chunked_on", "fcfs_chunked_off", "static", "fcfs_poisson_30pct", "fcfs_poisson_60pct", "fcfs_poisson_90pct"]
+    # (bursts under fcfs and static, and one behind shared prefixes with the prefix cache on,
+    # then Poisson arrivals at shares of the first burst's rate; the fit leaves out the
+    # iterations after an idle loop)
+    runs = ["fcfs_chunked_on", "fcfs_chunked_off", "static", "fcfs_prefix",
+            "fcfs_poisson_30pct", "fcfs_poisson_60pct", "fcfs_poisson_90pct"]  # fmt: skip
     assert [(run["round"], run["run"]) for run in profile["serving"]] == [(r, name) for r in (0, 1) for name in runs]
     for run in profile["serving"]:
         assert run["iterations"] > 0 and run["makespan_s"] >= run["execute_s"] + run["loop_s"] > 0

@@ -167,9 +167,19 @@ def test_odd_rounds_are_held_out_and_each_round_draws_its_own_requests():
     r0, r1 = serving_runs(cfg, 10.0, 0), serving_runs(cfg, 10.0, 1)
     assert [a for a, _ in r0] == [b for b, _ in r1]  # the same runs (bursts, static, Poisson 30/60/90%)
     assert all(a.seed != b.seed for (_, a), (_, b) in zip(r0, r1))
-    # rounds 0 and 1 prompt up to half of the 128 tokens, rounds 2 and 3 up to an eighth, round 4 half again
-    longest = [{c.workload.prompt_len.high for _, c in serving_runs(cfg, 10.0, r)} for r in range(5)]
+    # rounds 0 and 1 prompt up to half of the 128 tokens, rounds 2 and 3 up to an eighth, round 4
+    # half again (a shared-prefix prompt: its prefix and its own suffix)
+    def top(c):
+        wl = c.workload
+        return wl.prompt_len.high + (wl.shared_prefix.prefix_len if wl.name == "shared_prefix" else 0)
+
+    longest = [{top(c) for _, c in serving_runs(cfg, 10.0, r)} for r in range(5)]
     assert longest == [{64}, {64}, {16}, {16}, {64}]
+    # the prefix-cached burst: half its longest prompt is a prefix shared with other prompts
+    prefix = dict(r0)["fcfs_prefix"]
+    assert prefix.cache.prefix_caching and prefix.workload.arrival == "all_at_once"
+    assert (prefix.workload.shared_prefix.prefix_len, prefix.workload.prompt_len.high) == (32, 32)
+    assert not any(c.cache.prefix_caching for name, c in r0 if name != "fcfs_prefix")
 
 
 def test_refit_from_a_recorded_profile(tmp_path):

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from cbjax.config import LengthConfig, RunConfig, WorkloadConfig
+from cbjax.config.workload import SharedPrefixConfig
 from cbjax.plan import Schedule, StepOutput
 from cbjax.profile.anchor import anchor_record, anchor_spec, time_anchor
 from cbjax.request import Request
@@ -23,6 +24,8 @@ from cbjax.sim.profiled import COLD_TERMS, step_features, steps_since_larger
 
 # Poisson runs at these shares of the saturated request rate: light, medium and heavy load.
 POISSON_SHARES = (0.3, 0.6, 0.9)
+# The prefix-cached burst's shared prefixes (`serving_runs`).
+PREFIX_GROUPS = 4
 # Round r of the served workloads draws with seeds offset by this times r (`serving_runs`).
 ROUND_SEED_STRIDE = 1000
 # the served run the profile and the calibration time as the anchor of the machine's speed
@@ -101,8 +104,9 @@ def serving_runs(
     """The profile's own served workloads (apart from experiments/calibrate.py's), uniform prompts
     up to half of max_model_len (rounds 2 and 3 of every 4: an eighth) and uniform outputs up to
     an eighth, under fcfs: 3 x slots
-    requests at t=0 with chunked prefill (mixed steps) and without (whole prompts), and a static
-    batch (the burst regime); given the engine's saturated request rate, also 2 x slots Poisson
+    requests at t=0 with chunked prefill (mixed steps) and without (whole prompts), a static
+    batch, and a burst of prompts behind PREFIX_GROUPS shared prefixes with the prefix cache on
+    (prefills over cached context) (the burst regime); given the engine's saturated request rate, also 2 x slots Poisson
     arrivals at 30%, 60% and 90% of it (the light, medium and heavy regimes, few rows at a time
     as open-loop runs have: `cbjax.profile.residuals.regime_of`). Each round `round_` draws its
     own requests and arrivals (seeds offset by ROUND_SEED_STRIDE x round): a round held out of
@@ -131,6 +135,17 @@ def serving_runs(
     # static batches: whole prompts together, then decodes thinning out as the batch's requests end
     sched = dataclasses.replace(cfg.scheduler, name="static", chunked_prefill=False, static_padding=False)
     runs.append(("static", dataclasses.replace(cfg, scheduler=sched, workload=wl, seed=seed + 103)))
+    # prompts behind shared prefixes with the prefix cache on: prefills of a few new tokens over
+    # a long cached context, so the fit can tell a KV page's cost from a new token's (a whole
+    # prompt's prefill reads as many pages as its tokens fill), and the loop's prefix-cache work
+    half = max(8, longest // 2)
+    prefixed = dataclasses.replace(
+        wl, name="shared_prefix", prompt_len=LengthConfig(dist="uniform", low=min(8, half), high=half),
+        shared_prefix=SharedPrefixConfig(num_groups=PREFIX_GROUPS, prefix_len=half, zipf_s=1.0),
+    )  # fmt: skip
+    sched = dataclasses.replace(cfg.scheduler, name="fcfs", chunked_prefill=True, static_padding=False)
+    cache = dataclasses.replace(cfg.cache, prefix_caching=True)
+    runs.append(("fcfs_prefix", dataclasses.replace(cfg, scheduler=sched, workload=prefixed, cache=cache, seed=seed + 104)))
     if saturated_req_s:
         sched = dataclasses.replace(cfg.scheduler, name="fcfs", chunked_prefill=True, static_padding=False)
         for i, share in enumerate(POISSON_SHARES):
