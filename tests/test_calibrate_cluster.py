@@ -31,36 +31,51 @@ def test_host_share_is_the_binding_of_the_driver_thread_and_the_cores():
         cc.host_share_of(0.5, 1.0, 0.0)
 
 
-def test_share_fitted_so_the_simulated_speedup_is_the_engines():
+def test_share_fitted_so_the_simulated_ratios_are_the_engines():
     # a simulator whose 2 equal replicas serve 1/share times one (the turn model's symmetric case)
     def ideal(share):
         return min(2.0, 1.0 / share)
 
-    assert cc.share_for_speedup(1.25, ideal) == pytest.approx(0.8, abs=1e-3)
+    def fitted(*ratios):
+        return cc.share_for_ratios(list(ratios))
+
+    assert fitted((1.25, ideal)) == pytest.approx(0.8, abs=1e-3)
     # slower than one replica: beyond taking turns, up to MAX_SHARE
-    assert cc.share_for_speedup(0.9, ideal) == pytest.approx(1 / 0.9, abs=1e-3)
-    assert cc.share_for_speedup(0.4, ideal) == cc.MAX_SHARE == 2.0
-    assert cc.share_for_speedup(2.5, ideal) == 0.5  # twice as fast or more: nothing binds
+    assert fitted((0.9, ideal)) == pytest.approx(1 / 0.9, abs=1e-3)
+    assert fitted((0.4, ideal)) == cc.MAX_SHARE == 2.0
+    assert fitted((2.5, ideal)) == 0.5  # twice as fast or more: nothing binds
     # a simulator 10% slower at every share than that needs a smaller share for the same speedup
-    assert cc.share_for_speedup(1.25, lambda s: 0.9 * ideal(s)) == pytest.approx(0.72, abs=1e-3)
-    with pytest.raises(ValueError, match="speedup must be > 0"):
-        cc.share_for_speedup(0.0, ideal)
-    # the medians of the fit runs: lone 100, pair 125; the simulator's speedup at the share beside it
-    fit = cc.fit_host_share([90.0, 100.0, 130.0], [125.0, 80.0, 200.0], 4, ideal)
-    assert fit["host_share"] == pytest.approx(0.8, abs=1e-3) and (fit["lone_tok_s"], fit["cluster_tok_s"]) == (100.0, 125.0)
-    assert fit["speedup"] == 1.25 and fit["simulated_speedup"] == pytest.approx(1.25, abs=2e-3)
-    with pytest.raises(ValueError, match="must be > 0"):
-        cc.fit_host_share([0.0], [100.0], 4, ideal)
+    assert fitted((1.25, lambda s: 0.9 * ideal(s))) == pytest.approx(0.72, abs=1e-3)
+    # two ratios whose own roots are 0.8 (the speedup) and 1.35 (an E2E ratio of 2 x share, 2.7
+    # on the engine): the least squares of their log errors is the geometric mean of the roots
+    assert fitted((1.25, ideal), (2.7, lambda s: 2.0 * s)) == pytest.approx((0.8 * 1.35) ** 0.5, abs=1e-3)
+    with pytest.raises(ValueError, match="an engine ratio must be > 0"):
+        fitted((0.0, ideal))
+    # the medians of the fit runs: lone 100, pair 125; the simulator's ratio at the share beside it
+    runs = {"burst": ([{"throughput_tok_s": x} for x in (90.0, 100.0, 130.0)],
+                      [{"throughput_tok_s": x} for x in (125.0, 80.0, 200.0)])}  # fmt: skip
+    fit = cc.fit_host_share(runs, {"burst": ideal})
+    burst = fit["fits"]["burst"]
+    assert fit["host_share"] == pytest.approx(0.8, abs=1e-3) and (burst["lone"], burst["cluster"]) == (100.0, 125.0)
+    assert burst["ratio"] == 1.25 and burst["simulated_ratio"] == pytest.approx(1.25, abs=2e-3) and burst["runs"] == 3
+    with pytest.raises(ValueError, match="burst throughput_tok_s must be > 0"):
+        cc.fit_host_share({"burst": ([{"throughput_tok_s": 0.0}], [{"throughput_tok_s": 1.0}])}, {"burst": ideal})
 
 
 def test_the_fit_runs_are_not_the_cells():
     base = RunConfig()
-    lone, pair = cc.fit_configs(base)
+    assert set(cc.fit_configs(base)) == {"burst"}  # before the Poisson rate is known
+    configs = cc.fit_configs(base, 40.0)
+    (lone, pair), (lone_p, pair_p) = configs["burst"], configs["poisson"]
     cell = cc.cell_config(base, "round_robin")
-    for fit in (lone, pair):
+    for fit in (lone, pair, lone_p, pair_p):
         assert fit.workload.name == "synthetic" and not fit.cache.prefix_caching and fit.seed != cell.seed
     assert lone.workload.num_requests * 2 == pair.workload.num_requests == base.workload.num_requests
     assert (lone.cluster.replicas, pair.cluster.replicas, pair.cluster.router) == (1, 2, "round_robin")
+    assert (lone.workload.arrival, pair.workload.arrival) == ("all_at_once", "all_at_once")
+    # Poisson: the same requests, half the rate for the lone replica
+    assert (lone_p.workload.arrival, lone_p.workload.rate, pair_p.workload.rate) == ("poisson", 20.0, 40.0)
+    assert (lone_p.workload.num_requests, pair_p.workload.num_requests) == (lone.workload.num_requests, pair.workload.num_requests)
 
 
 def _run(tp, e2e, hit=0.5):
@@ -69,7 +84,9 @@ def _run(tp, e2e, hit=0.5):
 
 def _report(cells):
     res = {"host_share": 0.75, "driver_share": 0.5, "process_cores": 1.5, "available_cores": 2.0, "cores": 2}
-    host = {"host_share": 0.8, "requests_per_replica": 4, "lone_tok_s": 100.0, "cluster_tok_s": 125.0, "resources": res}
+    fits = {"burst": {"lone": 100.0, "cluster": 125.0, "ratio": 1.25, "simulated_ratio": 1.25},
+            "poisson": {"lone": 0.01, "cluster": 0.03, "ratio": 3.0, "simulated_ratio": 2.9}}  # fmt: skip
+    host = {"host_share": 0.8, "requests_per_replica": 4, "poisson_rate_req_s": 5.0, "fits": fits, "resources": res}
     return {"profile": "p.json", "replicas": 2, "requests": 8, "repeats": 5, "host": host, "poisson_rate_req_s": 10.0,
             "load_average_at_end": [0.5, 0, 0], "date": "2026-12-05 07:00 UTC", "commit": "abc1234", "cells": cells}  # fmt: skip
 
@@ -92,7 +109,9 @@ def test_cell_verdicts_and_table_by_hand(tmp_path):
     assert "| round_robin, burst | E2E p50 | 5 / 5 | 1.2 [1, 1.4] | 1.38 | +15.0 | no (±10) | fail | 0.6 (-50.0) |" in text
     assert "| prefix_affinity, poisson_50 | throughput | 5 / 5 | 102 [100, 104] | 90 | -11.8 | - | - | 90 (-11.8) |" in text
     assert "**Overall:** 2 of 3 judged figures of the 2-replica cells within target" in text
-    assert "host share 0.800, fitted on runs of its own" in text and "2 replicas 125 tok/s" in text
+    assert "host share 0.800, fitted on runs of its own" in text and "Poisson arrivals at 5 req/s" in text
+    assert "burst: a lone replica 100, 2 replicas 125 (throughput_tok_s), speedup 1.250 on the engine" in text
+    assert "poisson: a lone replica 0.01, 2 replicas 0.03 (e2e_s_p50), E2E p50 ratio 3.000 on the engine, 2.900" in text
     assert "0.750 from resources" in text and "at commit abc1234" in text
     doc = tmp_path / "cluster.md"
     doc.write_text(f"# before\n{cc.DOC_BEGIN}\nold table\n{cc.DOC_END}\n# after\n")
