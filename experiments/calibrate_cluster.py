@@ -144,7 +144,7 @@ def share_for_ratios(ratios: list[tuple[float, Callable[[float], float]]], tol: 
             memo[share] = sum(float(np.log(sim(share) / engine)) ** 2 for engine, sim in ratios)
         return memo[share]
 
-    g = (np.sqrt(5) - 1) / 2
+    g = (5**0.5 - 1) / 2  # plain floats: the share goes into configs and JSON
     lo, hi = 0.5, MAX_SHARE
     a, b = hi - g * (hi - lo), lo + g * (hi - lo)
     while hi - lo > tol:
@@ -155,7 +155,7 @@ def share_for_ratios(ratios: list[tuple[float, Callable[[float], float]]], tol: 
             lo, a = a, b
             b = lo + g * (hi - lo)
     best = (lo + hi) / 2
-    return min((best, 0.5, MAX_SHARE), key=loss)  # a root beyond the range: its nearer end
+    return float(min((best, 0.5, MAX_SHARE), key=loss))  # a root beyond the range: its nearer end
 
 
 def simulated_ratio(lone_cfg: RunConfig, pair_cfg: RunConfig, key: str, profile: str) -> Callable[[float], float]:

@@ -3,6 +3,8 @@
 
 import argparse
 import json
+
+import numpy as np
 import sys
 
 import pytest
@@ -40,6 +42,10 @@ def test_verdict_is_the_targets_and_the_interval_never_passes_a_cell():
     # without a target: reported, not judged
     assert judge(90.0, runs, target_pct=None)["verdict"] == "-"
     assert signed_error_pct(90.0, 100.0) == pytest.approx(-10.0)
+    # a numpy simulator figure still gives plain bools: the verdicts go to JSON
+    j = judge(np.float64(101.0), runs, target_pct=5.0)
+    assert type(j["in_interval"]) is bool and type(j["within_target"]) is bool
+    json.dumps(j)
 
 
 def _cell(name, regime, errors):

@@ -40,6 +40,7 @@ def test_share_fitted_so_the_simulated_ratios_are_the_engines():
         return cc.share_for_ratios(list(ratios))
 
     assert fitted((1.25, ideal)) == pytest.approx(0.8, abs=1e-3)
+    assert type(fitted((1.25, ideal))) is float  # it goes into configs and JSON
     # slower than one replica: beyond taking turns, up to MAX_SHARE
     assert fitted((0.9, ideal)) == pytest.approx(1 / 0.9, abs=1e-3)
     assert fitted((0.4, ideal)) == cc.MAX_SHARE == 2.0

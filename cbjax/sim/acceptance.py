@@ -53,14 +53,14 @@ def judge(sim: float, engine_values: Sequence[float], target_pct: Optional[float
     median = float(np.median(np.asarray(engine_values, float)))
     lo, hi = bootstrap_median_interval(engine_values, seed=seed)
     error = signed_error_pct(sim, median)
-    within = None if target_pct is None else abs(error) <= target_pct
+    within = None if target_pct is None else bool(abs(error) <= target_pct)
     return {
         "sim": sim,
         "engine": median,
         "engine_runs": [float(v) for v in engine_values],
         "interval": [lo, hi],
         "error_pct": error,
-        "in_interval": lo <= sim <= hi,
+        "in_interval": bool(lo <= sim <= hi),  # plain bools: the result goes to JSON
         "target_pct": target_pct,
         "within_target": within,
         "verdict": "-" if within is None else ("pass" if within else "fail"),
