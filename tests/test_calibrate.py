@@ -3,10 +3,9 @@
 
 import argparse
 import json
-
-import numpy as np
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO

@@ -517,6 +517,14 @@ def test_the_launch_terms_by_hand_and_a_long_launch_is_no_idle_loop(tmp_path):
     decode = make_plan(num_slots=4, decodes=[d], page_size=4, start_s=0.0)
     mixed = make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4, start_s=0.0)
     assert (cost.launch_s(decode), cost.launch_s(mixed)) == pytest.approx((0.111, 0.861))
+    # with the prefix cache on, 0.03 a row more (launch_cached_seq_s): 0.141 and 0.921; off, none
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, launch_cached_seq_s=0.03, **launch)
+    cfgs = configs(write_profile(tmp_path / "c.json", coef, page_size=4, num_slots=4))
+    cached = make_cost_model("profiled", MODEL, None, **{**cfgs, "cache": CacheConfig(page_size=4, num_pages=4096,
+                                                                                       prefix_caching=True)})  # fmt: skip
+    assert (cached.launch_s(decode), cached.launch_s(mixed)) == pytest.approx((0.141, 0.921))
+    uncached = make_cost_model("profiled", MODEL, None, **cfgs)
+    assert (uncached.launch_s(decode), uncached.launch_s(mixed)) == pytest.approx((0.111, 0.861))
     # Pipelined, launch 4.0 for a prefill: step 1 (a decode, [0, 1]); step 2 (a prefill, bucket
     # 64: 7.0) planned at 0 while step 1 runs, which the launch holds until 4.0: step 2 runs
     # [4, 11]; step 3 (a decode), planned at 4.0 (step 1's collect), runs [11, 12]; step 4, planned

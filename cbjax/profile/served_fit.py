@@ -159,7 +159,10 @@ def fit_launch(served: list[dict], weighting: str = "absolute") -> dict[str, flo
     points = [s for s in served if s.get("host_s", 0.0) > 0 and not s.get("idle") and not s.get("held_out")]
     if not points:
         return dict.fromkeys(LAUNCH_TERMS, 0.0)
-    x = np.array([launch_features(s["next_rows"], s["next_prefill_rows"], s["next_tokens"]) for s in points])
+    x = np.array([
+        launch_features(s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False))
+        for s in points
+    ])  # fmt: skip
     y = np.array([s["host_s"] for s in points])
     # fit on all, then twice on the steps within HOST_STALL of the last fit's prediction: a stall
     # is far above what its plan explains (a prefill's launch is not, though far above the median)

@@ -177,10 +177,11 @@ def serve_timed(executor, cfg: RunConfig) -> TimedExecutor:
 
 
 def served_points(
-    label: str, timed: TimedExecutor, shapes: ShapePlan, native: bool = False
+    label: str, timed: TimedExecutor, shapes: ShapePlan, native: bool = False, prefix_caching: bool = False
 ) -> tuple[list[dict], list[tuple[int, float]]]:
     """(steps, gaps): per iteration its features, the seconds `execute` took as the loop called
-    it, and whether the loop idled before it; per iteration but the last whose next one the
+    it, whether the loop idled before it, and whether the run had the prefix cache on
+    (`prefix_caching`, a feature of the launch fit); per iteration but the last whose next one the
     loop went to straight away, (its rows, the loop's host seconds until that `execute`, the
     recorder's own bookkeeping excluded).
 
@@ -207,7 +208,7 @@ def served_points(
             "prefill_rows": sum(1 for _, _, decode in rows if not decode), "tokens": sum(n for n, _, _ in rows),
             "bucket": bucket, "features": features, "measured_s": t1 - t0, "idle": idle,
             "idle_s": max(0.0, idle_s) if idle else 0.0,
-            "since_larger": steps_since_larger(recent, bucket),
+            "since_larger": steps_since_larger(recent, bucket), "prefix_caching": prefix_caching,
         })  # fmt: skip
         recent.appendleft(bucket)
     # pipelined, step i launched while step i-1 was in flight (its share starts at i-1's end) and
@@ -261,7 +262,7 @@ def measure_serving(
             i += 1
             t0 = time.perf_counter()
             timed = serve_timed(executor, run_cfg)
-            s, g = served_points(label, timed, shapes, native)
+            s, g = served_points(label, timed, shapes, native, run_cfg.cache.prefix_caching)
             for x in s:
                 x["round"] = r
                 x["held_out"] = held_out_round(r, rounds)

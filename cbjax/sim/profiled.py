@@ -24,6 +24,8 @@ the native decode pass is charged per group), plus its swap copies:
              large one; a run of same-bucket steps, as a static batch's decodes, is warm)
     launch = launch_iter_s + launch_seq_s * rows + launch_prefill_s * (any prefill rows)
              + launch_prefill_seq_s * prefill rows + launch_token_s * tokens
+             + launch_cached_seq_s * rows  (with the prefix cache on: its work per row, matching
+               and registering pages, hashing the known ones)
              (`launch_s`: the pipelined loop's host time from
              collecting a step to launching this one (commit, plan, pack, dispatch); the step in
              flight is collected only after it, so it ends no earlier than that:
@@ -71,8 +73,10 @@ SERVE_TERMS = ("bucket_scale",)
 COLD_TERMS = ("cold_s", "cold2_s", "cold3_s", "cold4_s")
 # The pipelined loop's host time before it can collect the step in flight, from the plan it
 # launches: fixed, per row, once for a plan with any prefill (its packing path: prompt rows,
-# their pages and tiles), per prefill row, and per token.
-LAUNCH_TERMS = ("launch_iter_s", "launch_seq_s", "launch_prefill_s", "launch_prefill_seq_s", "launch_token_s")
+# their pages and tiles), per prefill row, per token, and per row again with the prefix cache on.
+LAUNCH_TERMS = (
+    "launch_iter_s", "launch_seq_s", "launch_prefill_s", "launch_prefill_seq_s", "launch_token_s", "launch_cached_seq_s",
+)  # fmt: skip
 # absent from profiles made before the terms: charged 0
 OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s",) + LAUNCH_TERMS, 0.0)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
@@ -186,9 +190,10 @@ class ProfiledCost:
 
     name = "profiled"
 
-    def __init__(self, coefficients: dict, shapes: ShapePlan, native: bool = False):
+    def __init__(self, coefficients: dict, shapes: ShapePlan, native: bool = False, prefix_caching: bool = False):
         self.coefficients = coefficients
-        self.native = native  # the profile timed the `native` attention backend (see `step_features`)
+        self.native = native
+        self.prefix_caching = prefix_caching  # the run's cache.prefix_caching (`launch_cached_seq_s`)  # the profile timed the `native` attention backend (see `step_features`)
         self.swap_iter_s = coefficients["swap_iter_s"]
         self.swap_page_s = coefficients["swap_page_s"]
         self.loop_s = coefficients["loop_s"]
@@ -233,7 +238,7 @@ class ProfiledCost:
         for n, _, decode in rows:
             tokens += n
             prefills += not decode
-        launch = launch_cost(self.coefficients, len(rows), prefills, tokens)
+        launch = launch_cost(self.coefficients, len(rows), prefills, tokens, self.prefix_caching)
         self._launch = (plan, launch)
         return launch
 
@@ -245,7 +250,8 @@ def make_profiled_cost(
         raise ValueError("executor.profile: cost_model=profiled needs a profile.json path (executor.profile=PATH)")
     profile = load_profile(executor.profile, model, cache.page_size, scheduler.max_num_seqs)
     native = profile.get("attention") == "native"
-    return ProfiledCost(profile["coefficients"], shapes_for(model, scheduler, cache, executor), native)
+    shapes = shapes_for(model, scheduler, cache, executor)
+    return ProfiledCost(profile["coefficients"], shapes, native, cache.prefix_caching)
 
 
 def fixed_cost(coefficients: dict, bucket: int) -> float:
@@ -257,16 +263,19 @@ def fixed_cost(coefficients: dict, bucket: int) -> float:
     return coefficients["bucket_scale"] * bucket_intercept(coefficients["bucket_s"], bucket)
 
 
-def launch_features(rows: int, prefill_rows: int, tokens: int) -> list[float]:
+def launch_features(rows: int, prefill_rows: int, tokens: int, prefix_caching: bool = False) -> list[float]:
     """The LAUNCH_TERMS' multipliers for launching a plan of `rows` rows, `prefill_rows` of them
-    prefills (not decodes), and `tokens` tokens (see the module docstring)."""
-    return [1.0, float(rows), float(prefill_rows > 0), float(prefill_rows), float(tokens)]
+    prefills (not decodes), and `tokens` tokens, in a run with the prefix cache on or off (see
+    the module docstring)."""
+    cached_rows = float(rows) if prefix_caching else 0.0
+    return [1.0, float(rows), float(prefill_rows > 0), float(prefill_rows), float(tokens), cached_rows]
 
 
-def launch_cost(coefficients: dict, rows: int, prefill_rows: int, tokens: int) -> float:
+def launch_cost(coefficients: dict, rows: int, prefill_rows: int, tokens: int, prefix_caching: bool = False) -> float:
     """The LAUNCH_TERMS' host time for launching that plan (`launch_features`; a term a profile
     lacks is 0)."""
-    return sum(coefficients.get(k, 0.0) * f for k, f in zip(LAUNCH_TERMS, launch_features(rows, prefill_rows, tokens)))
+    features = launch_features(rows, prefill_rows, tokens, prefix_caching)
+    return sum(coefficients.get(k, 0.0) * f for k, f in zip(LAUNCH_TERMS, features))
 
 
 def step_terms(coefficients: dict, features: Sequence[float]) -> float:
