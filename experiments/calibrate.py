@@ -48,7 +48,7 @@ from cbjax.config import (  # noqa: E402
 )  # fmt: skip
 from cbjax.profile.anchor import SPEED_TOLERANCE, anchor_config, anchor_speed, on_speed, time_anchor  # noqa: E402
 from cbjax.run import run_single  # noqa: E402
-from cbjax.sim.acceptance import REGIME_BIAS_PCT, judge, signed_error_pct, summarize_regimes, unmeasured  # noqa: E402
+from cbjax.sim.acceptance import REGIME_BIAS_PCT, judge_runs, signed_error_pct, summarize_regimes  # noqa: E402
 from cbjax.sim.profiled import COLD_TERMS  # noqa: E402
 
 # the first 500 requests of the Azure code trace, shipped with cbjax (cbjax/data/README.md)
@@ -150,24 +150,17 @@ def judge_cell(
     repeats: int = 0, runs: Optional[int] = None,
 ) -> dict:  # fmt: skip
     """One cell: its regime, and per figure it carries (closed loop: throughput; open loop: the
-    latencies) `cbjax.sim.acceptance.judge` of the simulator against the engine's runs `engine`
+    latencies) `cbjax.sim.acceptance.judge_runs` of the simulator against the engine's runs `engine`
     (those made at the profile's machine speed, of `runs` made). With fewer than `repeats` of
     them every targeted figure fails: the cell was not measured at the profile's speed."""
     regime, closed, _ = WORKLOADS[wname]
     name = f"{wname}, {policy}, chunked {'on' if chunked else 'off'}"
     cell = {"name": name, "workload": wname, "regime": regime, "closed_loop": closed, "policy": policy,
             "chunked": chunked, "runs_judged": len(engine), "runs": len(engine) if runs is None else runs}  # fmt: skip
-    short = len(engine) < repeats
     for key, _ in CLOSED_METRICS if closed else OPEN_METRICS:
         values = [e[key] for e in engine if e.get(key) is not None]
-        if sim.get(key) is None:
-            cell[key] = None
-        elif not values:  # no run at the profile's speed (or none made): a targeted figure fails
-            cell[key] = unmeasured(sim[key], TARGETS.get(key)) if engine or cell["runs"] else None
-        else:
-            cell[key] = judge(sim[key], values, TARGETS.get(key), seed=seed)
-        if short and cell[key] is not None and cell[key]["within_target"] is not None:
-            cell[key].update(within_target=False, verdict="fail")
+        cell[key] = judge_runs(sim.get(key), values, TARGETS.get(key), judged=len(engine), repeats=repeats,
+                               made=cell["runs"], seed=seed)  # fmt: skip
     return cell
 
 

@@ -56,8 +56,7 @@ from calibrate import (  # noqa: E402  (shapes, targets, table cells, the anchor
 from cbjax.config import ClusterConfig, LengthConfig, RunConfig  # noqa: E402
 from cbjax.config.workload import SharedPrefixConfig  # noqa: E402
 from cbjax.run import run_single  # noqa: E402
-from cbjax.sim.acceptance import unmeasured  # noqa: E402
-from cbjax.sim.acceptance import judge, signed_error_pct  # noqa: E402
+from cbjax.sim.acceptance import judge_runs, signed_error_pct  # noqa: E402
 
 ROUTERS = ("round_robin", "prefix_affinity")
 # workload -> (closed loop, share of the 2-replica capacity; None: every request at t=0)
@@ -252,25 +251,20 @@ def measure_resources(base: RunConfig, rounds: int = 3) -> dict:
 def judge_cluster_cell(
     router: str, wname: str, sim: dict, separate: dict, engine: list[dict], repeats: int = 0, runs: Optional[int] = None
 ) -> dict:  # fmt: skip
-    """One cell: per figure of FIGURES[wname], `judge` of the simulator (shared host) against the
-    engine's runs `engine` (those at the profile's machine speed, of `runs` made: calibrate.py's
-    anchor rule), and the error of the simulator with a host per replica beside it. With fewer
-    than `repeats` runs judged every targeted figure fails; with none, `unmeasured`."""
+    """One cell: per figure of FIGURES[wname], `judge_runs` of the simulator (shared host)
+    against the engine's runs `engine` (those at the profile's machine speed, of `runs` made:
+    calibrate.py's anchor rule), and the error of the simulator with a host per replica beside
+    it. With fewer than `repeats` runs judged every targeted figure fails; with none,
+    `unmeasured`."""
     cell = {"name": f"{router}, {wname}", "router": router, "workload": wname, "closed_loop": WORKLOADS[wname][0],
             "control": router == LONE, "runs_judged": len(engine), "runs": len(engine) if runs is None else runs}  # fmt: skip
     for key, _, target in FIGURES[wname]:
         values = [e[key] for e in engine if e.get(key) is not None]
-        if sim.get(key) is None or not (values or cell["runs"]):
-            cell[key] = None
-            continue
-        if not values:
-            cell[key] = {**unmeasured(sim[key], target), "separate_hosts": separate.get(key), "separate_error_pct": None}
-            continue
-        j = judge(sim[key], values, target)
-        if len(values) < repeats and target is not None:
-            j.update(within_target=False, verdict="fail")
-        j["separate_hosts"] = separate.get(key)
-        j["separate_error_pct"] = signed_error_pct(separate[key], j["engine"]) if separate.get(key) is not None else None
+        j = judge_runs(sim.get(key), values, target, judged=len(values), repeats=repeats, made=cell["runs"])
+        if j is not None:
+            j["separate_hosts"] = separate.get(key)
+            measured = separate.get(key) is not None and j["engine"] is not None
+            j["separate_error_pct"] = signed_error_pct(separate[key], j["engine"]) if measured else None
         cell[key] = j
     hits = [e.get("prefix_cache_hit_rate") for e in engine if e.get("prefix_cache_hit_rate") is not None]
     cell["prefix_cache_hit_rate"] = {"engine": float(np.median(hits)) if hits else None,

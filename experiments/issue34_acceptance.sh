@@ -15,10 +15,7 @@ OUT=${OUT:-outputs/issue34}
 DOC=${DOC:-docs/cluster.md}
 mkdir -p "$OUT"
 start=$(date +%s)
-steady() {  # whether a profile's anchor held one machine speed (cbjax.profile.anchor.steady)
-  python -c "import json, sys; from cbjax.profile.anchor import steady
-sys.exit(0 if steady(json.load(open(sys.argv[1])).get('anchor')) else 1)" "$1"
-}
+. experiments/acceptance_lib.sh  # steady
 short() {  # whether a 2-replica cell of the calibration ended short of its runs at the profile's speed
   python -c "import json, sys
 r = json.load(open(sys.argv[1]))

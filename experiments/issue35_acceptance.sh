@@ -15,10 +15,7 @@ mkdir -p "$OUT"
 start=$(date +%s)
 # SmolLM's shape first: its profile takes minutes, and the tiny profiles are best taken just
 # before their calibration, at the machine speed it will find (`cbjax.profile.anchor`)
-steady() {  # whether a profile's anchor held one machine speed (cbjax.profile.anchor.steady)
-  python -c "import json, sys; from cbjax.profile.anchor import steady
-sys.exit(0 if steady(json.load(open(sys.argv[1])).get('anchor')) else 1)" "$1"
-}
+. experiments/acceptance_lib.sh  # steady
 for attempt in 1 2; do  # a profile whose machine changed speed while it ran is taken again
   python -m cbjax.profile model=smollm_135m scheduler.max_num_seqs=8 scheduler.max_num_batched_tokens=256 progress=false \
     hydra.run.dir="$OUT/profile_smollm_135m" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_smollm_135m.log"

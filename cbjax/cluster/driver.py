@@ -126,6 +126,13 @@ class ClusterSim(ClusterBase):
             self._record_transfer(h, h.transfer_s)
             self._push(t + h.transfer_s, _TRANSFERRED, h)
 
+    def _handoff_event(self, kind: int, payload: Any, t: float) -> None:
+        """A P/D event from the heap at `t`: a prefill's end (`_PREFILLED`) or a transfer's."""
+        if kind == _PREFILLED:
+            self._prefilled(payload, t)
+        else:
+            self._on_transferred(payload, t)
+
     def _on_transferred(self, h: Handoff, t: float) -> None:
         self._transferred(h, t)
         self._wake(h.dst, t)
@@ -168,10 +175,8 @@ class ClusterSim(ClusterBase):
                 self._now = t
                 if kind == _STEP:
                     self._step(payload, stop)
-                elif kind == _PREFILLED:
-                    self._prefilled(payload, t)
                 else:
-                    self._on_transferred(payload, t)
+                    self._handoff_event(kind, payload, t)
             else:
                 req = pending.popleft()
                 self._now = req.arrival_s
@@ -193,10 +198,7 @@ class ClusterSim(ClusterBase):
                 if heap and (not pending or (heap[0][0], heap[0][1]) <= (pending[0].arrival_s, _ARRIVE)):
                     te, kind, _, payload = heappop(heap)  # no _STEP events: turns step the replicas
                     self._now = te
-                    if kind == _PREFILLED:
-                        self._prefilled(payload, te)
-                    else:
-                        self._on_transferred(payload, te)
+                    self._handoff_event(kind, payload, te)
                 else:
                     req = pending.popleft()
                     self._now = req.arrival_s
@@ -207,17 +209,16 @@ class ClusterSim(ClusterBase):
                     return False
                 t = min(heap[0][0] if heap else float("inf"), pending[0].arrival_s if pending else float("inf"))
                 continue
-            spans = []
+            ends = []
             for replica in busy:
                 loop = replica.loop
                 loop.advance_to(t)
                 loop.step()
                 loop.boundary()  # reports the iteration's finished requests
-                end = loop.inflight_end()
-                spans.append(0.0 if end is None else max(0.0, end - t))  # a landing alone costs the turn nothing
-            t_end = t + turn_length(spans, share)
-            for replica in busy:
-                end = replica.loop.inflight_end()
+                ends.append(loop.inflight_end())
+            # a landing alone (nothing in flight after it) costs the turn nothing
+            t_end = t + turn_length([0.0 if end is None else max(0.0, end - t) for end in ends], share)
+            for replica, end in zip(busy, ends):
                 if end is not None and end < t_end:
                     replica.executor.delay_s += t_end - end
                     replica.loop.delay_inflight(t_end)

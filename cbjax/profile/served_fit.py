@@ -90,8 +90,8 @@ def fit_served(
     the step times spread with a long tail (a slow step now and then), the two part: the first
     leaves the mean relative error positive by about the tail's weight, the second the summed
     time short by as much. "balanced" takes the mean of their coefficients, so each criterion
-    is off by about half of it. The profile's default is "mean_relative" (`ProfileRunConfig`). Steps marked `held_out` are left
-    out (the residual table's). None served: no served intercepts, scale 1, no cold terms."""
+    is off by about half of it. The profile's default is "mean_relative" (`ProfileRunConfig`).
+    Steps marked `held_out` are left out (the residual table's). None served: no served intercepts, scale 1, no cold terms."""
     points = [
         s for s in served
         if not s.get("idle") and not s.get("held_out") and not (censored(s) and s.get("next_prefill_rows", 0))

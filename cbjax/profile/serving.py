@@ -103,12 +103,12 @@ def serving_runs(
 ) -> list[tuple[str, RunConfig]]:
     """The profile's own served workloads (apart from experiments/calibrate.py's), uniform prompts
     up to half of max_model_len (rounds 2 and 3 of every 4: an eighth) and uniform outputs up to
-    an eighth, under fcfs: 3 x slots
-    requests at t=0 with chunked prefill (mixed steps) and without (whole prompts), a static
-    batch, and a burst of prompts behind PREFIX_GROUPS shared prefixes with the prefix cache on
-    (prefills over cached context) (the burst regime); given the engine's saturated request rate, also 2 x slots Poisson
-    arrivals at 30%, 60% and 90% of it (the light, medium and heavy regimes, few rows at a time
-    as open-loop runs have: `cbjax.profile.residuals.regime_of`). Each round `round_` draws its
+    an eighth, under fcfs. The burst regime: 3 x slots requests at t=0 with chunked prefill
+    (mixed steps) and without (whole prompts), a static batch, and prompts behind PREFIX_GROUPS
+    shared prefixes with the prefix cache on (prefills over cached context). Given the engine's
+    saturated request rate, also 2 x slots Poisson arrivals at 30%, 60% and 90% of it (the
+    light, medium and heavy regimes, few rows at a time as open-loop runs have:
+    `cbjax.profile.residuals.regime_of`). Each round `round_` draws its
     own requests and arrivals (seeds offset by ROUND_SEED_STRIDE x round): a round held out of
     the fit is then other requests, not a re-timing of the same ones."""
     seed = cfg.seed + ROUND_SEED_STRIDE * round_

@@ -78,6 +78,23 @@ def unmeasured(sim: float, target_pct: Optional[float]) -> dict:
     }  # fmt: skip
 
 
+def judge_runs(
+    sim: Optional[float], values: Sequence[float], target_pct: Optional[float], *, judged: int, repeats: int = 0,
+    made: int = 0, seed: int = 0,
+) -> Optional[dict]:  # fmt: skip
+    """`judge` under the calibrations' anchor rule (`cbjax.profile.anchor`): `values` is the
+    figure over the runs made at the profile's machine speed, `judged` of them, of `made` runs.
+    None without a simulated figure or with no run made; `unmeasured` when runs were made but
+    none gave a value; with fewer than `repeats` judged a targeted figure fails (the cell was
+    not measured at the profile's speed)."""
+    if sim is None or not (values or made):
+        return None
+    j = judge(sim, values, target_pct, seed=seed) if values else unmeasured(sim, target_pct)
+    if judged < repeats and target_pct is not None:
+        j.update(within_target=False, verdict="fail")
+    return j
+
+
 def summarize_regimes(cells: list[dict], figures: Sequence[str]) -> list[dict]:
     """Per regime and figure: the cells' mean signed error, the worst cell (largest |error|), how
     many cells pass their target, and whether the regime's bias is within REGIME_BIAS_PCT.

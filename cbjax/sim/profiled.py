@@ -192,8 +192,8 @@ class ProfiledCost:
 
     def __init__(self, coefficients: dict, shapes: ShapePlan, native: bool = False, prefix_caching: bool = False):
         self.coefficients = coefficients
-        self.native = native
-        self.prefix_caching = prefix_caching  # the run's cache.prefix_caching (`launch_cached_seq_s`)  # the profile timed the `native` attention backend (see `step_features`)
+        self.native = native  # the profile timed the `native` attention backend (see `step_features`)
+        self.prefix_caching = prefix_caching  # the run's cache.prefix_caching (`launch_cached_seq_s`)
         self.swap_iter_s = coefficients["swap_iter_s"]
         self.swap_page_s = coefficients["swap_page_s"]
         self.loop_s = coefficients["loop_s"]
