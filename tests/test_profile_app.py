@@ -33,7 +33,7 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
         cache=CacheConfig(num_pages=512, page_size=4),
         executor=ExecutorConfig(name="jax", token_buckets=[4, 16, 64]),
-        grid="small", repeats=2, serving_rounds=2, progress=False,
+        grid="small", repeats=2, serving_rounds=2, serving_min_s=0.0, progress=False,
     )  # fmt: skip
     run_profile(cfg, tmp_path)
     profile = json.loads((tmp_path / "profile.json").read_text())

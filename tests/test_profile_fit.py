@@ -14,7 +14,7 @@ from cbjax.profile.refit import main as refit_main
 from cbjax.profile.refit import refit
 from cbjax.profile.residuals import held_out_residuals
 from cbjax.profile.served_fit import censored, fit_launch, fit_served
-from cbjax.profile.serving import held_out_round, serving_runs
+from cbjax.profile.serving import anchor_rounds, held_out_round, serving_round_count, serving_runs
 from cbjax.sim.fit import fit_costs
 from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS
 
@@ -161,6 +161,25 @@ def test_residual_table_is_computed_on_the_held_out_steps_by_hand():
     # none held out (one serving round): the table is the fit's own steps, and says so
     t = held_out_residuals([{**s, "held_out": False} for s in log], min_steps=2)
     assert t["steps"] == "in-sample" and t["regimes"]["light"]["num_steps"] == 4
+
+
+def test_served_rounds_extend_in_whole_cycles_until_they_take_serving_min_s():
+    # 4 rounds of 2 s make 8 of the 40 s: 16 more rounds (4 cycles of 4) reach it
+    assert serving_round_count(4, 2.0, 40.0) == 20
+    # 3 s rounds: 12 s, 28 s short, 10 more rounds, rounded up to 3 cycles
+    assert serving_round_count(4, 3.0, 40.0) == 16
+    assert serving_round_count(4, 10.0, 40.0) == 4  # 4 rounds reach it already
+    assert serving_round_count(4, 36.0, 40.0) == 4  # a large model's rounds: never fewer
+    assert serving_round_count(4, 2.0, 0.0) == 4  # serving_min_s=0: exactly serving_rounds
+    assert serving_round_count(1, 5.0, 12.0) == 5  # 7 s short: 2 rounds, 1 cycle
+    assert serving_round_count(4, 0.1, 40.0) == 32  # the cap
+    assert serving_round_count(40, 0.1, 100.0) == 40  # ... never below what was asked for
+
+
+def test_the_anchor_is_timed_before_four_evenly_spread_rounds():
+    assert anchor_rounds(1) == {0} and anchor_rounds(2) == {0, 1} and anchor_rounds(4) == {0, 1, 2, 3}
+    assert anchor_rounds(6) == {0, 1, 3, 4}
+    assert anchor_rounds(16) == {0, 4, 8, 12} and anchor_rounds(20) == {0, 5, 10, 15}
 
 
 def test_odd_rounds_are_held_out_and_each_round_draws_its_own_requests():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -412,6 +413,22 @@ def test_a_missing_or_malformed_profile_is_one_clear_line(tmp_path):
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="executor.profile"):
         ExecutorConfig(cost_model="profiled")
+
+
+def test_a_profile_rewritten_in_place_is_read_again(tmp_path):
+    # the parsed file is kept while it is unchanged (`_parsed`); a new profile at the same path is
+    # read again, and each load's coefficients are its own
+    coef = {**TRUE, "bucket_s": {"4": 1e-3, "16": 2e-3, "64": 4e-3}, "bucket_scale": 1.1, "swap_iter_s": 1e-3,
+            "swap_page_s": 1e-4, "loop_s": 2e-4, "loop_seq_s": 1e-5, "wake_s": 1e-3, "wake_ramp_s": 5e-3}  # fmt: skip
+    path = write_profile(tmp_path / "p.json", coefficients=coef, page_size=4, num_slots=4)
+    first = make_cost_model("profiled", MODEL, None, **configs(path))
+    again = make_cost_model("profiled", MODEL, None, **configs(path))
+    assert first.loop_s == again.loop_s == 2e-4 and first.coefficients is not again.coefficients
+    first.coefficients["loop_s"] = 1.0
+    assert make_cost_model("profiled", MODEL, None, **configs(path)).loop_s == 2e-4
+    write_profile(tmp_path / "p.json", coefficients={**coef, "loop_s": 0.00031}, page_size=4, num_slots=4)
+    os.utime(path, ns=(1, 1))  # another mtime, whatever the file system's clock resolution
+    assert make_cost_model("profiled", MODEL, None, **configs(path)).loop_s == 0.00031
 
 
 def test_profiled_simulator_runs_are_deterministic(tmp_path):

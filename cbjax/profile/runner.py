@@ -24,6 +24,10 @@ class ProfileRunConfig(RunConfig):
     # odd rounds are held out of the fit and the residual table is computed on them alone
     # (`cbjax.profile.serving.held_out_round`)
     serving_rounds: int = 4
+    # ... or more, in whole cycles of 4, until the rounds take about this many seconds (estimated
+    # from round 0; `cbjax.profile.serving.serving_round_count`): a tiny model's runs last about a
+    # second each, so four rounds measure four moments of the machine; 0: serving_rounds exactly
+    serving_min_s: float = 40.0
     # fit the cold terms (a served step's extra cost 1-4 steps after a larger bucket's) on the
     # served steps, beside the intercepts and the served step terms; off: they stay 0
     fit_cold: bool = True
@@ -47,6 +51,8 @@ class ProfileRunConfig(RunConfig):
             raise ValueError(f"repeats must be >= 1, got {self.repeats!r}")
         if self.serving_rounds < 1:
             raise ValueError(f"serving_rounds must be >= 1, got {self.serving_rounds!r}")
+        if not self.serving_min_s >= 0:
+            raise ValueError(f"serving_min_s must be >= 0 seconds, got {self.serving_min_s!r}")
         if self.served_weighting not in SERVED_WEIGHTINGS:
             raise ValueError(
                 f"served_weighting: unknown value {self.served_weighting!r}; choose one of {', '.join(SERVED_WEIGHTINGS)}"
@@ -94,7 +100,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     ]
     wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
     say("serving the profile's workloads ...", flush=True)
-    serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native)
+    serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native, min_s=cfg.serving_min_s)
     coefficients, residuals = fit_profile(
         steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cfg.fit_cold,
         served_terms=cfg.served_terms, served_weighting=cfg.served_weighting,
@@ -109,7 +115,8 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "served": serving["steps"],
         "grid": cfg.grid,
         "repeats": cfg.repeats,
-        "serving_rounds": cfg.serving_rounds,
+        "serving_rounds": serving["rounds"],  # served, not asked for (`serving_min_s` may add rounds)
+        "serving_min_s": cfg.serving_min_s,
         "gaps": serving["gaps"],
         "fit_cold": cfg.fit_cold,
         "served_terms": cfg.served_terms,

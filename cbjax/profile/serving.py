@@ -31,6 +31,11 @@ ROUND_SEED_STRIDE = 1000
 # the served run the profile and the calibration time as the anchor of the machine's speed
 # (`cbjax.profile.anchor`): round 0's closed-loop burst of whole prompts
 ANCHOR_RUN = "fcfs_chunked_off"
+# The most served rounds `serving_round_count` extends to.
+MAX_SERVING_ROUNDS = 32
+# The served rounds' contexts cycle over this many rounds (`serving_runs`): rounds are added in
+# whole cycles, so that the fitted and held-out rounds keep spanning long and short contexts alike.
+ROUND_CYCLE = 4
 
 
 class TimedExecutor:
@@ -228,6 +233,30 @@ def served_points(
     return steps, gaps
 
 
+def serving_round_count(min_rounds: int, first_round_s: float, min_s: float, cap: int = MAX_SERVING_ROUNDS) -> int:
+    """How many rounds to serve: `min_rounds`, or, when that many rounds of `first_round_s` each
+    fall short of `min_s` seconds, as many more whole ROUND_CYCLEs as reach it, up to `cap`
+    (never below `min_rounds`).
+
+    Why: a tiny model's served run lasts about a second, and this VM's speed moves 5-10% from
+    one second to the next, so one run's mean step error is mostly the moment it ran at. A
+    regime's held-out residual over two such runs, and the fit over two others, then move by
+    several points from one profile to the next; more rounds average the moments out. A model
+    whose runs last tens of seconds averages them within each run and keeps `min_rounds`."""
+    if min_s <= 0 or first_round_s <= 0 or min_rounds * first_round_s >= min_s:
+        return min_rounds
+    need = -(-(min_s - min_rounds * first_round_s) // first_round_s)  # more rounds, rounded up
+    cycles = -(-int(need) // ROUND_CYCLE)
+    return max(min_rounds, min(min_rounds + ROUND_CYCLE * cycles, cap))
+
+
+def anchor_rounds(rounds: int, timings: int = 4) -> set[int]:
+    """The rounds the anchor is timed before (it is timed after the last too): `timings` of them
+    spread evenly from round 0, or every round when there are no more than that. The anchor's
+    spread (`cbjax.profile.anchor.steady`) then compares as many timings however many rounds."""
+    return {rounds * k // timings for k in range(timings)} if rounds > timings else set(range(rounds))
+
+
 def held_out_round(r: int, rounds: int) -> bool:
     """Whether served round `r` of `rounds` is held out of the fit, its steps kept for the residual
     table (`cbjax.profile.residuals`): the odd rounds, when there are at least two (one round:
@@ -236,25 +265,31 @@ def held_out_round(r: int, rounds: int) -> bool:
 
 
 def measure_serving(
-    executor, cfg: RunConfig, shapes: ShapePlan, rounds: int = 1, native: bool = False
+    executor, cfg: RunConfig, shapes: ShapePlan, rounds: int = 1, native: bool = False, min_s: float = 0.0
 ) -> dict[str, Any]:
-    """Serve the profile's workloads (`serving_runs`) on the warm engine, `rounds` times over: the
-    bursts first, then the Poisson runs at shares of the first burst's request rate (set in the
-    first round). Before each round and after the last it times the anchor (`cbjax.profile.anchor`:
-    round 0's ANCHOR_RUN burst, served ANCHOR_RUNS times a timing). Returns the served steps for
-    the fit, loop gaps for `served_fit.fit_loop`, per run its round, iterations, makespan and
-    time in execute, and the anchor's record (`anchor_record`). `native`: the engine's attention is
-    `native` (its features, see `cbjax.sim.profiled.step_features`)."""
+    """Serve the profile's workloads (`serving_runs`) on the warm engine, `rounds` times over, or
+    more when `min_s` asks for it (`serving_round_count`, from round 0's wall time): the bursts
+    first, then the Poisson runs at shares of the first burst's request rate (set in the first
+    round). Before the `anchor_rounds` and after the last it times the anchor
+    (`cbjax.profile.anchor`: round 0's ANCHOR_RUN burst, served ANCHOR_RUNS times a timing).
+    Returns the served steps for the fit, loop gaps for `served_fit.fit_loop`, per run its
+    round, iterations, makespan and time in execute, the anchor's record (`anchor_record`) and
+    the rounds served. `native`: the engine's attention is `native` (its features, see
+    `cbjax.sim.profiled.step_features`)."""
     steps, gaps, runs = [], [], []
     saturated: Optional[float] = None
     anchor_cfg = dict(serving_runs(cfg, None, 0))[ANCHOR_RUN]
     timings = []
+    planned = rounds  # round 0 is neither held out nor skips its anchor, whatever count it settles
 
     def anchor_makespan() -> float:
         return serve_timed(executor, anchor_cfg).makespan
 
-    for r in range(rounds):
-        timings.append(time_anchor(anchor_makespan))
+    r = 0
+    t_start = time.perf_counter()
+    while r < rounds:
+        if r in anchor_rounds(rounds):
+            timings.append(time_anchor(anchor_makespan))
         todo = serving_runs(cfg, saturated, r)
         i = 0
         while i < len(todo):  # the list grows by the Poisson runs after the first burst
@@ -277,8 +312,12 @@ def measure_serving(
             if len(runs) == 1 and makespan > 0:  # the same bursts first, then the Poisson runs
                 saturated = run_cfg.workload.num_requests / makespan
                 todo = serving_runs(cfg, saturated, r)
+        if r == 0:  # round 0's wall time (its anchor timing included) sets the count
+            rounds = serving_round_count(planned, time.perf_counter() - t_start, min_s)
+        r += 1
     timings.append(time_anchor(anchor_makespan))
-    return {"steps": steps, "gaps": gaps, "runs": runs, "anchor": anchor_record(anchor_spec(anchor_cfg), timings)}
+    return {"steps": steps, "gaps": gaps, "runs": runs, "anchor": anchor_record(anchor_spec(anchor_cfg), timings),
+            "rounds": rounds}  # fmt: skip
 
 
 def measure_wake(

@@ -49,6 +49,7 @@ Pure numpy: no jax import.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import deque
 from itertools import islice
@@ -159,13 +160,24 @@ def profile_key(model: ModelConfig, page_size: int, num_slots: int) -> dict:
     return key
 
 
+@functools.lru_cache(maxsize=4)
+def _parsed(path: Path, mtime_ns: int, size: int) -> dict:
+    """The parsed file at `path` as it was at (`mtime_ns`, `size`): a profile keeps every served
+    step it was fitted on (tens of MB for a tiny model), and a calibration or a sweep builds the
+    simulator from one profile many times."""
+    return json.loads(path.read_text())
+
+
 def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) -> dict:
-    """Read and check `profile.json`; a missing, malformed or mismatched file is a one-line ValueError."""
+    """Read and check `profile.json`; a missing, malformed or mismatched file is a one-line
+    ValueError. The file is parsed once while it is unchanged: the returned dict's own
+    `coefficients` are fresh, its other values shared between calls (read them, do not change them)."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise ValueError(f"executor.profile: no profile at {p} (make one with `python -m cbjax.profile`)")
     try:
-        profile = json.loads(p.read_text())
+        stat = p.stat()
+        profile = dict(_parsed(p.resolve(), stat.st_mtime_ns, stat.st_size))
         made_for = dict(profile["made_for"])
         required = [k for k in STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS if k not in OPTIONAL_TERMS]
         coef = {k: float(profile["coefficients"][k]) for k in required}
