@@ -191,24 +191,28 @@ def anchor_timer(base: RunConfig, record: dict) -> Callable[[], float]:
 
 def engine_rounds(
     cells: dict, repeats: int, run: Callable[..., dict], anchor: Optional[Callable[[], float]],
-    reference: Optional[float], max_rounds: Optional[int] = None,
+    reference: Optional[float], max_rounds: Optional[int] = None, give_up_after: Optional[int] = None,
 ) -> dict[tuple, list[dict]]:  # fmt: skip
     """Every cell's engine runs, in rounds over all the cells (a slow spell of the machine then
     lands on one run of many cells, not on one cell): `run(key, cfg, round, done, total)`
     returns a run's summary. With an `anchor` (the profile's, timed before the first run and
     after each; `reference`: its timing at the profile) each run gets its `anchor_speed` and
     `on_speed` (`cbjax.profile.anchor.on_speed`), and rounds go on, for the cells short of
-    `repeats` runs on speed, up to `max_rounds` (default MAX_ROUNDS_PER_REPEAT x repeats).
-    Without one, `repeats` rounds, every run on speed. Returns every run made, per cell."""
+    `repeats` runs on speed, up to `max_rounds` (default MAX_ROUNDS_PER_REPEAT x repeats), or
+    until `give_up_after` runs in a row were off speed: the machine has left the profile's speed,
+    and the runs left would measure another machine (a caller may take a new profile and start
+    again). Without an anchor, `repeats` rounds, every run on speed. Returns every run made, per cell."""
     max_rounds = repeats if anchor is None else (max_rounds or MAX_ROUNDS_PER_REPEAT * repeats)
     runs: dict[tuple, list[dict]] = {k: [] for k in cells}
     before = anchor() if anchor else None
-    done = 0
+    done = off_in_a_row = 0
     for r in range(max_rounds):
         todo = [k for k in cells if sum(e["on_speed"] for e in runs[k]) < repeats]
-        if not todo:
+        if not todo or (give_up_after and off_in_a_row >= give_up_after):
             break
         for key in todo:
+            if give_up_after and off_in_a_row >= give_up_after:
+                break
             summary = run(key, cells[key], r, done, len(cells) * repeats)
             done += 1
             if anchor is None:
@@ -217,6 +221,7 @@ def engine_rounds(
             after = anchor()
             runs[key].append({**summary, "anchor_speed": anchor_speed(before, after, reference),
                               "on_speed": on_speed(before, after, reference)})  # fmt: skip
+            off_in_a_row = 0 if runs[key][-1]["on_speed"] else off_in_a_row + 1
             before = after
     return runs
 

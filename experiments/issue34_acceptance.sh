@@ -4,11 +4,12 @@
 # into $DOC (default docs/cluster.md) and the results to $OUT (default outputs/issue34).
 #   - A profile whose machine changed speed while it ran is taken again (up to 3 attempts;
 #     `cbjax.profile.anchor.steady`).
-#   - The calibration judges only engine runs made at the profile's machine speed. When a
-#     2-replica cell ends short of them (the machine moved away from the profile's speed and
-#     stayed there), that calibration measured nothing either way: the profile is taken again
-#     and the calibration run again, up to 2 calibrations. Every calibration's table is kept in
-#     $OUT (calibration_N.log, cluster_N.md); the document gets the last one's.
+#   - The calibration judges only engine runs made at the profile's machine speed, and stops
+#     once a whole round's worth of runs in a row were off it. When a 2-replica cell ends short
+#     of them (the machine moved away from the profile's speed and stayed there), that
+#     calibration measured nothing either way: the profile is taken again and the calibration
+#     run again, up to 3 calibrations. Every calibration's table is kept in $OUT
+#     (calibration_N.log, cluster_N.md); the document gets the last one's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/issue34}
@@ -21,7 +22,7 @@ short() {  # whether a 2-replica cell of the calibration ended short of its runs
 r = json.load(open(sys.argv[1]))
 sys.exit(0 if any(c['runs_judged'] < r['repeats'] for c in r['cells'] if not c['control']) else 1)" "$1"
 }
-for calibration in 1 2; do
+for calibration in 1 2 3; do
   for attempt in 1 2 3; do
     python -m cbjax.profile progress=false hydra.run.dir="$OUT/profile" 2>&1 | grep -v "\[INFO\]" \
       | tee "$OUT/profile_${calibration}_$attempt.log"
