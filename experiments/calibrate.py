@@ -212,6 +212,8 @@ def engine_rounds(
             break
         for key in todo:
             if give_up_after and off_in_a_row >= give_up_after:
+                print(f"{off_in_a_row} runs in a row off the profile's machine speed: the machine has moved; no more "
+                      "rounds (take a new profile)", flush=True)  # fmt: skip
                 break
             summary = run(key, cells[key], r, done, len(cells) * repeats)
             done += 1
@@ -286,7 +288,9 @@ def run_all(args, profile_path: str) -> dict:
               f"{elapsed / 60:.1f} min in", flush=True)  # fmt: skip
         return run_single(cfg, None, verbose=False)
 
-    runs = engine_rounds(cells, args.repeats, run, anchor, reference)
+    # two rounds' worth of runs in a row off the profile's speed: the machine has moved (a round
+    # of 4 short cells lasts seconds, one of this VM's spells)
+    runs = engine_rounds(cells, args.repeats, run, anchor, reference, give_up_after=2 * len(cells))
     engine = {k: [e for e in v if e["on_speed"]] for k, v in runs.items()}
     judged = [judge_cell(*k, sim[k], engine[k], repeats=args.repeats, runs=len(runs[k])) for k in cells]
     for cell, k in zip(judged, cells):
