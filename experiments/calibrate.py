@@ -199,21 +199,23 @@ def engine_rounds(
     after each; `reference`: its timing at the profile) each run gets its `anchor_speed` and
     `on_speed` (`cbjax.profile.anchor.on_speed`), and rounds go on, for the cells short of
     `repeats` runs on speed, up to `max_rounds` (default MAX_ROUNDS_PER_REPEAT x repeats), or
-    until `give_up_after` runs in a row were off speed: the machine has left the profile's speed,
-    and the runs left would measure another machine (a caller may take a new profile and start
-    again). Without an anchor, `repeats` rounds, every run on speed. Returns every run made, per cell."""
+    until the machine has moved (`moved`: the last `give_up_after` runs' median speed off the
+    profile's), when the runs left would measure another machine (a caller may take a new
+    profile and start again). Without an anchor, `repeats` rounds, every run on speed. Returns
+    every run made, per cell."""
     max_rounds = repeats if anchor is None else (max_rounds or MAX_ROUNDS_PER_REPEAT * repeats)
     runs: dict[tuple, list[dict]] = {k: [] for k in cells}
     before = anchor() if anchor else None
-    done = off_in_a_row = 0
+    done = 0
+    speeds: list[float] = []  # every run's anchor speed, in the order made
     for r in range(max_rounds):
         todo = [k for k in cells if sum(e["on_speed"] for e in runs[k]) < repeats]
-        if not todo or (give_up_after and off_in_a_row >= give_up_after):
+        if not todo or moved(speeds, give_up_after):
             break
         for key in todo:
-            if give_up_after and off_in_a_row >= give_up_after:
-                print(f"{off_in_a_row} runs in a row off the profile's machine speed: the machine has moved; no more "
-                      "rounds (take a new profile)", flush=True)  # fmt: skip
+            if moved(speeds, give_up_after):
+                print(f"the last {give_up_after} runs' median machine speed is {np.median(speeds[-give_up_after:]):.3f} "
+                      "of the profile's: the machine has moved; no more rounds (take a new profile)", flush=True)  # fmt: skip
                 break
             summary = run(key, cells[key], r, done, len(cells) * repeats)
             done += 1
@@ -223,9 +225,17 @@ def engine_rounds(
             after = anchor()
             runs[key].append({**summary, "anchor_speed": anchor_speed(before, after, reference),
                               "on_speed": on_speed(before, after, reference)})  # fmt: skip
-            off_in_a_row = 0 if runs[key][-1]["on_speed"] else off_in_a_row + 1
+            speeds.append(runs[key][-1]["anchor_speed"])
             before = after
     return runs
+
+
+def moved(speeds: list[float], last: Optional[int], tolerance: float = SPEED_TOLERANCE) -> bool:
+    """Whether the median of the `last` anchor speeds (run over the profile's) lies beyond
+    `tolerance` of 1: the machine has left the profile's speed, not just one timing (the anchor
+    itself spreads a few percent from one timing to the next). False while fewer runs were made,
+    or with no `last`."""
+    return bool(last) and len(speeds) >= last and abs(float(np.median(speeds[-last:])) - 1.0) > tolerance
 
 
 def ratio_rows(cells: list[dict], sim_tp: dict, engine_tp: dict) -> list[dict]:
@@ -288,8 +298,8 @@ def run_all(args, profile_path: str) -> dict:
               f"{elapsed / 60:.1f} min in", flush=True)  # fmt: skip
         return run_single(cfg, None, verbose=False)
 
-    # two rounds' worth of runs in a row off the profile's speed: the machine has moved (a round
-    # of 4 short cells lasts seconds, one of this VM's spells)
+    # the median speed of two rounds' worth of runs off the profile's: the machine has moved (a
+    # round of 4 short cells lasts seconds, one of this VM's spells)
     runs = engine_rounds(cells, args.repeats, run, anchor, reference, give_up_after=2 * len(cells))
     engine = {k: [e for e in v if e["on_speed"]] for k, v in runs.items()}
     judged = [judge_cell(*k, sim[k], engine[k], repeats=args.repeats, runs=len(runs[k])) for k in cells]

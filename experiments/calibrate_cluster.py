@@ -328,8 +328,8 @@ def run_all(args) -> dict:
               flush=True)  # fmt: skip
         return run_single(cfg, None, verbose=False)
 
-    # a whole round's worth of runs in a row off the profile's speed: the machine has moved, and
-    # issue34_acceptance.sh takes a new profile rather than waiting out the round cap
+    # the median speed of a whole round's worth of runs off the profile's: the machine has moved,
+    # and issue34_acceptance.sh takes a new profile rather than waiting out the round cap
     runs = engine_rounds(cells, args.repeats, run, anchor, reference, give_up_after=len(cells))
     engine = {k: [e for e in v if e["on_speed"]] for k, v in runs.items()}
     if fitting:

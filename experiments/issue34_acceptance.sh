@@ -5,7 +5,7 @@
 #   - A profile whose machine changed speed while it ran is taken again (up to 3 attempts;
 #     `cbjax.profile.anchor.steady`).
 #   - The calibration judges only engine runs made at the profile's machine speed, and stops
-#     once a whole round's worth of runs in a row were off it. When a 2-replica cell ends short
+#     once the median speed of a whole round's worth of runs is off it. When a 2-replica cell ends short
 #     of them (the machine moved away from the profile's speed and stayed there), that
 #     calibration measured nothing either way: the profile is taken again and the calibration
 #     run again, up to 3 calibrations. Every calibration's table is kept in $OUT
