@@ -210,12 +210,10 @@ def engine_rounds(
     speeds: list[float] = []  # every run's anchor speed, in the order made
     for r in range(max_rounds):
         todo = [k for k in cells if sum(e["on_speed"] for e in runs[k]) < repeats]
-        if not todo or moved(speeds, give_up_after):
+        if not todo:
             break
         for key in todo:
             if moved(speeds, give_up_after):
-                print(f"the last {give_up_after} runs' median machine speed is {np.median(speeds[-give_up_after:]):.3f} "
-                      "of the profile's: the machine has moved; no more rounds (take a new profile)", flush=True)  # fmt: skip
                 break
             summary = run(key, cells[key], r, done, len(cells) * repeats)
             done += 1
@@ -227,6 +225,11 @@ def engine_rounds(
                               "on_speed": on_speed(before, after, reference)})  # fmt: skip
             speeds.append(runs[key][-1]["anchor_speed"])
             before = after
+        else:  # every cell of the round ran
+            continue
+        print(f"the last {give_up_after} runs' median machine speed is {np.median(speeds[-give_up_after:]):.3f} "
+              "of the profile's: the machine has moved; no more rounds (take a new profile)", flush=True)  # fmt: skip
+        break
     return runs
 
 

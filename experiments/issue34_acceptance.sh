@@ -16,12 +16,7 @@ OUT=${OUT:-outputs/issue34}
 DOC=${DOC:-docs/cluster.md}
 mkdir -p "$OUT"
 start=$(date +%s)
-. experiments/acceptance_lib.sh  # steady
-short() {  # whether a 2-replica cell of the calibration ended short of its runs at the profile's speed
-  python -c "import json, sys
-r = json.load(open(sys.argv[1]))
-sys.exit(0 if any(c['runs_judged'] < r['repeats'] for c in r['cells'] if not c['control']) else 1)" "$1"
-}
+. experiments/acceptance_lib.sh  # steady, short
 for calibration in 1 2 3; do
   for attempt in 1 2 3; do
     python -m cbjax.profile progress=false hydra.run.dir="$OUT/profile" 2>&1 | grep -v "\[INFO\]" \

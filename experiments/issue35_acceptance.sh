@@ -17,18 +17,13 @@ mkdir -p "$OUT"
 start=$(date +%s)
 # SmolLM's shape first: its profile takes minutes, and the tiny profiles are best taken just
 # before their calibration, at the machine speed it will find (`cbjax.profile.anchor`)
-. experiments/acceptance_lib.sh  # steady
+. experiments/acceptance_lib.sh  # steady, short
 for attempt in 1 2; do  # a profile whose machine changed speed while it ran is taken again
   python -m cbjax.profile model=smollm_135m scheduler.max_num_seqs=8 scheduler.max_num_batched_tokens=256 progress=false \
     hydra.run.dir="$OUT/profile_smollm_135m" 2>&1 | grep -v "\[INFO\]" | tee "$OUT/profile_smollm_135m.log"
   if steady "$OUT/profile_smollm_135m/profile.json"; then break; fi
   echo "SmolLM profile, attempt $attempt: the machine changed speed while it ran"
 done
-short() {  # whether a cell of the calibration ended short of its runs at the profile's speed
-  python -c "import json, sys
-r = json.load(open(sys.argv[1]))
-sys.exit(0 if any(c['runs_judged'] < r['repeats'] for c in r['cells']) else 1)" "$1"
-}
 for slots in 16 32; do  # each slot count calibrated right after its profile
   for calibration in 1 2; do  # a calibration whose machine left the profile's speed: a new profile, once
     for attempt in 1 2 3; do  # a profile whose machine changed speed while it ran is taken again
