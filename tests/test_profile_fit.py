@@ -43,12 +43,13 @@ def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0) 
 
 
 # the loop's host time before a collect, by the launched plan (LAUNCH_TERMS' order)
-LAUNCH = (1.5e-4, 8e-6, 1.5e-3, 4e-5, 2e-7, 3e-6)
+LAUNCH = (1.5e-4, 8e-6, 1.5e-3, 4e-5, 2e-7, 3e-6, 1.6e-5)
 
 
 def with_launches(log: list[dict], seed: int) -> list[dict]:
     """`log`'s steps, each holding the launch of a next plan of 1-16 rows, none to all of them
-    prefills, in a run with the prefix cache on or off, timed exactly by LAUNCH (`host_s`). A step whose host time outlasts it is censored
+    prefills, in a run with the prefix cache on or off, after 0-3 requests left the batch,
+    timed exactly by LAUNCH (`host_s`). A step whose host time outlasts it is censored
     (its collect waited 1 us) and its share is that host time; the others' collect waited."""
     rng = np.random.default_rng(seed)
     out = []
@@ -57,11 +58,12 @@ def with_launches(log: list[dict], seed: int) -> list[dict]:
         prefills = int(rng.integers(0, rows + 1)) if rng.random() < 0.3 else 0
         tokens = rows - prefills + prefills * int(rng.integers(16, 257))
         cached = bool(rng.random() < 0.5)
+        left = int(rng.integers(0, 4))
         host = LAUNCH[0] + LAUNCH[1] * rows + (LAUNCH[2] + LAUNCH[3] * prefills if prefills else 0.0) + LAUNCH[4] * tokens
-        host += LAUNCH[5] * rows if cached else 0.0
+        host += (LAUNCH[5] * rows if cached else 0.0) + LAUNCH[6] * left
         step = s["measured_s"]
         out.append({**s, "next_rows": rows, "next_prefill_rows": prefills, "next_tokens": tokens, "host_s": host,
-                    "prefix_caching": cached,
+                    "prefix_caching": cached, "left": left,
                     "measured_s": max(step, host), "collect_wait_s": step - host if step > host else 1e-6})  # fmt: skip
     return out
 

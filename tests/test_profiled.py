@@ -502,6 +502,7 @@ def test_a_pipelined_step_records_the_loops_host_time_before_its_collect_by_hand
     assert [s.get("host_s") for s in steps] == [None, 1.0, None, None]
     step = steps[1]
     assert (step["next_rows"], step["next_prefill_rows"], step["next_tokens"], step["collect_wait_s"]) == (2, 1, 6, 0.5)
+    assert step["left"] == 1  # of step 2's two decodes, step 3 carries one on beside a new prefill
     assert not censored(step) and censored({**step, "collect_wait_s": 1e-6}) and not censored(steps[0])
 
 
@@ -542,6 +543,21 @@ def test_the_launch_terms_by_hand_and_a_long_launch_is_no_idle_loop(tmp_path):
     assert (cached.launch_s(decode), cached.launch_s(mixed)) == pytest.approx((0.141, 0.921))
     uncached = make_cost_model("profiled", MODEL, None, **cfgs)
     assert (uncached.launch_s(decode), uncached.launch_s(mixed)) == pytest.approx((0.111, 0.861))
+    # 0.05 a request the step in flight held and the plan does not carry on (launch_left_s): two
+    # decodes (0.1 + 0.02 + 0.002 = 0.122, nothing before them), then one of them beside the
+    # prefill, whose other decode left: 0.861 + 0.05 = 0.911. A plan the model did not cost in
+    # turn has no step in flight: 0.861.
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, launch_left_s=0.05, **launch)
+    cfgs = configs(write_profile(tmp_path / "l.json", coef, page_size=4, num_slots=4))
+    left = make_cost_model("profiled", MODEL, None, **cfgs)
+    d2 = Request("d2", 0.0, 5)
+    d2.num_computed, d2.num_new_tokens = 4, 1
+    two = make_plan(num_slots=4, decodes=[d, d2], page_size=4, start_s=0.0)
+    left(two)
+    assert left.launch_s(two) == pytest.approx(0.122)
+    left(mixed)
+    assert left.launch_s(mixed) == pytest.approx(0.911)
+    assert make_cost_model("profiled", MODEL, None, **cfgs).launch_s(mixed) == pytest.approx(0.861)
     # Pipelined, launch 4.0 for a prefill: step 1 (a decode, [0, 1]); step 2 (a prefill, bucket
     # 64: 7.0) planned at 0 while step 1 runs, which the launch holds until 4.0: step 2 runs
     # [4, 11]; step 3 (a decode), planned at 4.0 (step 1's collect), runs [11, 12]; step 4, planned
@@ -555,3 +571,13 @@ def test_the_launch_terms_by_hand_and_a_long_launch_is_no_idle_loop(tmp_path):
     assert cost(prefill) == pytest.approx(7.0)
     assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=4.0)) == pytest.approx(1.0)
     assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=11.0)) == pytest.approx(1.0)
+
+
+def test_rows_left_by_hand():
+    from cbjax.sim.profiled import rows_left
+
+    # 5 rows in flight; the plan carries on 3 (two decodes and a prefill's later chunk, context
+    # 16) beside a new prompt (context 0): 2 left. Never below 0.
+    assert rows_left(5, [(1, 10, True), (1, 20, True), (30, 0, False), (8, 16, False)]) == 2
+    assert rows_left(1, [(1, 5, True), (1, 6, True)]) == 0
+    assert rows_left(0, []) == 0

@@ -150,7 +150,8 @@ def fit_profile(
         step = predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
         if "host_s" in s:  # pipelined: collected only after the loop launched the next step
             host = launch_cost(
-                coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False)
+                coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False),
+                s.get("left", 0),
             )  # fmt: skip
             s["launch_predicted_s"] = float(host)
             step = max(step, host)

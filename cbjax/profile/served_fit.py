@@ -153,14 +153,17 @@ def censored(point: dict) -> bool:
 
 def fit_launch(served: list[dict], weighting: str = "absolute") -> dict[str, float]:
     """The LAUNCH_TERMS, fitted on the served steps that recorded the loop's host time before
-    their collect (`host_s`, `served_points`), over the plan launched in it (`launch_features`).
+    their collect (`host_s`, `served_points`), over the plan launched in it and the requests of
+    the step in flight it does not carry on (`launch_features`; a profile recorded before `left`
+    fits that term 0).
     Non-negative least squares weighted by `weighting` (`fit_weighted`); steps held out, after an idle loop, or with a stall (HOST_STALL) are left out. None: all 0."""
     check_weighting(weighting)
     points = [s for s in served if s.get("host_s", 0.0) > 0 and not s.get("idle") and not s.get("held_out")]
     if not points:
         return dict.fromkeys(LAUNCH_TERMS, 0.0)
     x = np.array([
-        launch_features(s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False))
+        launch_features(s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False),
+                        s.get("left", 0))
         for s in points
     ])  # fmt: skip
     y = np.array([s["host_s"] for s in points])

@@ -20,7 +20,7 @@ from cbjax.profile.anchor import anchor_record, anchor_spec, time_anchor
 from cbjax.request import Request
 from cbjax.profile.residuals import regime_of
 from cbjax.layout.shapes import ShapePlan
-from cbjax.sim.profiled import COLD_TERMS, step_features, steps_since_larger
+from cbjax.sim.profiled import COLD_TERMS, rows_left, step_features, steps_since_larger
 
 # Poisson runs at these shares of the saturated request rate: light, medium and heavy load.
 POISSON_SHARES = (0.3, 0.6, 0.9)
@@ -197,7 +197,8 @@ def served_points(
     is the longer of its device time and that host time. Where the step was launched while its
     predecessor was in flight and the next one while it was, the point records the host time
     (`host_s`, from its share's start to the next launch's return), the next plan's rows,
-    prefill rows and tokens (`next_rows`, `next_prefill_rows`, `next_tokens`: `served_fit.fit_launch`'s
+    prefill rows and tokens (`next_rows`, `next_prefill_rows`, `next_tokens`) and how many of its
+    requests the next plan does not carry on (`left`, `rows_left`): `served_fit.fit_launch`'s
     features) and how long the collect then waited (`collect_wait_s`: about nothing when the
     host time set the share, `served_fit.censored`)."""
     steps = []
@@ -223,6 +224,7 @@ def served_points(
             nxt = steps[i + 1]
             steps[i].update({
                 "next_rows": nxt["rows"], "next_prefill_rows": nxt["prefill_rows"], "next_tokens": nxt["tokens"],
+                "left": rows_left(steps[i]["rows"], timed.rows[i + 1]),
                 "host_s": timed.launched[i + 1] - starts[i], "collect_wait_s": timed.end[i] - timed.launched[i + 1],
             })  # fmt: skip
     gaps = [

@@ -26,6 +26,9 @@ the native decode pass is charged per group), plus its swap copies:
              + launch_prefill_seq_s * prefill rows + launch_token_s * tokens
              + launch_cached_seq_s * rows  (with the prefix cache on: its work per row, matching
                and registering pages, hashing the known ones)
+             + launch_left_s * left  (`rows_left`: the requests of the step in flight this plan
+               does not carry on, finished or preempted; their retirement, pages freed and
+               finish reported, falls in the same host time)
              (`launch_s`: the pipelined loop's host time from
              collecting a step to launching this one (commit, plan, pack, dispatch); the step in
              flight is collected only after it, so it ends no earlier than that:
@@ -74,9 +77,11 @@ SERVE_TERMS = ("bucket_scale",)
 COLD_TERMS = ("cold_s", "cold2_s", "cold3_s", "cold4_s")
 # The pipelined loop's host time before it can collect the step in flight, from the plan it
 # launches: fixed, per row, once for a plan with any prefill (its packing path: prompt rows,
-# their pages and tiles), per prefill row, per token, and per row again with the prefix cache on.
+# their pages and tiles), per prefill row, per token, per row again with the prefix cache on, and
+# per request of the step in flight the plan does not carry on (`rows_left`).
 LAUNCH_TERMS = (
     "launch_iter_s", "launch_seq_s", "launch_prefill_s", "launch_prefill_seq_s", "launch_token_s", "launch_cached_seq_s",
+    "launch_left_s",
 )  # fmt: skip
 # absent from profiles made before the terms: charged 0
 OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s",) + LAUNCH_TERMS, 0.0)
@@ -218,9 +223,13 @@ class ProfiledCost:
         # (plan, its launch_s) as `__call__` last computed it: the pipelined SimExecutor asks for
         # the same plan's launch right after, and the rows are walked once a step, not twice
         self._launch: tuple[Optional[Schedule], float] = (None, 0.0)
+        self._rows_before = 0  # rows of the plan `__call__` was last given: the step in flight
+        self._left: tuple[Optional[Schedule], int] = (None, 0)  # (plan, its `rows_left`) from `__call__`
 
     def __call__(self, plan: Schedule) -> float:
         rows = plan.cost_rows()
+        self._left = (plan, rows_left(self._rows_before, rows))
+        self._rows_before = len(rows)
         bucket, x = step_features(rows, self.shapes, self.native)
         t = self.loop_s + self.loop_seq_s * plan.num_scheduled + predict(self.coefficients, bucket, x)
         pages = plan.num_swapped_pages
@@ -250,7 +259,8 @@ class ProfiledCost:
         for n, _, decode in rows:
             tokens += n
             prefills += not decode
-        launch = launch_cost(self.coefficients, len(rows), prefills, tokens, self.prefix_caching)
+        last, left = self._left
+        launch = launch_cost(self.coefficients, len(rows), prefills, tokens, self.prefix_caching, left if last is plan else 0)
         self._launch = (plan, launch)
         return launch
 
@@ -275,18 +285,31 @@ def fixed_cost(coefficients: dict, bucket: int) -> float:
     return coefficients["bucket_scale"] * bucket_intercept(coefficients["bucket_s"], bucket)
 
 
-def launch_features(rows: int, prefill_rows: int, tokens: int, prefix_caching: bool = False) -> list[float]:
+def launch_features(
+    rows: int, prefill_rows: int, tokens: int, prefix_caching: bool = False, left: int = 0
+) -> list[float]:
     """The LAUNCH_TERMS' multipliers for launching a plan of `rows` rows, `prefill_rows` of them
-    prefills (not decodes), and `tokens` tokens, in a run with the prefix cache on or off (see
-    the module docstring)."""
+    prefills (not decodes), and `tokens` tokens, in a run with the prefix cache on or off, after
+    a step `left` of whose requests the plan does not carry on (`rows_left`; see the module docstring)."""
     cached_rows = float(rows) if prefix_caching else 0.0
-    return [1.0, float(rows), float(prefill_rows > 0), float(prefill_rows), float(tokens), cached_rows]
+    return [1.0, float(rows), float(prefill_rows > 0), float(prefill_rows), float(tokens), cached_rows, float(left)]
 
 
-def launch_cost(coefficients: dict, rows: int, prefill_rows: int, tokens: int, prefix_caching: bool = False) -> float:
+def rows_left(rows_before: int, rows: Sequence[tuple[int, int, bool]]) -> int:
+    """How many of the `rows_before` requests of the step in flight a plan of `rows`
+    ((num_new_tokens, num_context_tokens, decode), `Schedule.cost_rows`) does not carry on: the
+    step's rows less the plan's rows that continue a request, those with context already
+    computed (a decode, or a prefill's later chunk). A new request's prefill starts at context 0;
+    one behind a cached prefix, or swapped back in, counts as carried on (an undercount)."""
+    return max(0, rows_before - sum(1 for _, context, _ in rows if context > 0))
+
+
+def launch_cost(
+    coefficients: dict, rows: int, prefill_rows: int, tokens: int, prefix_caching: bool = False, left: int = 0
+) -> float:
     """The LAUNCH_TERMS' host time for launching that plan (`launch_features`; a term a profile
     lacks is 0)."""
-    features = launch_features(rows, prefill_rows, tokens, prefix_caching)
+    features = launch_features(rows, prefill_rows, tokens, prefix_caching, left)
     return sum(coefficients.get(k, 0.0) * f for k, f in zip(LAUNCH_TERMS, features))
 
 
