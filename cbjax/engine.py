@@ -435,13 +435,15 @@ class EngineLoop:
         collected the one before) it commits, plans and launches for `launch_s` of host time
         (`StepOutput.launch_s`), so the step in flight ends no earlier than that. The longer of
         the two sets its end, as on the engine, where a small step is over before the host is
-        and a prefill's packing outlasts a decode step."""
+        and a prefill's packing outlasts a decode step. Either way this step's device work
+        starts no earlier than its launch returns: with nothing in flight (the first step, or
+        the first after an idle loop) nothing hides that host time, and the step begins after it."""
         out = self.executor.execute(plan)
         if out.launch_s and self._inflight is not None:
             prev = self._inflight[1]
             prev.end = max(prev.end, start + out.launch_s)
             self._virtual_end = max(self._virtual_end, prev.end)
-        begin = max(start, self._virtual_end)
+        begin = max(start + out.launch_s, self._virtual_end)
         self._virtual_end = begin + out.duration_s
         return _VirtualLaunch(out, begin, self._virtual_end)
 

@@ -286,15 +286,22 @@ def test_a_pipelined_simulator_plans_a_step_ahead_as_the_engine_does_by_hand(pip
     assert (b.first_token_s, b.finish_s) == (2.0 + lag, 4.0 + lag)
 
 
-@pytest.mark.parametrize("launch, a_end, b_first, b_end", [(0.5, 3.0, 3.0, 5.0), (1.5, 3.5, 3.5, 5.5)])
-def test_a_pipelined_launch_delays_the_step_in_flight_only_if_it_outlasts_it_by_hand(launch, a_end, b_first, b_end):
+@pytest.mark.parametrize(
+    "launch, a_first, a_end, b_scheduled, b_first, b_end", [(0.5, 1.5, 3.5, 1.5, 3.5, 5.5), (1.5, 2.5, 5.0, 2.5, 5.0, 7.0)]
+)
+def test_a_pipelined_launch_delays_the_step_in_flight_only_if_it_outlasts_it_by_hand(
+    launch, a_first, a_end, b_scheduled, b_first, b_end
+):
     # As above, pipelined, every step 1 s, but the loop's host time before it can collect the
     # step in flight, when it launches a plan holding a prefill, is `launch` from where it
-    # collected the last step. Step 1 (a's prefill, launched with nothing in flight) runs [0, 1].
-    # Step 2 (a's decode, planned at 0) runs [1, 2]. Step 3 (b's prefill and a's last decode) is
-    # planned at 1 while step 2 runs: step 2 is collected at max(2, 1 + launch), and step 3 runs
-    # from there. launch 0.5 hides behind step 2 (collected at 2; step 3 [2, 3], steps 4 and 5 b's
-    # decodes [3, 4], [4, 5]); launch 1.5 outlasts it (collected at 2.5; step 3 [2.5, 3.5] ...).
+    # collected the last step; a step's device work starts no earlier than its own launch ends.
+    # Step 1 (a's prefill) is launched at 0 with nothing in flight: it runs [L, L + 1] (L the
+    # launch). Step 2 (a's decode, planned at 0, no launch time) runs [L + 1, L + 2]. Step 3 (b's
+    # prefill and a's last decode) is planned at L + 1, where step 1 was collected, while step 2
+    # runs: step 2 is collected at max(L + 2, 2L + 1) and step 3 runs from there, then b's two
+    # decodes. L = 0.5 hides behind step 2 (collected at 2.5; step 3 [2.5, 3.5], b's decodes
+    # [3.5, 4.5], [4.5, 5.5]); L = 1.5 outlasts it (step 1 [1.5, 2.5], step 2 collected at 4.0,
+    # step 3 [4, 5], b's decodes [5, 6], [6, 7]).
     class Cost:
         def __call__(self, plan):
             return 1.0
@@ -304,8 +311,8 @@ def test_a_pipelined_launch_delays_the_step_in_flight_only_if_it_outlasts_it_by_
 
     a, b = _timed("a", 0.0), _timed("b", 0.5)
     serve([a, b], scheduler(slots=2), SimExecutor(Cost(), pipelined=True))
-    assert (a.first_token_s, a.finish_s) == (1.0, a_end)
-    assert (b.scheduled_s, b.first_token_s, b.finish_s) == (1.0, b_first, b_end)
+    assert (a.first_token_s, a.finish_s) == (a_first, a_end)
+    assert (b.scheduled_s, b.first_token_s, b.finish_s) == (b_scheduled, b_first, b_end)
     # one step at a time, nothing is in flight at a launch: the launch time is not charged
     a, b = _timed("a", 0.0), _timed("b", 0.5)
     serve([a, b], scheduler(slots=2), SimExecutor(Cost(), pipelined=False))

@@ -581,3 +581,23 @@ def test_rows_left_by_hand():
     assert rows_left(5, [(1, 10, True), (1, 20, True), (30, 0, False), (8, 16, False)]) == 2
     assert rows_left(1, [(1, 5, True), (1, 6, True)]) == 0
     assert rows_left(0, []) == 0
+
+
+def test_a_launch_with_nothing_in_flight_moves_the_models_clock_by_hand(tmp_path):
+    # launch_prefill_s 4.0 (0.25 a prefill row), a prefill costs 7.0 (bucket 64), a decode 1.0;
+    # wake_s 0.5 over 1 s. The first plan, a prefill at 0, has nothing in flight: the loop starts
+    # its step after its launch (4.25), so it ends at 11.25, not 7.0. A decode planned at 11.25
+    # is then no idle loop (no wake). A prefill planned at 13.25 followed a 1 s idle (wake 0.5)
+    # and retires nothing at its launch, though the decode's request is not in it: the step
+    # before was collected already (launch_left_s, 100 a request, not charged).
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, wake_ramp_s=1.0, launch_prefill_s=4.0,
+                             launch_prefill_seq_s=0.25, launch_left_s=100.0)  # fmt: skip
+    cfgs = configs(write_profile(tmp_path / "w.json", coef, page_size=4, num_slots=4))
+    d, p = decode_and_prefill()
+    cost = make_cost_model("profiled", MODEL, None, **cfgs)
+    prefill = make_plan(num_slots=4, prefills=[p], page_size=4, start_s=0.0)
+    assert (cost(prefill), cost.launch_s(prefill)) == pytest.approx((7.0, 4.25))
+    decode = make_plan(num_slots=4, decodes=[d], page_size=4, start_s=11.25)
+    assert (cost(decode), cost.launch_s(decode)) == pytest.approx((1.0, 0.0))
+    later = make_plan(num_slots=4, prefills=[p], page_size=4, start_s=13.25)  # 1 s after 12.25
+    assert (cost(later), cost.launch_s(later)) == pytest.approx((7.5, 4.25))

@@ -34,7 +34,8 @@ the native decode pass is charged per group), plus its swap copies:
              flight is collected only after it, so it ends no earlier than that:
              `cbjax.engine.EngineLoop._launch_virtual`. A tiny model's decode step on a CPU is
              over before the host is: its share of the wall clock is this host time, and a
-             prefill in the next plan lengthens it)
+             prefill in the next plan lengthens it. With nothing in flight, the first step and
+             the first after an idle loop, the step itself starts after its own launch)
 
 The step terms are fitted on the grid's steps, which reach long contexts and large prefills;
 the fixed costs (and, when asked, the cold terms) on the iterations the profile serves through
@@ -224,18 +225,21 @@ class ProfiledCost:
         # the same plan's launch right after, and the rows are walked once a step, not twice
         self._launch: tuple[Optional[Schedule], float] = (None, 0.0)
         self._rows_before = 0  # rows of the plan `__call__` was last given: the step in flight
+        self._alone: Optional[Schedule] = None  # the last plan, if nothing was in flight at its launch
         self._left: tuple[Optional[Schedule], int] = (None, 0)  # (plan, its `rows_left`) from `__call__`
 
     def __call__(self, plan: Schedule) -> float:
         rows = plan.cost_rows()
-        self._left = (plan, rows_left(self._rows_before, rows))
+        overlaps = self._last_end is not None and plan.start_s < self._last_end  # planned while the last step runs
+        # a launch with nothing in flight retires nothing: the step before was collected already
+        self._left = (plan, rows_left(self._rows_before, rows) if overlaps else 0)
         self._rows_before = len(rows)
         bucket, x = step_features(rows, self.shapes, self.native)
         t = self.loop_s + self.loop_seq_s * plan.num_scheduled + predict(self.coefficients, bucket, x)
         pages = plan.num_swapped_pages
         if pages:
             t += self.swap_iter_s + self.swap_page_s * pages
-        if self._last_end is not None and plan.start_s < self._last_end:
+        if overlaps:
             # planned while the last step runs (pipelined): that step ends no earlier than this
             # launch's host time (`launch_s`, `cbjax.engine.EngineLoop._launch_virtual`), so
             # the clock here follows the loop's and a later plan is not mistaken for an idle one
@@ -246,13 +250,22 @@ class ProfiledCost:
         self._recent.appendleft(bucket)
         # a pipelined loop plans a step while the previous one runs: it starts when that one ends
         self._last_end = max(plan.start_s, self._last_end if self._last_end is not None else plan.start_s) + t
+        self._alone = plan if not overlaps else None
         return t
 
     def launch_s(self, plan: Schedule) -> float:
-        """The loop's host time from collecting a step to launching `plan`'s (pure): the step in
-        flight ends no earlier (`cbjax.engine.EngineLoop._launch_virtual`)."""
+        """The loop's host time from collecting a step to launching `plan`'s: the step in flight
+        ends no earlier, and `plan`'s own step starts no earlier
+        (`cbjax.engine.EngineLoop._launch_virtual`). A pipelined executor asks once per plan,
+        right after its cost: for a plan launched with nothing in flight, that moves this
+        model's clock on by the launch, as the loop's step begins after it."""
         last, launch = self._launch
-        return launch if last is plan else self._launch_of(plan, plan.cost_rows())
+        if last is not plan:
+            launch = self._launch_of(plan, plan.cost_rows())
+        if self._alone is plan:
+            self._alone = None
+            self._last_end += launch
+        return launch
 
     def _launch_of(self, plan: Schedule, rows: Sequence[tuple[int, int, bool]]) -> float:
         tokens = prefills = 0
