@@ -74,6 +74,9 @@ POLICIES = ("fcfs", "static", "sjf")
 # workload -> (regime, closed loop, fraction of the saturated request rate; None: all at t=0)
 WORKLOADS = {
     "burst": ("burst", True, None),
+    # nearly every request meets an idle engine: its first step is launched with nothing in
+    # flight (`--cells all --workloads poisson_5`; not an acceptance cell)
+    "poisson_5": ("light", False, 0.05),
     "poisson_30": ("light", False, 0.3),
     "poisson_60": ("medium", False, 0.6),
     "poisson_90": ("heavy", False, 0.9),
