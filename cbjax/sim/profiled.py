@@ -226,13 +226,14 @@ class ProfiledCost:
         self._launch: tuple[Optional[Schedule], float] = (None, 0.0)
         self._rows_before = 0  # rows of the plan `__call__` was last given: the step in flight
         self._alone: Optional[Schedule] = None  # the last plan, if nothing was in flight at its launch
-        self._left: tuple[Optional[Schedule], int] = (None, 0)  # (plan, its `rows_left`) from `__call__`
+        # (plan, the rows of the step in flight at its launch: 0 with none) from `__call__`, for `rows_left`
+        self._in_flight: tuple[Optional[Schedule], int] = (None, 0)
 
     def __call__(self, plan: Schedule) -> float:
         rows = plan.cost_rows()
         overlaps = self._last_end is not None and plan.start_s < self._last_end  # planned while the last step runs
         # a launch with nothing in flight retires nothing: the step before was collected already
-        self._left = (plan, rows_left(self._rows_before, rows) if overlaps else 0)
+        self._in_flight = (plan, self._rows_before if overlaps else 0)
         self._rows_before = len(rows)
         bucket, x = step_features(rows, self.shapes, self.native)
         t = self.loop_s + self.loop_seq_s * plan.num_scheduled + predict(self.coefficients, bucket, x)
@@ -268,12 +269,14 @@ class ProfiledCost:
         return launch
 
     def _launch_of(self, plan: Schedule, rows: Sequence[tuple[int, int, bool]]) -> float:
-        tokens = prefills = 0
-        for n, _, decode in rows:
+        tokens = prefills = carried = 0
+        for n, context, decode in rows:  # one walk: the launch terms and `rows_left`'s count
             tokens += n
             prefills += not decode
-        last, left = self._left
-        launch = launch_cost(self.coefficients, len(rows), prefills, tokens, self.prefix_caching, left if last is plan else 0)
+            carried += context > 0
+        last, in_flight = self._in_flight
+        left = max(0, in_flight - carried) if last is plan else 0
+        launch = launch_cost(self.coefficients, len(rows), prefills, tokens, self.prefix_caching, left)
         self._launch = (plan, launch)
         return launch
 
