@@ -337,7 +337,7 @@ class EngineLoop:
         if self.pipelined:
             launched = self._launch_virtual(plan, start) if self.virtual else self.executor.launch(plan)
             if self._inflight is not None:
-                self._land()
+                self._land(covered=True)
             t_post = time.perf_counter()
             sched.advance(plan, self.now() if virtual else self._clock() - self._t0)
             stats.postprocess_s += time.perf_counter() - t_post
@@ -447,12 +447,19 @@ class EngineLoop:
         self._virtual_end = begin + out.duration_s
         return _VirtualLaunch(out, begin, self._virtual_end)
 
-    def _land(self) -> None:
-        """Pipelined: read the step in flight's tokens and commit them."""
+    def _land(self, covered: bool = False) -> None:
+        """Pipelined: read the step in flight's tokens and commit them. `covered`: the next step
+        was launched first. On a virtual clock a step collected with nothing launched behind it
+        ends at its `StepOutput.drain_s` share: its duration holds the next launch's host time
+        it would hide (a tiny model's decode is over long before the host is), and on the engine
+        the loop instead collects it as soon as its device work is done."""
         plan, launched, batched, iteration, requests = self._inflight
         self._inflight = None
         if self.virtual:
             out = launched.out
+            if not covered and out.drain_s is not None:
+                launched.end = min(launched.end, launched.begin + out.drain_s)
+                self._virtual_end = launched.end  # nothing was launched after it
             self._now = now = max(self._now, launched.end)
             self.stats.busy_s += launched.end - launched.begin
             self.last_end = now

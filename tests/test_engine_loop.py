@@ -319,6 +319,30 @@ def test_a_pipelined_launch_delays_the_step_in_flight_only_if_it_outlasts_it_by_
     assert (a.first_token_s, a.finish_s, b.first_token_s, b.finish_s) == (1.0, 3.0, 2.0, 4.0)
 
 
+@pytest.mark.parametrize("drain, a_end, b_first, b_end", [(None, 3.0, 4.0, 5.0), (0.25, 2.25, 3.5, 3.75),
+                                                         (5.0, 3.0, 4.0, 5.0)])  # fmt: skip
+def test_a_step_collected_with_nothing_behind_it_ends_at_its_drain_by_hand(drain, a_end, b_first, b_end):
+    # Pipelined, every step 1 s, no launch time. a's prefill runs [0, 1], its decodes [1, 2] and
+    # [2, 3]; its last decode is collected with nothing launched behind it, so it ends at its
+    # drain, 2 + 0.25 (never later than its duration: a drain of 5 leaves it at 3). b arrives at
+    # 2.5: its prefill is planned at the later of that and a's end, and runs a second; its decode
+    # runs the next second, drained too. Without a drain (None) a's end stays at 3: b's prefill
+    # waits for it.
+    class Cost:
+        def __call__(self, plan):
+            return 1.0
+
+        def launch_s(self, plan):
+            return 0.0
+
+    if drain is not None:
+        Cost.drain_s = lambda self, plan: drain
+    a, b = _timed("a", 0.0), _timed("b", 2.5, out=2)
+    serve([a, b], scheduler(slots=2), SimExecutor(Cost(), pipelined=True))
+    assert (a.first_token_s, a.finish_s) == (1.0, a_end)
+    assert (b.first_token_s, b.finish_s) == (b_first, b_end)
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_step_hands_its_tokens_off_before_the_loop_plans_on(pipelined):
     # steps alone, no boundary between them: each step's token is followed by a tick at once

@@ -13,7 +13,7 @@ from cbjax.config import ModelConfig, RunConfig
 from cbjax.profile.refit import main as refit_main
 from cbjax.profile.refit import refit
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.served_fit import censored, fit_launch, fit_served
+from cbjax.profile.served_fit import censored, fit_drain, fit_launch, fit_served
 from cbjax.profile.serving import anchor_rounds, held_out_round, serving_round_count, serving_runs
 from cbjax.sim.fit import fit_costs
 from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS
@@ -118,6 +118,43 @@ def test_a_step_whose_share_a_prefill_launch_set_stays_out_of_the_step_fit():
     coef = fit_served(served, FIXED, GRID, fit_cold=True, served_terms=True, weighting="absolute")
     assert coef["served_bucket_s"] == {str(b): pytest.approx(v, rel=1e-6) for b, v in FIXED.items()}
     assert coef["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
+
+
+def test_uncovered_steps_stay_out_of_the_step_fit_and_an_alone_steps_launch_comes_off_it():
+    # A step collected with nothing launched behind it takes the device's remainder alone (10 us
+    # here): fitted as a served step it would pull its bucket's intercept down. A step launched
+    # with nothing in flight holds its own launch (launch_iter_s, 2 ms, and 0.1 ms a row): taken
+    # off, the truth comes back exactly; left on, it raises the intercepts.
+    launch = {**dict.fromkeys(LAUNCH_TERMS, 0.0), "launch_iter_s": 2e-3, "launch_seq_s": 1e-4}
+    log = synthetic_log(200, seed=8)
+    uncovered = [{**s, "measured_s": 1e-5, "uncovered": True} for s in log[:20]]
+    alone = [{**s, "alone": True, "rows": int(s["features"][1]), "prefill_rows": 0, "tokens": int(s["features"][1]),
+              "measured_s": s["measured_s"] + 2e-3 + 1e-4 * s["features"][1]} for s in log[20:60]]  # fmt: skip
+    served = log[60:] + uncovered + alone
+    for weighting in ("absolute", "mean_relative"):
+        coef = fit_served(served, FIXED, GRID, fit_cold=True, served_terms=True, weighting=weighting, launch=launch)
+        assert coef["served_bucket_s"] == {str(b): pytest.approx(v, rel=1e-6) for b, v in FIXED.items()}
+        assert coef["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
+    coef = fit_served(served, FIXED, GRID, fit_cold=True, served_terms=True, weighting="absolute")
+    assert coef["served_bucket_s"]["4"] > 1.1 * FIXED[4]
+
+
+def test_drain_fit_by_hand():
+    # Shares of steps collected with nothing launched behind them: 20 and 40 us, and 530 us for
+    # one launched with nothing in flight too, whose own launch (launch_iter_s 500 us) comes off:
+    # 30 us. Summed time: their mean, 30 us; without the third, mean relative error zero: their
+    # harmonic mean, 2 / (1/20 + 1/40) = 26.67 us. Held out, after an idle loop, or covered: not
+    # fitted. None: no drain (the simulator then charges such a step its whole cost).
+    launch = {**dict.fromkeys(LAUNCH_TERMS, 0.0), "launch_iter_s": 5e-4}
+
+    def point(t, **kw):
+        return {"measured_s": t, "uncovered": True, "rows": 1, "prefill_rows": 0, "tokens": 1, **kw}
+
+    noise = [point(1.0, held_out=True), point(1.0, idle=True), point(1.0, uncovered=False)]
+    pair = [point(2e-5), point(4e-5)]
+    assert fit_drain(pair + [point(5.3e-4, alone=True)] + noise, launch, "absolute")["drain_s"] == pytest.approx(3e-5)
+    assert fit_drain(pair + noise, launch, "mean_relative")["drain_s"] == pytest.approx(2 / (1 / 2e-5 + 1 / 4e-5))
+    assert fit_drain(noise, launch) == {}
 
 
 def test_held_out_steps_do_not_enter_the_fit():
@@ -225,3 +262,31 @@ def test_refit_from_a_recorded_profile(tmp_path):
     assert json.loads((tmp_path / "refit.json").read_text())["served_weighting"] == "mean_relative"  # the profile's default
     with pytest.raises(ValueError, match="gaps"):
         refit({k: v for k, v in profile.items() if k != "gaps"}, True, True, "mean_relative")
+
+
+def test_the_residual_table_predicts_a_share_as_the_simulator_charges_it():
+    # Fitted round: steps timed by the truth, each with a next launch timed by LAUNCH, and ten
+    # collected with nothing launched behind them, 30 us each. Held-out round, the same truth:
+    # steps launched with nothing in flight take their own launch more (a decode plan of their
+    # rows and tokens: LAUNCH's fixed, per-row and per-token terms), and steps collected with
+    # nothing behind them 30 us.
+    # Predicted as the simulator charges them, the held-out round has no error.
+    def decode_plan(s):
+        return {**s, "rows": int(s["features"][1]), "prefill_rows": 0, "tokens": int(s["features"][1])}
+
+    fitted = [s for s in with_launches(synthetic_log(200, seed=9), seed=10) if not censored(s)]
+    fitted += [{**s, "measured_s": 3e-5, "uncovered": True} for s in synthetic_log(10, seed=11)]
+    held = [decode_plan(s) for s in synthetic_log(60, seed=12)]
+    for s in held[:20]:
+        s.update(alone=True, measured_s=s["measured_s"] + LAUNCH[0] + (LAUNCH[1] + LAUNCH[4]) * s["rows"])
+    for s in held[20:40]:
+        s.update(uncovered=True, measured_s=3e-5)
+    served = [{**s, "round": 0, "held_out": False} for s in fitted] + [{**s, "round": 1, "held_out": True} for s in held]
+    grid_step = {"kind": "decode", "bucket": 4, "features": [1.0, 4, 0, 0, 0, 0, 8, 0, 4], "measured_s": 2e-3}
+    profile = {"steps": [grid_step], "swaps": [], "served": served, "gaps": [], "coefficients": {
+        "bucket_s": {str(b): v for b, v in FIXED.items()}}, "wake": {"wake_s": 1e-4, "wake_ramp_s": 1e-2}}  # fmt: skip
+    out = refit(profile, fit_cold=True, served_terms=True, served_weighting="mean_relative")
+    assert out["coefficients"]["drain_s"] == pytest.approx(3e-5)
+    light = out["residuals"]["by_regime"]["regimes"]["light"]
+    assert light["num_steps"] == 60
+    assert abs(light["mean_signed_error"]) < 1e-6 and abs(light["total_signed_error"]) < 1e-6

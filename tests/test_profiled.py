@@ -504,6 +504,10 @@ def test_a_pipelined_step_records_the_loops_host_time_before_its_collect_by_hand
     assert (step["next_rows"], step["next_prefill_rows"], step["next_tokens"], step["collect_wait_s"]) == (2, 1, 6, 0.5)
     assert step["left"] == 1  # of step 2's two decodes, step 3 carries one on beside a new prefill
     assert not censored(step) and censored({**step, "collect_wait_s": 1e-6}) and not censored(steps[0])
+    # launched with nothing in flight: step 1 (the first) and step 4 (after step 3's collect);
+    # collected with nothing launched behind it: step 3 (step 4 came after its end) and step 4 (the last)
+    assert [s["alone"] for s in steps] == [True, False, False, True]
+    assert [s["uncovered"] for s in steps] == [False, False, True, True]
 
 
 def test_a_step_planned_while_the_previous_runs_pays_no_wake_by_hand(tmp_path):
@@ -601,3 +605,65 @@ def test_a_launch_with_nothing_in_flight_moves_the_models_clock_by_hand(tmp_path
     assert (cost(decode), cost.launch_s(decode)) == pytest.approx((1.0, 0.0))
     later = make_plan(num_slots=4, prefills=[p], page_size=4, start_s=13.25)  # 1 s after 12.25
     assert (cost(later), cost.launch_s(later)) == pytest.approx((7.5, 4.25))
+
+
+def test_a_step_collected_with_nothing_behind_it_drains_and_the_next_plan_meets_an_idle_loop_by_hand(tmp_path):
+    # drain_s 0.25: a pipelined executor asks each plan's drain right after its cost. Decode 1 at
+    # 0 costs 1.0 (bucket 4); decode 2, planned at 0 while it runs, begins at 1.0 and ends at 2.0,
+    # or at 1.25 if collected with nothing behind it. A prefill (7.0) planned at 2.25 comes after
+    # that drained end: the loop idled 1 s (wake 0.5 x min(1, 1 / 1)) and the step before was
+    # collected already, so the decode's request, not in the prefill, retires at no launch
+    # (launch_left_s, 100 a request, not charged). The drain is never above the plan's cost.
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, wake_ramp_s=1.0, launch_left_s=100.0, drain_s=0.25)
+    cfgs = configs(write_profile(tmp_path / "d.json", coef, page_size=4, num_slots=4))
+    d, p = decode_and_prefill()
+
+    def decode(start_s):
+        return make_plan(num_slots=4, decodes=[d], page_size=4, start_s=start_s)
+
+    def prefill(start_s):
+        return make_plan(num_slots=4, prefills=[p], page_size=4, start_s=start_s)
+
+    def run(cost, plans):
+        out = []
+        for plan in plans:
+            t = cost(plan)
+            out += [t, cost.drain_s(plan), cost.launch_s(plan)]
+        return out
+
+    cost = make_cost_model("profiled", MODEL, None, **cfgs)
+    assert run(cost, [decode(0.0), decode(0.0), prefill(2.25)]) == pytest.approx(
+        [1.0, 0.25, 0.0, 1.0, 0.25, 0.0, 7.5, 0.25, 0.0]
+    )
+    # the prefill planned at 1.0 (decode 1's collect) while decode 2 runs: no idle loop, and the
+    # decode's request retires at its launch
+    cost = make_cost_model("profiled", MODEL, None, **cfgs)
+    assert run(cost, [decode(0.0), decode(0.0), prefill(1.0)]) == pytest.approx(
+        [1.0, 0.25, 0.0, 1.0, 0.25, 0.0, 7.0, 0.25, 100.0]
+    )
+    # a profile without drain_s: the step ends at 2.0, so a plan at 2.25 follows a 0.25 s idle
+    coef.pop("drain_s")
+    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "n.json", coef, page_size=4,
+                                                                             num_slots=4)))  # fmt: skip
+    assert run(cost, [decode(0.0), decode(0.0), prefill(2.25)]) == pytest.approx(
+        [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 7.125, 7.125, 0.0]
+    )
+    coef["drain_s"] = 5.0
+    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "x.json", coef, page_size=4,
+                                                                             num_slots=4)))  # fmt: skip
+    assert run(cost, [decode(0.0)]) == pytest.approx([1.0, 1.0, 0.0])
+    with pytest.raises(ValueError, match="right after its cost"):
+        cost.drain_s(prefill(9.0))
+
+
+def test_a_stack_overhead_adds_its_host_time_to_a_drained_step_by_hand(tmp_path):
+    # overhead step_s 0.5 on the profiled model (decode 1.0, drain 0.25): the step costs 1.5 and
+    # drains in 0.75; the stack's host time is hidden by no launch behind it either
+    from cbjax.config import OverheadConfig
+
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, drain_s=0.25)
+    cfgs = configs(write_profile(tmp_path / "o.json", coef, page_size=4, num_slots=4))
+    cost = make_cost_model("profiled", MODEL, None, overhead=OverheadConfig(name="test", step_s=0.5), **cfgs)
+    d, _ = decode_and_prefill()
+    plan = make_plan(num_slots=4, decodes=[d], page_size=4, start_s=0.0)
+    assert (cost(plan), cost.drain_s(plan)) == pytest.approx((1.5, 0.75))

@@ -21,11 +21,12 @@ import numpy as np
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.served_fit import HOST_STALL, fit_launch, fit_loop, fit_served
+from cbjax.profile.served_fit import HOST_STALL, fit_drain, fit_launch, fit_loop, fit_served, own_launch
 from cbjax.layout.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs
 from cbjax.sim.profiled import (
-    STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, launch_cost, predict, profile_key, step_features,
+    DRAIN_FLOOR_S, STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, launch_cost, predict, profile_key,
+    step_features,
 )  # fmt: skip
 
 
@@ -134,8 +135,10 @@ def fit_profile(
     grid = {"bucket_s": bucket_s, "bucket_scale": 1.0, **{k: float(c) for k, c in zip(STEP_TERMS, coef)}}
     coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
     coefficients.update({k: grid[k] for k in STEP_TERMS})
-    coefficients.update(fit_served(served, bucket_s, grid, fit_cold, served_terms, served_weighting))
-    coefficients.update(fit_launch(served, served_weighting))
+    launch = fit_launch(served, served_weighting)
+    coefficients.update(fit_served(served, bucket_s, grid, fit_cold, served_terms, served_weighting, launch))
+    coefficients.update(launch)
+    coefficients.update(fit_drain(served, launch, served_weighting))
     swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
     coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
     coefficients.update(fit_loop(gaps or []))
@@ -147,7 +150,11 @@ def fit_profile(
         s["predicted_s"] = float(predict(grid, s["bucket"], s["features"]))
     for s in served:
         s["grid_model_s"] = float(predict(grid, s["bucket"], s["features"]))
+        # what the simulator charges the step's share (`cbjax.sim.profiled`): its cost, the wake
+        # after an idle loop, ...
         step = predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
+        if s.get("idle"):
+            step += coefficients["wake_s"] * min(1.0, s.get("idle_s", 0.0) / max(coefficients["wake_ramp_s"], 1e-9))
         if "host_s" in s:  # pipelined: collected only after the loop launched the next step
             host = launch_cost(
                 coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False),
@@ -155,7 +162,9 @@ def fit_profile(
             )  # fmt: skip
             s["launch_predicted_s"] = float(host)
             step = max(step, host)
-        s["predicted_s"] = float(step)
+        if s.get("uncovered") and "drain_s" in coefficients:  # ... the drain with nothing behind it
+            step = min(step, max(coefficients["drain_s"], DRAIN_FLOOR_S))
+        s["predicted_s"] = float(step + own_launch(coefficients, s))  # ... after its launch with none before
     for s in steps + served:
         s["rel_error"] = float(abs(s["predicted_s"] - s["measured_s"]) / s["measured_s"])
     grid_err = [s["rel_error"] for s in steps]

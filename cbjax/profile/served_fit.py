@@ -12,7 +12,9 @@ import numpy as np
 
 from cbjax.profile.residuals import MIN_STEPS
 from cbjax.sim.fit import WEIGHTINGS, fit_costs, nnls
-from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS, bucket_intercept, launch_features, step_terms
+from cbjax.sim.profiled import (
+    COLD_TERMS, LAUNCH_TERMS, STEP_TERMS, bucket_intercept, launch_cost, launch_features, step_terms,
+)  # fmt: skip
 
 # A bucket gets its own served intercept (`served_bucket_s`) from this many served iterations on.
 MIN_SERVED = MIN_STEPS
@@ -51,6 +53,7 @@ def fit_served(
     fit_cold: bool = False,
     served_terms: bool = False,
     weighting: str = "absolute",
+    launch: Optional[dict[str, float]] = None,
 ) -> dict[str, Any]:
     """`served_bucket_s`, `bucket_scale` and the COLD_TERMS, fitted on the served iterations
     (those after an idle loop left out: `wake_s` charges them) over the step terms of the
@@ -81,7 +84,12 @@ def fit_served(
     the simulator charges as the longer of the two (`cbjax.engine.EngineLoop._launch_virtual`);
     fitted here too, it would raise every step of its bucket. A censored step before a decode
     stays in: its share is the loop's steady host time, what the engine's step costs when the
-    host is the slower side.
+    host is the slower side. A step collected with nothing launched behind it (`uncovered`) is
+    left out too: its share is the device's remainder alone, which `fit_drain` fits (a tiny
+    model's last decode before an idle loop takes a tenth of a served decode; at a tenth of the
+    time, a relative weighting would give it ten times the weight). A step launched with nothing
+    in flight (`alone`) has its own launch in its share: the `launch` terms (`fit_launch`'s; none:
+    0) are taken off it, as the simulator charges them before the step.
 
     Non-negative least squares, weighted by `weighting` (SERVED_WEIGHTINGS). "absolute" fits the
     summed time, as a run's makespan adds the steps up (thousands of small decode steps and a few
@@ -94,7 +102,8 @@ def fit_served(
     Steps marked `held_out` are left out (the residual table's). None served: no served intercepts, scale 1, no cold terms."""
     points = [
         s for s in served
-        if not s.get("idle") and not s.get("held_out") and not (censored(s) and s.get("next_prefill_rows", 0))
+        if not s.get("idle") and not s.get("held_out") and not s.get("uncovered")
+        and not (censored(s) and s.get("next_prefill_rows", 0))
     ]  # fmt: skip
     if not points:
         return {"served_bucket_s": {}, "bucket_scale": 1.0, **dict.fromkeys(COLD_TERMS, 0.0)}
@@ -114,7 +123,7 @@ def fit_served(
         if fit_cold and s.get("since_larger", 0):
             x[i, len(own) + s["since_larger"]] = 1.0
     kept = {**grid_model, **dict.fromkeys(refit, 0.0)}  # the grid's terms but those refitted here
-    terms = np.array([step_terms(kept, s["features"]) for s in points])
+    terms = np.array([step_terms(kept, s["features"]) + own_launch(launch, s) for s in points])
     y = np.array([s["measured_s"] for s in points])
     coef = fit_weighted(x, y, weighting, offsets=terms)
     served_fixed = {b: float(c) for b, c in zip(own, coef)}
@@ -125,6 +134,36 @@ def fit_served(
     out.update({k: float(c) for k, c in zip(COLD_TERMS, coef[len(own) + 1 : base])})
     out.update({k: float(c) for k, c in zip(refit, coef[base:])})
     return out
+
+
+def own_launch(launch: Optional[dict[str, float]], point: dict) -> float:
+    """The launch host time in a served step's own share: its plan's launch (`launch_cost` of
+    the LAUNCH_TERMS `launch`, nothing to retire) where it was launched with nothing in flight
+    (`alone`), else 0."""
+    if not launch or not point.get("alone"):
+        return 0.0
+    return launch_cost(launch, point["rows"], point["prefill_rows"], point["tokens"], point.get("prefix_caching", False))
+
+
+def fit_drain(served: list[dict], launch: Optional[dict[str, float]] = None, weighting: str = "absolute") -> dict[str, float]:
+    """`drain_s`: the share of a served step the pipelined loop collected with nothing launched
+    behind it (`uncovered`: the last before an idle loop or a run's end), its own launch taken off
+    where it was launched with nothing in flight too (`own_launch`). On the engine such a step
+    is collected as soon as the device is done with it, where one with a launch behind it is
+    collected only after that launch: a tiny model's decode then takes a few hundredths of a
+    millisecond, not the loop's tenths. One constant, fitted with `weighting`; the simulator
+    charges it as the step's share, never above the step's cost (`ProfiledCost.drain_s`). Steps
+    held out or after an idle loop are left out. None of them: {} (the simulator then charges
+    such a step its whole cost)."""
+    check_weighting(weighting)
+    points = [s for s in served if s.get("uncovered") and not s.get("idle") and not s.get("held_out")]
+    y = np.array([s["measured_s"] for s in points])
+    offsets = np.array([own_launch(launch, s) for s in points])
+    keep = y > offsets  # a share shorter than its own predicted launch tells nothing of the drain
+    if not np.any(keep):
+        return {}
+    coef = fit_weighted(np.ones((int(keep.sum()), 1)), y[keep], weighting, offsets=offsets[keep])
+    return {"drain_s": float(coef[0])}
 
 
 def check_weighting(weighting: str) -> None:

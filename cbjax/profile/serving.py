@@ -200,7 +200,10 @@ def served_points(
     prefill rows and tokens (`next_rows`, `next_prefill_rows`, `next_tokens`) and how many of its
     requests the next plan does not carry on (`left`, `rows_left`): `served_fit.fit_launch`'s
     features) and how long the collect then waited (`collect_wait_s`: about nothing when the
-    host time set the share, `served_fit.censored`)."""
+    host time set the share, `served_fit.censored`). Every pipelined point says whether its step
+    was launched with nothing in flight (`alone`: its share holds its own launch) and whether it
+    was collected with nothing launched behind it (`uncovered`: its share is the device's
+    remainder alone, `served_fit.fit_drain`)."""
     steps = []
     recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the previous iterations' buckets, latest first
     starts = timed.start
@@ -217,6 +220,14 @@ def served_points(
             "since_larger": steps_since_larger(recent, bucket), "prefix_caching": prefix_caching,
         })  # fmt: skip
         recent.appendleft(bucket)
+    if timed.pipelined:
+        # a step launched with nothing in flight (`alone`: the run's first, or after a collect
+        # with nothing launched behind it) has its own launch in its share; one collected with
+        # nothing launched behind it (`uncovered`: the last before an idle loop or the run's
+        # end) only the device's remainder of its work (`served_fit.fit_drain`)
+        for i, step in enumerate(steps):
+            step["alone"] = i == 0 or timed.start[i] >= timed.end[i - 1]
+            step["uncovered"] = i == len(steps) - 1 or timed.start[i + 1] >= timed.end[i]
     # pipelined, step i launched while step i-1 was in flight (its share starts at i-1's end) and
     # step i+1 while step i was: the loop's host time in between set step i's share or hid behind it
     for i in range(1, len(steps) - 1):

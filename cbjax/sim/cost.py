@@ -126,6 +126,13 @@ class WithOverhead:
         self.stack = StackOverhead(model, overhead)
         if hasattr(cost, "launch_s"):
             self.launch_s = cost.launch_s
+        if hasattr(cost, "drain_s"):
+            self.drain_s = self._drain_s
+
+    def _drain_s(self, plan: Schedule) -> float:
+        """The wrapped model's share for a step collected with nothing launched behind it, plus
+        the stack's host time, which nothing hides either."""
+        return self.cost.drain_s(plan) + self.stack.host_s(plan)
 
     def __call__(self, plan: Schedule) -> float:
         return self.cost(plan) + self.stack.host_s(plan)

@@ -23,8 +23,12 @@ class SimExecutor(SyncExecutor):
         self.pipelined = pipelined
         # a cost model that knows a step's launch time (`profiled`) delays the step in flight
         self._launch = getattr(cost_model, "launch_s", None) if pipelined else None
+        # and one that knows a step's share when nothing is launched behind it shortens that step
+        self._drain = getattr(cost_model, "drain_s", None) if pipelined else None
 
     def execute(self, plan: Schedule) -> StepOutput:
         if self._launch is not None:
-            return StepOutput(None, self.cost_model(plan), launch_s=self._launch(plan))
+            duration = self.cost_model(plan)
+            drain = self._drain(plan) if self._drain is not None else None
+            return StepOutput(None, duration, launch_s=self._launch(plan), drain_s=drain)
         return StepOutput(None, self.cost_model(plan))  # token_ids, duration_s (positional: once per step)

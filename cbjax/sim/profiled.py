@@ -36,6 +36,10 @@ the native decode pass is charged per group), plus its swap copies:
              over before the host is: its share of the wall clock is this host time, and a
              prefill in the next plan lengthens it. With nothing in flight, the first step and
              the first after an idle loop, the step itself starts after its own launch)
+    drain = min(time, drain_s)  (`drain_s`: the share of a step the pipelined loop collects
+             with nothing launched behind it, as the last before an idle loop or a run's end: the
+             device's own remainder, which the next launch's host time otherwise hides;
+             `cbjax.engine.EngineLoop._land`)
 
 The step terms are fitted on the grid's steps, which reach long contexts and large prefills;
 the fixed costs (and, when asked, the cold terms) on the iterations the profile serves through
@@ -84,6 +88,9 @@ LAUNCH_TERMS = (
     "launch_iter_s", "launch_seq_s", "launch_prefill_s", "launch_prefill_seq_s", "launch_token_s", "launch_cached_seq_s",
     "launch_left_s",
 )  # fmt: skip
+# the least `ProfiledCost.drain_s` charges: a collect takes some time, and a step's drained end
+# must lie past its begin (see there)
+DRAIN_FLOOR_S = 1e-6
 # absent from profiles made before the terms: charged 0
 OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s",) + LAUNCH_TERMS, 0.0)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
@@ -191,6 +198,8 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
         coef["bucket_s"] = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
         served = profile["coefficients"].get("served_bucket_s", {})  # absent from earlier profiles
         coef["served_bucket_s"] = {int(b): float(v) for b, v in served.items()}
+        if "drain_s" in profile["coefficients"]:  # absent from earlier profiles: `ProfiledCost.drain_s`
+            coef["drain_s"] = float(profile["coefficients"]["drain_s"])
         if not coef["bucket_s"]:
             raise ValueError("coefficients.bucket_s is empty")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
@@ -228,9 +237,22 @@ class ProfiledCost:
         self._alone: Optional[Schedule] = None  # the last plan, if nothing was in flight at its launch
         # (plan, the rows of the step in flight at its launch: 0 with none) from `__call__`, for `rows_left`
         self._in_flight: tuple[Optional[Schedule], int] = (None, 0)
+        # the share of a step collected with nothing launched behind it (`drain_s`); None: a
+        # profile made before it, which charges such a step its whole cost
+        self.drain = coefficients.get("drain_s")
+        self._cost: tuple[Optional[Schedule], float] = (None, 0.0)  # (plan, its cost) from `__call__`
+        # how much earlier the last step ends if the loop collects it with nothing launched
+        # behind it (its cost less its `drain_s`); 0 unless a pipelined executor asked
+        self._drain_cut = 0.0
 
     def __call__(self, plan: Schedule) -> float:
         rows = plan.cost_rows()
+        if self._last_end is not None and plan.start_s >= self._last_end - self._drain_cut:
+            # planned after the last step was collected: with nothing launched behind it, the
+            # loop collected it at its drained end (`drain_s`; a plan made while it ran starts
+            # no later than its begin, before that end)
+            self._last_end -= self._drain_cut
+        self._drain_cut = 0.0
         overlaps = self._last_end is not None and plan.start_s < self._last_end  # planned while the last step runs
         # a launch with nothing in flight retires nothing: the step before was collected already
         self._in_flight = (plan, self._rows_before if overlaps else 0)
@@ -252,7 +274,26 @@ class ProfiledCost:
         # a pipelined loop plans a step while the previous one runs: it starts when that one ends
         self._last_end = max(plan.start_s, self._last_end if self._last_end is not None else plan.start_s) + t
         self._alone = plan if not overlaps else None
+        self._cost = (plan, t)
         return t
+
+    def drain_s(self, plan: Schedule) -> float:
+        """`plan`'s share of the clock if the loop collects its step with nothing launched behind
+        it (it goes idle, the run ends, or the next plan waits for the step's tokens): the
+        device's own remainder, which the next launch's host time otherwise hides. A tiny model's
+        decode is a few hundredths of its cost then (`cbjax.profile.served_fit.fit_drain`). A
+        pipelined executor asks once per plan, right after its cost; the model's clock then takes
+        a later plan made after that end as one made after the step was collected. Never above
+        the plan's cost, and above 0 (a collect takes some time), so that a plan made while
+        this step runs (at its begin at the latest) is told from one made after it ended."""
+        last, t = self._cost
+        if last is not plan:
+            raise ValueError("ProfiledCost.drain_s: ask for a plan's drain right after its cost")
+        if self.drain is None:
+            return t
+        share = min(t, max(self.drain, DRAIN_FLOOR_S))
+        self._drain_cut = t - share
+        return share
 
     def launch_s(self, plan: Schedule) -> float:
         """The loop's host time from collecting a step to launching `plan`'s: the step in flight
