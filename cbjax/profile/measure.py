@@ -123,7 +123,10 @@ def fit_profile(
     terms over them, `fit_served` on the served iterations (steps as the serving loop runs them;
     none served: the grid model), the launch terms (`fit_launch`: a pipelined loop's host time
     before it collects the step in flight), the swap terms, the loop's (`fit_loop`) and the wake's.
-    A served step's prediction is the longer of its own and that host time where it recorded one.
+    A served step's prediction is what the simulator charges its share: the longer of its own
+    time and that host time where it recorded one, the drain (`fit_drain`) where nothing was
+    launched behind it, its own launch first where nothing was in flight, the wake after an
+    idle loop.
     Residuals: the grid model's relative error per grid point and its coefficients; per served
     iteration the model's, and the served runs' total time (steps and loop) predicted against
     measured, by the model and by the grid model."""
