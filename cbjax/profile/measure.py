@@ -25,8 +25,8 @@ from cbjax.profile.served_fit import HOST_STALL, fit_drain, fit_launch, fit_loop
 from cbjax.layout.shapes import ShapePlan
 from cbjax.sim.fit import fit_costs
 from cbjax.sim.profiled import (
-    DRAIN_FLOOR_S, STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, launch_cost, predict, profile_key,
-    step_features,
+    STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, drain_share, launch_cost, predict, profile_key,
+    step_features, wake_cost,
 )  # fmt: skip
 
 
@@ -157,7 +157,7 @@ def fit_profile(
         # after an idle loop, ...
         step = predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
         if s.get("idle"):
-            step += coefficients["wake_s"] * min(1.0, s.get("idle_s", 0.0) / max(coefficients["wake_ramp_s"], 1e-9))
+            step += wake_cost(coefficients, s.get("idle_s", 0.0))
         if "host_s" in s:  # pipelined: collected only after the loop launched the next step
             host = launch_cost(
                 coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False),
@@ -166,7 +166,7 @@ def fit_profile(
             s["launch_predicted_s"] = float(host)
             step = max(step, host)
         if s.get("uncovered") and "drain_s" in coefficients:  # ... the drain with nothing behind it
-            step = min(step, max(coefficients["drain_s"], DRAIN_FLOOR_S))
+            step = drain_share(coefficients["drain_s"], step)
         s["predicted_s"] = float(step + own_launch(coefficients, s))  # ... after its launch with none before
     for s in steps + served:
         s["rel_error"] = float(abs(s["predicted_s"] - s["measured_s"]) / s["measured_s"])

@@ -224,9 +224,10 @@ def served_points(
         # a step launched with nothing in flight (`alone`: the run's first, or after a collect
         # with nothing launched behind it) has its own launch in its share; one collected with
         # nothing launched behind it (`uncovered`: the last before an idle loop or the run's
-        # end) only the device's remainder of its work (`served_fit.fit_drain`)
+        # end) only the device's remainder of its work (`served_fit.fit_drain`); the step after
+        # an uncovered one is alone
         for i, step in enumerate(steps):
-            step["alone"] = i == 0 or timed.start[i] >= timed.end[i - 1]
+            step["alone"] = i == 0 or steps[i - 1]["uncovered"]
             step["uncovered"] = i == len(steps) - 1 or timed.start[i + 1] >= timed.end[i]
     # pipelined, step i launched while step i-1 was in flight (its share starts at i-1's end) and
     # step i+1 while step i was: the loop's host time in between set step i's share or hid behind it

@@ -127,6 +127,18 @@ def steps_since_larger(recent: Sequence[int], bucket: int) -> int:
     return 0
 
 
+def wake_cost(coefficients: dict, idle_s: float) -> float:
+    """What the first step after the loop idled `idle_s` seconds pays more (`wake_s`, reached
+    after `wake_ramp_s` of idling)."""
+    return coefficients["wake_s"] * min(1.0, idle_s / max(coefficients["wake_ramp_s"], 1e-9))
+
+
+def drain_share(drain_s: float, cost: float) -> float:
+    """The share of a step of `cost` collected with nothing launched behind it: `drain_s`, never
+    above the cost and never below DRAIN_FLOOR_S (`ProfiledCost.drain_s`)."""
+    return min(cost, max(drain_s, DRAIN_FLOOR_S))
+
+
 def cold_cost(coefficients: dict, since_larger: int) -> float:
     """What a step `since_larger` steps after the last larger bucket's pays (`steps_since_larger`)."""
     return coefficients.get(COLD_TERMS[since_larger - 1], 0.0) if since_larger else 0.0
@@ -225,8 +237,6 @@ class ProfiledCost:
         self.swap_page_s = coefficients["swap_page_s"]
         self.loop_s = coefficients["loop_s"]
         self.loop_seq_s = coefficients["loop_seq_s"]
-        self.wake_s = coefficients["wake_s"]
-        self.wake_ramp_s = max(coefficients["wake_ramp_s"], 1e-9)
         self.shapes = shapes
         self._last_end: Optional[float] = None  # where the previous iteration ended, on the run's clock
         self._recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the last iterations' token buckets, latest first
@@ -268,7 +278,7 @@ class ProfiledCost:
             # the clock here follows the loop's and a later plan is not mistaken for an idle one
             self._last_end = max(self._last_end, plan.start_s + self._launch_of(plan, rows))
         if self._last_end is not None and plan.start_s > self._last_end:  # the loop idled until an arrival
-            t += self.wake_s * min(1.0, (plan.start_s - self._last_end) / self.wake_ramp_s)
+            t += wake_cost(self.coefficients, plan.start_s - self._last_end)
         t += cold_cost(self.coefficients, steps_since_larger(self._recent, bucket))
         self._recent.appendleft(bucket)
         # a pipelined loop plans a step while the previous one runs: it starts when that one ends
@@ -291,7 +301,7 @@ class ProfiledCost:
             raise ValueError("ProfiledCost.drain_s: ask for a plan's drain right after its cost")
         if self.drain is None:
             return t
-        share = min(t, max(self.drain, DRAIN_FLOOR_S))
+        share = drain_share(self.drain, t)
         self._drain_cut = t - share
         return share
 
