@@ -153,3 +153,41 @@ def test_a_first_token_is_handled_before_attached_streams_are_written(loop, brid
     bridge.tick(wait_s=10.0)
     ta.result(10)
     tb.result(10)
+
+
+def test_a_later_ticks_events_never_overtake_an_earlier_ticks(loop, bridge):
+    # The engine's tick waits only briefly for the loop; a loop slow to run (a loaded machine)
+    # gets a second tick's delivery queued before the first's. The first tick holds a's first
+    # token, so its other events wait behind a's handler; the second tick's must wait too.
+    a, b = _request("a"), _request("b")
+    handled = []  # b's events in the order its handler got them
+
+    async def handler(req, ready):
+        queue = bridge.submit(req)
+        ready.set()
+        while True:
+            event = await queue.get()
+            if req is b:
+                handled.append("end" if isinstance(event, Finished) else event.token_id)
+            if isinstance(event, Finished):
+                return
+
+    readies = [threading.Event(), threading.Event()]
+    tasks = [asyncio.run_coroutine_threadsafe(handler(r, e), loop) for r, e in zip((a, b), readies)]
+    assert all(e.wait(10) for e in readies)
+    bridge.on_token(b, 10, 0.1)
+    bridge.tick(wait_s=10.0)
+    stalled, release = threading.Event(), threading.Event()
+    loop.call_soon_threadsafe(lambda: (stalled.set(), release.wait(10)))  # the loop busy elsewhere
+    assert stalled.wait(10)
+    bridge.on_token(a, 1, 0.2)  # a's first token
+    bridge.on_token(b, 11, 0.2)
+    bridge.tick()
+    bridge.on_token(b, 12, 0.3)
+    bridge.on_finish(b)
+    bridge.on_finish(a)
+    bridge.tick()
+    release.set()
+    for t in tasks:
+        t.result(10)
+    assert handled == [10, 11, 12, "end"]

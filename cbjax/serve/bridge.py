@@ -6,13 +6,16 @@ tokens are committed): one wakeup of the event loop per iteration rather than on
 The buffer keeps a request's events in order (its tokens, then its end). A request's first
 token goes ahead of the other requests' events of the same hand-off: its handler runs first in
 the event loop's turn, so a time to first token does not queue behind the chunks of every
-stream already running. `tick` may wait, a bounded time, for the event loop to have run the
+stream already running. Hand-offs reach a loop in tick order: one queued while an earlier one
+still holds events back behind its first tokens' handlers waits behind those events
+(`_Outbox`), or a request could see its end before its last tokens. `tick` may wait, a bounded time, for the event loop to have run the
 handlers the events woke: the engine thread then holds no GIL while they write their chunks."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -62,6 +65,7 @@ class EngineBridge:
         self._pending: list = []  # (queue entry, event) since the last tick; engine thread only
         self._first: list = []  # the same for requests' first tokens, handed off ahead of _pending
         self._fresh: set[str] = set()  # requests submitted that have had no token yet
+        self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
 
     # ---- the handler's side (event loop thread) ----
     def submit(self, req: Request, arrival_s: Optional[float] = None) -> Mailbox:
@@ -135,12 +139,15 @@ class EngineBridge:
         handled = []
         here = asyncio._get_running_loop()  # None off an event loop (the engine's thread), without raising
         for loop, (f, r) in by_loop.items():
+            outbox = self._outboxes.get(loop)
+            if outbox is None:
+                outbox = self._outboxes[loop] = _Outbox(loop)
             if loop is here:  # called on the event loop itself (an engine process's report)
-                _deliver(loop, f, r, None)
+                outbox.deliver(f, r, None)
                 continue
             done = threading.Event() if wait_s > 0 else None
             try:
-                loop.call_soon_threadsafe(_deliver, loop, f, r, done)
+                loop.call_soon_threadsafe(outbox.deliver, f, r, done)
             except RuntimeError:  # the event loop has closed (shutdown): nobody listens
                 continue
             if done is not None:
@@ -152,16 +159,38 @@ class EngineBridge:
 Events = list[tuple[Mailbox, object]]
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, first: Events, rest: Events, done: Optional[threading.Event]) -> None:
-    """First tokens to their handlers (queued: no handler has attached a sink before its first
-    event); the other events once those handlers have run, from a callback queued behind
-    their wakeups, so even a sink's direct write comes after them."""
-    for queue, event in first:
-        queue.put_nowait(event)
-    if first:
-        loop.call_soon(_deliver_rest, loop, rest, done)
-    else:
-        _deliver_rest(loop, rest, done)
+class _Outbox:
+    """One event loop's hand-offs, delivered in tick order (event-loop thread only).
+
+    A hand-off's first tokens are queued at once; its other events wait for a callback queued
+    behind the wakeups of the handlers those first tokens woke, so even a sink's direct write
+    comes after them. A hand-off that reaches the loop while an earlier one's events still
+    wait queues its events behind them: delivered at once, they could overtake the earlier
+    ones of the same request (its end before its last tokens). Its first tokens still go at
+    once, as nothing of theirs came before. The loop falls that far behind only when it runs
+    slower than the engine (`tick` waits a bounded time)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.waiting: deque[tuple[Events, Optional[threading.Event]]] = deque()
+        self.scheduled = False  # a `_drain` is queued on the loop
+
+    def deliver(self, first: Events, rest: Events, done: Optional[threading.Event]) -> None:
+        for queue, event in first:
+            queue.put_nowait(event)
+        if not (first or self.scheduled):
+            _deliver_rest(self.loop, rest, done)
+            return
+        self.waiting.append((rest, done))
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self.scheduled = False
+        while self.waiting:
+            rest, done = self.waiting.popleft()
+            _deliver_rest(self.loop, rest, done)
 
 
 def _deliver_rest(loop: asyncio.AbstractEventLoop, rest: Events, done: Optional[threading.Event]) -> None:
