@@ -11,6 +11,11 @@ machine's: no simulator can be judged nearer to the engine than that. A profile'
 table by regime judges a few runs per regime, and a calibration cell five: on a machine whose
 runs fall into two speeds, either reads that mix as much as the model.
 
+After each run it also times the machine itself (`stream_gb_s`): numpy summing a 128 MB array
+on one thread, then one array per core on as many threads at once. Where the engine's runs
+fall at two speeds and the second figure follows them while the first does not, the cores'
+joint memory bandwidth is what moves (docs/CALIBRATION.md, eleventh session).
+
 Writes the runs and the summary (`steadiness`) as JSON to `--out`.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,6 +54,24 @@ def steadiness(medians: list[float], near: float = NEAR) -> dict[str, Any]:
         "spread": max(medians) / min(medians) - 1.0,
         "near_median": sum(abs(m / mid - 1.0) <= near for m in medians), "near": near,
     }  # fmt: skip
+
+
+def stream_gb_s(threads: int, mb: int = 128, sums: int = 10) -> float:
+    """GB/s that `threads` threads at once read summing `sums` times an array of `mb` MB each
+    (numpy's sum releases the GIL): one thread measures a core's memory bandwidth, one per core
+    the cores' together."""
+    import threading
+
+    import numpy as np
+
+    arrays = [np.ones(mb * 1024 * 1024 // 8) for _ in range(threads)]
+    work = [threading.Thread(target=lambda a=a: [a.sum() for _ in range(sums)]) for a in arrays]
+    t0 = time.perf_counter()
+    for t in work:
+        t.start()
+    for t in work:
+        t.join()
+    return threads * sums * arrays[0].nbytes / 1e9 / (time.perf_counter() - t0)
 
 
 def compose(overrides: list[str]):
@@ -92,10 +116,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.run not in runs:
         ap.error(f"--run: unknown workload {args.run!r}; choose one of {', '.join(runs)}")
     served = []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     for i in range(args.runs):
         t0 = time.perf_counter()
         steps, _ = served_points(args.run, serve_timed(executor, runs[args.run]), executor.shapes)
-        served.append({"wall_s": time.perf_counter() - t0, "steps": steps})
+        wall = time.perf_counter() - t0
+        served.append({"wall_s": wall, "steps": steps, "stream_1_gb_s": stream_gb_s(1),
+                       "stream_all_gb_s": stream_gb_s(cores)})  # fmt: skip
         print(f"[{i + 1}/{args.runs}] {args.run}: {served[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
     # steps the loop idled before or collected with nothing behind them cost otherwise (`served_points`)
     plain = lambda s: s["kind"] == "decode" and not s.get("idle") and not s.get("uncovered")  # noqa: E731
@@ -104,12 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     for i, r in enumerate(served):
         times = sorted(s["measured_s"] for s in r["steps"] if plain(s) and (s["rows"], s["bucket"]) == shape)
         rows.append({"run": i, "wall_s": r["wall_s"], "steps": len(times), "median_s": statistics.median(times),
-                     "p10_s": times[len(times) // 10], "p90_s": times[9 * len(times) // 10]})  # fmt: skip
+                     "p10_s": times[len(times) // 10], "p90_s": times[9 * len(times) // 10],
+                     "stream_1_gb_s": r["stream_1_gb_s"], "stream_all_gb_s": r["stream_all_gb_s"]})  # fmt: skip
     summary = steadiness([r["median_s"] for r in rows])
     print(f"{args.run} served {args.runs} times; decode steps of {shape[0]} rows in bucket {shape[1]} (ms):")
-    print(markdown_table(["run", "wall s", "steps", "median", "p10", "p90"],
+    print(markdown_table(["run", "wall s", "steps", "median", "p10", "p90", "GB/s, 1 thread", f"GB/s, {cores} threads"],
                          [[r["run"], f"{r['wall_s']:.1f}", r["steps"]] + [f"{1e3 * r[k]:.2f}" for k in ("median_s", "p10_s", "p90_s")]
-                          for r in rows]))  # fmt: skip
+                          + [f"{r['stream_1_gb_s']:.0f}", f"{r['stream_all_gb_s']:.0f}"] for r in rows]))  # fmt: skip
     print(f"runs' medians: fastest {1e3 * summary['fastest_s']:.2f} ms, slowest {1e3 * summary['slowest_s']:.2f} ms "
           f"(+{100 * summary['spread']:.0f}%); {summary['near_median']} of {summary['runs']} within "
           f"{100 * NEAR:.0f}% of their median {1e3 * summary['median_s']:.2f} ms")  # fmt: skip
