@@ -107,12 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     executor = build_executor(cfg)
     executor.progress = executor.sampling = False  # the profile's runs are greedy
     executor.warmup()
-    bursts = serving_runs(cfg, None, 0)
-    saturated = None
+    runs = dict(serving_runs(cfg, None, 0))
     if "poisson" in args.run:  # the Poisson rates are shares of the first burst's request rate
-        _, first = bursts[0]
-        saturated = first.workload.num_requests / serve_timed(executor, first).makespan
-    runs = dict(serving_runs(cfg, saturated, 0))
+        first = next(iter(runs.values()))
+        runs = dict(serving_runs(cfg, first.workload.num_requests / serve_timed(executor, first).makespan, 0))
     if args.run not in runs:
         ap.error(f"--run: unknown workload {args.run!r}; choose one of {', '.join(runs)}")
     served = []
@@ -120,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(args.runs):
         t0 = time.perf_counter()
         steps, _ = served_points(args.run, serve_timed(executor, runs[args.run]), executor.shapes)
-        wall = time.perf_counter() - t0
-        served.append({"wall_s": wall, "steps": steps, "stream_1_gb_s": stream_gb_s(1),
+        served.append({"wall_s": time.perf_counter() - t0, "steps": steps, "stream_1_gb_s": stream_gb_s(1),
                        "stream_all_gb_s": stream_gb_s(cores)})  # fmt: skip
         print(f"[{i + 1}/{args.runs}] {args.run}: {served[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
     # steps the loop idled before or collected with nothing behind them cost otherwise (`served_points`)

@@ -8,8 +8,9 @@ token goes ahead of the other requests' events of the same hand-off: its handler
 the event loop's turn, so a time to first token does not queue behind the chunks of every
 stream already running. Hand-offs reach a loop in tick order: one queued while an earlier one
 still holds events back behind its first tokens' handlers waits behind those events
-(`_Outbox`), or a request could see its end before its last tokens. `tick` may wait, a bounded time, for the event loop to have run the
-handlers the events woke: the engine thread then holds no GIL while they write their chunks."""
+(`_Outbox`), or a request could see its end before its last tokens. `tick` may wait, a
+bounded time, for the event loop to have run the handlers the events woke: the engine thread
+then holds no GIL while they write their chunks."""
 
 from __future__ import annotations
 
