@@ -31,7 +31,7 @@ import numpy as np
 
 from cbjax.kernels import xla_ragged as new_kernel
 from cbjax.kernels.metadata import AttentionMetadata
-from cbjax.report import markdown_table
+from cbjax.report.tables import markdown_table
 from cbjax.layout import tiles as new_tiles
 
 ROOT = Path(__file__).resolve().parents[1]

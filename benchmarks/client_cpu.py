@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 import cbjax, cbjax.bench.cli
 from cbjax.bench.config import BenchConfig
 from cbjax.bench.run import run_bench
-from cbjax.config_merge import check_known_keys
+from cbjax.app.config_merge import check_known_keys
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
     raw = compose(config_name="bench", overrides=["progress=false", *sys.argv[2:]])
 check_known_keys(raw, BenchConfig)

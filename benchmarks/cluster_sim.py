@@ -31,11 +31,11 @@ sys.path.insert(0, str(REPO))  # this checkout's cbjax, installed or not
 
 from cbjax.cluster import ClusterSim  # noqa: E402
 from cbjax.config import CacheConfig, ClusterConfig, ExecutorConfig, RunConfig, SchedulerConfig, WorkloadConfig  # noqa: E402
-from cbjax.engine import serve  # noqa: E402
-from cbjax.report import markdown_table  # noqa: E402
-from cbjax.run import build_executor, from_dict  # noqa: E402
+from cbjax.engine.offline import serve  # noqa: E402
+from cbjax.report.tables import markdown_table  # noqa: E402
+from cbjax.app.run import build_executor, from_dict  # noqa: E402
 from cbjax.scheduler import Scheduler  # noqa: E402
-from cbjax.service import ServiceLog  # noqa: E402
+from cbjax.report.service import ServiceLog  # noqa: E402
 from cbjax.workload import build_workload  # noqa: E402
 
 AZURE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"

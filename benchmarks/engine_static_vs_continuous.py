@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO / "experiments"))
 
 import calibrate  # noqa: E402
 from cbjax.config import LengthConfig, WorkloadConfig  # noqa: E402
-from cbjax.report import markdown_table  # noqa: E402
-from cbjax.run import run_single  # noqa: E402
+from cbjax.report.tables import markdown_table  # noqa: E402
+from cbjax.app.run import run_single  # noqa: E402
 
 POLICIES = ("static", "fcfs")
 

@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cbjax.report import markdown_table  # noqa: E402
+from cbjax.report.tables import markdown_table  # noqa: E402
 
 
 def work(n: int) -> int:

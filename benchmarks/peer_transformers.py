@@ -57,10 +57,10 @@ from pathlib import Path
 import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
-from cbjax.engine import serve
+from cbjax.engine.offline import serve
 from cbjax.model.hf import load_config, load_model
-from cbjax.report import markdown_table
-from cbjax.request import Request, SamplingParams
+from cbjax.report.tables import markdown_table
+from cbjax.core.request import Request, SamplingParams
 from cbjax.runtime.executor import JaxExecutor
 from cbjax.scheduler import Scheduler
 

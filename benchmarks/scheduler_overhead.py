@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.report import markdown_table
-from cbjax.request import Request, SamplingParams
+from cbjax.report.tables import markdown_table
+from cbjax.core.request import Request, SamplingParams
 from cbjax.scheduler import Scheduler
 
 POLICY_KNOBS = {

@@ -43,12 +43,12 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import cbjax.bench.cli  # noqa: F401, E402  registers BenchConfig
-import cbjax.cli  # noqa: F401, E402  registers RunConfig
+import cbjax.app.cli  # noqa: F401, E402  registers RunConfig
 from cbjax.bench.config import BenchConfig  # noqa: E402
 from cbjax.bench.run import run_bench  # noqa: E402
-from cbjax.config_merge import check_known_keys, to_run_config  # noqa: E402
-from cbjax.report import markdown_table  # noqa: E402
-from cbjax.run import run_experiment  # noqa: E402
+from cbjax.app.config_merge import check_known_keys, to_run_config  # noqa: E402
+from cbjax.report.tables import markdown_table  # noqa: E402
+from cbjax.app.run import run_experiment  # noqa: E402
 from cbjax.serve import process as serve_process  # noqa: E402
 
 CONFIGS = str(ROOT / "configs")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from serve_overhead import ROOT, offline, served  # first: puts this checkout's cbjax on the path
 
-from cbjax.report import markdown_table
+from cbjax.report.tables import markdown_table
 
 
 def server_summary(out: Path) -> dict:

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, RunConfig, SchedulerConfig, WorkloadConfig
-from cbjax.engine import serve
-from cbjax.metrics import summarize
-from cbjax.report import markdown_table
-from cbjax.run import build_executor, from_dict
+from cbjax.engine.offline import serve
+from cbjax.report.metrics import summarize
+from cbjax.report.tables import markdown_table
+from cbjax.app.run import build_executor, from_dict
 from cbjax.scheduler import Scheduler
 from cbjax.workload import build_workload
 

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from cbjax.config import ExecutorConfig, LengthConfig, RunConfig, SchedulerConfig, WorkloadConfig
-from cbjax.report import markdown_table
-from cbjax.run import run_single
+from cbjax.report.tables import markdown_table
+from cbjax.app.run import run_single
 
 
 def rss_bytes() -> int:

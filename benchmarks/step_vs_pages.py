@@ -28,7 +28,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's cbjax, not an installed one
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from cbjax.report import markdown_table  # noqa: E402
+from cbjax.report.tables import markdown_table  # noqa: E402
 from cbjax.runtime.executor import JaxExecutor, to_device  # noqa: E402
 from cbjax.runtime.step import model_step  # noqa: E402
 

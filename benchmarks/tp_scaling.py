@@ -28,7 +28,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from cbjax.config import CacheConfig, ExecutorConfig, MeshConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from cbjax.report import markdown_table  # noqa: E402
+from cbjax.report.tables import markdown_table  # noqa: E402
 from cbjax.runtime.executor import JaxExecutor  # noqa: E402
 from cbjax.runtime.hlo import all_reduce_traffic  # noqa: E402
 from cbjax.sim.tp import allreduce_bytes_per_token, allreduces_per_step, ring_bytes_per_device  # noqa: E402

@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from cbjax.report import markdown_table
+from cbjax.report.tables import markdown_table
 
-CLI = "from cbjax.cli import main; main()"
+CLI = "from cbjax.app.cli import main; main()"
 
 
 def run_cli(cache_dir: Path, run_dir: Path, overrides: list[str]) -> dict:

@@ -1,6 +1,6 @@
 """`python -m cbjax` runs the Hydra CLI."""
 
-from cbjax.cli import main
+from cbjax.app.cli import main
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ throughput; open-loop cells carry the latencies, p99 beside p50 (an open-loop th
 the offered load, evidence of nothing). Per cell and figure the report gives the engine's
 median, a seeded bootstrap 90% interval of it, the simulator's signed error, and whether the
 simulator lies inside the interval and within the target; the verdict is the target's alone
-(`cbjax.sim.acceptance`): no target is replaced by a spread. Per regime, each figure's mean
+(`cbjax.profile.acceptance`): no target is replaced by a spread. Per regime, each figure's mean
 signed error and worst cell. Run it on a quiet machine, just after the profile: an engine run
 counts only when the profile's anchor, timed before and after it, ran within 5% of the
 profile's speed (`cbjax.profile.anchor`; `engine_rounds`), and `--reports` merges slot counts
@@ -47,8 +47,8 @@ from cbjax.config import (  # noqa: E402
     CacheConfig, ExecutorConfig, LengthConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig,
 )  # fmt: skip
 from cbjax.profile.anchor import SPEED_TOLERANCE, anchor_config, anchor_speed, on_speed, time_anchor  # noqa: E402
-from cbjax.run import run_single  # noqa: E402
-from cbjax.sim.acceptance import REGIME_BIAS_PCT, judge_runs, signed_error_pct, summarize_regimes  # noqa: E402
+from cbjax.app.run import run_single  # noqa: E402
+from cbjax.profile.acceptance import REGIME_BIAS_PCT, judge_runs, signed_error_pct, summarize_regimes  # noqa: E402
 from cbjax.sim.profiled import COLD_TERMS  # noqa: E402
 
 # the first 500 requests of the Azure code trace, shipped with cbjax (cbjax/data/README.md)
@@ -153,7 +153,7 @@ def judge_cell(
     repeats: int = 0, runs: Optional[int] = None,
 ) -> dict:  # fmt: skip
     """One cell: its regime, and per figure it carries (closed loop: throughput; open loop: the
-    latencies) `cbjax.sim.acceptance.judge_runs` of the simulator against the engine's runs `engine`
+    latencies) `cbjax.profile.acceptance.judge_runs` of the simulator against the engine's runs `engine`
     (those made at the profile's machine speed, of `runs` made). With fewer than `repeats` of
     them every targeted figure fails: the cell was not measured at the profile's speed."""
     regime, closed, _ = WORKLOADS[wname]
@@ -181,7 +181,7 @@ def anchor_timer(base: RunConfig, record: dict) -> Callable[[], float]:
     """A warm engine of `base`'s model serving the profile's anchor (`cbjax.profile.anchor`);
     returns what times it (`time_anchor`: the median of ANCHOR_RUNS makespans)."""
     from cbjax.profile.serving import serve_timed
-    from cbjax.run import build_executor, resolve
+    from cbjax.app.run import build_executor, resolve
 
     cfg = resolve(anchor_config(base, record))
     executor = build_executor(cfg)

@@ -26,7 +26,7 @@ reported only, what a lone replica uses of the host (`measure_resources`: its dr
 CPU share, its process's cores against the cores spinning processes get now).
 `--host-share X` sets the share instead.
 
-Judged (`cbjax.sim.acceptance.judge`, the engine's median and bootstrap 90% interval, the
+Judged (`cbjax.profile.acceptance.judge`, the engine's median and bootstrap 90% interval, the
 simulator's signed error; the verdict is the target's alone): the burst's throughput (5%) and
 E2E p50 (10%), the Poisson cells' E2E p50 (10%; an open-loop throughput is the offered load,
 reported, not judged). Beside it, the simulator without a shared host (a host per replica). The
@@ -55,8 +55,8 @@ from calibrate import (  # noqa: E402  (shapes, targets, table cells, the anchor
 
 from cbjax.config import ClusterConfig, LengthConfig, RunConfig  # noqa: E402
 from cbjax.config.workload import SharedPrefixConfig  # noqa: E402
-from cbjax.run import run_single  # noqa: E402
-from cbjax.sim.acceptance import judge_runs, signed_error_pct  # noqa: E402
+from cbjax.app.run import run_single  # noqa: E402
+from cbjax.profile.acceptance import judge_runs, signed_error_pct  # noqa: E402
 
 ROUTERS = ("round_robin", "prefix_affinity")
 # workload -> (closed loop, share of the 2-replica capacity; None: every request at t=0)
@@ -219,8 +219,8 @@ def measure_resources(base: RunConfig, rounds: int = 3) -> dict:
     replica serving the calibration's synthetic burst (seeds of their own) `rounds` times, its
     driver thread's CPU seconds and its process's over the wall time of each `serve`; the cores
     this process can get (the mean of a probe before and one after); `host_share_of` them."""
-    from cbjax.engine import serve
-    from cbjax.run import build_executor, resolve
+    from cbjax.engine.offline import serve
+    from cbjax.app.run import build_executor, resolve
     from cbjax.scheduler import Scheduler
     from cbjax.workload import build_workload
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
 import calibrate  # noqa: E402
-from cbjax.report import markdown_table  # noqa: E402
-from cbjax.sim.acceptance import signed_error_pct  # noqa: E402
+from cbjax.report.tables import markdown_table  # noqa: E402
+from cbjax.profile.acceptance import signed_error_pct  # noqa: E402
 
 IDLE_GAP_S = 0.002
 
@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
     from cbjax.profile.serving import serve_timed, served_points
-    from cbjax.run import build_executor
+    from cbjax.app.run import build_executor
     from cbjax.sim.profiled import cold_cost, load_profile, predict
 
     profile = json.loads(Path(args.profile).read_text())

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
-from cbjax.report import format_number, markdown_table
+from cbjax.report.tables import format_number, markdown_table
 
 DEFAULT_METRICS = (
     "throughput_tok_s",

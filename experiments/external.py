@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cbjax.report import format_number, markdown_table  # noqa: E402
+from cbjax.report.tables import format_number, markdown_table  # noqa: E402
 
 ANYSCALE = (
     "Anyscale, \"How continuous batching enables 23x throughput in LLM inference while reducing p50 latency\" "
@@ -84,7 +84,7 @@ ROWS: list[dict[str, Any]] = [
 def _compose(overrides: list[str], experiment: Optional[str] = None):
     from hydra import compose, initialize_config_dir
 
-    from cbjax.cli import to_run_config
+    from cbjax.app.cli import to_run_config
 
     extra = [f"experiment={experiment}"] if experiment else []
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
@@ -92,7 +92,7 @@ def _compose(overrides: list[str], experiment: Optional[str] = None):
 
 
 def _summary(row: dict[str, Any], arm: Optional[str] = None) -> dict[str, Any]:
-    from cbjax.run import run_single, with_overrides
+    from cbjax.app.run import run_single, with_overrides
 
     if "experiment" not in row:
         return run_single(_compose(row["overrides"]), None, verbose=False)

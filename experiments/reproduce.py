@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cbjax.reproduction import evaluate, fit_flags, seed_spread  # noqa: E402
-from cbjax.report import format_number, markdown_table, summary_value  # noqa: E402
+from cbjax.report.reproduction import evaluate, fit_flags, seed_spread  # noqa: E402
+from cbjax.report.tables import format_number, markdown_table, summary_value  # noqa: E402
 from plot_reproductions import plot_figure  # noqa: E402
 
 CONFIG_DIR = REPO / "configs"
@@ -55,7 +55,7 @@ def compose(name: str, overrides: list[str], config_dir: Path = CONFIG_DIR):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from cbjax.cli import to_run_config
+    from cbjax.app.cli import to_run_config
 
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         return to_run_config(hydra_compose(config_name="config", overrides=[f"experiment={name}", *overrides]))
@@ -108,7 +108,7 @@ def run_one(name: str, out_root: Path, overrides: list[str], progress: bool, see
 
     A row's `ours`, `arm_values` and plot are the first seed's; `seeds` holds every seed's
     figure and verdict, `verdict` is pass only when every seed passes."""
-    from cbjax.run import run_experiment
+    from cbjax.app.run import run_experiment
 
     per_seed, cfg = [], None
     for seed in seeds:

@@ -34,7 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cbjax.report import markdown_table  # noqa: E402
+from cbjax.report.tables import markdown_table  # noqa: E402
 
 CONFIG_DIR = REPO / "configs"
 # runs this near the median of all runs' medians count as at its speed (the calibration's
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--runs: at least 2 to compare, got {args.runs}")
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
     from cbjax.profile.serving import serve_timed, served_points, serving_runs
-    from cbjax.run import build_executor, resolve
+    from cbjax.app.run import build_executor, resolve
 
     cfg = resolve(compose(args.overrides))
     executor = build_executor(cfg)

@@ -28,7 +28,7 @@ def load_history(overrides: list[str], correlated: int, seed: int):
         return correlated_requests(correlated, seed), 512
     from hydra import compose, initialize_config_dir
 
-    from cbjax.cli import CONFIG_DIR, to_run_config
+    from cbjax.app.cli import CONFIG_DIR, to_run_config
     from cbjax.workload import build_workload
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

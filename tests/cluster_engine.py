@@ -9,8 +9,8 @@ import json
 import sys
 
 from cbjax.config import ClusterConfig, ExecutorConfig, MeshConfig, RunConfig
-from cbjax.engine import serve
-from cbjax.run import build_executor, cluster_executors
+from cbjax.engine.offline import serve
+from cbjax.app.run import build_executor, cluster_executors
 from cbjax.scheduler import Scheduler
 from tp_engine import BUCKETS, CACHE, MODEL, SCHED, workload
 
@@ -60,7 +60,7 @@ def cluster(name: str) -> dict:
     cfg = config(*LAYOUTS[name.removeprefix("ray_").removeprefix("stop_")])
     if not on_ray:
         return report(ClusterEngine(cfg, cluster_executors(cfg)), on_ray, stop)
-    from cbjax.raycluster import RayReplicas
+    from cbjax.cluster.ray_actors import RayReplicas
 
     replicas = RayReplicas(build_executor, num_cpus=2)
     try:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cbjax.executor import StepOutput, SyncExecutor
-from cbjax.request import Request, SamplingParams, Status
+from cbjax.core.executor import StepOutput, SyncExecutor
+from cbjax.core.request import Request, SamplingParams, Status
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -173,7 +173,7 @@ def cbjax_cmd():
 def assert_every_request_ends_once(sched, requests, result, max_model_len):
     """Every request ends exactly once with a fate, no token is lost or repeated across
     preemptions, and every page is back (free, or in the prefix cache) after the run."""
-    from cbjax.request import FinishReason
+    from cbjax.core.request import FinishReason
 
     assert len(sched.finished) == len(requests)
     assert {id(r) for r in sched.finished} == {id(r) for r in requests}
@@ -197,7 +197,7 @@ def sched_requests(sched):
 def make_plan(num_slots, decodes=(), prefills=(), swap_out=(), swap_in=(), **kwargs):
     """A data-only `Schedule` from requests whose `num_computed`/`num_new_tokens` are set by
     hand (cost-model tests); swap entries may name requests. Decodes process one token."""
-    from cbjax.plan import Schedule, ScheduledRequest
+    from cbjax.core.plan import Schedule, ScheduledRequest
 
     def entry(req, decode):
         n = 1 if decode else req.num_new_tokens
@@ -215,7 +215,7 @@ def data_plan(num_slots, decodes=(), prefills=(), page_tables=None, page_size=1,
     `num_new_tokens`, `slot` and tokens set by hand: each entry carries its new token ids (or
     feeds from the previous step when a decode's token is not on the host), its whole
     page-table row from `page_tables`, and its sampling knobs."""
-    from cbjax.plan import Schedule, ScheduledRequest
+    from cbjax.core.plan import Schedule, ScheduledRequest
 
     def entry(r, decode):
         lo, n = r.num_computed, r.num_new_tokens

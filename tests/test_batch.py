@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import data_plan
-from cbjax.plan import Schedule, ScheduledRequest
-from cbjax.request import Request, SamplingParams
+from cbjax.core.plan import Schedule, ScheduledRequest
+from cbjax.core.request import Request, SamplingParams
 from cbjax.runtime.batch import BatchPacker
 from cbjax.layout.shapes import default_token_buckets, plan_shapes
 from cbjax.layout import tiles
@@ -223,7 +223,7 @@ def test_count_steps_matches_the_packed_lists():
 def test_packing_imports_no_jax():
     import subprocess
 
-    code = "import sys, cbjax.runtime.batch, cbjax.layout.shapes, cbjax.plan; print('jax' in sys.modules)"
+    code = "import sys, cbjax.runtime.batch, cbjax.layout.shapes, cbjax.core.plan; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

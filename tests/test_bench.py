@@ -16,7 +16,7 @@ from test_serve import rows, running
 import cbjax.bench.cli  # noqa: F401  registers BenchConfig
 from cbjax.bench.config import BenchConfig
 from cbjax.bench.run import run_bench
-from cbjax.config_merge import check_known_keys
+from cbjax.app.config_merge import check_known_keys
 
 WORKLOAD = ["workload.num_requests=24", "workload.arrival=poisson", "workload.rate=40",
             "workload.prompt_len.low=8", "workload.prompt_len.high=64",

@@ -13,7 +13,7 @@ from test_bench_http import HEAD, bytewise, chunked, cut, scripted_server, sized
 from cbjax.bench.client import loads, send_one
 from cbjax.bench.config import BenchClientConfig
 from cbjax.bench.http import Client
-from cbjax.request import Request
+from cbjax.core.request import Request
 
 
 def sse(*chunks) -> bytes:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from cbjax.sim.acceptance import bootstrap_median_interval, judge, signed_error_pct, summarize_regimes
+from cbjax.profile.acceptance import bootstrap_median_interval, judge, signed_error_pct, summarize_regimes
 
 sys.path.insert(0, str(REPO / "experiments"))
 import calibrate  # noqa: E402

@@ -9,8 +9,8 @@ from hydra.errors import ConfigCompositionException
 
 from conftest import REPO, cbjax_cmd
 from test_scheduler import list_schedule_finish_times, static_iterations
-from cbjax.cli import CONFIG_DIR, to_run_config
-from cbjax.run import run_experiment, with_overrides
+from cbjax.app.cli import CONFIG_DIR, to_run_config
+from cbjax.app.run import run_experiment, with_overrides
 
 TINY_RUN = ["progress=false", "workload.num_requests=24"]
 

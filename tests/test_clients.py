@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cbjax.config import ClientConfig, LengthConfig, WorkloadConfig
-from cbjax.run import with_overrides
+from cbjax.app.run import with_overrides
 from cbjax.config import RunConfig
 from cbjax.workload import build_workload
 

@@ -12,11 +12,11 @@ from conftest import make_requests
 from cbjax.cluster import ClusterSim
 from cbjax.cluster.engine import ClusterEngine
 from cbjax.config import CacheConfig, ClusterConfig, ExecutorConfig, RunConfig, SchedulerConfig, WorkloadConfig
-from cbjax.engine import serve
-from cbjax.outputs import StopFlag
-from cbjax.plan import StepOutput
-from cbjax.request import FinishReason, Status
-from cbjax.run import build_executor, run_single
+from cbjax.engine.offline import serve
+from cbjax.core.stop import StopFlag
+from cbjax.core.plan import StepOutput
+from cbjax.core.request import FinishReason, Status
+from cbjax.app.run import build_executor, run_single
 from cbjax.scheduler.core import Scheduler
 from cbjax.sim import SimExecutor
 from cbjax.sim.cost import UnitCost
@@ -206,8 +206,8 @@ def test_the_cluster_is_host_side_and_below_the_run_layer():
 
     for mod, deps in import_graph().items():
         if mod.startswith("cbjax.cluster"):
-            bad = {d for d in deps if d.startswith(("cbjax.runtime", "cbjax.kernels", "cbjax.model", "cbjax.run"))}
-            bad |= deps & {"cbjax.cli", "cbjax.hydra_job", "cbjax.sweep"}
+            bad = {d for d in deps if d.startswith(("cbjax.runtime", "cbjax.kernels", "cbjax.model", "cbjax.app.run"))}
+            bad |= deps & {"cbjax.app.cli", "cbjax.app.hydra_job", "cbjax.app.sweep"}
             assert not bad, f"{mod} imports {sorted(bad)}"
 
 

@@ -7,9 +7,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from conftest import REPO
-from cbjax.cli import CONFIG_DIR, to_run_config
-from cbjax.reproduction import check_entries
-from cbjax.run import run_single, summary_keys, with_overrides
+from cbjax.app.cli import CONFIG_DIR, to_run_config
+from cbjax.report.reproduction import check_entries
+from cbjax.app.run import run_single, summary_keys, with_overrides
 
 EXPERIMENTS = ["distserve_goodput", "prefix_routing", "splitwise_hetero"]
 

@@ -11,8 +11,8 @@ from cbjax.cluster import ClusterSim
 from cbjax.cluster.engine import ClusterEngine
 from cbjax.cluster.host import turn_length
 from cbjax.config import CacheConfig, ClusterConfig, ExecutorConfig, RunConfig, SchedulerConfig
-from cbjax.plan import StepOutput
-from cbjax.run import build_executor
+from cbjax.core.plan import StepOutput
+from cbjax.app.run import build_executor
 from cbjax.sim import SimExecutor
 from cbjax.sim.cost import UnitCost
 

@@ -8,7 +8,7 @@ import pytest
 from cbjax.cluster import ClusterSim
 from cbjax.config import CacheConfig, ClusterConfig, RunConfig, SchedulerConfig, WorkloadConfig
 from cbjax.config.workload import LengthConfig, SharedPrefixConfig
-from cbjax.run import build_executor
+from cbjax.app.run import build_executor
 from cbjax.workload import build_workload
 from cbjax.workload.shared_prefix import zipf_weights
 

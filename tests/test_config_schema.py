@@ -9,10 +9,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conftest import REPO
-import cbjax.cli  # noqa: F401  registers the RunConfig schema with Hydra
+import cbjax.app.cli  # noqa: F401  registers the RunConfig schema with Hydra
 from cbjax import config as C
-from cbjax.config_merge import to_run_config
-from cbjax.run import run_experiment
+from cbjax.app.config_merge import to_run_config
+from cbjax.app.run import run_experiment
 
 CONFIGS = REPO / "configs"
 GROUP_SCHEMAS = {
@@ -110,7 +110,7 @@ def test_group_yaml_files_hold_only_what_differs_from_the_dataclass_defaults(gro
 
 def test_choice_lists_come_from_the_registries(monkeypatch):
     from cbjax.cache import allocator
-    from cbjax.choices import check_choices
+    from cbjax.app.choices import check_choices
     from cbjax.scheduler.policy import POLICIES, FCFSPolicy
     from cbjax.sim.cost import COST_MODELS, UnitCost
 

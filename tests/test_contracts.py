@@ -8,8 +8,8 @@ import typing
 
 from test_engine import BUDGET, MODEL, fresh, make_executor, workload
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.engine import serve
-from cbjax.executor import Executor
+from cbjax.engine.offline import serve
+from cbjax.core.executor import Executor
 from cbjax.scheduler import Scheduler
 from cbjax.scheduler.policy import FCFSPolicy, PolicyContract, SchedulerView
 

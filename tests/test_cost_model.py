@@ -4,7 +4,7 @@ import pytest
 
 from conftest import make_plan
 from cbjax.config import HardwareConfig, ModelConfig, OverheadConfig
-from cbjax.request import Request
+from cbjax.core.request import Request
 from cbjax.scheduler.core import Schedule
 from cbjax.sim import RooflineCost, UnitCost, make_cost_model
 

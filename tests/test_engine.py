@@ -14,9 +14,9 @@ from flax import nnx
 
 from conftest import cbjax_cmd, native_unavailable
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
-from cbjax.engine import serve
+from cbjax.engine.offline import serve
 from cbjax.model import Llama, forward_dense
-from cbjax.request import FinishReason, Request, SamplingParams
+from cbjax.core.request import FinishReason, Request, SamplingParams
 from cbjax.runtime import programs
 from cbjax.runtime.executor import JaxExecutor
 from cbjax.runtime.kv_cache import init_cache

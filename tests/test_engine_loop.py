@@ -9,9 +9,10 @@ import pytest
 
 from conftest import CheckingExecutor
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.engine import PACE_SLACK_S, EngineLoop, serve
-from cbjax.executor import Executor
-from cbjax.request import FinishReason, Request, SamplingParams
+from cbjax.engine.loop import PACE_SLACK_S, EngineLoop
+from cbjax.engine.offline import serve
+from cbjax.core.executor import Executor
+from cbjax.core.request import FinishReason, Request, SamplingParams
 from cbjax.scheduler import Scheduler
 from cbjax.sim import SimExecutor
 from cbjax.sim.cost import UnitCost

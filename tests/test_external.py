@@ -22,7 +22,7 @@ def test_every_external_row_is_within_its_tolerance(row):
 
 
 def test_rows_name_their_stack():
-    from cbjax.run import with_overrides
+    from cbjax.app.run import with_overrides
 
     anyscale = next(r for r in external.ROWS if r.get("experiment") == "anyscale_output_cap")
     cfg = external._compose([], anyscale["experiment"])

@@ -22,13 +22,13 @@ transformers = pytest.importorskip("transformers")
 from cbjax.config import (  # noqa: E402
     CacheConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig,
 )  # fmt: skip
-from cbjax.engine import serve  # noqa: E402
+from cbjax.engine.offline import serve  # noqa: E402
 from cbjax.model import forward_dense  # noqa: E402
 from cbjax.model.hf import load_config, load_model, name_map  # noqa: E402
 from conftest import data_plan  # noqa: E402
 from cbjax.model.tokenizer import load_tokenizer  # noqa: E402
-from cbjax.request import FinishReason, Request, SamplingParams  # noqa: E402
-from cbjax.run import run_single  # noqa: E402
+from cbjax.core.request import FinishReason, Request, SamplingParams  # noqa: E402
+from cbjax.app.run import run_single  # noqa: E402
 from cbjax.runtime.batch import BatchPacker  # noqa: E402
 from cbjax.runtime.executor import JaxExecutor, to_device  # noqa: E402
 from cbjax.runtime.kv_cache import init_cache  # noqa: E402

@@ -30,6 +30,6 @@ def test_apps_compose_from_the_installed_package(installed, tmp_path, env_cpu, m
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert expected in proc.stdout
-    probe = "import cbjax, cbjax.cli; print(cbjax.__file__, cbjax.cli.CONFIG_PATH)"
+    probe = "import cbjax, cbjax.app.cli; print(cbjax.__file__, cbjax.app.cli.CONFIG_PATH)"
     where = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert where.stdout.split() == [str(installed / "cbjax" / "__init__.py"), "pkg://cbjax.configs"]

@@ -14,7 +14,7 @@ from conftest import REPO
 # 0.5 s a file, printing markers on stderr so the test can signal at a known moment.
 RUNNER = """
 import sys, time
-import cbjax.outputs, cbjax.report, cbjax.run
+import cbjax.report.files, cbjax.report.tables, cbjax.app.run
 from cbjax.sim.executor import SimExecutor
 
 execute = SimExecutor.execute
@@ -26,14 +26,14 @@ def slow_execute(self, plan):
     return execute(self, plan)
 SimExecutor.execute = slow_execute
 
-write = cbjax.outputs.atomic_write_text
+write = cbjax.report.files.atomic_write_text
 def slow_write(path, text):
     print("MARK writing " + path.name, file=sys.stderr, flush=True)
     time.sleep(0.5)
     write(path, text)
-cbjax.report.atomic_write_text = slow_write
+cbjax.report.tables.atomic_write_text = slow_write
 
-from cbjax.cli import main
+from cbjax.app.cli import main
 main()
 """
 RUN = ["progress=false", "executor.cost_model=unit", "scheduler.max_num_seqs=4", "workload.num_requests=60",
@@ -147,9 +147,9 @@ def test_an_experiment_interrupted_between_arms_keeps_the_finished_ones(tmp_path
 def test_the_live_request_log_holds_finished_requests_before_the_end(tmp_path):
     from conftest import CheckingExecutor, make_requests
     from cbjax.config import CacheConfig, SchedulerConfig
-    from cbjax.engine import serve
-    from cbjax.metrics import request_row
-    from cbjax.outputs import RequestLog
+    from cbjax.engine.offline import serve
+    from cbjax.report.metrics import request_row
+    from cbjax.report.files import RequestLog
     from cbjax.scheduler import Scheduler
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=1), CacheConfig(num_pages=64, page_size=4), 1000)
@@ -169,8 +169,8 @@ def test_the_live_request_log_holds_finished_requests_before_the_end(tmp_path):
 
 
 def test_the_live_request_log_flushes_within_flush_s(tmp_path):
-    from cbjax.outputs import RequestLog
-    from cbjax.request import Request
+    from cbjax.report.files import RequestLog
+    from cbjax.core.request import Request
 
     live = RequestLog(tmp_path / "requests.jsonl", lambda r: {"request_id": r.request_id}, flush_s=0.2)
     partial = tmp_path / "requests.jsonl.partial"

@@ -9,8 +9,8 @@ from cbjax.cache import make_allocator
 from cbjax.cache import ALLOCATIONS
 from cbjax.cache.allocator import ROOT_HASH, chain_hashes
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.engine import serve
-from cbjax.metrics import KV_SHARES, summarize
+from cbjax.engine.offline import serve
+from cbjax.report.metrics import KV_SHARES, summarize
 from cbjax.scheduler import Scheduler
 
 RESERVATIONS = [a for a in ALLOCATIONS if a != "paged"]

@@ -26,7 +26,7 @@ def test_importing_the_simulator_imports_no_jax_and_sets_no_xla_flags():
 def test_the_engine_side_still_sets_its_flags():
     # the check above can fail: importing the engine's runtime sets XLA_FLAGS (where cbjax's
     # defaults apply to this jaxlib)
-    code = ("import os; from cbjax.xla_defaults import apply; expected = bool(apply({}));"
+    code = ("import os; from cbjax.runtime.xla_defaults import apply; expected = bool(apply({}));"
             "import cbjax.runtime; print((os.environ.get('XLA_FLAGS') is not None) == expected)")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from conftest import REPO, cbjax_cmd
-from cbjax.outputs import RequestLog, unwritable
+from cbjax.report.files import RequestLog, unwritable
 
 RUN = ["progress=false", "workload.num_requests=6", "executor.cost_model=unit"]
 
@@ -14,14 +14,14 @@ RUN = ["progress=false", "workload.num_requests=6", "executor.cost_model=unit"]
 VANISHING = """
 import shutil, sys
 from pathlib import Path
-import cbjax.run
-real = cbjax.run.write_service_series
+import cbjax.app.run
+real = cbjax.app.run.write_service_series
 def vanish_then_write(out_dir, rows):
     shutil.rmtree(out_dir)
     Path(out_dir).write_text("not a folder")
     return real(out_dir, rows)
-cbjax.run.write_service_series = vanish_then_write
-from cbjax.cli import main
+cbjax.app.run.write_service_series = vanish_then_write
+from cbjax.app.cli import main
 sys.argv = ["cbjax", *sys.argv[1:]]
 main()
 """
@@ -78,8 +78,8 @@ def test_the_check_and_the_live_log_tolerate_a_lost_folder(tmp_path):
 def test_write_run_names_the_folder_it_cannot_write(tmp_path):
     import pytest
 
-    from cbjax.outputs import OutputError
-    from cbjax.report import write_run
+    from cbjax.report.files import OutputError
+    from cbjax.report.tables import write_run
 
     out = blocked(tmp_path)
     with pytest.raises(OutputError, match=f"^cannot write the output folder {out}: Not a directory$"):

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from conftest import REPO, make_plan
 from cbjax import config as C
 from cbjax.config.overhead import load_overhead
-from cbjax.config_merge import merge_overrides
+from cbjax.app.config_merge import merge_overrides
 from cbjax.sim import make_cost_model
 from test_config_schema import composed
 from test_cost_model import HW, MODEL, req

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import AZURE_TRACE, REPO, cbjax_cmd
 from test_config_schema import composed
-from cbjax.run import run_experiment
+from cbjax.app.run import run_experiment
 from cbjax.workload import build_workload
 
 SAMPLE = "pkg://cbjax.data/AzureLLMInferenceTrace_code_sample.csv"

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from conftest import CheckingExecutor, assert_every_request_ends_once, make_requests
 from cbjax.cache import ALLOCATIONS
-from cbjax.choices import policy_names
+from cbjax.app.choices import policy_names
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.engine import serve
-from cbjax.request import Status
+from cbjax.engine.offline import serve
+from cbjax.core.request import Status
 from cbjax.scheduler import POLICIES, Scheduler
 
 LOOSE = dict(max_num_batched_tokens=1_000_000)
@@ -67,7 +67,7 @@ def test_every_policy_is_registered_and_configurable():
 def test_yaml_inherits_fcfs(policy):
     from hydra import compose, initialize_config_dir
 
-    from cbjax.cli import CONFIG_DIR, to_run_config
+    from cbjax.app.cli import CONFIG_DIR, to_run_config
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = to_run_config(compose(config_name="config", overrides=[f"scheduler={policy}"]))

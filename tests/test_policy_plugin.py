@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REPO, cbjax_cmd
 from test_config_schema import composed
-from cbjax.run import run_experiment
+from cbjax.app.run import run_experiment
 from cbjax.scheduler.policy import make_policy
 
 WORKLOAD = ["progress=false", "executor.cost_model=unit", "scheduler.max_num_seqs=8", "workload.num_requests=40",
@@ -41,7 +41,7 @@ def test_the_example_policy_takes_its_knobs_from_policy_args(monkeypatch):
                    "+scheduler.policy_args.long_prompt=100", "+scheduler.policy_args.penalty=3")  # fmt: skip
     policy = make_policy(cfg.scheduler)
     assert (policy.long_prompt, policy.penalty) == (100, 3)
-    from cbjax.request import Request
+    from cbjax.core.request import Request
 
     short, long_ = Request("s", 0.0, 100), Request("l", 0.0, 101)
     assert (policy.rank(short), policy.rank(long_)) == (100, 303)
@@ -57,5 +57,5 @@ def test_a_bad_policy_class_fails_naming_the_key():
         composed("scheduler.policy_class=no_colon")
     with pytest.raises(ValueError, match=r"scheduler\.policy_class: cannot import module 'nowhere_xyz'"):
         make_policy(composed("scheduler.policy_class=nowhere_xyz:P").scheduler)
-    with pytest.raises(ValueError, match=r"scheduler\.policy_class: 'cbjax.request:Request' is not a subclass"):
-        make_policy(composed("scheduler.policy_class=cbjax.request:Request").scheduler)
+    with pytest.raises(ValueError, match=r"scheduler\.policy_class: 'cbjax.core.request:Request' is not a subclass"):
+        make_policy(composed("scheduler.policy_class=cbjax.core.request:Request").scheduler)

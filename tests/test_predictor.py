@@ -9,7 +9,7 @@ import pytest
 
 from conftest import make_requests
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.engine import serve
+from cbjax.engine.offline import serve
 from cbjax.predictor import LearnedPredictor, MeanPredictor, OraclePredictor, feature_matrix, kendall_tau
 from cbjax.predictor.data import correlated_requests, output_lengths
 from cbjax.predictor.features import NUM_FEATURES

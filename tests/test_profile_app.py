@@ -8,7 +8,7 @@ import json
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from cbjax.cli import CONFIG_DIR
+from cbjax.app.cli import CONFIG_DIR
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.profile.anchor import anchor_config
 from cbjax.profile.runner import ProfileRunConfig, run_profile

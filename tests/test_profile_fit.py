@@ -15,7 +15,7 @@ from cbjax.profile.refit import refit
 from cbjax.profile.residuals import held_out_residuals
 from cbjax.profile.served_fit import censored, fit_drain, fit_launch, fit_served
 from cbjax.profile.serving import anchor_rounds, held_out_round, serving_round_count, serving_runs
-from cbjax.sim.fit import fit_costs
+from cbjax.profile.fit import fit_costs
 from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS
 
 # the truth the synthetic served logs are drawn from

@@ -12,15 +12,15 @@ import pytest
 
 from conftest import make_plan
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig
-from cbjax.plan import Schedule, StepOutput
+from cbjax.core.plan import Schedule, StepOutput
 from cbjax.profile.grid import GridPoint, build_schedule, profile_grid
 from cbjax.profile.measure import fit_profile, measure_buckets, measure_steps, others_share
-from cbjax.request import Request
+from cbjax.core.request import Request
 from cbjax.runtime.batch import BatchPacker
 from cbjax.layout.shapes import plan_shapes
 from cbjax.layout.tiles import PAGES_BLOCK, PAGES_SINGLE
 from cbjax.sim import make_cost_model
-from cbjax.sim.fit import fit_costs, nnls
+from cbjax.profile.fit import fit_costs, nnls
 from cbjax.sim.profiled import (
     COLD_TERMS, STEP_TERMS, SWAP_TERMS, count_tiles, pages_read, profile_key, step_features, steps_since_larger,
 )  # fmt: skip
@@ -432,7 +432,7 @@ def test_a_profile_rewritten_in_place_is_read_again(tmp_path):
 
 
 def test_profiled_simulator_runs_are_deterministic(tmp_path):
-    from cbjax.run import run_single
+    from cbjax.app.run import run_single
 
     path = write_profile(tmp_path / "p.json", page_size=4, num_slots=4)
     workload = WorkloadConfig(num_requests=30, arrival="poisson", rate=200.0)

@@ -9,9 +9,9 @@ import pytest
 from conftest import CheckingExecutor, make_plan, make_requests
 from cbjax.cache.sizing import auto_num_pages
 from cbjax.config import CacheConfig, HardwareConfig, LengthConfig, OverheadConfig, RunConfig, SchedulerConfig
-from cbjax.engine import serve
-from cbjax.metrics import summarize
-from cbjax.run import resolve
+from cbjax.engine.offline import serve
+from cbjax.report.metrics import summarize
+from cbjax.app.run import resolve
 from cbjax.scheduler import Scheduler
 from cbjax.sim import RooflineCost
 from cbjax.workload.synthetic import sample_lengths

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REPO
 from test_cli import composed
-from cbjax.run import run_experiment
+from cbjax.app.run import run_experiment
 
 sys.path.insert(0, str(REPO / "experiments"))
 import reproduce  # noqa: E402
@@ -71,7 +71,7 @@ def test_reproduce_script_writes_the_doc_and_plots(tmp_path, capsys):
 
 
 def test_fit_flags_and_seed_spread_by_hand():
-    from cbjax.reproduction import fit_flags, seed_spread
+    from cbjax.report.reproduction import fit_flags, seed_spread
 
     entries = [{"setting": "a"}, {"setting": "b, with the knob"}, {"setting": "c"}]
     assert fit_flags(entries, ["b, with the knob"]) == [False, True, False]
@@ -89,7 +89,7 @@ def test_fit_flags_and_seed_spread_by_hand():
 def test_every_reproduction_declares_its_fit_rows_and_they_name_rows(name):
     import yaml
 
-    from cbjax.reproduction import fit_flags
+    from cbjax.report.reproduction import fit_flags
 
     raw = yaml.safe_load((REPO / "configs" / "experiment" / f"{name}.yaml").read_text())
     assert "fit_rows" in raw["experiment"], f"{name}: declare experiment.fit_rows (an empty list if none)"

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from cbjax.config import ExperimentConfig, RunConfig, WorkloadConfig
-from cbjax.reproduction import check_entries, evaluate, format_rows, write_reproduction
-from cbjax.run import run_experiment
+from cbjax.report.reproduction import check_entries, evaluate, format_rows, write_reproduction
+from cbjax.app.run import run_experiment
 
 SUMMARIES = {
     "a": {"tput": 100.0, "lat": 6.666, "client_service": {"x": 437.0, "y": 876.0}, "none": None},

@@ -4,9 +4,9 @@ and the mechanism each paper result rests on shows at a few dozen requests."""
 import pytest
 from hydra import compose, initialize_config_dir
 
-from cbjax.cli import CONFIG_DIR, to_run_config
-from cbjax.metrics import KV_SHARES
-from cbjax.run import resolve, run_single, with_overrides
+from cbjax.app.cli import CONFIG_DIR, to_run_config
+from cbjax.report.metrics import KV_SHARES
+from cbjax.app.run import resolve, run_single, with_overrides
 
 EXPERIMENTS = [
     "vllm_kv_utilization",

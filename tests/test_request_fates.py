@@ -5,11 +5,11 @@ import json
 from conftest import CheckingExecutor, make_requests
 from test_config_schema import composed
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.engine import serve
-from cbjax.executor import StepOutput
-from cbjax.metrics import request_row, summarize
-from cbjax.request import FinishReason, Request, SamplingParams
-from cbjax.run import run_experiment
+from cbjax.engine.offline import serve
+from cbjax.core.executor import StepOutput
+from cbjax.report.metrics import request_row, summarize
+from cbjax.core.request import FinishReason, Request, SamplingParams
+from cbjax.app.run import run_experiment
 from cbjax.scheduler import Scheduler
 
 LOOSE = {"max_num_batched_tokens": 100000}

@@ -116,7 +116,7 @@ USER_ROUTER = textwrap.dedent(
 def test_a_users_router_from_its_own_directory_gives_round_robins_assignments(tmp_path, monkeypatch):
     from cbjax.cluster import ClusterSim
     from cbjax.config import RunConfig, SchedulerConfig, WorkloadConfig
-    from cbjax.run import build_executor
+    from cbjax.app.run import build_executor
     from cbjax.workload import build_workload
 
     (tmp_path / "my_routers.py").write_text(USER_ROUTER)
@@ -146,7 +146,7 @@ def test_a_users_router_from_its_own_directory_gives_round_robins_assignments(tm
 def test_a_router_returning_no_replica_fails_naming_it(tmp_path, monkeypatch):
     from cbjax.cluster import ClusterSim
     from cbjax.config import RunConfig
-    from cbjax.run import build_executor
+    from cbjax.app.run import build_executor
     from cbjax.workload import build_workload
 
     (tmp_path / "bad_routers.py").write_text(

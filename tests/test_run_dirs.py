@@ -15,7 +15,7 @@ class Frozen(datetime.datetime):
     def now(cls, tz=None):
         return cls(2026, 1, 2, 3, 4, 5)
 hydra.core.utils.datetime = Frozen
-from cbjax.cli import main
+from cbjax.app.cli import main
 sys.argv = ["cbjax", *sys.argv[1:]]
 main()
 """

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from conftest import CheckingExecutor, ContentCheckingExecutor, assert_every_request_ends_once, make_requests
 from cbjax.cache import ALLOCATIONS
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.engine import serve
-from cbjax.executor import SyncExecutor
-from cbjax.metrics import summarize
-from cbjax.request import FinishReason, Request, SamplingParams
+from cbjax.engine.offline import serve
+from cbjax.core.executor import SyncExecutor
+from cbjax.report.metrics import summarize
+from cbjax.core.request import FinishReason, Request, SamplingParams
 from cbjax.scheduler import POLICIES, Scheduler
 from cbjax.scheduler.policy import FCFSPolicy
 from cbjax.sim import SimExecutor, UnitCost
@@ -217,7 +217,7 @@ def test_target_shorter_than_max_tokens_finishes_as_eos():
 def test_real_tokens_stop_on_eos_and_stop_ids():
     class Scripted(SyncExecutor):
         def execute(self, plan):
-            from cbjax.executor import StepOutput
+            from cbjax.core.executor import StepOutput
 
             return StepOutput(token_ids=[7 if r.request_id == "a" else 9 for r in plan.scheduled], duration_s=1.0)
 

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO
 import cbjax.serve.cli  # noqa: F401  registers ServeConfig and serve.yaml's resolver
-from cbjax.config_merge import check_known_keys
+from cbjax.app.config_merge import check_known_keys
 from cbjax.serve.config import ServeConfig
 from cbjax.serve.server import Server
 from cbjax.serve.text import ByteTokenizer

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cbjax.request import Request, SamplingParams
+from cbjax.core.request import Request, SamplingParams
 from cbjax.serve.bridge import EngineBridge, Finished, Token
 
 

@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 
 from conftest import make_requests
 from cbjax.config import CacheConfig, MetricsConfig, SchedulerConfig, ServiceWeights, SLOConfig
-from cbjax.engine import serve
-from cbjax.metrics import summarize
+from cbjax.engine.offline import serve
+from cbjax.report.metrics import summarize
 from cbjax.scheduler.core import Scheduler
-from cbjax.service import ServiceLog, client_service, service_series, service_summary, write_service_series
+from cbjax.report.service import ServiceLog, client_service, service_series, service_summary, write_service_series
 from cbjax.sim import SimExecutor
 from cbjax.sim.cost import UnitCost
 

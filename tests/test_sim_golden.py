@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from cbjax.cli import CONFIG_DIR, to_run_config
-from cbjax.run import run_single
+from cbjax.app.cli import CONFIG_DIR, to_run_config
+from cbjax.app.run import run_single
 
 GOLDEN = Path(__file__).parent / "golden" / "sim_runs.json"
 

@@ -14,7 +14,7 @@ from cbjax.config import ModelConfig
 from cbjax.model import Llama, forward_dense
 from cbjax.model.llama import RMSNorm
 from conftest import data_plan
-from cbjax.request import Request
+from cbjax.core.request import Request
 from cbjax.runtime.batch import BatchPacker
 from cbjax.runtime.executor import to_device
 from cbjax.runtime.kv_cache import KVCache

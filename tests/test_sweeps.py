@@ -15,8 +15,8 @@ import yaml
 
 from conftest import REPO, cbjax_cmd
 from test_cli import composed
-from cbjax.run import run_experiment, with_overrides
-from cbjax.sweep import COMPLETE, SKIPPED, interrupted, objective, run_job
+from cbjax.app.run import run_experiment, with_overrides
+from cbjax.app.sweep import COMPLETE, SKIPPED, interrupted, objective, run_job
 
 _spec = importlib.util.spec_from_file_location("collect_sweep", REPO / "experiments" / "collect_sweep.py")
 collect_sweep = sys.modules["collect_sweep"] = importlib.util.module_from_spec(_spec)
@@ -205,7 +205,7 @@ def _compose_with_hydra(*overrides):
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from cbjax.cli import CONFIG_DIR, to_run_config
+    from cbjax.app.cli import CONFIG_DIR, to_run_config
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)

@@ -16,7 +16,7 @@ import pytest
 from conftest import cbjax_cmd
 from cbjax.config import DistributedConfig, ExecutorConfig, ExperimentConfig, MeshConfig, ModelConfig, RunConfig, SchedulerConfig
 from cbjax.runtime.batch import BatchPacker
-from cbjax.multihost import start
+from cbjax.app.multihost import start
 from cbjax.runtime.distributed import PlanLink
 from cbjax.runtime.hlo import all_reduce_traffic
 from cbjax.runtime.mesh import check_tensor_parallel

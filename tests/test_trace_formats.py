@@ -6,7 +6,7 @@ import json
 import pytest
 
 from cbjax.config import WorkloadConfig
-from cbjax.run import run_experiment
+from cbjax.app.run import run_experiment
 from cbjax.workload.trace import load_trace
 from test_config_schema import composed
 from test_workload import _trace, _write

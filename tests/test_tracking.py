@@ -13,9 +13,9 @@ from conftest import cbjax_cmd
 from test_cli import composed
 from test_sweeps import collect_sweep
 from cbjax.config import LoggerConfig
-from cbjax.run import run_experiment
-from cbjax.sweep import comparable_config
-from cbjax.tracking import check_available, flatten, log_run
+from cbjax.app.run import run_experiment
+from cbjax.app.sweep import comparable_config
+from cbjax.app.tracking import check_available, flatten, log_run
 
 TINY = ["progress=false", "workload.num_requests=20", "executor.cost_model=unit"]
 

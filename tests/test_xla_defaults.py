@@ -9,7 +9,7 @@ from importlib import metadata
 
 import pytest
 
-from cbjax import xla_defaults
+from cbjax.runtime import xla_defaults
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type="
 CHECKED = metadata.version("jaxlib").startswith(xla_defaults._CHECKED_JAXLIB)
@@ -49,7 +49,7 @@ def test_this_jaxlib_accepts_the_flag():
 def test_the_scheduler_side_sets_no_flags():
     """Only the engine (cbjax.runtime) applies the flags; config, scheduler and simulator do not."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CBJAX_XLA_DEFAULTS")}
-    code = "import os, cbjax.config, cbjax.scheduler, cbjax.sim, cbjax.run; print(os.environ.get('XLA_FLAGS', 'unset'))"
+    code = "import os, cbjax.config, cbjax.scheduler, cbjax.sim, cbjax.app.run; print(os.environ.get('XLA_FLAGS', 'unset'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["unset"]

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, MeshConfig, ModelConfig, SchedulerConfig
-from cbjax.engine import serve
-from cbjax.request import Request, SamplingParams
+from cbjax.engine.offline import serve
+from cbjax.core.request import Request, SamplingParams
 from cbjax.runtime.executor import JaxExecutor
 from cbjax.runtime.hlo import all_reduce_traffic
 from cbjax.scheduler import Scheduler

@@ -12,8 +12,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from cbjax.bench.config import BenchConfig
-from cbjax.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
-from cbjax.config_merge import check_known_keys
+from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
+from cbjax.app.config_merge import check_known_keys
 
 ConfigStore.instance().store(name="bench_base_config", node=BenchConfig)
 

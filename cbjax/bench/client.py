@@ -21,7 +21,7 @@ import numpy as np
 
 from cbjax.bench.config import BenchClientConfig
 from cbjax.bench.http import Client, HTTPError
-from cbjax.request import FinishReason, Request
+from cbjax.core.request import FinishReason, Request
 
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
 WORDS = ("the", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "by", "at", "from",

@@ -10,10 +10,10 @@ from typing import Any, Optional
 
 from cbjax.bench.client import Timing, apply, itls, run_load
 from cbjax.bench.config import BenchConfig
-from cbjax.engine import IterationStats, RunResult
-from cbjax.metrics import summarize
-from cbjax.report import markdown_table, write_run
-from cbjax.request import FinishReason, Request
+from cbjax.core.results import IterationStats, RunResult
+from cbjax.report.metrics import summarize
+from cbjax.report.tables import markdown_table, write_run
+from cbjax.core.request import FinishReason, Request
 from cbjax.workload import build_workload
 from cbjax.workload.trace import encode_text_prompts
 

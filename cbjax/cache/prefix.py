@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cbjax.cache.allocator import ROOT_HASH, PageAllocator, chain_hashes
-from cbjax.request import Request
+from cbjax.core.request import Request
 
 
 class PrefixCache:

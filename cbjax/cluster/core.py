@@ -19,11 +19,12 @@ from cbjax.cluster.prefix_index import prompt_page_hashes
 from cbjax.cluster.replica import Replica
 from cbjax.cluster.router import RouteRequest, make_router
 from cbjax.config import RunConfig
-from cbjax.engine import EngineLoop, IterationStats, RunResult
-from cbjax.metrics import SERVED
-from cbjax.request import FinishReason, Request, Status
+from cbjax.engine.loop import EngineLoop
+from cbjax.core.results import IterationStats, RunResult
+from cbjax.report.metrics import SERVED
+from cbjax.core.request import FinishReason, Request, Status
 from cbjax.scheduler.core import Scheduler
-from cbjax.service import ServiceLog
+from cbjax.report.service import ServiceLog
 
 
 class ClusterServiceLog(ServiceLog):
@@ -61,7 +62,7 @@ class ClusterBase:
         make_loop: Callable[..., EngineLoop] = EngineLoop,
     ):
         """`make_executor(replica_cfg)` builds each replica's executor, in replica order
-        (`cbjax.run.build_executor`); `make_loop` its `EngineLoop`."""
+        (`cbjax.app.run.build_executor`); `make_loop` its `EngineLoop`."""
         self.cfg = cfg
         self.router = make_router(cfg.cluster.router, cfg.cluster.router_args)
         self.service_log = ClusterServiceLog()

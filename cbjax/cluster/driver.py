@@ -40,9 +40,9 @@ from cbjax.cluster.core import ClusterBase, ClusterServiceLog, Handoff, first_to
 from cbjax.cluster.host import SharedHostExecutor, turn_length
 from cbjax.cluster.replica import Replica
 from cbjax.config import RunConfig
-from cbjax.engine import RunResult
-from cbjax.outputs import StopFlag
-from cbjax.request import FinishReason, Request
+from cbjax.core.results import RunResult
+from cbjax.core.stop import StopFlag
+from cbjax.core.request import FinishReason, Request
 
 __all__ = ["ClusterServiceLog", "ClusterSim", "check_supported", "first_token_reason"]
 
@@ -54,7 +54,7 @@ class ClusterSim(ClusterBase):
     """Replicas behind a router on one virtual clock; `serve` runs a list of requests."""
 
     def __init__(self, cfg: RunConfig, make_executor: Callable[[RunConfig], Any]):
-        """`make_executor(replica_cfg)` builds one replica's executor (`cbjax.run.build_executor`)."""
+        """`make_executor(replica_cfg)` builds one replica's executor (`cbjax.app.run.build_executor`)."""
         check_supported(cfg)
         self._host_share = cfg.cluster.host_share
         if self._host_share is not None:  # one host for all replicas, in turns (cbjax.cluster.host)
@@ -146,7 +146,7 @@ class ClusterSim(ClusterBase):
         on_finish: Optional[Callable[[Request], None]] = None,
     ) -> RunResult:
         """Serve `requests` (any order), each at its `arrival_s`; every request ends with a fate
-        (as `cbjax.engine.serve`, `stop` included). The result covers the whole cluster."""
+        (as `cbjax.engine.offline.serve`, `stop` included). The result covers the whole cluster."""
         wall0 = time.perf_counter()
         self._on_finish = on_finish
         pending = self._pending = deque(sorted(requests, key=lambda r: r.arrival_s))

@@ -22,9 +22,9 @@ from typing import Any, Callable, Optional
 
 from cbjax.cluster.core import ClusterBase
 from cbjax.config import RunConfig
-from cbjax.engine import RunResult
-from cbjax.outputs import StopFlag
-from cbjax.request import FinishReason, Request
+from cbjax.core.results import RunResult
+from cbjax.core.stop import StopFlag
+from cbjax.core.request import FinishReason, Request
 
 
 class ClusterEngine(ClusterBase):
@@ -34,7 +34,7 @@ class ClusterEngine(ClusterBase):
 
     def __init__(self, cfg: RunConfig, make_executor: Callable[[RunConfig], Any], clock: Callable[[], float] = time.perf_counter):
         """`make_executor(replica_cfg)` builds each replica's engine executor on its own devices,
-        in replica order (`cbjax.run.cluster_executors`)."""
+        in replica order (`cbjax.app.run.cluster_executors`)."""
         check_engine_supported(cfg)
         super().__init__(cfg, make_executor)
         self._clock = clock
@@ -80,7 +80,7 @@ class ClusterEngine(ClusterBase):
         on_finish: Optional[Callable[[Request], None]] = None,
     ) -> RunResult:
         """Warm every replica up, then serve `requests` (any order), each at its `arrival_s` on
-        the wall clock; every request ends with a fate (as `cbjax.engine.serve`)."""
+        the wall clock; every request ends with a fate (as `cbjax.engine.offline.serve`)."""
         self._on_finish = on_finish
         warmup_s = self.warmup(any(r.sampling.temperature > 0 for r in requests))
         self._t0 = self._clock()

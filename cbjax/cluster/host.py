@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from cbjax.executor import SyncExecutor
-from cbjax.plan import Schedule, StepOutput
-from cbjax.request import Request
+from cbjax.core.executor import SyncExecutor
+from cbjax.core.plan import Schedule, StepOutput
+from cbjax.core.request import Request
 
 
 def turn_length(spans: Sequence[float], host_share: float) -> float:

@@ -56,7 +56,7 @@ def pool_config(cfg: RunConfig, hardware: Optional[str], tensor: Optional[int], 
 
 
 def sized(cfg: RunConfig) -> RunConfig:
-    """`cfg` with `cache.num_pages=auto` resolved for its own hardware (as `cbjax.run.resolve`)."""
+    """`cfg` with `cache.num_pages=auto` resolved for its own hardware (as `cbjax.app.run.resolve`)."""
     if cfg.cache.num_pages != "auto":
         return cfg
     from cbjax.cache.sizing import auto_num_pages

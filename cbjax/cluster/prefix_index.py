@@ -14,7 +14,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from cbjax.cache.allocator import ROOT_HASH, chain_hashes
-from cbjax.request import Request
+from cbjax.core.request import Request
 
 
 def prompt_page_hashes(req: Request, page_size: int) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from cbjax.cluster.prefix_index import PrefixIndex
 from cbjax.config import RunConfig
-from cbjax.engine import EngineLoop
+from cbjax.engine.loop import EngineLoop
 from cbjax.scheduler.core import Scheduler
 
 

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
-from cbjax.plugins import load_class
+from cbjax.core.plugins import load_class
 
 
 @dataclass(frozen=True)

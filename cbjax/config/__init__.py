@@ -1,6 +1,6 @@
 """Typed run configuration: one dataclass per Hydra group, each checking its own rules.
 
-The library never imports Hydra; `cbjax.cli` registers these schemas in Hydra's ConfigStore
+The library never imports Hydra; `cbjax.app.cli` registers these schemas in Hydra's ConfigStore
 so a misspelled key or a wrong type fails at startup with the key's name.
 
 The groups live by job: the engine's (scheduler, cache, executor, distributed) and the run
@@ -44,7 +44,7 @@ MATMUL_IMPLS = ("auto", "native", "xla")
 
 # Choice lists that have a registry are read from it, so a registered addition is selectable.
 # The policy and cost-model registries import this module: their names are checked where a
-# config enters a run (`cbjax.choices`); the allocator's list imports nothing of ours.
+# config enters a run (`cbjax.app.choices`); the allocator's list imports nothing of ours.
 def allocation_names() -> list[str]:
     from cbjax.cache.allocator import ALLOCATIONS
 
@@ -128,7 +128,7 @@ class SchedulerConfig:
 class CacheConfig:
     page_size: int = 16
     # An int, or "auto": sized as vLLM does from hardware.mem_bytes x memory_utilization minus
-    # the weights (resolved by `cbjax.run.resolve`, reported in summary.json's num_pages).
+    # the weights (resolved by `cbjax.app.run.resolve`, reported in summary.json's num_pages).
     num_pages: Any = 4096
     memory_utilization: float = 0.9
     # paged: pages on demand. reserve_max | reserve_pow2 | reserve_oracle: Orca-style contiguous
@@ -170,7 +170,7 @@ class CacheConfig:
     def swap_capacity(self) -> int:
         """Host pages available to swap preemption."""
         if self.num_pages == "auto" and self.num_swap_pages is None:
-            raise ValueError("cache.num_pages=auto must be resolved (cbjax.run.resolve) before use")
+            raise ValueError("cache.num_pages=auto must be resolved (cbjax.app.run.resolve) before use")
         return self.num_pages if self.num_swap_pages is None else self.num_swap_pages
 
 

@@ -20,10 +20,10 @@ class ExperimentConfig:
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Each table: {title: str, arms: [name, ...], metrics: [key, ...]}; ratios are vs the first arm.
     tables: list[dict[str, Any]] = field(default_factory=list)
-    # Published numbers to check against the arms' summaries (schema: cbjax.reproduction).
+    # Published numbers to check against the arms' summaries (schema: cbjax.report.reproduction).
     reproduction: list[dict[str, Any]] = field(default_factory=list)
     # The settings of the reproduction rows any knob (an overhead, a modelling choice) was fitted
-    # or chosen on; every other row is held out (cbjax.reproduction.fit_flags).
+    # or chosen on; every other row is held out (cbjax.report.reproduction.fit_flags).
     fit_rows: list[str] = field(default_factory=list)
     # Where ours differs from the paper, the modelling difference that explains it (for
     # docs/REPRODUCTIONS.md, written by experiments/reproduce.py).
@@ -40,11 +40,11 @@ class ServiceWeights:
 
 @dataclass
 class MetricsConfig:
-    """What summary.json measures beyond the defaults (see cbjax.service)."""
+    """What summary.json measures beyond the defaults (see cbjax.report.service)."""
 
     # client_service in summary.json and client_service.csv weigh tokens with these.
     service_weights: ServiceWeights = field(default_factory=ServiceWeights)
-    # [start, end] in seconds: restrict the summary to this window (rules in cbjax.service).
+    # [start, end] in seconds: restrict the summary to this window (rules in cbjax.report.service).
     window_s: Optional[list[float]] = None
     # Bin width of client_service.csv. None: a hundredth of the run (or window).
     series_bin_s: Optional[float] = None
@@ -77,7 +77,7 @@ class SLOConfig:
 
 @dataclass
 class LoggerConfig:
-    """Experiment tracking of the `cbjax` command (cbjax.tracking); each backend reads its own knobs."""
+    """Experiment tracking of the `cbjax` command (cbjax.app.tracking); each backend reads its own knobs."""
 
     name: str = "none"
     experiment_name: str = "cbjax"  # MLflow experiment, W&B project

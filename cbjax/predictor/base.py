@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from cbjax.request import Request
+from cbjax.core.request import Request
 
 if TYPE_CHECKING:
     from cbjax.config import SchedulerConfig

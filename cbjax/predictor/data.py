@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cbjax.request import Request, SamplingParams
+from cbjax.core.request import Request, SamplingParams
 
 
 def output_lengths(requests: list[Request]) -> np.ndarray:

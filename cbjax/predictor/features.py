@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from cbjax.request import Request
+from cbjax.core.request import Request
 
 NUM_BUCKETS = 16
 # log1p(prompt_len), mean and std of token id / vocab_size, then the share of ids per bucket

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from cbjax.predictor.features import NUM_FEATURES, prompt_features, request_token_ids
-from cbjax.request import Request
+from cbjax.core.request import Request
 
 _ARRAYS = ("feature_mean", "feature_std", "w1", "b1", "w2", "b2", "calibration")
 

@@ -10,7 +10,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from cbjax.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
+from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
 from cbjax.profile.runner import ProfileRunConfig
 
 ConfigStore.instance().store(name="profile_base_config", node=ProfileRunConfig)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cbjax.plan import Schedule, ScheduledRequest
-from cbjax.request import SamplingParams
+from cbjax.core.plan import Schedule, ScheduledRequest
+from cbjax.core.request import SamplingParams
 from cbjax.layout.shapes import ShapePlan
 
 GRIDS = ("full", "small")

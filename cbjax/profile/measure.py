@@ -23,7 +23,7 @@ from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.residuals import held_out_residuals
 from cbjax.profile.served_fit import HOST_STALL, fit_drain, fit_launch, fit_loop, fit_served, own_launch
 from cbjax.layout.shapes import ShapePlan
-from cbjax.sim.fit import fit_costs
+from cbjax.profile.fit import fit_costs
 from cbjax.sim.profiled import (
     STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, drain_share, launch_cost, predict, profile_key,
     step_features, wake_cost,

@@ -69,7 +69,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     )  # fmt: skip
     from cbjax.profile.grid import build_schedule
     from cbjax.profile.serving import measure_serving, measure_wake
-    from cbjax.run import build_executor, resolve
+    from cbjax.app.run import build_executor, resolve
 
     t0 = time.perf_counter()
     load_at_start = list(os.getloadavg())

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import numpy as np
 
 from cbjax.profile.residuals import MIN_STEPS
-from cbjax.sim.fit import WEIGHTINGS, fit_costs, nnls
+from cbjax.profile.fit import WEIGHTINGS, fit_costs, nnls
 from cbjax.sim.profiled import (
     COLD_TERMS, LAUNCH_TERMS, STEP_TERMS, bucket_intercept, launch_cost, launch_features, step_terms,
 )  # fmt: skip
@@ -41,7 +41,7 @@ def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
 
 # Step terms `fit_served` can refit on the served steps (`served_terms`): per row and per KV page.
 SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s")
-# How `fit_served` weighs the served steps: `cbjax.sim.fit.WEIGHTINGS`, or "balanced", the mean
+# How `fit_served` weighs the served steps: `cbjax.profile.fit.WEIGHTINGS`, or "balanced", the mean
 # of the "absolute" and "mean_relative" fits' coefficients.
 SERVED_WEIGHTINGS = WEIGHTINGS + ("balanced",)
 
@@ -81,7 +81,7 @@ def fit_served(
 
     A pipelined step whose share the loop's host time set (`censored`) while the next plan held
     a prefill is left out: its share is that launch's host time, which `fit_launch` fits and
-    the simulator charges as the longer of the two (`cbjax.engine.EngineLoop._launch_virtual`);
+    the simulator charges as the longer of the two (`cbjax.engine.loop.EngineLoop._launch_virtual`);
     fitted here too, it would raise every step of its bucket. A censored step before a decode
     stays in: its share is the loop's steady host time, what the engine's step costs when the
     host is the slower side. A step collected with nothing launched behind it (`uncovered`) is

@@ -1,5 +1,5 @@
 """Time the engine inside its own serving loop: each iteration's `execute` as the loop calls it,
-and the loop's host time around it (scheduling, postprocess, stats), as `cbjax.run.run_single`
+and the loop's host time around it (scheduling, postprocess, stats), as `cbjax.app.run.run_single`
 serves. The grid times steps back to back on fixed batches; these iterations are what a run
 pays, and the profile's step terms are fitted on them (`cbjax.profile.served_fit`).
 """
@@ -15,9 +15,9 @@ import numpy as np
 
 from cbjax.config import LengthConfig, RunConfig, WorkloadConfig
 from cbjax.config.workload import SharedPrefixConfig
-from cbjax.plan import Schedule, StepOutput
+from cbjax.core.plan import Schedule, StepOutput
 from cbjax.profile.anchor import anchor_record, anchor_spec, time_anchor
-from cbjax.request import Request
+from cbjax.core.request import Request
 from cbjax.profile.residuals import regime_of
 from cbjax.layout.shapes import ShapePlan
 from cbjax.sim.profiled import COLD_TERMS, rows_left, step_features, steps_since_larger
@@ -62,7 +62,7 @@ class TimedExecutor:
         self._turns = 0
 
     def tick(self) -> None:
-        """Called by the loop on every turn (`cbjax.engine.serve`'s `tick`)."""
+        """Called by the loop on every turn (`cbjax.engine.offline.serve`'s `tick`)."""
         self._turns += 1
 
     def validate(self, req: Request) -> Optional[str]:
@@ -167,9 +167,9 @@ def serving_runs(
 def serve_timed(executor, cfg: RunConfig) -> TimedExecutor:
     """Serve `cfg`'s workload on the warm `executor` with the loop `run_single` runs (its
     service log included); returns the recorder."""
-    from cbjax.engine import serve
+    from cbjax.engine.offline import serve
     from cbjax.scheduler import Scheduler
-    from cbjax.service import ServiceLog
+    from cbjax.report.service import ServiceLog
     from cbjax.workload import build_workload
 
     timed = TimedExecutor(executor)

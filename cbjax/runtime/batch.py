@@ -17,8 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from cbjax.plan import Schedule, ScheduledRequest
-from cbjax.request import SamplingParams
+from cbjax.core.plan import Schedule, ScheduledRequest
+from cbjax.core.request import SamplingParams
 from cbjax.layout.shapes import ShapePlan
 from cbjax.layout.tiles import BLOCK_Q, CHUNK_SINGLE, block_chunk, build_tiles, tile_capacity
 

@@ -24,8 +24,8 @@ from cbjax.kernels.metadata import AttentionMetadata
 from cbjax.kernels.registry import GROUPED, resolve_attention, resolve_matmul
 from cbjax.kernels.xla_ragged import RaggedWork, Tiles
 from cbjax.model.llama import Llama
-from cbjax.plan import Schedule, StepOutput
-from cbjax.request import Request
+from cbjax.core.plan import Schedule, StepOutput
+from cbjax.core.request import Request
 from cbjax.runtime.batch import BatchPacker, HostBatch
 from cbjax.runtime import programs
 from cbjax.runtime.compile_cache import enable_compilation_cache
@@ -76,7 +76,7 @@ class JaxExecutor:
     """The real-engine side of the executor interface.
 
     `execute(plan)` runs one step and returns its tokens. Pipelined serving
-    (`executor.async_scheduling`, `cbjax.engine.serve`) splits it: `launch(plan)` packs and
+    (`executor.async_scheduling`, `cbjax.engine.offline.serve`) splits it: `launch(plan)` packs and
     dispatches the step and returns at once, `collect(launched)` waits for its tokens. A step
     launched before the previous one is collected takes that step's tokens on the device
     (`DeviceBatch.feed`), so the host schedules and packs step t+1 while step t runs."""

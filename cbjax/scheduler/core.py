@@ -9,8 +9,8 @@ from typing import Callable, Optional, Sequence
 from cbjax.cache import make_allocator
 from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.plan import Schedule
-from cbjax.request import FinishReason, Request, Status
+from cbjax.core.plan import Schedule
+from cbjax.core.request import FinishReason, Request, Status
 from cbjax.scheduler.intake import rejection_reason
 from cbjax.scheduler.policy import PolicyContract, make_policy
 from cbjax.scheduler.output import Draft, PlanWriter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol
 
-from cbjax.request import Request
+from cbjax.core.request import Request
 
 
 class Limits(Protocol):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Optional
 
-from cbjax.plan import Schedule, ScheduledRequest
-from cbjax.request import Request
+from cbjax.core.plan import Schedule, ScheduledRequest
+from cbjax.core.request import Request
 
 
 class Draft:

@@ -6,8 +6,8 @@ import inspect
 from collections import deque
 from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence
 
-from cbjax.plugins import load_class
-from cbjax.request import Request
+from cbjax.core.plugins import load_class
+from cbjax.core.request import Request
 
 if TYPE_CHECKING:
     from cbjax.config import SchedulerConfig

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from cbjax.plan import Schedule
-from cbjax.request import FinishReason, Request, Status
+from cbjax.core.plan import Schedule
+from cbjax.core.request import FinishReason, Request, Status
 
 
 # Marks a request whose step failed, in `advance`'s list for `commit`.

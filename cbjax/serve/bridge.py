@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from cbjax.request import FinishReason, Request
+from cbjax.core.request import FinishReason, Request
 
 
 @dataclass

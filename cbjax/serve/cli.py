@@ -12,8 +12,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from cbjax.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
-from cbjax.config_merge import check_known_keys
+from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
+from cbjax.app.config_merge import check_known_keys
 from cbjax.serve.config import ServeConfig
 from cbjax.serve.process import LISTENING
 

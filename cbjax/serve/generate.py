@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from cbjax.request import FinishReason, Request, SamplingParams
+from cbjax.core.request import FinishReason, Request, SamplingParams
 from cbjax.serve import direct
 from cbjax.serve.bridge import EngineBridge, Finished, Mailbox, Token
 from cbjax.serve.config import ServerConfig

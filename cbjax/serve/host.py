@@ -8,14 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from cbjax.engine import EngineLoop
-from cbjax.metrics import request_row
-from cbjax.outputs import RequestLog
-from cbjax.request import Request
-from cbjax.run import build_executor, write_outputs
+from cbjax.engine.loop import EngineLoop
+from cbjax.report.metrics import request_row
+from cbjax.report.files import RequestLog
+from cbjax.core.request import Request
+from cbjax.app.run import build_executor, write_outputs
 from cbjax.scheduler.core import Scheduler
 from cbjax.serve.config import ServeConfig
-from cbjax.service import ServiceLog
+from cbjax.report.service import ServiceLog
 
 
 class EngineHost:

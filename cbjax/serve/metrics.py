@@ -11,8 +11,8 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from cbjax.metrics import SERVED, request_latencies
-from cbjax.request import Request
+from cbjax.report.metrics import SERVED, request_latencies
+from cbjax.core.request import Request
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

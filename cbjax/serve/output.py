@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cbjax.request import FinishReason, Request
+from cbjax.core.request import FinishReason, Request
 from cbjax.serve.text import Tokenizer
 
 OPENAI_FINISH = {

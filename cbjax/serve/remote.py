@@ -33,9 +33,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from cbjax.engine import IDLE_WAIT_S, LoadCounts
-from cbjax.report import write_requests
-from cbjax.request import FinishReason, Request
+from cbjax.engine.loop import IDLE_WAIT_S
+from cbjax.core.results import LoadCounts
+from cbjax.report.tables import write_requests
+from cbjax.core.request import FinishReason, Request
 from cbjax.serve.config import ServeConfig
 
 log = logging.getLogger("cbjax")

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 
 import uvicorn
 
-from cbjax.run import resolve
+from cbjax.app.run import resolve
 from cbjax.serve.app import create_app
 from cbjax.serve.generate import ServeState
 from cbjax.serve.bridge import EngineBridge

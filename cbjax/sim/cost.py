@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig
-from cbjax.plan import Schedule
+from cbjax.core.plan import Schedule
 from cbjax.sim.tp import allreduce_bytes_per_token, ring_bytes_per_device
 
 

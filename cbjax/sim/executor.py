@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cbjax.executor import SyncExecutor
-from cbjax.plan import Schedule, StepOutput
+from cbjax.core.executor import SyncExecutor
+from cbjax.core.plan import Schedule, StepOutput
 
 
 class SimExecutor(SyncExecutor):
     """The simulator side of the executor interface. Tokens are not materialised (None).
 
     `pipelined`: the loop plans step t + 1 while step t runs, as the engine does with
-    `executor.async_scheduling` (`cbjax.engine.EngineLoop._launch_virtual`): a request arriving
+    `executor.async_scheduling` (`cbjax.engine.loop.EngineLoop._launch_virtual`): a request arriving
     during step t waits for step t + 1, already planned, before its own. The `profiled` cost
-    model predicts that engine and turns it on (`cbjax.run.build_executor`)."""
+    model predicts that engine and turns it on (`cbjax.app.run.build_executor`)."""
 
     virtual_clock = True
 

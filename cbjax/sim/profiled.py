@@ -32,14 +32,14 @@ the native decode pass is charged per group), plus its swap copies:
              (`launch_s`: the pipelined loop's host time from
              collecting a step to launching this one (commit, plan, pack, dispatch); the step in
              flight is collected only after it, so it ends no earlier than that:
-             `cbjax.engine.EngineLoop._launch_virtual`. A tiny model's decode step on a CPU is
+             `cbjax.engine.loop.EngineLoop._launch_virtual`. A tiny model's decode step on a CPU is
              over before the host is: its share of the wall clock is this host time, and a
              prefill in the next plan lengthens it. With nothing in flight, the first step and
              the first after an idle loop, the step itself starts after its own launch)
     drain = min(time, drain_s)  (`drain_s`: the share of a step the pipelined loop collects
              with nothing launched behind it, as the last before an idle loop or a run's end: the
              device's own remainder, which the next launch's host time otherwise hides;
-             `cbjax.engine.EngineLoop._land`)
+             `cbjax.engine.loop.EngineLoop._land`)
 
 The step terms are fitted on the grid's steps, which reach long contexts and large prefills;
 the fixed costs (and, when asked, the cold terms) on the iterations the profile serves through
@@ -67,7 +67,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
-from cbjax.plan import Schedule
+from cbjax.core.plan import Schedule
 from cbjax.layout.shapes import ShapePlan, plan_shapes
 from cbjax.layout.tiles import count_steps, group_pages, steps_of
 
@@ -274,7 +274,7 @@ class ProfiledCost:
             t += self.swap_iter_s + self.swap_page_s * pages
         if overlaps:
             # planned while the last step runs (pipelined): that step ends no earlier than this
-            # launch's host time (`launch_s`, `cbjax.engine.EngineLoop._launch_virtual`), so
+            # launch's host time (`launch_s`, `cbjax.engine.loop.EngineLoop._launch_virtual`), so
             # the clock here follows the loop's and a later plan is not mistaken for an idle one
             self._last_end = max(self._last_end, plan.start_s + self._launch_of(plan, rows))
         if self._last_end is not None and plan.start_s > self._last_end:  # the loop idled until an arrival
@@ -308,7 +308,7 @@ class ProfiledCost:
     def launch_s(self, plan: Schedule) -> float:
         """The loop's host time from collecting a step to launching `plan`'s: the step in flight
         ends no earlier, and `plan`'s own step starts no earlier
-        (`cbjax.engine.EngineLoop._launch_virtual`). A pipelined executor asks once per plan,
+        (`cbjax.engine.loop.EngineLoop._launch_virtual`). A pipelined executor asks once per plan,
         right after its cost: for a plan launched with nothing in flight, that moves this
         model's clock on by the launch, as the loop's step begins after it."""
         last, launch = self._launch

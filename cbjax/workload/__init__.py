@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cbjax.config import WorkloadConfig
-from cbjax.request import Request
+from cbjax.core.request import Request
 from cbjax.workload.synthetic import build_synthetic
 from cbjax.workload.shared_prefix import build_shared_prefix
 from cbjax.workload.trace import load_trace

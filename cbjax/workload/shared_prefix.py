@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from cbjax.config import WorkloadConfig
-from cbjax.request import Request, SamplingParams
+from cbjax.core.request import Request, SamplingParams
 from cbjax.workload.synthetic import arrival_times, rng_streams, sample_lengths, sampling_seeds
 
 _GROUP_TAG = 0x707265666978  # "prefix": keeps the groups' stream apart from the others

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cbjax.config import LengthConfig, WorkloadConfig
-from cbjax.request import Request, SamplingParams
+from cbjax.core.request import Request, SamplingParams
 
 # One independent child stream per quantity, so that changing one distribution leaves the
 # others' draws alone. SeedSequence children are keyed by position: append, never reorder.

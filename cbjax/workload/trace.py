@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cbjax.config import WorkloadConfig
-from cbjax.request import Request, SamplingParams
+from cbjax.core.request import Request, SamplingParams
 from cbjax.workload.rows import (
     LineError, _attempt, _json_bool, _json_float, _json_ids, _json_int, _json_object, _json_str, _Row, _text_float, _text_int,
 )  # fmt: skip

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cbjax.request import Request, Status
+from cbjax.core.request import Request, Status
 from cbjax.scheduler.policies.ranked import RankedPolicy
 from cbjax.scheduler.policy import register
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cbjax.predictor import make_predictor
-from cbjax.request import Request, Status
+from cbjax.core.request import Request, Status
 from cbjax.scheduler.policies.ranked import RankedPolicy
 from cbjax.scheduler.policy import register
 

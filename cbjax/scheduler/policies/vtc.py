@@ -7,7 +7,7 @@ import itertools
 from collections import deque
 from typing import Iterator, Optional
 
-from cbjax.request import Request, Status
+from cbjax.core.request import Request, Status
 from cbjax.scheduler.policy import Policy, register
 
 

@@ -31,10 +31,10 @@ from typing import Any, Optional
 import numpy as np
 
 from cbjax.config import MetricsConfig
-from cbjax.engine import RunResult
-from cbjax.metrics import SERVED, _percentiles, meets_slo, request_latencies
-from cbjax.request import FinishReason, Request, Status
-from cbjax.plan import Schedule
+from cbjax.core.results import RunResult
+from cbjax.report.metrics import SERVED, _percentiles, meets_slo, request_latencies
+from cbjax.core.request import FinishReason, Request, Status
+from cbjax.core.plan import Schedule
 
 _FINISHED = Status.FINISHED
 

@@ -9,9 +9,9 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from cbjax.metrics import request_row
-from cbjax.outputs import OutputError, atomic_write_text
-from cbjax.request import Request
+from cbjax.report.metrics import request_row
+from cbjax.report.files import OutputError, atomic_write_text
+from cbjax.core.request import Request
 
 SUMMARY_ROWS = (
     ("requests (finished / rejected)", lambda s: f"{s['num_requests']} ({s['num_finished']} / {s['num_rejected']})"),

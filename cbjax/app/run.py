@@ -10,15 +10,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cbjax.config import RunConfig
-from cbjax.config_merge import merge_overrides
-from cbjax.engine import serve
-from cbjax.metrics import request_row, summarize
-from cbjax.outputs import RequestLog, StopFlag, atomic_write_text
-from cbjax.plots import plot_comparison
-from cbjax.reproduction import check_entries, evaluate, format_rows, write_reproduction
-from cbjax.report import comparison_table, format_summary, write_run
+from cbjax.app.config_merge import merge_overrides
+from cbjax.engine.offline import serve
+from cbjax.report.metrics import request_row, summarize
+from cbjax.report.files import RequestLog, atomic_write_text
+from cbjax.core.stop import StopFlag
+from cbjax.report.plots import plot_comparison
+from cbjax.report.reproduction import check_entries, evaluate, format_rows, write_reproduction
+from cbjax.report.tables import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
-from cbjax.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
+from cbjax.report.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
 from cbjax.workload import build_workload
 from cbjax.workload.trace import encode_text_prompts
 
@@ -197,7 +198,7 @@ def build_cluster(cfg: RunConfig):
     if cfg.cluster.backend != "ray":
         return ClusterEngine(cfg, cluster_executors(cfg)), lambda: None
     try:
-        from cbjax.raycluster import RayReplicas
+        from cbjax.cluster.ray_actors import RayReplicas
     except ModuleNotFoundError as err:
         raise ValueError(f"cluster.backend=ray needs Ray: pip install 'cbjax[ray]' ({err})") from None
     replicas = RayReplicas(build_executor)

@@ -1,6 +1,6 @@
 """The Hydra side of a `cbjax` job: sweep resume, tracking and the sweeper's objective.
 
-Imported only by cbjax.cli and by Hydra (the root config names ResumeCallback), like the CLI.
+Imported only by cbjax.app.cli and by Hydra (the root config names ResumeCallback), like the CLI.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from cbjax.config import RunConfig
-from cbjax.outputs import unwritable
-from cbjax.sweep import clear_skipped, comparable_config, count_skipped, run_job
+from cbjax.report.files import unwritable
+from cbjax.app.sweep import clear_skipped, comparable_config, count_skipped, run_job
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,14 @@ def run_hydra_job(
 ) -> Optional[float]:
     """Run (or, in a multirun, resume) one job and log it to the configured tracker.
 
-    `run(cfg, out_dir)` serves and writes the outputs; default cbjax.run.run_experiment."""
+    `run(cfg, out_dir)` serves and writes the outputs; default cbjax.app.run.run_experiment."""
     if run is None:
-        from cbjax.run import run_experiment as run
+        from cbjax.app.run import run_experiment as run
 
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     track = None
     if cfg.logger.name != "none":
-        from cbjax import tracking
+        from cbjax.app import tracking
 
         tracking.check_available(cfg.logger)
         root = Path(hydra_cfg.sweep.dir) if multirun else out_dir
@@ -66,7 +66,7 @@ def run_hydra_job(
 
 
 class ResumeCallback(Callback):
-    """Says how many jobs of a multirun were skipped as already complete (see cbjax.sweep).
+    """Says how many jobs of a multirun were skipped as already complete (see cbjax.app.sweep).
 
     Runs on the launching machine: it clears the previous invocation's skip marks before any
     job starts and counts the new ones after every job has returned."""

@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-from cbjax.request import Request
+from cbjax.core.request import Request
 
 log = logging.getLogger("cbjax")
 
@@ -106,38 +103,3 @@ class RequestLog:
                 self.path.unlink(missing_ok=True)
             except OSError:  # its folder is gone or no longer a folder: nothing left to remove
                 pass
-
-
-class StopFlag:
-    """Set by SIGINT or SIGTERM while `catching` is active: the serving loop stops at the next
-    iteration boundary, aborts what is in flight and the run saves its files."""
-
-    def __init__(self) -> None:
-        self.signum: Optional[int] = None
-        self.count = 0
-
-    def is_set(self) -> bool:
-        return self.signum is not None
-
-    def set(self, signum: int = signal.SIGINT) -> None:
-        if self.signum is None:
-            self.signum = signum
-        self.count += 1
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else ""
-
-    @contextmanager
-    def catching(self) -> Iterator["StopFlag"]:
-        """Route SIGINT and SIGTERM to this flag. Further signals are only counted, so nothing
-        (the save included) is cut off midway; the previous handlers come back afterwards."""
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        previous = {sig: signal.signal(sig, lambda signum, frame: self.set(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)

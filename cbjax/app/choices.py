@@ -1,7 +1,7 @@
 """Config values chosen from a registry (policies, cost models), checked at startup.
 
 The config layer imports no registry (the registries' modules import the config), so these
-checks run where a config enters the run: `cbjax.config_merge.to_run_config` and
+checks run where a config enters the run: `cbjax.app.config_merge.to_run_config` and
 `merge_overrides`. A registered addition (a plug-in policy, a new cost model) is selectable.
 """
 

@@ -35,7 +35,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from cbjax.report import format_number, markdown_table, summary_value
+from cbjax.report.tables import format_number, markdown_table, summary_value
 
 KINDS = ("value", "exact", "ordering", "argmin_in")
 COMMON_KEYS = ("figure", "setting", "metric", "kind")

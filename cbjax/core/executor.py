@@ -1,6 +1,6 @@
 """The executor contract shared by the simulator and the JAX engine (no jax here).
 
-`EngineLoop` (cbjax.engine) and the run layer call an executor only through these methods.
+`EngineLoop` (cbjax.engine.loop) and the run layer call an executor only through these methods.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Protocol, runtime_checkable
 
-from cbjax.plan import Schedule, StepOutput
-from cbjax.request import Request
+from cbjax.core.plan import Schedule, StepOutput
+from cbjax.core.request import Request
 
 __all__ = ["Executor", "Launched", "Schedule", "StepOutput", "SyncExecutor"]
 

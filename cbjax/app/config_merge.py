@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from cbjax.choices import check_choices
+from cbjax.app.choices import check_choices
 from cbjax.config import ExperimentConfig, RunConfig
 from cbjax.config.overhead import expand_presets
 

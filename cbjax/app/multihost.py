@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from cbjax.config import RunConfig
-from cbjax.run import build_executor
+from cbjax.app.run import build_executor
 from cbjax.runtime.distributed import initialize
 
 log = logging.getLogger("cbjax")

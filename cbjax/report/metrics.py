@@ -7,8 +7,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from cbjax.engine import RunResult
-from cbjax.request import FinishReason, Request
+from cbjax.core.results import RunResult
+from cbjax.core.request import FinishReason, Request
 
 PERCENTILES = (50, 90, 99)
 KV_SHARES = (

@@ -21,13 +21,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
-from cbjax.executor import Executor
-from cbjax.outputs import StopFlag
-from cbjax.plan import Schedule, StepOutput
-from cbjax.request import FinishReason, Request
+from cbjax.core.executor import Executor
+from cbjax.core.plan import Schedule, StepOutput
+from cbjax.core.request import FinishReason, Request
+from cbjax.core.results import IterationStats, LoadCounts, RunResult
 from cbjax.scheduler.core import Scheduler
 
 PACES = ("none", "realtime")
@@ -37,52 +36,6 @@ PACES = ("none", "realtime")
 PACE_SLACK_S = 0.005
 IDLE_WAIT_S = 0.05  # an idle `run` looks at its stop flag at least this often
 _perf_counter = time.perf_counter
-
-
-@dataclass
-class IterationStats:
-    """Running sums over iterations; per-iteration lists would cost memory on long traces."""
-
-    iterations: int = 0
-    busy_s: float = 0.0
-    occupied_slot_iterations: int = 0
-    batched_tokens: int = 0
-    pages_used_sum: int = 0
-    pages_used_peak: int = 0
-    kv_util_sum: float = 0.0
-    # per-iteration shares of the KV pool (Scheduler.kv_breakdown), summed: token states,
-    # reserved, internal fragmentation, external fragmentation, free
-    kv_share_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    batch_peak: int = 0
-    # host wall time of the scheduler's two calls, summed over iterations
-    schedule_s: float = 0.0
-    postprocess_s: float = 0.0
-    # iteration index at which each finished request ended (1-based), for "done in N iterations"
-    finish_iteration: dict[str, int] = field(default_factory=dict)
-
-
-class LoadCounts(NamedTuple):
-    """The scheduler's load at one moment: for gauges and admission bounds."""
-
-    running: int  # requests holding a slot
-    waiting: int  # requests waiting for one (preempted ones included)
-    pages_used: int  # KV pages held (the null page excluded)
-    pages_total: int  # usable KV pages
-    preemptions: int  # since start
-
-
-@dataclass
-class RunResult:
-    requests: list[Request]
-    stats: IterationStats
-    num_slots: int
-    makespan_s: float
-    preemptions: int
-    wall_s: float
-    warmup_s: float = 0.0
-    extra: dict = field(default_factory=dict)
-    tbt_s: list[float] = field(default_factory=list)  # gaps between consecutive tokens of a request
-    interrupted: bool = False  # stopped early by `stop`: unfinished requests were aborted
 
 
 class EngineLoop:
@@ -552,61 +505,6 @@ class _VirtualLaunch:
 
     def __init__(self, out: StepOutput, begin: float, end: float):
         self.out, self.begin, self.end = out, begin, end
-
-
-def serve(
-    requests: list[Request],
-    scheduler: Scheduler,
-    executor: Executor,
-    *,
-    progress: bool = False,
-    max_iterations: Optional[int] = None,
-    on_step: Optional[Callable[[Schedule, float, int, list[Request]], None]] = None,
-    stop: Optional[StopFlag] = None,
-    on_finish: Optional[Callable[[Request], None]] = None,
-    tick: Optional[Callable[[], None]] = None,
-    pace: str = "none",
-    clock: Callable[[], float] = time.perf_counter,
-    sleep: Callable[[float], None] = time.sleep,
-) -> RunResult:
-    """Serve `requests` (any order) offline, each at its `arrival_s`; every request ends with a
-    fate. `stop` is checked at each iteration boundary (and while idle): once set, the loop
-    ends, what had arrived and is unfinished is aborted, and what had not arrived ends as
-    `not_arrived`. `max_iterations` caps the run the same way."""
-    loop = EngineLoop(
-        scheduler, executor, pace=pace, on_step=on_step, on_finish=on_finish, tick=tick,
-        progress=progress, total=len(requests), clock=clock, sleep=sleep,
-    )  # fmt: skip
-    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-    interrupted = False
-    loop.restart_clock()
-    while True:
-        loop.boundary()
-        now = loop.now()
-        while pending and pending[0].arrival_s <= now:
-            loop.add(pending.popleft(), now)
-        if stop is not None and stop.is_set():
-            interrupted = True
-            break
-        if not loop.has_work():
-            if not pending:
-                break
-            # Idle: jump (or wait) to the next arrival.
-            if loop.virtual:
-                loop.advance_to(pending[0].arrival_s)
-            else:
-                # short naps, so a stop request or a due flush is not kept waiting
-                sleep(min(0.1, max(0.0, pending[0].arrival_s - loop.now())))
-            continue
-        if max_iterations is not None and loop.stats.iterations >= max_iterations:
-            break
-        loop.step()
-    loop.abort_all(list(pending))
-    result = loop.result(interrupted)
-    loop.close()
-    # offline, requests come back in the caller's order
-    result.requests = list(requests)
-    return result
 
 
 def _progress_bar(total: Optional[int]):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from cbjax.request import SamplingParams
+from cbjax.core.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -106,10 +106,10 @@ class StepOutput:
     duration_s: float
     errors: Optional[dict[int, str]] = None
     # A virtual pipelined step's launch: the loop's host time from collecting the last step to
-    # launching this one; the step in flight is collected no earlier (`cbjax.engine.EngineLoop._launch_virtual`).
+    # launching this one; the step in flight is collected no earlier (`cbjax.engine.loop.EngineLoop._launch_virtual`).
     launch_s: float = 0.0
     # A virtual pipelined step's share of the clock when the loop collects it with nothing
     # launched behind it (the loop went idle, the run ended, or the next plan waits for its
     # tokens): the device's own remainder, which the next launch's host time otherwise hides
-    # (`cbjax.engine.EngineLoop._land`). None: its `duration_s`.
+    # (`cbjax.engine.loop.EngineLoop._land`). None: its `duration_s`.
     drain_s: Optional[float] = None

@@ -15,14 +15,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from cbjax.config import RunConfig
-from cbjax.config_merge import to_run_config
-from cbjax.hydra_job import register_resolvers, run_hydra_job
-from cbjax.outputs import StopFlag
+from cbjax.app.config_merge import to_run_config
+from cbjax.app.hydra_job import register_resolvers, run_hydra_job
+from cbjax.core.stop import StopFlag
 
 # configs/ sits at the repository's top level and ships in the package as `cbjax.configs`.
 # A source checkout (PYTHONPATH or editable) reads its own configs/; an installed wheel reads
 # the package's. CBJAX_CONFIG_DIR overrides both.
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = Path(os.environ.get("CBJAX_CONFIG_DIR", SOURCE_ROOT / "configs"))
 IN_SOURCE_TREE = "CBJAX_CONFIG_DIR" in os.environ or (
     (SOURCE_ROOT / "pyproject.toml").is_file() and (CONFIG_DIR / "config.yaml").is_file()
@@ -38,7 +38,7 @@ STOP = StopFlag()  # set by SIGINT/SIGTERM while the app runs
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _app(cfg: DictConfig) -> Optional[float]:
-    from cbjax.run import run_experiment
+    from cbjax.app.run import run_experiment
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -46,7 +46,7 @@ def _app(cfg: DictConfig) -> Optional[float]:
         if run_cfg.distributed.enabled:
             from hydra.types import RunMode
 
-            from cbjax.multihost import start
+            from cbjax.app.multihost import start
 
             if start(run_cfg, multirun=HydraConfig.get().mode == RunMode.MULTIRUN):  # ran process 0's steps
                 return None

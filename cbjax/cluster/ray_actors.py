@@ -2,7 +2,7 @@
 replica's devices (its own process, on any host of the Ray cluster); the router and every
 replica's scheduler and `EngineLoop` stay in the driver (`cbjax.cluster.engine.ClusterEngine`).
 
-The driver sends each step's plan (`cbjax.plan.Schedule`, plain data) to the replica's actor
+The driver sends each step's plan (`cbjax.core.plan.Schedule`, plain data) to the replica's actor
 and reads back its tokens, as the executor interface already splits a step: `launch` returns
 at once with the actor's reply still pending, `collect` waits for it, so a pipelined replica's
 next plan is made while its actor runs the step, and the actors of different replicas run
@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 
 from cbjax.config import RunConfig
-from cbjax.plan import Schedule, StepOutput
-from cbjax.request import Request
+from cbjax.core.plan import Schedule, StepOutput
+from cbjax.core.request import Request
 
 # A Ray actor that never starts (no resources free) fails the run after this long.
 ACTOR_START_TIMEOUT_S = 300.0
@@ -35,7 +35,7 @@ class ExecutorActor:
     """One replica's engine executor, in its own process (a Ray actor)."""
 
     def __init__(self, build: Callable[[RunConfig], Any], cfg: RunConfig):
-        """`build(cfg)`: the executor (`cbjax.run.build_executor`, pickled by reference)."""
+        """`build(cfg)`: the executor (`cbjax.app.run.build_executor`, pickled by reference)."""
         self.executor = build(cfg)
         self.executor.progress = False
         self._launched: dict[int, Any] = {}
@@ -152,7 +152,7 @@ class RayReplicas:
     replica. `shutdown` kills the actors, and Ray itself if this object started it."""
 
     def __init__(self, build: Callable[[RunConfig], Any], address: Optional[str] = None, **init_kwargs):
-        """`build(replica_cfg)` makes an executor in an actor (`cbjax.run.build_executor`);
+        """`build(replica_cfg)` makes an executor in an actor (`cbjax.app.run.build_executor`);
         `address`: a running Ray cluster's (None: the one `ray start` made on this host, or a
         new local one); `init_kwargs` go to `ray.init` (e.g. num_cpus for a local one)."""
         self.build = build

@@ -1,0 +1,1 @@
+"""The application layer: the command line, building and running a configured run, sweeps and tracking."""

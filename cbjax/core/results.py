@@ -1,0 +1,54 @@
+"""What a run returns: every request with its fate, the loop's running sums, and load snapshots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from cbjax.core.request import Request
+
+
+@dataclass
+class IterationStats:
+    """Running sums over iterations; per-iteration lists would cost memory on long traces."""
+
+    iterations: int = 0
+    busy_s: float = 0.0
+    occupied_slot_iterations: int = 0
+    batched_tokens: int = 0
+    pages_used_sum: int = 0
+    pages_used_peak: int = 0
+    kv_util_sum: float = 0.0
+    # per-iteration shares of the KV pool (Scheduler.kv_breakdown), summed: token states,
+    # reserved, internal fragmentation, external fragmentation, free
+    kv_share_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    batch_peak: int = 0
+    # host wall time of the scheduler's two calls, summed over iterations
+    schedule_s: float = 0.0
+    postprocess_s: float = 0.0
+    # iteration index at which each finished request ended (1-based), for "done in N iterations"
+    finish_iteration: dict[str, int] = field(default_factory=dict)
+
+
+class LoadCounts(NamedTuple):
+    """The scheduler's load at one moment: for gauges and admission bounds."""
+
+    running: int  # requests holding a slot
+    waiting: int  # requests waiting for one (preempted ones included)
+    pages_used: int  # KV pages held (the null page excluded)
+    pages_total: int  # usable KV pages
+    preemptions: int  # since start
+
+
+@dataclass
+class RunResult:
+    requests: list[Request]
+    stats: IterationStats
+    num_slots: int
+    makespan_s: float
+    preemptions: int
+    wall_s: float
+    warmup_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+    tbt_s: list[float] = field(default_factory=list)  # gaps between consecutive tokens of a request
+    interrupted: bool = False  # stopped early by `stop`: unfinished requests were aborted

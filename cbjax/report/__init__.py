@@ -1,0 +1,1 @@
+"""Metrics, service accounting, run files, tables, plots and paper reproductions (no jax)."""
