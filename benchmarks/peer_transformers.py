@@ -108,8 +108,7 @@ def cbjax_runner(model_dir: str, args):
     model = load_config(ModelConfig(name="peer", path=model_dir, dtype="float32", max_model_len=0))
     sched_cfg = SchedulerConfig(max_num_seqs=args.slots)
     cache = CacheConfig(num_pages=args.pages)
-    ex = JaxExecutor(model, cache, sched_cfg, ExecutorConfig(name="jax"), llama=load_model(model))
-    ex.progress = False
+    ex = JaxExecutor(model, cache, sched_cfg, ExecutorConfig(name="jax"), llama=load_model(model), progress=False)
     ex.warmup()
 
     def run(workload):

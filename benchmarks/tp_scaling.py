@@ -51,10 +51,9 @@ def main() -> None:
         ex = JaxExecutor(
             model, CacheConfig(num_pages=256), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=buckets[-1]),
             ExecutorConfig(name="jax", token_buckets=buckets, mesh=MeshConfig(tensor), compilation_cache_dir=None),
+            progress=False,
         )  # fmt: skip
-        ex.progress = False
-        ex.sampling = False
-        ex.warmup()
+        ex.warmup(sampling=False)
         for bucket in buckets:
             host = ex.packer.empty(bucket)
             times = []

@@ -10,6 +10,8 @@ import pytest
 
 from cbjax.core.executor import StepOutput, SyncExecutor
 from cbjax.core.request import Request, SamplingParams, Status
+from cbjax.core.timing import NO_CONTEXT, StepTime
+from cbjax.sim.timeline import Timeline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,13 +52,28 @@ def make_requests(output_lens, prompt_lens=None, arrivals=None, max_tokens=None)
     ]
 
 
+class FixedCost:
+    """A cost model whose every step takes `seconds`."""
+
+    name, history = "fixed", 0
+
+    def __init__(self, seconds: float = 1.0):
+        self.time = StepTime(seconds)
+
+    def __call__(self, plan, ctx=NO_CONTEXT) -> StepTime:
+        return self.time
+
+
 class CheckingExecutor(SyncExecutor):
-    """Unit-cost simulated executor that asserts the scheduler's invariants on every plan."""
+    """Fixed-cost simulated executor that asserts the scheduler's invariants on every plan."""
 
     def __init__(self, scheduler, duration_s: float = 1.0):
         self.scheduler = scheduler
         self.duration_s = duration_s
         self.plans = 0
+
+    def timeline(self) -> Timeline:
+        return Timeline(FixedCost(self.duration_s))
 
     def execute(self, plan):
         sched = self.scheduler
@@ -79,7 +96,7 @@ class CheckingExecutor(SyncExecutor):
             assert len(table) * sched.allocator.page_size >= r.num_computed + r.num_new_tokens
         self.check_slot_state(plan)
         self.plans += 1
-        return StepOutput(token_ids=None, duration_s=self.duration_s)
+        return StepOutput(token_ids=None)
 
     def check_slot_state(self, plan):
         """The executor's own per-slot state, kept from what plans say changed, must equal the
@@ -138,7 +155,7 @@ class ContentCheckingExecutor(CheckingExecutor):
             for pos in range(req.num_computed, end):
                 self.pages.setdefault(table[pos // ps], [None] * ps)[pos % ps] = seq[pos]
             out.append((sum(seq[:end]) * 31 + end) % 97 if self.tokens else 0)
-        return StepOutput(token_ids=out if self.tokens else None, duration_s=self.duration_s)
+        return StepOutput(token_ids=out if self.tokens else None)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from cbjax.core.plan import StepOutput
 from cbjax.core.request import FinishReason, Status
 from cbjax.app.run import build_executor, run_single
 from cbjax.scheduler.core import Scheduler
+from cbjax.core.timing import NO_CONTEXT, StepTime
 from cbjax.sim import SimExecutor
 from cbjax.sim.cost import UnitCost
 from cbjax.workload import build_workload
@@ -49,7 +50,7 @@ class Recording(SimExecutor):
 
     def execute(self, plan):
         self.plans.append(plan)
-        return StepOutput(token_ids=None, duration_s=1.0)
+        return StepOutput(token_ids=None)
 
 
 def test_one_replica_never_enters_the_cluster_path(monkeypatch):
@@ -164,20 +165,21 @@ def test_cluster_run_writes_rows_and_the_replicas_list(tmp_path):
 def test_a_stopped_cluster_gives_every_request_a_fate():
     stop = StopFlag()
     cfg = config(prefill_replicas=1, decode_replicas=1)
-    cluster = ClusterSim(cfg, build_executor)
-    reqs = build_workload(cfg.workload, cfg.seed)
     calls = []
-    real = cluster._step
 
-    def step(replica, stop_flag):
-        calls.append(1)
-        if len(calls) == 10:
-            stop.set()
-        real(replica, stop_flag)
+    class Stopping(UnitCost):
+        """1 ms a step (the 60 arrivals span about 0.6 s); the run is told to stop at the 10th."""
 
-    cluster._step = step
+        def __call__(self, plan, ctx=NO_CONTEXT):
+            calls.append(1)
+            if len(calls) == 10:
+                stop.set()
+            return StepTime(0.001)
+
+    cluster = ClusterSim(cfg, lambda rcfg: SimExecutor(Stopping()))
+    reqs = build_workload(cfg.workload, cfg.seed)
     result = cluster.serve(reqs, stop=stop)
-    assert result.interrupted
+    assert result.interrupted and len(calls) >= 10
     fates = {r.finish_reason for r in reqs}
     assert all(r.is_finished for r in reqs) and FinishReason.NOT_ARRIVED in fates and FinishReason.ABORTED in fates
 

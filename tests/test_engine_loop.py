@@ -9,7 +9,10 @@ import pytest
 
 from conftest import CheckingExecutor
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.engine.loop import PACE_SLACK_S, EngineLoop
+from cbjax.core.timing import StepTime
+from cbjax.engine.clock import PACE_SLACK_S
+from cbjax.engine.loop import EngineLoop
+from cbjax.engine.online import run_online
 from cbjax.engine.offline import serve
 from cbjax.core.executor import Executor
 from cbjax.core.request import FinishReason, Request, SamplingParams
@@ -34,13 +37,13 @@ def test_cancel_frees_a_running_and_a_waiting_request_before_the_next_plan():
     loop = EngineLoop(sched, CheckingExecutor(sched), on_finish=ended.append)
     a, b, c = request("a"), request("b"), request("c", out=2)
     for r in (a, b, c):
-        loop.submit(r)
+        loop.intake.submit(r)
     loop.boundary()
     assert loop.step()  # a runs (one slot), b and c wait
     assert sched.running == [a] and sched.allocator.num_used_pages > 0
-    loop.cancel("a")
-    loop.cancel("b", reason="client disconnected")
-    loop.cancel("nobody")  # unknown ids are ignored
+    loop.intake.cancel("a", "cancelled", FinishReason.ABORTED)
+    loop.intake.cancel("b", "client disconnected", FinishReason.ABORTED)
+    loop.intake.cancel("nobody", "cancelled", FinishReason.ABORTED)  # unknown ids are ignored
     loop.boundary()
     assert [r.request_id for r in ended] == ["a", "b"]
     assert (a.finish_reason, b.finish_reason) == (FinishReason.ABORTED, FinishReason.ABORTED)
@@ -60,10 +63,10 @@ def test_cancel_under_every_policy_removes_the_waiting_request_only():
         loop = EngineLoop(sched, CheckingExecutor(sched))
         reqs = [request(str(i)) for i in range(4)]
         for r in reqs:
-            loop.submit(r)
+            loop.intake.submit(r)
         loop.boundary()
         loop.step()
-        loop.cancel("2")
+        loop.intake.cancel("2", "cancelled", FinishReason.ABORTED)
         loop.boundary()
         assert reqs[2].finish_reason is FinishReason.ABORTED, name
         assert sorted(r.request_id for r in sched.policy) == ["1", "3"], name
@@ -76,9 +79,9 @@ def test_cancel_under_every_policy_removes_the_waiting_request_only():
 def test_closed_admission_rejects_later_submissions_with_a_reason():
     sched = scheduler()
     loop = EngineLoop(sched, CheckingExecutor(sched))
-    loop.close_admission()
+    loop.intake.close_admission()
     r = request("late")
-    loop.submit(r)
+    loop.intake.submit(r)
     loop.boundary()
     assert r.finish_reason is FinishReason.REJECTED and "shutting down" in r.reject_reason
     assert loop.result().requests == [r]
@@ -101,11 +104,11 @@ def test_run_on_a_thread_serves_submissions_and_reports_every_token():
 
     loop = EngineLoop(sched, SimExecutor(UnitCost()), on_token=on_token, on_finish=on_finish)
     stop = threading.Event()
-    thread = threading.Thread(target=loop.run, args=(stop,))
+    thread = threading.Thread(target=run_online, args=(loop, stop))
     thread.start()
     reqs = [request(str(i), out=i + 1) for i in range(5)]
     for r in reqs:
-        loop.submit(r)
+        loop.intake.submit(r)
     assert done.wait(30)
     stop.set()
     thread.join(30)
@@ -114,11 +117,19 @@ def test_run_on_a_thread_serves_submissions_and_reports_every_token():
     assert len(loop.result().requests) == 5
 
 
+def turn(loop) -> bool:
+    """One turn of the online driver: a boundary, then one iteration; False when idle."""
+    loop.boundary()
+    return loop.step()
+
+
 class Cost:
     """A fixed step cost: 10 ms, plus 1 ms per scheduled request."""
 
-    def __call__(self, plan):
-        return 0.010 + 0.001 * plan.num_scheduled
+    name, history = "test", 0
+
+    def __call__(self, plan, ctx=None):
+        return StepTime(0.010 + 0.001 * plan.num_scheduled)
 
 
 class FakeClock:
@@ -181,7 +192,7 @@ class SubmittingClock(FakeClock):
         while self.todo and self.todo[0][0] <= end:
             at, req = self.todo.pop(0)
             self.t = max(self.t, at)
-            self.loop_of().submit(req)
+            self.loop_of().intake.submit(req)
         self.slept.append(s)
         self.t = end
 
@@ -198,9 +209,9 @@ def test_paced_online_arrivals_get_the_offline_schedule_and_ttft():
     loop = None
     clock = SubmittingClock(lambda: loop, list(zip(times, online)))
     loop = EngineLoop(scheduler(slots=3), SimExecutor(Cost()), pace="realtime", clock=clock, sleep=clock.sleep)
-    loop.restart_clock()
-    while clock.todo or loop.has_work() or loop._inbox:
-        if not loop.turn() and clock.todo:
+    loop.clock.restart()
+    while clock.todo or loop.has_work() or loop.intake.inbox:
+        if not turn(loop) and clock.todo:
             clock.sleep(clock.todo[0][0] - clock.t)  # idle until the next submission
     loop.boundary()
     for a, b in zip(offline, online):
@@ -218,11 +229,11 @@ def test_paced_idle_loop_starts_at_the_arrival_stamped_at_receipt():
     for parse_s, start in ((0.002, 1.0), (PACE_SLACK_S + 0.002, 1.0 + PACE_SLACK_S + 0.002)):
         clock = FakeClock()
         loop = EngineLoop(scheduler(), SimExecutor(Cost()), pace="realtime", clock=clock, sleep=clock.sleep)
-        loop.restart_clock()
+        loop.clock.restart()
         clock.sleep(1.0 + parse_s)
         r = request("r", out=1)
-        loop.submit(r, arrival_s=1.0)
-        assert loop.turn()
+        loop.intake.submit(r, arrival_s=1.0)
+        assert turn(loop)
         assert r.arrival_s == 1.0 and r.scheduled_s == pytest.approx(start)
         assert r.first_token_s == pytest.approx(start + 0.010 + 0.001)  # Cost: one request scheduled
 
@@ -254,18 +265,27 @@ def test_paced_boundary_waits_briefly_for_a_request_received_before_it(parse_s, 
     loop = None
 
     def submit_b():
-        loop.submit(b, arrival_s=0.020)
-        loop.received("b")
+        loop.intake.submit(b, arrival_s=0.020)
+        loop.intake.received("b")
 
-    clock = ActingClock([(0.020, lambda: loop.receive("b")), (0.020 + parse_s, submit_b)])
+    clock = ActingClock([(0.020, lambda: loop.intake.receive("b")), (0.020 + parse_s, submit_b)])
     loop = EngineLoop(scheduler(slots=2), SimExecutor(Cost()), pace="realtime", clock=clock, sleep=clock.sleep)
-    loop.restart_clock()
-    loop.submit(a)
-    while loop.turn() or clock.todo:
+    loop.clock.restart()
+    loop.intake.submit(a)
+    while turn(loop) or clock.todo:
         pass
     assert b.arrival_s == 0.020 and b.scheduled_s == pytest.approx(admitted_at)
     assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
-    assert not loop._receiving
+    assert not loop.intake.receiving
+
+
+class Fixed:
+    """Every step 1 s."""
+
+    name, history = "fixed", 0
+
+    def __call__(self, plan, ctx=None):
+        return StepTime(1.0)
 
 
 def _timed(rid, arrival, prompt=4, out=3):
@@ -280,7 +300,7 @@ def test_a_pipelined_simulator_plans_a_step_ahead_as_the_engine_does_by_hand(pip
     # step 1 lands, into step 3 ([2, 3]): its first token at 3. a's tokens land at 1, 2, 3 either
     # way (3 tokens); b's 3 tokens end at 4 one step at a time, at 5 pipelined.
     a, b = _timed("a", 0.0), _timed("b", 0.5)
-    result = serve([a, b], scheduler(slots=2), SimExecutor(lambda plan: 1.0, pipelined=pipelined))
+    result = serve([a, b], scheduler(slots=2), SimExecutor(Fixed(), pipelined=pipelined))
     assert [r.finish_reason for r in result.requests] == [FinishReason.LENGTH, FinishReason.LENGTH]
     lag = 1.0 if pipelined else 0.0
     assert (a.first_token_s, a.finish_s) == (1.0, 3.0)
@@ -303,12 +323,9 @@ def test_a_pipelined_launch_delays_the_step_in_flight_only_if_it_outlasts_it_by_
     # decodes. L = 0.5 hides behind step 2 (collected at 2.5; step 3 [2.5, 3.5], b's decodes
     # [3.5, 4.5], [4.5, 5.5]); L = 1.5 outlasts it (step 1 [1.5, 2.5], step 2 collected at 4.0,
     # step 3 [4, 5], b's decodes [5, 6], [6, 7]).
-    class Cost:
-        def __call__(self, plan):
-            return 1.0
-
-        def launch_s(self, plan):
-            return launch if plan.prefills else 0.0
+    class Cost(Fixed):
+        def __call__(self, plan, ctx=None):
+            return StepTime(1.0, launch_s=launch if plan.prefills else 0.0)
 
     a, b = _timed("a", 0.0), _timed("b", 0.5)
     serve([a, b], scheduler(slots=2), SimExecutor(Cost(), pipelined=True))
@@ -329,15 +346,9 @@ def test_a_step_collected_with_nothing_behind_it_ends_at_its_drain_by_hand(drain
     # 2.5: its prefill is planned at the later of that and a's end, and runs a second; its decode
     # runs the next second, drained too. Without a drain (None) a's end stays at 3: b's prefill
     # waits for it.
-    class Cost:
-        def __call__(self, plan):
-            return 1.0
-
-        def launch_s(self, plan):
-            return 0.0
-
-    if drain is not None:
-        Cost.drain_s = lambda self, plan: drain
+    class Cost(Fixed):
+        def __call__(self, plan, ctx=None):
+            return StepTime(1.0, drain_s=drain)
     a, b = _timed("a", 0.0), _timed("b", 2.5, out=2)
     serve([a, b], scheduler(slots=2), SimExecutor(Cost(), pipelined=True))
     assert (a.first_token_s, a.finish_s) == (1.0, a_end)

@@ -19,7 +19,9 @@ from cbjax.core.request import Request
 from cbjax.runtime.batch import BatchPacker
 from cbjax.layout.shapes import plan_shapes
 from cbjax.layout.tiles import PAGES_BLOCK, PAGES_SINGLE
+from cbjax.core.timing import StepContext
 from cbjax.sim import make_cost_model
+from cbjax.sim.timeline import Timeline
 from cbjax.profile.fit import fit_costs, nnls
 from cbjax.sim.profiled import (
     COLD_TERMS, STEP_TERMS, SWAP_TERMS, count_tiles, pages_read, profile_key, step_features, steps_since_larger,
@@ -133,7 +135,7 @@ TRUE = {"iter_s": 4e-4, "seq_s": 5e-5, "single_chunk_s": 3e-4, "block_chunk_s": 
 
 
 class SyntheticExecutor:
-    """Step time set by hand over what the real packer builds, times 1 +- `noise` (0.5 %): a fixed
+    """Step time (`time_step`) set by hand over what the real packer builds, times 1 +- `noise` (0.5 %): a fixed
     cost per bucket, `fixed[bucket]` or `bucket_scale` x BUCKET_S, plus `coef` (TRUE), plus
     `cold[k - 1]` on the k-th step after the last step of a larger bucket; `run_empty` is a
     bucket's all-padding step (its BUCKET_S alone)."""
@@ -144,7 +146,7 @@ class SyntheticExecutor:
         self.coef, self.bucket_scale, self.noise, self.fixed, self.cold = TRUE, bucket_scale, noise, fixed or {}, cold
         self.buckets = []  # every step's bucket so far
 
-    def execute(self, plan: Schedule) -> StepOutput:
+    def time_step(self, plan: Schedule) -> float:
         b = self.packer.pack(plan)
         single, block = packed_steps(b)
         single_pages, block_pages = packed_pages(b, 8)
@@ -160,7 +162,7 @@ class SyntheticExecutor:
         if larger and larger[0] <= len(self.cold):
             t += self.cold[larger[0] - 1]
         self.buckets.append(bucket)
-        return StepOutput(token_ids=None, duration_s=t * (1 + self.rng.uniform(-self.noise, self.noise)))
+        return t * (1 + self.rng.uniform(-self.noise, self.noise))
 
     def run_empty(self, bucket: int) -> float:
         return BUCKET_S[bucket] * (1 + self.rng.uniform(-0.005, 0.005))
@@ -171,7 +173,7 @@ def test_fit_recovers_hand_set_coefficients_from_a_synthetic_executor():
     assert shapes.token_buckets == tuple(BUCKET_S)
     points = profile_grid(shapes, 256, "full")
     synthetic = SyntheticExecutor(shapes)
-    steps = measure_steps(synthetic.execute, points, shapes, 2048, 512, repeats=3)
+    steps = measure_steps(synthetic.time_step, points, shapes, 2048, 512, repeats=3)
     bucket_s = measure_buckets(synthetic.run_empty, shapes.token_buckets, repeats=3)
     coef, residuals = fit_profile(steps, [], bucket_s)
     for key, value in TRUE.items():  # nothing served: the model is the grid's
@@ -195,7 +197,7 @@ def test_fit_recovers_hand_set_served_costs_over_the_grids_step_terms_and_the_lo
     # each iteration is 30 us + 2 us per request, exactly.
     shapes = plan_shapes(num_rows=32, max_model_len=256, page_size=8, max_num_batched_tokens=512)
     points = profile_grid(shapes, 256, "full")
-    steps = measure_steps(SyntheticExecutor(shapes, noise=1e-4).execute, points, shapes, 2048, 512, repeats=3)
+    steps = measure_steps(SyntheticExecutor(shapes, noise=1e-4).time_step, points, shapes, 2048, 512, repeats=3)
     bucket_s = measure_buckets(SyntheticExecutor(shapes).run_empty, shapes.token_buckets, repeats=3)
     fixed = {4: 1.0e-3, 8: 1.2e-3, 16: 3.5e-3, 24: 6e-3, 32: 4.5e-3}
     cold = (4e-4, 2e-4, 1e-4, 5e-5) if fit_cold else (0.0, 0.0, 0.0, 0.0)
@@ -212,7 +214,7 @@ def test_fit_recovers_hand_set_served_costs_over_the_grids_step_terms_and_the_lo
         plan = build_schedule(point, shapes, 2048, 512)
         bucket, features = step_features(plan.cost_rows(), shapes)
         served.append({"kind": point.kind, "source": "served", "bucket": bucket, "features": features, "idle": False,
-                       "measured_s": served_run.execute(plan).duration_s,
+                       "measured_s": served_run.time_step(plan),
                        "since_larger": steps_since_larger(recent, bucket)})  # fmt: skip
         recent.insert(0, bucket)
     since = [s["since_larger"] for s in served]
@@ -290,8 +292,8 @@ def test_profiled_cost_by_hand(tmp_path):
     # 21 tokens -> bucket 64; 2 rows; the decode at position 4 reads 2 pages (1 single step), the
     # 20-token prefill 5 pages (2 block steps, 64 bucket tokens each); 2 pages swapped; the
     # bucket's cost doubled (bucket_scale), the loop 0.25 + 0.125 per request
-    assert cost(plan) == pytest.approx(0.5 + 2 * 7.0 + 0.5 + 0.002 + 10.0 + 2 * (100.0 + 64e-5) + 1000.0 + 20000.0)
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(0.375 + 2 * 1.0 + 0.5 + 0.001 + 10.0)
+    assert cost(plan).total_s == pytest.approx(0.5 + 2 * 7.0 + 0.5 + 0.002 + 10.0 + 2 * (100.0 + 64e-5) + 1000.0 + 20000.0)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4)).total_s == pytest.approx(0.375 + 2 * 1.0 + 0.5 + 0.001 + 10.0)
     # a profile of the native backend charges single_chunk_s per decode group: two decodes at
     # position 4 are 2 groups (the XLA pass runs them as 1 step of 2 pages)
     native = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "n.json", coef, page_size=4,
@@ -299,11 +301,11 @@ def test_profiled_cost_by_hand(tmp_path):
     e = Request("e", 0.0, 5)
     e.num_computed, e.num_new_tokens = 4, 1
     two = make_plan(num_slots=4, decodes=[d, e], page_size=4)
-    assert cost(two) == pytest.approx(0.25 + 2 * 0.125 + 2 * 1.0 + 0.5 + 0.002 + 10.0)
-    assert native(two) == pytest.approx(0.25 + 2 * 0.125 + 2 * 1.0 + 0.5 + 0.002 + 2 * 10.0)
+    assert cost(two).total_s == pytest.approx(0.25 + 2 * 0.125 + 2 * 1.0 + 0.5 + 0.002 + 10.0)
+    assert native(two).total_s == pytest.approx(0.25 + 2 * 0.125 + 2 * 1.0 + 0.5 + 0.002 + 2 * 10.0)
     # bucket 16 was not timed: between 4 (1.0) and 64 (7.0), linearly: 1.0 + 12/60 * 6.0
     p.num_new_tokens = 12
-    assert cost(make_plan(num_slots=4, prefills=[p], page_size=4)) == pytest.approx(
+    assert cost(make_plan(num_slots=4, prefills=[p], page_size=4)).total_s == pytest.approx(
         0.375 + 2 * 2.2 + 0.5 + 0.001 + 100.0 + 16e-5
     )
 
@@ -314,13 +316,14 @@ def test_the_first_step_after_an_idle_loop_pays_the_wake_cost_by_hand(tmp_path):
     cost = make_cost_model("profiled", MODEL, None, **configs(path))
     d = Request("d", 0.0, 5)
     d.num_computed, d.num_new_tokens = 4, 1
-    # each step costs 1.0 (bucket 4); the first has no step before it; the second starts where the
-    # first ended (busy); the third 1 s after the second ended (a quarter of the ramp: 0.125);
-    # the fourth 10 s after (past the ramp: the whole 0.5)
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=3.0)) == pytest.approx(1.0)
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=4.0)) == pytest.approx(1.0)
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=6.0)) == pytest.approx(1.125)
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=17.125)) == pytest.approx(1.5)
+    plan = make_plan(num_slots=4, decodes=[d], page_size=4)
+    # each step costs 1.0 (bucket 4); after a 1 s idle a quarter of the ramp (0.125); after 10 s
+    # past the ramp (the whole 0.5)
+    assert [cost(plan, StepContext(idle_s=idle)).total_s for idle in (0.0, 1.0, 10.0)] == pytest.approx([1.0, 1.125, 1.5])
+    # the timeline knows the idle: the first step has no step before it; the second starts where
+    # the first ended (busy); the third 1 s after the second ended; the fourth 10 s after
+    timeline = Timeline(cost)
+    assert [timeline.run(plan, start)[0] for start in (3.0, 4.0, 6.0, 17.125)] == pytest.approx([1.0, 1.0, 1.125, 1.5])
 
 
 def test_steps_since_larger_by_hand():
@@ -336,24 +339,28 @@ def test_steps_after_a_larger_buckets_pay_the_cold_costs_by_hand(tmp_path):
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, cold_s=0.25, cold2_s=0.125, cold3_s=0.0625, cold4_s=0.03125)
     path = write_profile(tmp_path / "p.json", coef, page_size=4, num_slots=4)
     cost = make_cost_model("profiled", MODEL, None, **configs(path))
+    assert cost.history == 4  # the cold terms read the 4 steps before
     d, p = decode_and_prefill()
-
-    def step(*reqs):
-        return cost(make_plan(num_slots=4, decodes=[r for r in reqs if r is d], prefills=[r for r in reqs if r is p],
-                             page_size=4))  # fmt: skip
-
-    # decode (bucket 4: 1.0), again (warm), decode + prefill (bucket 64: 7.0, a larger one: warm),
-    # then decodes 1, 2, 3, 4 and 5 steps after it (+ 0.25, 0.125, 0.0625, 0.03125, then warm)
-    assert [step(d), step(d), step(d, p), *(step(d) for _ in range(5))] == pytest.approx(
-        [1.0, 1.0, 7.0, 1.25, 1.125, 1.0625, 1.03125, 1.0]
-    )
+    small = make_plan(num_slots=4, decodes=[d], page_size=4)
+    big = make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)
+    # the context's earlier steps (latest first, by their batched tokens): 41 tokens is bucket 64
+    assert cost(small, StepContext(recent_tokens=(1, 41))).total_s == pytest.approx(1.125)
+    assert cost(small, StepContext(recent_tokens=(1, 1, 1, 1, 41))).total_s == pytest.approx(1.0)
+    # on a timeline: decode (bucket 4: 1.0), again (warm), decode + prefill (bucket 64: 7.0, a
+    # larger one: warm), then decodes 1, 2, 3, 4 and 5 steps after it (+ 0.25, 0.125, 0.0625,
+    # 0.03125, then warm)
+    timeline, t, costs = Timeline(cost), 0.0, []
+    for plan in [small, small, big] + [small] * 5:
+        duration, t = timeline.run(plan, t)
+        costs.append(duration)
+    assert costs == pytest.approx([1.0, 1.0, 7.0, 1.25, 1.125, 1.0625, 1.03125, 1.0])
     for k in ("cold_s", "cold2_s", "cold3_s", "cold4_s"):  # a profile made before the terms charges nothing for them
         del coef[k]
     old = make_cost_model(
         "profiled", MODEL, None, **configs(write_profile(tmp_path / "old.json", coef, page_size=4, num_slots=4))
     )
-    big = make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)
-    assert old(big) == pytest.approx(7.0) and old(make_plan(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.0)
+    assert old.history == 0
+    assert old(big).total_s == pytest.approx(7.0) and old(small, StepContext(recent_tokens=(41,))).total_s == pytest.approx(1.0)
 
 
 def test_each_token_a_step_holds_pays_token_s_by_hand(tmp_path):
@@ -363,13 +370,13 @@ def test_each_token_a_step_holds_pays_token_s_by_hand(tmp_path):
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
     d, p = decode_and_prefill()
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.5)
-    assert cost(make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(27.5)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4)).total_s == pytest.approx(1.5)
+    assert cost(make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)).total_s == pytest.approx(27.5)
     del coef["token_s"]  # a profile made before the term charges nothing for it
     old = make_cost_model(
         "profiled", MODEL, None, **configs(write_profile(tmp_path / "old.json", coef, page_size=4, num_slots=4))
     )
-    assert old(make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(7.0)
+    assert old(make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)).total_s == pytest.approx(7.0)
 
 
 def test_a_served_buckets_own_fixed_cost_replaces_the_scaled_grid_timing_by_hand(tmp_path):
@@ -378,8 +385,8 @@ def test_a_served_buckets_own_fixed_cost_replaces_the_scaled_grid_timing_by_hand
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
     d, p = decode_and_prefill()
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4)) == pytest.approx(1.5)
-    assert cost(make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)) == pytest.approx(14.0)
+    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4)).total_s == pytest.approx(1.5)
+    assert cost(make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)).total_s == pytest.approx(14.0)
 
 
 def test_a_profile_for_another_model_page_size_or_slot_count_is_refused(tmp_path):
@@ -512,18 +519,24 @@ def test_a_pipelined_step_records_the_loops_host_time_before_its_collect_by_hand
 
 def test_a_step_planned_while_the_previous_runs_pays_no_wake_by_hand(tmp_path):
     # wake_s 0.5 over a 1 s ramp; each decode costs 1.0. Pipelined, step 2 is planned at 0 (while
-    # step 1 runs, [0, 1]) and runs [1, 2]; step 3 is planned at 1 (step 1's end) and runs [2, 3]:
-    # neither waited for an arrival, so neither pays the wake. Step 4 planned at 3.5, after the
-    # loop idled 0.5 s past step 3's end, pays 0.5 x min(1, 0.5 / 1) = 0.25.
+    # step 1 runs, [0, 1]) and runs [1, 2]; step 3 is planned at 1 (step 1's collect) and runs
+    # [2, 3]: neither waited for an arrival, so neither pays the wake. Step 4, planned at 3.5
+    # after the loop collected step 3 (at 3) and idled 0.5 s, pays 0.5 x min(1, 0.5 / 1) = 0.25.
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5)
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
     d, _ = decode_and_prefill()
-
-    def step(start_s):
-        return cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=start_s))
-
-    assert [step(0.0), step(0.0), step(1.0), step(3.5)] == pytest.approx([1.0, 1.0, 1.0, 1.25])
+    plan = make_plan(num_slots=4, decodes=[d], page_size=4)
+    timeline = Timeline(cost)
+    one = timeline.launch(plan, 0.0)
+    two = timeline.launch(plan, 0.0)
+    assert timeline.land(one, covered=True) == (0.0, 1.0)
+    three = timeline.launch(plan, 1.0)
+    assert timeline.land(two, covered=True) == (1.0, 2.0)
+    assert timeline.land(three, covered=False) == (2.0, 3.0)
+    four = timeline.launch(plan, 3.5)
+    assert [s.time.total_s for s in (one, two, three, four)] == pytest.approx([1.0, 1.0, 1.0, 1.25])
+    assert (four.begin, four.end) == pytest.approx((3.5, 4.75))
 
 
 def test_the_launch_terms_by_hand_and_a_long_launch_is_no_idle_loop(tmp_path):
@@ -536,32 +549,25 @@ def test_the_launch_terms_by_hand_and_a_long_launch_is_no_idle_loop(tmp_path):
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "p.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
     d, p = decode_and_prefill()
-    decode = make_plan(num_slots=4, decodes=[d], page_size=4, start_s=0.0)
-    mixed = make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4, start_s=0.0)
-    assert (cost.launch_s(decode), cost.launch_s(mixed)) == pytest.approx((0.111, 0.861))
+    decode = make_plan(num_slots=4, decodes=[d], page_size=4)
+    mixed = make_plan(num_slots=4, decodes=[d], prefills=[p], page_size=4)
+    assert (cost(decode).launch_s, cost(mixed).launch_s) == pytest.approx((0.111, 0.861))
     # with the prefix cache on, 0.03 a row more (launch_cached_seq_s): 0.141 and 0.921; off, none
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, launch_cached_seq_s=0.03, **launch)
     cfgs = configs(write_profile(tmp_path / "c.json", coef, page_size=4, num_slots=4))
     cached = make_cost_model("profiled", MODEL, None, **{**cfgs, "cache": CacheConfig(page_size=4, num_pages=4096,
                                                                                        prefix_caching=True)})  # fmt: skip
-    assert (cached.launch_s(decode), cached.launch_s(mixed)) == pytest.approx((0.141, 0.921))
+    assert (cached(decode).launch_s, cached(mixed).launch_s) == pytest.approx((0.141, 0.921))
     uncached = make_cost_model("profiled", MODEL, None, **cfgs)
-    assert (uncached.launch_s(decode), uncached.launch_s(mixed)) == pytest.approx((0.111, 0.861))
-    # 0.05 a request the step in flight held and the plan does not carry on (launch_left_s): two
-    # decodes (0.1 + 0.02 + 0.002 = 0.122, nothing before them), then one of them beside the
-    # prefill, whose other decode left: 0.861 + 0.05 = 0.911. A plan the model did not cost in
-    # turn has no step in flight: 0.861.
+    assert (uncached(decode).launch_s, uncached(mixed).launch_s) == pytest.approx((0.111, 0.861))
+    # 0.05 a request the step in flight held and the plan does not carry on (launch_left_s):
+    # after a step of two decodes, one of them beside the prefill, whose other decode left:
+    # 0.861 + 0.05 = 0.911. With nothing in flight: 0.861.
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, launch_left_s=0.05, **launch)
-    cfgs = configs(write_profile(tmp_path / "l.json", coef, page_size=4, num_slots=4))
-    left = make_cost_model("profiled", MODEL, None, **cfgs)
-    d2 = Request("d2", 0.0, 5)
-    d2.num_computed, d2.num_new_tokens = 4, 1
-    two = make_plan(num_slots=4, decodes=[d, d2], page_size=4, start_s=0.0)
-    left(two)
-    assert left.launch_s(two) == pytest.approx(0.122)
-    left(mixed)
-    assert left.launch_s(mixed) == pytest.approx(0.911)
-    assert make_cost_model("profiled", MODEL, None, **cfgs).launch_s(mixed) == pytest.approx(0.861)
+    left = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "l.json", coef, page_size=4,
+                                                                             num_slots=4)))  # fmt: skip
+    assert left(mixed, StepContext(in_flight_rows=2)).launch_s == pytest.approx(0.911)
+    assert left(mixed).launch_s == pytest.approx(0.861)
     # Pipelined, launch 4.0 for a prefill: step 1 (a decode, [0, 1]); step 2 (a prefill, bucket
     # 64: 7.0) planned at 0 while step 1 runs, which the launch holds until 4.0: step 2 runs
     # [4, 11]; step 3 (a decode), planned at 4.0 (step 1's collect), runs [11, 12]; step 4, planned
@@ -570,11 +576,16 @@ def test_the_launch_terms_by_hand_and_a_long_launch_is_no_idle_loop(tmp_path):
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, launch_prefill_s=4.0)
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "q.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
-    prefill = make_plan(num_slots=4, prefills=[p], page_size=4, start_s=0.0)
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=0.0)) == pytest.approx(1.0)
-    assert cost(prefill) == pytest.approx(7.0)
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=4.0)) == pytest.approx(1.0)
-    assert cost(make_plan(num_slots=4, decodes=[d], page_size=4, start_s=11.0)) == pytest.approx(1.0)
+    prefill = make_plan(num_slots=4, prefills=[p], page_size=4)
+    timeline = Timeline(cost)
+    one = timeline.launch(decode, 0.0)
+    two = timeline.launch(prefill, 0.0)
+    assert timeline.land(one, covered=True) == (0.0, 4.0)
+    three = timeline.launch(decode, 4.0)
+    assert timeline.land(two, covered=True) == (4.0, 11.0)
+    four = timeline.launch(decode, 11.0)
+    assert timeline.land(three, covered=True) == (11.0, 12.0)
+    assert [s.time.total_s for s in (one, two, three, four)] == pytest.approx([1.0, 7.0, 1.0, 1.0])
 
 
 def test_rows_left_by_hand():
@@ -587,73 +598,72 @@ def test_rows_left_by_hand():
     assert rows_left(0, []) == 0
 
 
-def test_a_launch_with_nothing_in_flight_moves_the_models_clock_by_hand(tmp_path):
+def test_a_launch_with_nothing_in_flight_starts_its_step_after_the_launch_by_hand(tmp_path):
     # launch_prefill_s 4.0 (0.25 a prefill row), a prefill costs 7.0 (bucket 64), a decode 1.0;
-    # wake_s 0.5 over 1 s. The first plan, a prefill at 0, has nothing in flight: the loop starts
-    # its step after its launch (4.25), so it ends at 11.25, not 7.0. A decode planned at 11.25
-    # is then no idle loop (no wake). A prefill planned at 13.25 followed a 1 s idle (wake 0.5)
-    # and retires nothing at its launch, though the decode's request is not in it: the step
-    # before was collected already (launch_left_s, 100 a request, not charged).
+    # wake_s 0.5 over 1 s. The first plan, a prefill at 0, has nothing in flight: its step starts
+    # after its launch (4.25), so it ends at 11.25, not 7.0. A decode planned at 11.25 is then no
+    # idle loop (no wake). A prefill planned at 13.25 followed a 1 s idle (wake 0.5) and retires
+    # nothing at its launch, though the decode's request is not in it: the step before was
+    # collected already (launch_left_s, 100 a request, not charged).
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, wake_ramp_s=1.0, launch_prefill_s=4.0,
                              launch_prefill_seq_s=0.25, launch_left_s=100.0)  # fmt: skip
-    cfgs = configs(write_profile(tmp_path / "w.json", coef, page_size=4, num_slots=4))
+    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "w.json", coef, page_size=4,
+                                                                             num_slots=4)))  # fmt: skip
     d, p = decode_and_prefill()
-    cost = make_cost_model("profiled", MODEL, None, **cfgs)
-    prefill = make_plan(num_slots=4, prefills=[p], page_size=4, start_s=0.0)
-    assert (cost(prefill), cost.launch_s(prefill)) == pytest.approx((7.0, 4.25))
-    decode = make_plan(num_slots=4, decodes=[d], page_size=4, start_s=11.25)
-    assert (cost(decode), cost.launch_s(decode)) == pytest.approx((1.0, 0.0))
-    later = make_plan(num_slots=4, prefills=[p], page_size=4, start_s=13.25)  # 1 s after 12.25
-    assert (cost(later), cost.launch_s(later)) == pytest.approx((7.5, 4.25))
+    prefill = make_plan(num_slots=4, prefills=[p], page_size=4)
+    decode = make_plan(num_slots=4, decodes=[d], page_size=4)
+    timeline = Timeline(cost)
+    first = timeline.launch(prefill, 0.0)
+    assert (first.time.total_s, first.time.launch_s) == pytest.approx((7.0, 4.25))
+    assert timeline.land(first, covered=False) == pytest.approx((4.25, 11.25))
+    second = timeline.launch(decode, 11.25)
+    assert (second.time.total_s, second.time.launch_s) == pytest.approx((1.0, 0.0))
+    assert timeline.land(second, covered=False) == pytest.approx((11.25, 12.25))
+    later = timeline.launch(prefill, 13.25)
+    assert (later.time.total_s, later.time.launch_s) == pytest.approx((7.5, 4.25))
 
 
 def test_a_step_collected_with_nothing_behind_it_drains_and_the_next_plan_meets_an_idle_loop_by_hand(tmp_path):
-    # drain_s 0.25: a pipelined executor asks each plan's drain right after its cost. Decode 1 at
-    # 0 costs 1.0 (bucket 4); decode 2, planned at 0 while it runs, begins at 1.0 and ends at 2.0,
-    # or at 1.25 if collected with nothing behind it. A prefill (7.0) planned at 2.25 comes after
-    # that drained end: the loop idled 1 s (wake 0.5 x min(1, 1 / 1)) and the step before was
-    # collected already, so the decode's request, not in the prefill, retires at no launch
-    # (launch_left_s, 100 a request, not charged). The drain is never above the plan's cost.
+    # drain_s 0.25. Decode 1 at 0 costs 1.0 (bucket 4); decode 2, planned at 0 while it runs,
+    # begins at 1.0 and ends at 2.0, or at 1.25 if collected with nothing behind it. A prefill
+    # (7.0) planned at 2.25 comes after that drained end: the loop idled 1 s (wake 0.5 x min(1,
+    # 1 / 1)) and the step before was collected already, so the decode's request, not in the
+    # prefill, retires at no launch (launch_left_s, 100 a request, not charged). The drain is
+    # never above the plan's cost.
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, wake_s=0.5, wake_ramp_s=1.0, launch_left_s=100.0, drain_s=0.25)
     cfgs = configs(write_profile(tmp_path / "d.json", coef, page_size=4, num_slots=4))
     d, p = decode_and_prefill()
+    decode = make_plan(num_slots=4, decodes=[d], page_size=4)
+    prefill = make_plan(num_slots=4, prefills=[p], page_size=4)
 
-    def decode(start_s):
-        return make_plan(num_slots=4, decodes=[d], page_size=4, start_s=start_s)
+    def run(plan_after: float, coefficients=None, name="x.json"):
+        cost = make_cost_model("profiled", MODEL, None, **(cfgs if coefficients is None else configs(
+            write_profile(tmp_path / name, coefficients, page_size=4, num_slots=4))))  # fmt: skip
+        timeline = Timeline(cost)
+        one = timeline.launch(decode, 0.0)
+        two = timeline.launch(decode, 0.0)
+        timeline.land(one, covered=True)
+        if plan_after >= 2.0:  # planned after decode 2's collect, with nothing in flight
+            timeline.land(two, covered=False)
+            last = timeline.launch(prefill, plan_after)
+        else:  # planned at decode 1's collect while decode 2 runs
+            last = timeline.launch(prefill, plan_after)
+            timeline.land(two, covered=True)
+        return [x for s in (one, two, last) for x in (s.time.total_s, s.time.drain_s, s.time.launch_s)], (two.begin, two.end)
 
-    def prefill(start_s):
-        return make_plan(num_slots=4, prefills=[p], page_size=4, start_s=start_s)
-
-    def run(cost, plans):
-        out = []
-        for plan in plans:
-            t = cost(plan)
-            out += [t, cost.drain_s(plan), cost.launch_s(plan)]
-        return out
-
-    cost = make_cost_model("profiled", MODEL, None, **cfgs)
-    assert run(cost, [decode(0.0), decode(0.0), prefill(2.25)]) == pytest.approx(
-        [1.0, 0.25, 0.0, 1.0, 0.25, 0.0, 7.5, 0.25, 0.0]
-    )
+    steps, span = run(2.25)
+    assert steps == pytest.approx([1.0, 0.25, 0.0, 1.0, 0.25, 0.0, 7.5, 0.25, 0.0]) and span == (1.0, 1.25)
     # the prefill planned at 1.0 (decode 1's collect) while decode 2 runs: no idle loop, and the
     # decode's request retires at its launch
-    cost = make_cost_model("profiled", MODEL, None, **cfgs)
-    assert run(cost, [decode(0.0), decode(0.0), prefill(1.0)]) == pytest.approx(
-        [1.0, 0.25, 0.0, 1.0, 0.25, 0.0, 7.0, 0.25, 100.0]
-    )
+    steps, _ = run(1.0)
+    assert steps == pytest.approx([1.0, 0.25, 0.0, 1.0, 0.25, 0.0, 7.0, 0.25, 100.0])
     # a profile without drain_s: the step ends at 2.0, so a plan at 2.25 follows a 0.25 s idle
     coef.pop("drain_s")
-    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "n.json", coef, page_size=4,
-                                                                             num_slots=4)))  # fmt: skip
-    assert run(cost, [decode(0.0), decode(0.0), prefill(2.25)]) == pytest.approx(
-        [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 7.125, 7.125, 0.0]
-    )
+    steps, span = run(2.25, coef, "none.json")
+    assert steps == [1.0, None, 0.0, 1.0, None, 0.0, 7.125, None, 0.0] and span == (1.0, 2.0)
     coef["drain_s"] = 5.0
-    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "x.json", coef, page_size=4,
-                                                                             num_slots=4)))  # fmt: skip
-    assert run(cost, [decode(0.0)]) == pytest.approx([1.0, 1.0, 0.0])
-    with pytest.raises(ValueError, match="right after its cost"):
-        cost.drain_s(prefill(9.0))
+    steps, _ = run(2.25, coef, "long.json")
+    assert steps[:3] == pytest.approx([1.0, 1.0, 0.0])
 
 
 def test_a_stack_overhead_adds_its_host_time_to_a_drained_step_by_hand(tmp_path):
@@ -665,5 +675,5 @@ def test_a_stack_overhead_adds_its_host_time_to_a_drained_step_by_hand(tmp_path)
     cfgs = configs(write_profile(tmp_path / "o.json", coef, page_size=4, num_slots=4))
     cost = make_cost_model("profiled", MODEL, None, overhead=OverheadConfig(name="test", step_s=0.5), **cfgs)
     d, _ = decode_and_prefill()
-    plan = make_plan(num_slots=4, decodes=[d], page_size=4, start_s=0.0)
-    assert (cost(plan), cost.drain_s(plan)) == pytest.approx((1.5, 0.75))
+    time = cost(make_plan(num_slots=4, decodes=[d], page_size=4))
+    assert (time.total_s, time.drain_s) == pytest.approx((1.5, 0.75))

@@ -48,7 +48,7 @@ class FailingExecutor(CheckingExecutor):
         super().execute(plan)
         ids = [s.request_id for s in plan.scheduled]
         errors = {ids.index(self.victim): "logits are not finite"} if self.plans == self.at else None
-        return StepOutput(token_ids=[0] * len(ids), duration_s=1.0, errors=errors)
+        return StepOutput(token_ids=[0] * len(ids), errors=errors)
 
 
 def test_a_step_error_ends_that_request_with_error_and_the_run_goes_on():

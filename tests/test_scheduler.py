@@ -219,7 +219,7 @@ def test_real_tokens_stop_on_eos_and_stop_ids():
         def execute(self, plan):
             from cbjax.core.executor import StepOutput
 
-            return StepOutput(token_ids=[7 if r.request_id == "a" else 9 for r in plan.scheduled], duration_s=1.0)
+            return StepOutput(token_ids=[7 if r.request_id == "a" else 9 for r in plan.scheduled])
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, **LOOSE), BIG_CACHE, 1000, eos_token_id=9)
     a = Request("a", 0.0, 4, prompt_token_ids=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=5, stop_token_ids=(7,)))

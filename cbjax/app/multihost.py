@@ -3,6 +3,7 @@ and the others follow its steps (`cbjax.runtime.distributed.PlanLink`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from cbjax.config import RunConfig
@@ -27,12 +28,8 @@ def start(cfg: RunConfig, *, multirun: bool = False) -> bool:
 def follow(cfg: RunConfig) -> None:
     """A process other than 0: build the executor, warm up, then run the steps process 0 sends."""
     initialize(cfg.distributed)
-    executor = build_executor(cfg)
-    executor.progress = False
+    executor = build_executor(dataclasses.replace(cfg, progress=False))
     executor.warmup()
-    num_steps = 0
-    while (batch := executor.link.recv()) is not None:
-        executor.follow_step(batch)
-        num_steps += 1
+    num_steps = executor.follow()
     compiles = executor.metrics()["compiles_after_warmup"]
     log.info(f"distributed: process {cfg.distributed.process_id} ran {num_steps} steps, {compiles} compiles after warmup")

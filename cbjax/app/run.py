@@ -74,11 +74,10 @@ def build_executor(cfg: RunConfig, devices=None):
             from cbjax.model.hf import load_model
 
             llama = load_model(cfg.model)
-        executor = JaxExecutor(
-            cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed, llama=llama, devices=devices
-        )
-        executor.progress = cfg.progress
-        return executor
+        return JaxExecutor(
+            cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed, llama=llama, devices=devices,
+            progress=cfg.progress,
+        )  # fmt: skip
     raise ValueError(f"executor.name: unknown executor {cfg.executor.name!r}")
 
 
@@ -113,9 +112,8 @@ def run_single(
     live = None
     if out_dir is not None:
         live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **(extra(r) if extra else {})})
-    if not executor.virtual_clock:  # the engine compiles its sampler only if a request samples
-        executor.sampling = any(r.sampling.temperature > 0 for r in requests)
-    executor.warmup()
+    # the engine compiles its sampler only if a request samples
+    executor.warmup(sampling=any(r.sampling.temperature > 0 for r in requests))
     service_log = ServiceLog()
     try:
         result = serve(

@@ -24,6 +24,7 @@ from cbjax.cluster.core import ClusterBase
 from cbjax.config import RunConfig
 from cbjax.core.results import RunResult
 from cbjax.core.stop import StopFlag
+from cbjax.engine.drive import drive
 from cbjax.core.request import FinishReason, Request
 
 
@@ -39,9 +40,6 @@ class ClusterEngine(ClusterBase):
         super().__init__(cfg, make_executor)
         self._clock = clock
         self._t0 = clock()
-        if cfg.cluster.disaggregated:  # K/V copies out of prefill and into decode replicas
-            for replica in self.replicas:
-                replica.executor.swap_at_warmup = True
 
     def now(self) -> float:
         return self._clock() - self._t0
@@ -49,9 +47,9 @@ class ClusterEngine(ClusterBase):
     def warmup(self, sampling: bool) -> float:
         """Compile every replica's programs; compiles after warmup count from the last one."""
         t0 = time.perf_counter()
+        kv_transfer = self.cfg.cluster.disaggregated  # K/V copies out of prefill and into decode replicas
         for replica in self.replicas:
-            replica.executor.sampling = sampling
-            replica.executor.warmup()
+            replica.executor.warmup(sampling=sampling, kv_transfer=kv_transfer)
         for replica in self.replicas:
             replica.executor.restart_compile_count()
         return time.perf_counter() - t0
@@ -85,25 +83,10 @@ class ClusterEngine(ClusterBase):
         warmup_s = self.warmup(any(r.sampling.temperature > 0 for r in requests))
         self._t0 = self._clock()
         for replica in self.replicas:
-            replica.loop.restart_clock(self._t0)
+            replica.loop.clock.restart(self._t0)
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-        interrupted = False
-        while True:
-            now = self.now()
-            while pending and pending[0].arrival_s <= now:
-                self._admit(pending.popleft(), now)
-            if stop is not None and stop.is_set():
-                interrupted = True
-                break
-            busy = [r for r in self.replicas if r.loop.has_work()]
-            if not busy:
-                if not pending:
-                    break
-                time.sleep(min(0.1, max(0.0, pending[0].arrival_s - self.now())))  # short naps: stop is checked
-                continue
-            for replica in busy:
-                replica.loop.step()
-                replica.loop.boundary()  # reports finished requests (a prefill's K/V moves here)
+        loops = [replica.loop for replica in self.replicas]
+        interrupted = drive(loops, pending, lambda req, t: self._admit(req, t).loop, stop=stop)
         self._stopping = True
         for replica in self.replicas:
             replica.loop.abort_all()
@@ -130,10 +113,5 @@ def check_engine_supported(cfg: RunConfig) -> None:
     """What this driver runs: engine replicas on the wall clock, in one process."""
     if cfg.executor.name != "jax":
         raise ValueError(f"executor.name={cfg.executor.name}: ClusterEngine runs the engine; use executor=jax")
-    if cfg.cluster.host_share is not None:
-        raise ValueError(
-            f"cluster.host_share={cfg.cluster.host_share}: models a shared host in the simulator; the engine's "
-            "replicas share this host for real: leave it null"
-        )
     if cfg.distributed.enabled:
         raise ValueError("distributed.num_processes: an engine cluster runs replicas on one host's devices; set it to 1")

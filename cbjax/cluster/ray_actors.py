@@ -36,8 +36,7 @@ class ExecutorActor:
 
     def __init__(self, build: Callable[[RunConfig], Any], cfg: RunConfig):
         """`build(cfg)`: the executor (`cbjax.app.run.build_executor`, pickled by reference)."""
-        self.executor = build(cfg)
-        self.executor.progress = False
+        self.executor = build(dataclasses.replace(cfg, progress=False))
         self._launched: dict[int, Any] = {}
 
     def ready(self) -> bool:
@@ -46,10 +45,8 @@ class ExecutorActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def warmup(self, sampling: bool, swap_at_warmup: bool) -> None:
-        self.executor.sampling = sampling
-        self.executor.swap_at_warmup = swap_at_warmup or self.executor.swap_at_warmup
-        self.executor.warmup()
+    def warmup(self, sampling: bool, kv_transfer: bool) -> None:
+        self.executor.warmup(sampling=sampling, kv_transfer=kv_transfer)
 
     def restart_compile_count(self) -> None:
         self.executor.restart_compile_count()
@@ -102,16 +99,17 @@ class RayExecutor:
                 f"cluster has {ray.available_resources()} free (each replica needs 1 CPU, and executor.mesh.tensor "
                 "GPUs on a cluster with GPUs)"
             ) from None
-        self.sampling = True
-        self.swap_at_warmup = False
         self._step = 0
         self._metrics: Optional[dict] = None
 
     def validate(self, req: Request) -> Optional[str]:
         return None  # the engine checks nothing beyond the scheduler (JaxExecutor.validate)
 
-    def warmup(self) -> None:
-        ray.get(self.actor.warmup.remote(self.sampling, self.swap_at_warmup))
+    def timeline(self) -> None:
+        return None  # the engine runs on the wall clock
+
+    def warmup(self, *, sampling: bool = True, kv_transfer: bool = False) -> None:
+        ray.get(self.actor.warmup.remote(sampling, kv_transfer))
 
     def restart_compile_count(self) -> None:
         ray.get(self.actor.restart_compile_count.remote())

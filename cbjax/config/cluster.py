@@ -41,13 +41,6 @@ class ClusterConfig:
     decode_hardware: Optional[str] = None
     prefill_tensor: Optional[int] = None
     decode_tensor: Optional[int] = None
-    # The simulator only: replicas sharing one host, as the engine cluster's do (one driver
-    # thread, the host's cores): the share of the host a lone replica's serving keeps busy, in
-    # (0, 2] (above 1: busy replicas slow each other beyond taking turns); the simulator then
-    # runs the engine driver's turns, each lasting max(its longest iteration, host_share x
-    # their sum) (cbjax.cluster.host).
-    # null: each replica has a host of its own.
-    host_share: Optional[float] = None
 
     def __post_init__(self) -> None:
         _require(self.replicas >= 1, "cluster.replicas", "must be >= 1", self.replicas)
@@ -93,11 +86,6 @@ class ClusterConfig:
             self.kv_link_latency_s >= 0 and math.isfinite(self.kv_link_latency_s), "cluster.kv_link_latency_s",
             "must be >= 0", self.kv_link_latency_s,
         )  # fmt: skip
-        if self.host_share is not None:
-            _require(
-                0 < self.host_share <= 2 and math.isfinite(self.host_share), "cluster.host_share", "must be in (0, 2]",
-                self.host_share,
-            )  # fmt: skip
         for key in ("prefill_tensor", "decode_tensor"):
             value = getattr(self, key)
             if value is not None:

@@ -95,21 +95,12 @@ class Schedule:
         return sum([s.num_new_tokens for s in self.scheduled])
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepOutput:
     """One iteration's result: a token per scheduled request (`Schedule.scheduled` order), or
-    None when tokens are simulated, and the iteration's duration on the executor's clock.
-    `errors` maps an index into `Schedule.scheduled` to why that request's step failed (e.g.
-    non-finite logits); the scheduler aborts those requests and the run goes on."""
+    None when tokens are simulated. `errors` maps an index into `Schedule.scheduled` to why that
+    request's step failed (e.g. non-finite logits); the scheduler aborts those requests and the
+    run goes on. Time is not here: the loop's clock owns it (`cbjax.engine.clock`)."""
 
     token_ids: Optional[Sequence[int]]
-    duration_s: float
     errors: Optional[dict[int, str]] = None
-    # A virtual pipelined step's launch: the loop's host time from collecting the last step to
-    # launching this one; the step in flight is collected no earlier (`cbjax.engine.loop.EngineLoop._launch_virtual`).
-    launch_s: float = 0.0
-    # A virtual pipelined step's share of the clock when the loop collects it with nothing
-    # launched behind it (the loop went idle, the run ended, or the next plan waits for its
-    # tokens): the device's own remainder, which the next launch's host time otherwise hides
-    # (`cbjax.engine.loop.EngineLoop._land`). None: its `duration_s`.
-    drain_s: Optional[float] = None

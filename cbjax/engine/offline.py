@@ -1,4 +1,4 @@
-"""The offline driver: serve a list of requests, each at its arrival time, through one `EngineLoop`."""
+"""Offline serving: a list of requests, each at its arrival time, through one `EngineLoop`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from cbjax.core.plan import Schedule
 from cbjax.core.request import Request
 from cbjax.core.results import RunResult
 from cbjax.core.stop import StopFlag
+from cbjax.engine.drive import drive
 from cbjax.engine.loop import EngineLoop
 from cbjax.scheduler.core import Scheduler
 
@@ -39,29 +40,14 @@ def serve(
         progress=progress, total=len(requests), clock=clock, sleep=sleep,
     )  # fmt: skip
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-    interrupted = False
-    loop.restart_clock()
-    while True:
-        loop.boundary()
-        now = loop.now()
-        while pending and pending[0].arrival_s <= now:
-            loop.add(pending.popleft(), now)
-        if stop is not None and stop.is_set():
-            interrupted = True
-            break
-        if not loop.has_work():
-            if not pending:
-                break
-            # Idle: jump (or wait) to the next arrival.
-            if loop.virtual:
-                loop.advance_to(pending[0].arrival_s)
-            else:
-                # short naps, so a stop request or a due flush is not kept waiting
-                sleep(min(0.1, max(0.0, pending[0].arrival_s - loop.now())))
-            continue
-        if max_iterations is not None and loop.stats.iterations >= max_iterations:
-            break
-        loop.step()
+    loop.clock.restart()
+
+    def admit(req: Request, now: float) -> EngineLoop:
+        loop.add(req, now)
+        loop.boundary()  # a rejection is reported at once
+        return loop
+
+    interrupted = drive([loop], pending, admit, stop=stop, max_iterations=max_iterations)
     loop.abort_all(list(pending))
     result = loop.result(interrupted)
     loop.close()

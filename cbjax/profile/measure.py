@@ -1,7 +1,7 @@
 """Time an executor over the grid, time swap copies, fit the cost model, write profile.json and a plot.
 
-`measure_steps` needs only the executor interface (`execute(plan) -> StepOutput`), so a synthetic
-executor with hand-set costs checks the fit; the swap timing needs the JAX engine's `HostSwap`;
+`measure_steps` needs only a step timer (`time_step(plan) -> seconds`, `wall_time_of` an
+executor's `execute`), so a synthetic one with hand-set costs checks the fit; the swap timing needs the JAX engine's `HostSwap`;
 the served iterations and the loop's host time come from `cbjax.profile.serving`, their fits
 from `cbjax.profile.served_fit`.
 """
@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from cbjax.config import RunConfig
+from cbjax.core.plan import Schedule
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.residuals import held_out_residuals
 from cbjax.profile.served_fit import HOST_STALL, fit_drain, fit_launch, fit_loop, fit_served, own_launch
@@ -30,8 +31,19 @@ from cbjax.sim.profiled import (
 )  # fmt: skip
 
 
-def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan, num_pages: int, vocab_size: int,
-                  repeats: int, native: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+def wall_time_of(execute: Callable) -> Callable[[Schedule], float]:
+    """A step timer over `execute`: the wall seconds one call takes, its tokens on the host."""
+
+    def time_step(plan: Schedule) -> float:
+        t0 = time.perf_counter()
+        execute(plan)
+        return time.perf_counter() - t0
+
+    return time_step
+
+
+def measure_steps(time_step: Callable[[Schedule], float], points: list[GridPoint], shapes: ShapePlan, num_pages: int,
+                  vocab_size: int, repeats: int, native: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """Per grid point: its features and the median (and range) of `repeats` step durations. The
     repeats go round the whole grid, so a slow spell of the machine spreads over every point
     rather than landing on one; in each round a point runs once untimed, then timed (a small
@@ -40,8 +52,8 @@ def measure_steps(execute: Callable, points: list[GridPoint], shapes: ShapePlan,
     times: list[list[float]] = [[] for _ in plans]
     for _ in range(repeats):
         for plan, ts in zip(plans, times):
-            execute(plan)
-            ts.append(execute(plan).duration_s)
+            time_step(plan)
+            ts.append(time_step(plan))
     out = []
     for point, plan, ts in zip(points, plans, times):
         tokens = sum(n for n, _ in point.rows)

@@ -65,7 +65,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     """Profile the engine `cfg` describes; writes profile.json and profile.png to `out_dir`."""
     from cbjax.profile.measure import (
         OthersLoad, build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_steps,
-        measure_swaps, write_profile,
+        measure_swaps, wall_time_of, write_profile,
     )  # fmt: skip
     from cbjax.profile.grid import build_schedule
     from cbjax.profile.serving import measure_serving, measure_wake
@@ -76,9 +76,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     others = OthersLoad()  # other processes' CPU while the profile runs (the load average mixes in its own)
     cfg = resolve(cfg)
     executor = build_executor(cfg)
-    executor.progress = cfg.progress
-    executor.sampling = False  # every request the profile serves is greedy: no sampler to compile
-    executor.warmup()
+    executor.warmup(sampling=False)  # every request the profile serves is greedy: no sampler to compile
     warmup_s = time.perf_counter() - t0
     shapes = executor.shapes
     say = print if cfg.progress else (lambda *a, **k: None)
@@ -86,7 +84,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     say(f"timing {len(points)} grid steps x {cfg.repeats} ...", flush=True)
     native = executor.attention == "native"  # its decode pass is costed per group, not per loop step
     steps = measure_steps(
-        executor.execute, points, shapes, cfg.cache.num_pages, cfg.model.vocab_size, cfg.repeats, native
+        wall_time_of(executor.execute), points, shapes, cfg.cache.num_pages, cfg.model.vocab_size, cfg.repeats, native
     )
     bucket_s = measure_buckets(engine_empty_step(executor), shapes.token_buckets, cfg.repeats)
     say("timing swap copies ...", flush=True)

@@ -93,9 +93,11 @@ class JaxExecutor:
         seed: int = 0,
         llama: Optional[Llama] = None,
         devices: Optional[Sequence[jax.Device]] = None,
+        progress: bool = True,
     ):
         """`devices`: the devices this executor owns (a cluster replica's, `cbjax.cluster`), as
-        many as `executor.mesh.tensor`; None: the first ones of `jax.devices()`."""
+        many as `executor.mesh.tensor`; None: the first ones of `jax.devices()`. `progress`: a
+        bar on stderr while warmup compiles."""
         self.model_cfg = model
         if devices is not None and len(devices) != cfg.mesh.tensor:
             raise ValueError(
@@ -147,7 +149,7 @@ class JaxExecutor:
         self._swap = HostSwap(widths + [self.shapes.max_pages])
         # swap copies compiled at warmup: swap preemption, or K/V moving between P/D replicas
         self.swap_at_warmup = scheduler.preemption == "swap"
-        self.progress = True
+        self.progress = progress
         # False when no request will sample (all greedy): warmup skips compiling the sampler.
         self.sampling = True
         self.swap_s = 0.0
@@ -233,9 +235,14 @@ class JaxExecutor:
         """Count compiles after warmup from now (a cluster, once every replica is warm)."""
         self._compiles_at_warmup = compile_count()
 
-    def follow_step(self, batch: HostBatch) -> None:
-        """A process other than 0 runs process 0's step (cbjax.runtime.distributed)."""
-        jax.block_until_ready(self._step(batch))
+    def follow(self) -> int:
+        """A process other than 0 of a multi-host run: run every step process 0 sends
+        (cbjax.runtime.distributed) until it stops; returns how many."""
+        num_steps = 0
+        while (batch := self.link.recv()) is not None:
+            jax.block_until_ready(self._step(batch))
+            num_steps += 1
+        return num_steps
 
     def close(self) -> None:
         """After serving: tell the other processes to stop (multi-host only)."""
@@ -243,9 +250,17 @@ class JaxExecutor:
             self.link.stop()
             self.link = None
 
-    def warmup(self) -> None:
-        """Compile the step for every token bucket (and the swap copies) before the clock starts."""
+    def timeline(self) -> None:
+        """The engine runs on the wall clock."""
+        return None
+
+    def warmup(self, *, sampling: bool = True, kv_transfer: bool = False) -> None:
+        """Compile the step for every token bucket before the clock starts, the sampler if a
+        request may sample (`sampling`), and the swap copies for swap preemption or K/V moving
+        between replicas (`kv_transfer`)."""
         t0 = time.perf_counter()
+        self.sampling = sampling
+        self.swap_at_warmup = self.swap_at_warmup or kv_transfer
         if self.link is not None:  # every process compiles the same programs, the sampler included
             self.sampling = self.link.warmup(self.sampling)
         compiles_before, hits_before = fresh_compile_count(), cache_hit_count()  # counting starts here
@@ -335,7 +350,7 @@ class JaxExecutor:
         token_ids = out[: launched.rows].tolist()
         errors = {i: "non-finite logits" for i, t in enumerate(token_ids) if t < 0} or None
         self.device_s += launched.dispatch_s + t1 - t0
-        return StepOutput(token_ids=token_ids, duration_s=time.perf_counter() - launched.start, errors=errors)
+        return StepOutput(token_ids=token_ids, errors=errors)
 
     def metrics(self) -> dict:
         after = compile_count() - self._compiles_at_warmup if self._compiles_at_warmup is not None else None

@@ -5,13 +5,16 @@ them. It runs on a thread of the server's process, or in an engine process of it
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from cbjax.engine.loop import EngineLoop
 from cbjax.report.metrics import request_row
 from cbjax.report.files import RequestLog
-from cbjax.core.request import Request
+from cbjax.core.request import FinishReason, Request
+from cbjax.core.results import LoadCounts
+from cbjax.engine.online import run_online
 from cbjax.app.run import build_executor, write_outputs
 from cbjax.scheduler.core import Scheduler
 from cbjax.serve.config import ServeConfig
@@ -72,9 +75,37 @@ class EngineHost:
     def warmup(self) -> None:
         """Compile before listening. A served request may sample, so the engine's sampler is
         compiled too (an offline run compiles it only when its workload samples)."""
-        if hasattr(self.executor, "sampling"):
-            self.executor.sampling = True
-        self.executor.warmup()
+        self.executor.warmup(sampling=True)
+
+    # ---- the server's handle on the loop (thread-safe but `run`) ----
+    def start(self, t0: Optional[float] = None) -> None:
+        """Start the clock now (or at `t0` on the wall clock): arrivals count from here."""
+        self.engine.clock.restart(t0)
+
+    def run(self, stop: threading.Event, poll: Optional[Callable[[float], None]] = None) -> None:
+        """Serve on this thread until `stop` is set (`cbjax.engine.online.run_online`)."""
+        run_online(self.engine, stop, poll)
+
+    def submit(self, req: Request, arrival_s: Optional[float] = None) -> None:
+        self.engine.intake.submit(req, arrival_s)
+
+    def cancel(self, request_id: str, reason: str = "client disconnected", finish_reason: FinishReason = FinishReason.ABORTED) -> None:
+        self.engine.intake.cancel(request_id, reason, finish_reason)
+
+    def close_admission(self) -> None:
+        self.engine.intake.close_admission()
+
+    def stamp(self) -> float:
+        return self.engine.clock.stamp()
+
+    def receive(self, key: object) -> float:
+        return self.engine.intake.receive(key)
+
+    def received(self, key: object) -> None:
+        self.engine.intake.received(key)
+
+    def counts(self) -> LoadCounts:
+        return self.engine.counts()
 
     def finish(self) -> dict[str, Any]:
         """Once the loop has stopped: abort what is left, write requests.jsonl, summary.json and

@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from cbjax.engine.loop import IDLE_WAIT_S
+from cbjax.engine.online import IDLE_WAIT_S
 from cbjax.core.results import LoadCounts
 from cbjax.report.tables import write_requests
 from cbjax.core.request import FinishReason, Request
@@ -251,13 +251,13 @@ def _engine_main(cfg: ServeConfig, out_dir: Optional[Path], conn) -> None:
     try:
         forward = _Forward(conn)
         host = EngineHost(cfg, out_dir, forward.on_token, forward.on_finish, forward.tick)
-        forward.engine = host.engine
+        forward.engine = host
         host.warmup()
-        conn.send(("ready", host.engine.counts()))
-        commands = _Commands(conn, host.engine)
+        conn.send(("ready", host.counts()))
+        commands = _Commands(conn, host)
         while not commands.started.is_set():
             commands(IDLE_WAIT_S)
-        host.engine.run(commands.stop, intake=commands)
+        host.run(commands.stop, poll=commands)
         conn.send(("done", host.finish()))
     except BaseException as err:  # reported to the server, which ends its requests in error
         try:
@@ -292,7 +292,7 @@ class _Commands:
                 elif kind == "close":
                     engine.close_admission()
                 elif kind == "start":
-                    engine.restart_clock(msg[1])
+                    engine.start(msg[1])
                     self.started.set()
                 elif kind == "finish":
                     break

@@ -59,7 +59,7 @@ class Server:
             self.bridge.engine = self.remote
         else:
             self.host = EngineHost(cfg, out_dir, self.bridge.on_token, self.bridge.on_finish, self._tick)
-            self.bridge.engine = self.host.engine
+            self.bridge.engine = self.host
         name = cfg.server.served_model_name or cfg.model.name
         self.metrics = ServerMetrics(self.bridge.engine, name)
         self.bridge.listeners.append(self.metrics.on_finish)
@@ -127,8 +127,8 @@ class Server:
         if self.remote is not None:  # arrivals count from here, after warmup
             self.remote.start()
         else:
-            self.host.engine.restart_clock()
-            self._thread = threading.Thread(target=self.host.engine.run, args=(self.stop,), name="cbjax-engine", daemon=True)
+            self.host.start()
+            self._thread = threading.Thread(target=self.host.run, args=(self.stop,), name="cbjax-engine", daemon=True)
             self._thread.start()
         try:
             self.uvicorn.run(sockets=[sock])

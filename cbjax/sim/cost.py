@@ -7,6 +7,7 @@ from typing import Optional
 
 from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig
 from cbjax.core.plan import Schedule
+from cbjax.core.timing import NO_CONTEXT, StepContext, StepTime
 from cbjax.sim.tp import allreduce_bytes_per_token, ring_bytes_per_device
 
 
@@ -14,9 +15,11 @@ class UnitCost:
     """Every iteration costs exactly 1.0 s, so time counts iterations (swaps cost nothing)."""
 
     name = "unit"
+    history = 0
+    _STEP = StepTime(1.0)
 
-    def __call__(self, plan: Schedule) -> float:
-        return 1.0
+    def __call__(self, plan: Schedule, ctx: StepContext = NO_CONTEXT) -> StepTime:
+        return self._STEP
 
 
 class RooflineCost:
@@ -40,6 +43,7 @@ class RooflineCost:
     """
 
     name = "roofline"
+    history = 0
 
     def __init__(self, model: ModelConfig, hw: HardwareConfig, overhead: Optional[OverheadConfig] = None):
         n = hw.num_devices
@@ -64,7 +68,7 @@ class RooflineCost:
                 f"hardware {hw.name} has {hw.mem_bytes / 1e9:.1f} GB"
             )
 
-    def __call__(self, plan: Schedule) -> float:
+    def __call__(self, plan: Schedule, ctx: StepContext = NO_CONTEXT) -> StepTime:
         tokens = 0
         pairs = 0.0
         kv_tokens = 0
@@ -89,7 +93,7 @@ class RooflineCost:
             swap_s = 0.0
         compute_s = max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
         host_s = self.stack.host_s(plan) if self.stack.active else 0.0
-        return compute_s + tokens * self.allreduce_s_per_token + swap_s + host_s
+        return StepTime(compute_s + tokens * self.allreduce_s_per_token, host_s, swap_s)
 
 
 class StackOverhead:
@@ -118,24 +122,20 @@ class StackOverhead:
 
 class WithOverhead:
     """A cost model plus a stack's host costs (the profiled model's steps hold the engine's own
-    host time already; this adds a different stack's on top when one is selected)."""
+    host time already; this adds a different stack's on top when one is selected). Nothing
+    hides the stack's host time, so a drained step keeps it too."""
 
     def __init__(self, cost, model: ModelConfig, overhead: OverheadConfig):
         self.cost = cost
-        self.name = getattr(cost, "name", type(cost).__name__)
+        self.name = cost.name
+        self.history = cost.history
         self.stack = StackOverhead(model, overhead)
-        if hasattr(cost, "launch_s"):
-            self.launch_s = cost.launch_s
-        if hasattr(cost, "drain_s"):
-            self.drain_s = self._drain_s
 
-    def _drain_s(self, plan: Schedule) -> float:
-        """The wrapped model's share for a step collected with nothing launched behind it, plus
-        the stack's host time, which nothing hides either."""
-        return self.cost.drain_s(plan) + self.stack.host_s(plan)
-
-    def __call__(self, plan: Schedule) -> float:
-        return self.cost(plan) + self.stack.host_s(plan)
+    def __call__(self, plan: Schedule, ctx: StepContext = NO_CONTEXT) -> StepTime:
+        t = self.cost(plan, ctx)
+        host = self.stack.host_s(plan)
+        drain = t.drain_s + host if t.drain_s is not None else None
+        return StepTime(t.device_s, t.host_s + host, t.copy_s, t.launch_s, drain)
 
 
 def _profiled(

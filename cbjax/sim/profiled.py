@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import functools
 import json
-from collections import deque
 from itertools import islice
 from pathlib import Path
 from typing import Optional, Sequence
@@ -68,6 +67,7 @@ import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.core.plan import Schedule
+from cbjax.core.timing import NO_CONTEXT, StepContext, StepTime
 from cbjax.layout.shapes import ShapePlan, plan_shapes
 from cbjax.layout.tiles import count_steps, group_pages, steps_of
 
@@ -144,14 +144,19 @@ def cold_cost(coefficients: dict, since_larger: int) -> float:
     return coefficients.get(COLD_TERMS[since_larger - 1], 0.0) if since_larger else 0.0
 
 
+def step_bucket(shapes: ShapePlan, tokens: int) -> int:
+    """The token bucket of a step of `tokens` tokens. A padded static batch
+    (`Schedule.padded_rows`) may hold more than the largest bucket: its own size extrapolates."""
+    return shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
+
+
 def step_features(rows: Sequence[tuple[int, int, bool]], shapes: ShapePlan, native: bool = False) -> tuple[int, list[float]]:
     """(token bucket, the STEP_TERMS multipliers) of one step over `rows`, under the engine's shape
     plan. `native`: the engine's attention is `native`, whose decode pass (the single list) has no
     inner loop steps: its `single_chunk_s` term counts single groups (a cost per token) and its
     `single_chunk_token_s` term is 0; the pages each group reads stay in `single_page_s`."""
     tokens = sum(n for n, _, _ in rows)
-    # A padded static batch (Schedule.padded_rows) may charge more than the largest step: extrapolate.
-    bucket = shapes.bucket(max(tokens, 1)) if tokens <= shapes.token_buckets[-1] else tokens
+    bucket = step_bucket(shapes, tokens)
     cost_rows = [(n, ctx) for n, ctx, _ in rows]
     single_groups, block_groups = group_pages(cost_rows, shapes.page_size, bucket, shapes.num_rows)
     _, single, _, block = steps_of(single_groups, block_groups, bucket)  # one grouping for both counts
@@ -225,7 +230,12 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
 
 
 class ProfiledCost:
-    """Iteration time from a fitted profile (see the module docstring for the formula)."""
+    """Iteration time from a fitted profile (see the module docstring for the formula): a pure
+    function of the plan and its `StepContext`.
+
+    The CPU term set (`wake_s`, the cold terms) is what a CPU's threads and caches add to a
+    step after an idle wait or after a larger step; a profile made on a CPU measures it, any
+    other leaves it 0 and the model then reads no history."""
 
     name = "profiled"
 
@@ -238,98 +248,37 @@ class ProfiledCost:
         self.loop_s = coefficients["loop_s"]
         self.loop_seq_s = coefficients["loop_seq_s"]
         self.shapes = shapes
-        self._last_end: Optional[float] = None  # where the previous iteration ended, on the run's clock
-        self._recent: deque[int] = deque(maxlen=len(COLD_TERMS))  # the last iterations' token buckets, latest first
-        # (plan, its launch_s) as `__call__` last computed it: the pipelined SimExecutor asks for
-        # the same plan's launch right after, and the rows are walked once a step, not twice
-        self._launch: tuple[Optional[Schedule], float] = (None, 0.0)
-        self._rows_before = 0  # rows of the plan `__call__` was last given: the step in flight
-        self._alone: Optional[Schedule] = None  # the last plan, if nothing was in flight at its launch
-        # (plan, the rows of the step in flight at its launch: 0 with none) from `__call__`, for `rows_left`
-        self._in_flight: tuple[Optional[Schedule], int] = (None, 0)
-        # the share of a step collected with nothing launched behind it (`drain_s`); None: a
-        # profile made before it, which charges such a step its whole cost
+        self.wake = coefficients.get("wake_s", 0.0) > 0
+        # the batched tokens of the steps before this one the cold terms read
+        self.history = len(COLD_TERMS) if any(coefficients.get(k, 0.0) for k in COLD_TERMS) else 0
+        # the share of a step collected with nothing launched behind it; None: a profile made
+        # before it, which charges such a step its whole cost
         self.drain = coefficients.get("drain_s")
-        self._cost: tuple[Optional[Schedule], float] = (None, 0.0)  # (plan, its cost) from `__call__`
-        # how much earlier the last step ends if the loop collects it with nothing launched
-        # behind it (its cost less its `drain_s`); 0 unless a pipelined executor asked
-        self._drain_cut = 0.0
 
-    def __call__(self, plan: Schedule) -> float:
+    def __call__(self, plan: Schedule, ctx: StepContext = NO_CONTEXT) -> StepTime:
+        coef = self.coefficients
         rows = plan.cost_rows()
-        if self._last_end is not None and plan.start_s >= self._last_end - self._drain_cut:
-            # planned after the last step was collected: with nothing launched behind it, the
-            # loop collected it at its drained end (`drain_s`; a plan made while it ran starts
-            # no later than its begin, before that end)
-            self._last_end -= self._drain_cut
-        self._drain_cut = 0.0
-        overlaps = self._last_end is not None and plan.start_s < self._last_end  # planned while the last step runs
-        # a launch with nothing in flight retires nothing: the step before was collected already
-        self._in_flight = (plan, self._rows_before if overlaps else 0)
-        self._rows_before = len(rows)
         bucket, x = step_features(rows, self.shapes, self.native)
-        t = self.loop_s + self.loop_seq_s * plan.num_scheduled + predict(self.coefficients, bucket, x)
+        device = predict(coef, bucket, x)
+        if self.wake and ctx.idle_s > 0:
+            device += wake_cost(coef, ctx.idle_s)
+        if self.history:
+            buckets = [step_bucket(self.shapes, tokens) for tokens in ctx.recent_tokens]
+            device += cold_cost(coef, steps_since_larger(buckets, bucket))
+        host = self.loop_s + self.loop_seq_s * plan.num_scheduled
         pages = plan.num_swapped_pages
-        if pages:
-            t += self.swap_iter_s + self.swap_page_s * pages
-        if overlaps:
-            # planned while the last step runs (pipelined): that step ends no earlier than this
-            # launch's host time (`launch_s`, `cbjax.engine.loop.EngineLoop._launch_virtual`), so
-            # the clock here follows the loop's and a later plan is not mistaken for an idle one
-            self._last_end = max(self._last_end, plan.start_s + self._launch_of(plan, rows))
-        if self._last_end is not None and plan.start_s > self._last_end:  # the loop idled until an arrival
-            t += wake_cost(self.coefficients, plan.start_s - self._last_end)
-        t += cold_cost(self.coefficients, steps_since_larger(self._recent, bucket))
-        self._recent.appendleft(bucket)
-        # a pipelined loop plans a step while the previous one runs: it starts when that one ends
-        self._last_end = max(plan.start_s, self._last_end if self._last_end is not None else plan.start_s) + t
-        self._alone = plan if not overlaps else None
-        self._cost = (plan, t)
-        return t
-
-    def drain_s(self, plan: Schedule) -> float:
-        """`plan`'s share of the clock if the loop collects its step with nothing launched behind
-        it (it goes idle, the run ends, or the next plan waits for the step's tokens): the
-        device's own remainder, which the next launch's host time otherwise hides. A tiny model's
-        decode is a few hundredths of its cost then (`cbjax.profile.served_fit.fit_drain`). A
-        pipelined executor asks once per plan, right after its cost; the model's clock then takes
-        a later plan made after that end as one made after the step was collected. Never above
-        the plan's cost, and above 0 (a collect takes some time), so that a plan made while
-        this step runs (at its begin at the latest) is told from one made after it ended."""
-        last, t = self._cost
-        if last is not plan:
-            raise ValueError("ProfiledCost.drain_s: ask for a plan's drain right after its cost")
-        if self.drain is None:
-            return t
-        share = drain_share(self.drain, t)
-        self._drain_cut = t - share
-        return share
-
-    def launch_s(self, plan: Schedule) -> float:
-        """The loop's host time from collecting a step to launching `plan`'s: the step in flight
-        ends no earlier, and `plan`'s own step starts no earlier
-        (`cbjax.engine.loop.EngineLoop._launch_virtual`). A pipelined executor asks once per plan,
-        right after its cost: for a plan launched with nothing in flight, that moves this
-        model's clock on by the launch, as the loop's step begins after it."""
-        last, launch = self._launch
-        if last is not plan:
-            launch = self._launch_of(plan, plan.cost_rows())
-        if self._alone is plan:
-            self._alone = None
-            self._last_end += launch
-        return launch
-
-    def _launch_of(self, plan: Schedule, rows: Sequence[tuple[int, int, bool]]) -> float:
+        copy = self.swap_iter_s + self.swap_page_s * pages if pages else 0.0
         tokens = prefills = carried = 0
         for n, context, decode in rows:  # one walk: the launch terms and `rows_left`'s count
             tokens += n
             prefills += not decode
             carried += context > 0
-        last, in_flight = self._in_flight
-        left = max(0, in_flight - carried) if last is plan else 0
-        launch = launch_cost(self.coefficients, len(rows), prefills, tokens, self.prefix_caching, left)
-        self._launch = (plan, launch)
-        return launch
+        left = max(0, ctx.in_flight_rows - carried)
+        launch = launch_cost(coef, len(rows), prefills, tokens, self.prefix_caching, left)
+        time = StepTime(device, host, copy, launch)
+        if self.drain is None:
+            return time
+        return StepTime(device, host, copy, launch, drain_share(self.drain, time.total_s))
 
 
 def make_profiled_cost(

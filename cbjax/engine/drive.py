@@ -1,0 +1,148 @@
+"""The one drive loop: arrivals in time order, the loops' iterations, and the events a cluster
+schedules between its replicas (a prefill's end, a KV transfer's end), for one replica or many,
+simulated or real (no jax).
+
+On a virtual clock it jumps from event to event: the next thing to happen is the earliest of
+an arrival, a cluster event and a busy loop's next iteration (which starts where its last one
+ended); at equal times a cluster event comes first, then an arrival, then an iteration, so an
+iteration starting at t sees everything that arrived by t. A loop whose next iteration still
+comes first after it ran goes on at once.
+
+On the wall clock (the engine, or a paced simulator) it runs in turns: each turn admits the
+arrivals due by now, then steps every loop with work once; idle, it naps until the next arrival.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import heapq
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
+
+from cbjax.core.request import Request
+from cbjax.core.stop import StopFlag
+from cbjax.engine.loop import EngineLoop
+
+_INF = float("inf")
+# an idle wall-clock driver naps at most this long, so a stop request is not kept waiting
+NAP_S = 0.1
+
+
+class Events:
+    """A cluster's own events on the virtual clock: (time, kind, payload), earlier kinds first at
+    equal times. `handle(t, kind, payload)` runs each; it returns the loop it gave work to (its
+    clock moves to `t`), or None."""
+
+    def __init__(self, handle: Callable[[float, int, Any], Optional[EngineLoop]]):
+        self.handle = handle
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+
+    def push(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, kind, self._seq, payload))
+
+    def next_time(self) -> float:
+        return self.heap[0][0] if self.heap else _INF
+
+    def pop(self) -> Optional[EngineLoop]:
+        t, kind, _, payload = heapq.heappop(self.heap)
+        return self.handle(t, kind, payload)
+
+
+def drive(
+    loops: Sequence[EngineLoop],
+    pending: deque[Request],
+    admit: Callable[[Request, float], Optional[EngineLoop]],
+    *,
+    events: Optional[Events] = None,
+    stop: Optional[StopFlag] = None,
+    max_iterations: Optional[int] = None,
+) -> bool:
+    """Serve `pending` (sorted by `arrival_s`) through `loops` until nothing is left to do;
+    `admit(req, t)` hands an arrival to a loop (returning it, or None). True when `stop` ended
+    the run early (`max_iterations`, a cap on the first loop's iterations, ends it too, as
+    finished)."""
+    with _cyclic_gc_paused():
+        if loops[0].clock.virtual:
+            return _drive_virtual(loops, pending, admit, events, stop, max_iterations)
+        return _drive_wall(loops, pending, admit, stop, max_iterations)
+
+
+def _drive_virtual(loops, pending, admit, events, stop, max_iterations) -> bool:
+    first = loops[0].stats
+    while True:
+        if stop is not None and stop.is_set():
+            # what arrived by the time the run stopped was there: it ends aborted, not unarrived
+            t = max(loop.clock.now() for loop in loops)
+            while pending and pending[0].arrival_s <= t:
+                admit(pending.popleft(), t)
+            return True
+        t_event = events.next_time() if events is not None else _INF
+        t_arrival = pending[0].arrival_s if pending else _INF
+        loop, t_step, t_other = None, _INF, _INF
+        for candidate in loops:
+            if candidate.has_work():
+                t = candidate.clock.now()
+                if t < t_step:
+                    loop, t_other, t_step = candidate, t_step, t
+                elif t < t_other:
+                    t_other = t
+        if (t_event <= t_step or t_arrival <= t_step) and (t_event < _INF or t_arrival < _INF):
+            if t_event <= t_arrival:
+                target, t = events.pop(), t_event
+            else:
+                t = t_arrival
+                target = admit(pending.popleft(), t)
+            if target is not None:
+                target.clock.advance_to(t)
+            continue
+        if loop is None:
+            return False
+        # run the loop's iterations while each starts before every other event
+        t_next = min(t_event, t_arrival, t_other)
+        while True:
+            if max_iterations is not None and first.iterations >= max_iterations:
+                return False
+            loop.step()
+            loop.boundary()
+            if not loop.has_work() or loop.clock.now() >= t_next or (stop is not None and stop.is_set()):
+                break
+
+
+def _drive_wall(loops, pending, admit, stop, max_iterations) -> bool:
+    clock, first = loops[0].clock, loops[0].stats
+    while True:
+        for loop in loops:
+            loop.boundary()
+        now = clock.now()
+        while pending and pending[0].arrival_s <= now:
+            admit(pending.popleft(), now)
+        if stop is not None and stop.is_set():
+            return True
+        busy = [loop for loop in loops if loop.has_work()]
+        if not busy:
+            if not pending:
+                return False
+            clock.sleep(min(NAP_S, max(0.0, pending[0].arrival_s - clock.now())))
+            continue
+        if max_iterations is not None and first.iterations >= max_iterations:
+            return False
+        for loop in busy:
+            loop.step()
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Pause Python's cyclic garbage collector. The loop allocates many short-lived objects,
+    all freed by reference counting; each collection would instead walk every live object of
+    the run (all requests, every replica's state) and find nothing. Restored on exit."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+

@@ -1,0 +1,89 @@
+"""The one owner of simulated time: when each step begins and ends on a virtual clock (no jax).
+
+A cost model prices a step from its plan and a `StepContext`; the timeline is what knows the
+context (is a step in flight, did the loop idle before this plan, what ran before) and turns
+prices into spans. Run to completion, a step spans `[start, start + total_s]`.
+
+Pipelined, as the engine runs with `executor.async_scheduling`, the loop launches step t + 1
+before it collects step t. The device runs launched steps one after another, so a step begins
+when its launch's host time is over (`StepTime.launch_s`, from where the loop collected the
+step before) and the step before it is done, whichever is later; the step in flight is
+collected no earlier than that launch returns, so a launch that outlasts it delays its end.
+A step collected with nothing launched behind it (the loop goes idle, the run ends, or the
+next plan needs its tokens) ends at its `drain_s` share: the host time the next launch would
+otherwise hide is not there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+from cbjax.core.plan import Schedule
+from cbjax.core.timing import NO_CONTEXT, CostModel, StepContext, StepTime
+
+
+class VirtualStep:
+    """A launched step on the virtual clock: its plan's time and its span."""
+
+    __slots__ = ("time", "begin", "end", "rows")
+
+    def __init__(self, time: StepTime, begin: float, end: float, rows: int):
+        self.time, self.begin, self.end, self.rows = time, begin, end, rows
+
+
+class Timeline:
+    """Spans for one loop's steps under `cost`; the only state is what the system holds."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        history = getattr(cost, "history", 0)
+        self._recent: Optional[deque[int]] = deque(maxlen=history) if history else None
+        self._free = 0.0  # where the device is free: the end of the latest launched step
+        self._last_end: Optional[float] = None  # where the latest collected step ended
+        self._in_flight: Optional[VirtualStep] = None  # launched, not collected yet
+
+    def _context(self, plan: Schedule, start: float, in_flight_rows: int) -> StepContext:
+        last = self._last_end
+        idle = start - last if not in_flight_rows and last is not None and start > last else 0.0
+        recent = self._recent
+        if recent is None:
+            if not (idle or in_flight_rows):
+                return NO_CONTEXT
+            return StepContext(in_flight_rows, idle)
+        ctx = StepContext(in_flight_rows, idle, tuple(recent))
+        recent.appendleft(sum(n for n, _, _ in plan.cost_rows()))
+        return ctx
+
+    def run(self, plan: Schedule, start: float) -> tuple[float, float]:
+        """A step run to completion from `start`: its (duration, end)."""
+        duration = self.cost(plan, self._context(plan, start, 0)).total_s
+        end = start + duration
+        self._last_end = self._free = end
+        return duration, end
+
+    def launch(self, plan: Schedule, start: float) -> VirtualStep:
+        """A pipelined step planned at `start`, while the step in flight (if any) runs."""
+        prev = self._in_flight
+        time = self.cost(plan, self._context(plan, start, prev.rows if prev is not None else 0))
+        launched = start + time.launch_s
+        if prev is not None and time.launch_s and launched > prev.end:
+            prev.end = launched  # the loop collects it only after this launch returns
+            if launched > self._free:
+                self._free = launched
+        begin = launched if launched > self._free else self._free
+        rows = len(plan.padded_rows) if plan.padded_rows is not None else len(plan.scheduled)
+        step = self._in_flight = VirtualStep(time, begin, begin + time.total_s, rows)
+        self._free = step.end
+        return step
+
+    def land(self, step: VirtualStep, covered: bool) -> tuple[float, float]:
+        """The loop collects `step`; `covered`: it launched the next step first. Its (begin, end)."""
+        drain = step.time.drain_s
+        if not covered and drain is not None and step.begin + drain < step.end:
+            step.end = step.begin + drain
+            self._free = step.end  # nothing was launched after it
+        if step is self._in_flight:
+            self._in_flight = None
+        self._last_end = step.end
+        return step.begin, step.end
