@@ -12,7 +12,7 @@ import pytest
 
 from conftest import make_plan
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig
-from cbjax.core.plan import Schedule, StepOutput
+from cbjax.core.plan import Schedule
 from cbjax.profile.grid import GridPoint, build_schedule, profile_grid
 from cbjax.profile.measure import fit_profile, measure_buckets, measure_steps, others_share
 from cbjax.core.request import Request
