@@ -83,12 +83,15 @@ class Intake:
     clock as the request reaches the app, before its body is read and parsed: a request's
     TTFT in requests.jsonl counts from there (`ARRIVAL`). A POST to /v1/ is announced to the
     engine (`EngineLoop.receive`) until it is submitted or answered. With `server.api_key` set, a /v1/
-    request without `Authorization: Bearer <key>` answers 401."""
+    request without `Authorization: Bearer <key>` answers 401. A body over `server.max_body_bytes`
+    answers 413 before it is read whole: by its Content-Length, or, for a chunked upload, as
+    its running count passes the bound (such a body is read here, then handed on)."""
 
     def __init__(self, app, state: ServeState):
         self.app, self.state = app, state
         key = state.server.api_key
         self.expected = None if key is None else f"Bearer {key}".encode()
+        self.max_body = state.server.max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -110,10 +113,50 @@ class Intake:
                     err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", "authorization", "authentication_error")
                     await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                     return
-            await self.app(scope, receive, send)
+            bounded = await self._bounded(scope, receive)
+            if bounded is None:
+                self.state.metrics.http_error(413)
+                limit = self.max_body
+                err = APIError(413, f"body: larger than the server's limit of {limit} bytes (server.max_body_bytes)", "body")
+                # the rest of the body is not read: the HTTP server discards it as it arrives
+                await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+                return
+            await self.app(scope, bounded, send)
         finally:
             if generation:
                 engine.received(receipt)  # refused, failed, or done: nothing more to wait for
+
+    async def _bounded(self, scope, receive):
+        """`receive` for a body within `server.max_body_bytes`; None for one over it. A body
+        with a Content-Length is judged by it, unread; a chunked one is read here, counting,
+        and replayed."""
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit():  # (the HTTP server refuses any other)
+            return receive if int(length) <= self.max_body else None
+        if b"transfer-encoding" not in headers:
+            return receive  # no body
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # gone: the app hears it on its first read
+                return _replay([message], receive)
+            size += len(message.get("body", b""))
+            if size > self.max_body:
+                return None
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return _replay([{"type": "http.request", "body": b"".join(parts), "more_body": False}], receive)
+
+
+def _replay(messages: list[dict], receive):
+    """A `receive` that gives `messages` first, then what `receive` gives."""
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 def validation_error(err: RequestValidationError) -> APIError:

@@ -28,6 +28,10 @@ class ServerConfig:
     # Seconds a 429 asks the client to wait (Retry-After).
     retry_after_s: int = 1
     log_level: str = "warning"  # uvicorn's access and error logs
+    # A request body larger than this answers 413 before it is read whole (its Content-Length,
+    # or a running count of a chunked upload). 8 MiB holds a 128k-token prompt as token ids or
+    # as escaped text, with room to spare.
+    max_body_bytes: int = 8 * 1024 * 1024
     # true: the real engine (executor=jax) runs in a process of its own, so its steps and the
     # HTTP side's writes do not take turns on one GIL (cbjax.serve.remote); the two processes
     # then need a core each, and a step's tokens cross a pipe. false: the engine runs on a
@@ -44,6 +48,7 @@ class ServerConfig:
             _require(bool(self.api_key), "server.api_key", "must be non-empty (null: no key)", self.api_key)
         _require(self.drain_s >= 0 and math.isfinite(self.drain_s), "server.drain_s", "must be >= 0", self.drain_s)
         _require(self.retry_after_s >= 0, "server.retry_after_s", "must be >= 0", self.retry_after_s)
+        _require(self.max_body_bytes >= 1, "server.max_body_bytes", "must be >= 1", self.max_body_bytes)
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         _require(self.log_level in levels, "server.log_level", f"must be one of {', '.join(levels)}", self.log_level)
 

@@ -8,7 +8,7 @@ import json
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from fastapi import Request as HTTPRequest
@@ -45,6 +45,8 @@ class ServeState:
     chunked_prefill: bool
     created: int = 0
     draining: bool = False
+    # every request id given to a request the engine received: a reused one is renamed
+    request_ids: set[str] = field(default_factory=set)
     direct_streams: int = 0  # streams whose chunks after the first were written directly (`direct`)
 
 
@@ -142,7 +144,9 @@ def _join(chunks: list[str]) -> bytes:
 def build_request(state: ServeState, body: SamplingFields, ids: list[int], prompt_field: str,
                   max_tokens: Optional[int], chat: bool, client_id: Optional[str] = None) -> tuple[Request, list[str]]:  # fmt: skip
     """The engine's request and the stop strings the server matches itself. `client_id` is the
-    client's X-Request-ID, kept in the request's id so its rows join the client's records."""
+    client's X-Request-ID, kept in the request's id so its rows join the client's records. An id
+    some earlier request had gets a suffix (`cmpl-ID@2`, `@3`, ...), so that every row has an id
+    of its own; the id asked for is kept as the request's `original_request_id`."""
     n = len(ids)
     limit = state.max_model_len
     if n >= limit:
@@ -174,14 +178,20 @@ def build_request(state: ServeState, body: SamplingFields, ids: list[int], promp
         ignore_eos=body.ignore_eos,
     )
     prefix = "chatcmpl" if chat else "cmpl"
+    request_id = asked = f"{prefix}-{client_id or uuid.uuid4().hex}"
+    use = 1
+    while request_id in state.request_ids:
+        use += 1
+        request_id = f"{asked}@{use}"
     req = Request(
-        request_id=f"{prefix}-{client_id or uuid.uuid4().hex}",
+        request_id=request_id,
         arrival_s=0.0,  # stamped at receipt (`ARRIVAL`), or by the engine at submit
         prompt_len=n,
         prompt_token_ids=ids,
         sampling=sampling,
         client_id=body.user or "default",
         priority=body.priority,
+        original_request_id=asked if request_id != asked else None,
     )
     return req, strings
 
@@ -205,6 +215,7 @@ async def generate(state: ServeState, body: SamplingFields, ids: list[int], prom
     if client_id is not None and (len(client_id) > 128 or not client_id.isprintable() or in_use):
         raise APIError(400, "x-request-id: must be printable, at most 128 characters, and not in use by a live request", "x-request-id")
     req, stops = build_request(state, body, ids, prompt_field, max_tokens, chat, client_id)
+    state.request_ids.add(req.request_id)  # from here on the engine receives it (a 429 too)
     scope_state = raw.scope.get("state", {})
     arrival, receipt = scope_state.get(ARRIVAL), scope_state.get(RECEIPT)
     bound = state.server.max_queue
