@@ -9,7 +9,8 @@ from hydra.errors import ConfigCompositionException
 
 from conftest import REPO, cbjax_cmd
 from test_scheduler import list_schedule_finish_times, static_iterations
-from cbjax.app.cli import CONFIG_DIR, to_run_config
+from cbjax.app.cli import CONFIG_DIR, check_group_overrides, to_run_config
+from cbjax.config import RunConfig
 from cbjax.app.run import run_experiment, with_overrides
 
 TINY_RUN = ["progress=false", "workload.num_requests=24"]
@@ -89,6 +90,37 @@ def test_cli_prints_a_clear_error_for_a_bad_value(env_cpu, tmp_path):
     )
     assert proc.returncode == 2
     assert "cbjax: error: workload.rate must be > 0" in proc.stderr
+
+
+def test_one_value_for_a_group_of_settings_says_how_to_write_it(env_cpu, tmp_path):
+    proc = subprocess.run(
+        cbjax_cmd() + ["workload.prompt_len=5000", f"hydra.run.dir={tmp_path}"], env=env_cpu, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    advice = "workload.prompt_len.dist=fixed workload.prompt_len.value=5000 workload.prompt_len.max=5000"
+    assert proc.stderr == (
+        f"cbjax: error: workload.prompt_len is a group of settings (LengthConfig), not one value (got 5000); write {advice}\n"
+    )
+    length = composed(*advice.split()).workload.prompt_len  # the advice composes to 5000-token prompts
+    assert (length.dist, length.value, length.max) == ("fixed", 5000, 5000)
+
+
+def test_any_group_of_settings_given_one_value_is_refused_by_the_cli_and_by_merges(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        check_group_overrides(["workload=trace", "+slo=0.5"], RunConfig, "cbjax")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "cbjax: error: slo is a group of settings (SLOConfig), not one value (got 0.5); "
+        "write slo.FIELD=VALUE for each field to change (ttft_s, tpot_s)\n"
+    )
+    check_group_overrides(["workload=trace", "scheduler=static", "workload.prompt_len.value=3"], RunConfig, "cbjax")
+    cfg = composed(*TINY_RUN)
+    with pytest.raises(ValueError, match=r"^arm: workload\.shared_prefix is a group of settings \(SharedPrefixConfig\), "
+                                         r"not one value \(got 3\); write workload\.shared_prefix\.FIELD=VALUE"):  # fmt: skip
+        with_overrides(cfg, {"workload": {"shared_prefix": 3}}, where="arm")
+    with pytest.raises(ValueError, match=r"workload\.output_len\.dist=fixed workload\.output_len\.value=7 "):
+        with_overrides(cfg, {"workload.output_len": 7}, where="arm")
 
 
 def test_static_vs_continuous_experiment_compares_arms(tmp_path):

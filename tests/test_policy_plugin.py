@@ -1,12 +1,16 @@
-"""Plug-in policies: scheduler.policy_class loads a user's Policy subclass, policy_args its knobs."""
+"""Plug-in policies: scheduler.policy_class loads a user's Policy subclass, policy_args its knobs;
+every plug-in's arguments are checked against its constructor's annotations."""
 
 import json
 import subprocess
+from typing import Literal, Optional
 
 import pytest
 
 from conftest import REPO, cbjax_cmd
 from test_config_schema import composed
+from cbjax.cluster import make_router
+from cbjax.core.plugins import check_args
 from cbjax.app.run import run_experiment
 from cbjax.scheduler.policy import make_policy
 
@@ -59,3 +63,43 @@ def test_a_bad_policy_class_fails_naming_the_key():
         make_policy(composed("scheduler.policy_class=nowhere_xyz:P").scheduler)
     with pytest.raises(ValueError, match=r"scheduler\.policy_class: 'cbjax.core.request:Request' is not a subclass"):
         make_policy(composed("scheduler.policy_class=cbjax.core.request:Request").scheduler)
+
+
+def test_plug_in_arguments_of_the_wrong_type_fail_naming_key_type_and_value(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "experiments"))
+    policy = "scheduler.policy_class=example_policy:ShortestPromptFirst"
+    with pytest.raises(ValueError) as err:
+        make_policy(composed(policy, "+scheduler.policy_args.long_prompt=abc").scheduler)
+    assert str(err.value) == "scheduler.policy_args.long_prompt: ShortestPromptFirst expects int, got 'abc'"
+    assert make_policy(composed(policy, "+scheduler.policy_args.penalty=3").scheduler).penalty == 3  # an int is a float
+    # routers are checked by the same rule
+    cfg = composed("cluster.router=power_of_two", "+cluster.router_args.seed=abc")
+    with pytest.raises(ValueError) as err:
+        make_router(cfg.cluster.router, cfg.cluster.router_args)
+    assert str(err.value) == "cluster.router_args.seed: PowerOfTwo expects int, got 'abc'"
+    with pytest.raises(ValueError, match=r"^cluster\.router_args\.max_imbalance: PrefixAffinity expects int, got 1\.5$"):
+        make_router("prefix_affinity", {"max_imbalance": 1.5})
+
+
+class _Knobs:
+    def __init__(self, cfg, n: Optional[int] = None, mode: Literal["a", "b"] = "a", flag: bool = False,
+                 rate: float = 1.0, names: "list[str]" = (), own: "NoSuchType" = None, free=None):  # noqa: F821
+        pass
+
+
+@pytest.mark.parametrize("args, error", [
+    ({"n": None, "mode": "b", "flag": True, "rate": 2, "names": ["x"], "own": {"a": 1}, "free": "anything"}, None),
+    ({"n": "3"}, "k.n: _Knobs expects Optional[int], got '3'"),
+    ({"mode": "c"}, "k.mode: _Knobs expects Literal['a', 'b'], got 'c'"),
+    ({"flag": 1}, "k.flag: _Knobs expects bool, got 1"),
+    ({"rate": True}, "k.rate: _Knobs expects float, got True"),
+    ({"names": "x"}, "k.names: _Knobs expects list[str], got 'x'"),
+    ({"nope": 1}, "k: _Knobs does not accept {'nope': 1}"),
+])  # fmt: skip
+def test_check_args_follows_the_constructors_annotations(args, error):
+    if error is None:
+        check_args(_Knobs, args, "k", object())
+    else:
+        with pytest.raises(ValueError) as err:
+            check_args(_Knobs, args, "k", object())
+        assert str(err.value).startswith(error)

@@ -1,12 +1,16 @@
 """Public trace formats (BurstGPT, Azure 2024, Mooncake) on small files written here, checked by
-hand; and default request ids that never collide with explicit ones."""
+hand; default request ids that never collide with explicit ones; headers of no known format;
+arrivals that go backwards."""
 
 import json
+import logging
+import re
 
 import pytest
 
 from cbjax.config import WorkloadConfig
 from cbjax.app.run import run_experiment
+from cbjax.workload import build_workload
 from cbjax.workload.trace import load_trace
 from test_config_schema import composed
 from test_workload import _trace, _write
@@ -130,3 +134,44 @@ def test_a_default_id_never_collides_with_an_explicit_one(tmp_path):
     lines[3]["request_id"] = 3
     r = _trace(tmp_path, "u.jsonl", "\n".join(json.dumps(x) for x in lines))
     assert r[3].input_error == "u.jsonl line 4: duplicate request_id '3' (first on line 3)"
+
+
+def test_a_negative_hash_id_rejects_its_line_alone_and_the_run_goes_on(tmp_path):
+    lines = [dict(MOONCAKE[0]), {"timestamp": 500, "input_length": 12, "output_length": 3, "hash_ids": [0, -3]},
+             dict(MOONCAKE[1])]  # fmt: skip
+    r = _mooncake(tmp_path, lines)
+    assert r[1].input_error == "mooncake.jsonl line 2: hash_ids[1] -3 is not a hash id (an integer >= 0)"
+    assert r[0].input_error is None and r[2].input_error is None
+    path = tmp_path / "mooncake.jsonl"
+    cfg = composed("progress=false", "workload=trace", f"workload.path={path}", "workload.hash_block_size=8",
+                   "executor.cost_model=unit")  # fmt: skip
+    summary = run_experiment(cfg, verbose=False)
+    assert (summary["num_rejected"], summary["num_finished"]) == (1, 2)
+
+
+def test_arrivals_going_backwards_are_sorted_with_one_warning_counting_them(tmp_path, caplog):
+    # lines 2-6 arrive at 0, 5, 2, 3, 6: lines 4 and 5 arrive before line 3
+    text = "arrival_s,prompt_len,output_len\n0,4,1\n5,4,1\n2,4,1\n3,4,1\n6,4,1\n"
+    path = _write(tmp_path, "back.csv", text)
+    with caplog.at_level(logging.WARNING, logger="cbjax"):
+        reqs = build_workload(WorkloadConfig(name="trace", path=str(path)), 0)
+    assert [r.arrival_s for r in reqs] == [0, 2, 3, 5, 6]
+    warnings = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert warnings == [
+        f"trace file {path}: arrival times go backwards; 2 of 5 rows arrive before a row above them "
+        "(first at line 4) and are replayed in arrival order"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cbjax"):  # in order, ties included: no warning
+        _trace(tmp_path, "sorted.csv", "arrival_s,prompt_len,output_len\n0,4,1\n2,4,1\n2,4,1\n")
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("header, closest", [
+    ("TIMESTAMP,ContextTokens", "closest is azure (missing column GeneratedTokens)"),
+    ("Timestamp,Model,Request tokens,Log Type", "closest is burstgpt (missing columns Response tokens, Total tokens)"),
+    ("arrival_s,prompt_len,output_len,client", "closest is csv (unexpected column client)"),
+])  # fmt: skip
+def test_an_unknown_header_names_the_closest_format_and_its_missing_columns(tmp_path, header, closest):
+    with pytest.raises(ValueError, match=re.escape(f"cannot tell its format from the first line {header!r}; {closest}")):
+        _trace(tmp_path, "h.csv", f"{header}\n1,2\n")

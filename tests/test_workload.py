@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbjax.config import LengthConfig, WorkloadConfig
+from cbjax.config import LengthConfig, ModelConfig, RunConfig, WorkloadConfig
+from cbjax.config.workload import SharedPrefixConfig
 from cbjax.workload import build_workload
 from cbjax.workload.synthetic import arrival_times, sample_lengths
 from cbjax.workload.trace import load_trace, parse_timestamp
@@ -329,3 +330,19 @@ def test_build_workload_sorts_stably(tmp_path):
     reqs = build_workload(WorkloadConfig(name="trace", path=str(_write(tmp_path, "t.csv", text))), 0)
     assert [r.request_id for r in reqs] == ["1", "3", "0", "2"]
     assert not any(math.isnan(r.arrival_s) for r in reqs)
+
+
+def test_a_shared_prefix_with_no_room_in_the_context_fails_at_startup_naming_both_lengths():
+    def run_cfg(prefix_len, max_model_len):
+        workload = WorkloadConfig(name="shared_prefix", shared_prefix=SharedPrefixConfig(prefix_len=prefix_len))
+        return RunConfig(workload=workload, model=ModelConfig(max_model_len=max_model_len))
+
+    with pytest.raises(ValueError) as err:
+        run_cfg(2048, 1024)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "workload.shared_prefix.prefix_len 2048" in msg and "model.max_model_len 1024" in msg
+    # a prefix plus the shortest suffix (workload.prompt_len.min, 1) must leave a token to generate
+    with pytest.raises(ValueError, match=r"prefix_len 1023 plus workload\.prompt_len\.min 1"):
+        run_cfg(1023, 1024)
+    assert run_cfg(1022, 1024).workload.shared_prefix.prefix_len == 1022

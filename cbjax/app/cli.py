@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep
 from omegaconf import DictConfig
 
 from cbjax.config import RunConfig
-from cbjax.app.config_merge import to_run_config
+from cbjax.app.config_merge import group_type, scalar_for_group, to_run_config
 from cbjax.app.hydra_job import register_resolvers, run_hydra_job
 from cbjax.core.stop import StopFlag
 
@@ -74,12 +78,40 @@ def _to_stderr(line: str) -> None:
             handler.handle(record)
 
 
+def check_group_overrides(argv: list[str], schema: type, prog: str) -> None:
+    """Exit with one line, status 2, when a command-line override sets a group of settings of
+    `schema` to one value (`workload.prompt_len=5000`), saying how to write it; Hydra itself
+    reports only a type error. Selecting a config file (`workload=trace`) is not such a case."""
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in argv if "=" in a and not a.startswith("-")])
+    except Exception:  # a syntax error: Hydra reports it with its own message
+        return
+    for override in overrides:
+        key = override.key_or_group
+        if override.is_delete() or override.package is not None or _is_config_group(key):
+            continue
+        group = group_type(key, schema)
+        value = override.value()
+        values = value.list if isinstance(value, ChoiceSweep) else [] if override.is_sweep_override() else [value]
+        bad = [v for v in values if v is not None and not isinstance(v, Mapping)]
+        if group is not None and bad:
+            print(f"{prog}: error: {scalar_for_group(key, group, bad[0])}", file=sys.stderr)
+            sys.exit(2)
+
+
+def _is_config_group(key: str) -> bool:
+    """Whether `key` names a folder of config files (workload, cluster, hydra/launcher)."""
+    root = CONFIG_DIR if IN_SOURCE_TREE else importlib.resources.files("cbjax.configs")
+    return "/" in key or key.startswith("hydra") or root.joinpath(*key.split(".")).is_dir()
+
+
 def main() -> None:
     # A plug-in policy (scheduler.policy_class) is found in the working directory, as with `python -m`.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     if IN_SOURCE_TREE and not (CONFIG_DIR / "config.yaml").is_file():
         sys.exit(f"cbjax: error: no configs at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
+    check_group_overrides(sys.argv[1:], RunConfig, "cbjax")
     try:
         with STOP.catching():
             _app()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -16,7 +17,8 @@ from cbjax.config.overhead import expand_presets
 
 
 def check_known_keys(node: Any, cls: type, where: str = "config", prefix: str = "") -> None:
-    """Raise ValueError naming the first key of `node` (a mapping) that `cls` does not declare.
+    """Raise ValueError naming the first key of `node` (a mapping) that `cls` does not declare,
+    or the first group of settings (a dataclass-typed key) given a single value.
 
     Hydra lets `+group.key=value` add a key to a typed config; this catches it."""
     hints = typing.get_type_hints(cls)
@@ -26,9 +28,42 @@ def check_known_keys(node: Any, cls: type, where: str = "config", prefix: str = 
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; keys are {', '.join(names)}"
             raise ValueError(f"{where}: unknown key {prefix}{key}{hint}")
-        ftype = hints[key]
+        ftype = _unwrap_optional(hints[key])
         if dataclasses.is_dataclass(ftype) and node[key] is not None:
+            if not isinstance(node[key], Mapping):
+                raise ValueError(f"{where}: {scalar_for_group(f'{prefix}{key}', ftype, node[key])}")
             check_known_keys(node[key], ftype, where, f"{prefix}{key}.")
+
+
+def group_type(key: str, cls: type = RunConfig) -> Optional[type]:
+    """The dataclass that the dotted `key` of `cls` holds (e.g. LengthConfig for
+    workload.prompt_len), or None when `key` is a single value or not in the schema."""
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None
+        cls = _unwrap_optional(hints[part])
+    return cls if dataclasses.is_dataclass(cls) else None
+
+
+def scalar_for_group(key: str, group: type, value: Any) -> str:
+    """Why `key=value` cannot set a group of settings, and how to write it: the group's own
+    `scalar_override(key, value)` where it has one, else its fields."""
+    form = getattr(group, "scalar_override", None)
+    if form is not None:
+        how = form(key, value)
+    else:
+        fields = ", ".join(f.name for f in dataclasses.fields(group))
+        how = f"{key}.FIELD=VALUE for each field to change ({fields})"
+    return f"{key} is a group of settings ({group.__name__}), not one value (got {value!r}); write {how}"
+
+
+def _unwrap_optional(ftype: Any) -> Any:
+    """X for Optional[X]; other types as they are."""
+    args = [a for a in typing.get_args(ftype) if a is not type(None)]
+    return args[0] if typing.get_origin(ftype) is typing.Union and len(args) == 1 else ftype
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:

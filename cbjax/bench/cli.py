@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from cbjax.bench.config import BenchConfig
-from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
+from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE, check_group_overrides
 from cbjax.app.config_merge import check_known_keys
 
 ConfigStore.instance().store(name="bench_base_config", node=BenchConfig)
@@ -38,4 +38,5 @@ def main() -> None:
         sys.exit(f"cbjax-bench: error: no bench.yaml at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    check_group_overrides(sys.argv[1:], BenchConfig, "cbjax-bench")
     _app()

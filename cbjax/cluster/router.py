@@ -10,12 +10,11 @@ replica. Built-in routers register by name (`cluster.router`); a user's router i
 
 from __future__ import annotations
 
-import inspect
 import random
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
-from cbjax.core.plugins import load_class
+from cbjax.core.plugins import build_plugin, load_class
 
 
 @dataclass(frozen=True)
@@ -196,9 +195,4 @@ def make_router(name: str, args: Optional[dict] = None) -> Router:
         cls = ROUTER_CLASSES[name]
     else:
         raise ValueError(f"cluster.router: unknown value {name!r}; choose one of {', '.join(ROUTER_CLASSES)}")
-    args = dict(args or {})
-    try:
-        inspect.signature(cls).bind(**args)
-    except TypeError as err:
-        raise ValueError(f"cluster.router_args: {cls.__name__} does not accept {args}: {err}") from None
-    return cls(**args)
+    return build_plugin(cls, args, "cluster.router_args")

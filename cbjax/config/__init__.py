@@ -22,7 +22,7 @@ from cbjax.config.reporting import (
     LOGGERS, WANDB_MODES, ExperimentConfig, LoggerConfig, MetricsConfig, ServiceWeights, SLOConfig,
 )  # fmt: skip
 from cbjax.config.workload import (
-    ARRIVALS, LENGTH_DISTS, TRUNCATIONS, WORKLOADS, ClientConfig, LengthConfig, WorkloadConfig,
+    ARRIVALS, LENGTH_DISTS, TRUNCATIONS, WORKLOADS, ClientConfig, LengthConfig, WorkloadConfig, check_fits_model,
 )  # fmt: skip
 
 __all__ = [
@@ -299,6 +299,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)
+        check_fits_model(self.workload, self.model.max_model_len)
         if self.scheduler.static_padding:
             # The engine computes only the rows a plan schedules; padding is a cost-model charge.
             _require(

@@ -32,6 +32,12 @@ class LengthConfig:
     max: int = 4096
     truncation: str = "clip"
 
+    @staticmethod
+    def scalar_override(key: str, value: Any) -> str:
+        """How to write `key=value` on the command line: a fixed length of `value` tokens (max
+        raised with it, since draws are clipped to [min, max])."""
+        return f"{key}.dist=fixed {key}.value={value} {key}.max={value}"
+
     def check(self, key: str) -> None:
         _one_of(f"{key}.dist", self.dist, LENGTH_DISTS)
         _one_of(f"{key}.truncation", self.truncation, TRUNCATIONS)
@@ -148,6 +154,21 @@ class WorkloadConfig:
                         f"(also workload.clients[{seen[c.client_id]}])"
                     )
                 seen[c.client_id] = i
+
+
+def check_fits_model(workload: WorkloadConfig, max_model_len: int) -> None:
+    """Raise ValueError when no request of `workload` could fit a model context of
+    `max_model_len` tokens: shared_prefix prompts are the prefix plus at least
+    workload.prompt_len.min suffix tokens, and a prompt needs room for one generated token."""
+    if workload.name != "shared_prefix" or max_model_len <= 0:  # 0: the checkpoint's, not read yet
+        return
+    prefix, suffix = workload.shared_prefix.prefix_len, workload.prompt_len.min
+    if prefix + suffix >= max_model_len:
+        raise ValueError(
+            f"workload.shared_prefix.prefix_len {prefix} plus workload.prompt_len.min {suffix} suffix "
+            f"token(s) leaves no room to generate in model.max_model_len {max_model_len}: every request "
+            "would be rejected; shorten the prefix or use a model with a longer context"
+        )
 
 
 def _check_client(workload: WorkloadConfig, i: int, entry: Any) -> ClientConfig:

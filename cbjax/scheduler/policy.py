@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence
 
-from cbjax.core.plugins import load_class
+from cbjax.core.plugins import build_plugin, load_class
 from cbjax.core.request import Request
 
 if TYPE_CHECKING:
@@ -207,9 +206,4 @@ def make_policy(cfg: "SchedulerConfig") -> Policy:
         cls = POLICIES[cfg.name]
     else:
         raise ValueError(f"scheduler.name: unknown policy {cfg.name!r}; choose one of {', '.join(POLICIES)}")
-    args = dict(cfg.policy_args or {})
-    try:
-        inspect.signature(cls).bind(cfg, **args)
-    except TypeError as err:
-        raise ValueError(f"scheduler.policy_args: {cls.__name__} does not accept {args}: {err}") from None
-    return cls(cfg, **args)
+    return build_plugin(cls, cfg.policy_args, "scheduler.policy_args", cfg)

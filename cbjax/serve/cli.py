@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
+from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE, check_group_overrides
 from cbjax.app.config_merge import check_known_keys
 from cbjax.serve.config import ServeConfig
 from cbjax.serve.process import LISTENING
@@ -55,4 +55,5 @@ def main() -> None:
         sys.path.insert(0, os.getcwd())
     if IN_SOURCE_TREE and not (CONFIG_DIR / "serve.yaml").is_file():
         sys.exit(f"cbjax-serve: error: no serve.yaml at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
+    check_group_overrides(sys.argv[1:], ServeConfig, "cbjax-serve")
     _app()

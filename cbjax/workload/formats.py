@@ -116,8 +116,9 @@ def _mooncake_fields(row: _Row, obj: dict[str, Any]) -> None:
 
 def _hash_ids(value: list[Any], length: int, block_size: int) -> list[int]:
     for i, hid in enumerate(value):
-        if isinstance(hid, bool) or not isinstance(hid, int):
-            raise LineError(f"hash_ids[{i}] {hid!r} is not an integer")
+        # A hash id seeds its block's tokens, and a seed must be a non-negative integer.
+        if isinstance(hid, bool) or not isinstance(hid, int) or hid < 0:
+            raise LineError(f"hash_ids[{i}] {hid!r} is not a hash id (an integer >= 0)")
     need = -(-length // block_size)
     if len(value) != need:
         raise LineError(

@@ -4,7 +4,8 @@
 A problem with the whole file (missing, unknown format, bad header) raises ValueError. A
 malformed line becomes a Request with `input_error` set, so the run rejects it and it still
 shows in the outputs; its unparsed fields take defaults (prompt_len 0, the previous valid
-arrival time).
+arrival time). Arrival times that go backwards are replayed sorted (`build_workload`), with one
+warning that counts the rows out of order.
 
 A JSONL line may give its prompt as text (`prompt`); `encode_text_prompts` turns it into
 token ids with the model's tokenizer before the run.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import logging
 import math
 import re
 from datetime import date
@@ -27,6 +29,8 @@ from cbjax.workload.rows import (
 )  # fmt: skip
 from cbjax.workload.formats import BURSTGPT_COLUMNS, MOONCAKE_KEYS, burstgpt_rows, mooncake_rows
 from cbjax.workload.synthetic import rng_streams, sampling_seeds, prompt_seeds
+
+log = logging.getLogger("cbjax")
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 CSV_COLUMNS = ("arrival_s", "prompt_len", "output_len")
@@ -73,6 +77,7 @@ def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
     if fmt in ("jsonl", "mooncake") and all(row.errors[:1] and row.errors[0].startswith("invalid JSON") for row in rows):
         first = rows[0]
         raise ValueError(f"trace file {path}: no line is valid JSON (line {first.line}: {first.errors[0]})")
+    _warn_backwards(rows, path)
     return _to_requests(rows, path.name, cfg, seed)
 
 
@@ -107,10 +112,26 @@ def detect_format(path: Path, first_line: str) -> str:
         return "burstgpt"
     raise ValueError(
         f"trace file {path}: cannot tell its format from the first line {first_line[:80]!r}; "
-        f"expected JSON objects (jsonl, or mooncake with {', '.join(MOONCAKE_KEYS)}), a CSV header "
+        f"{_closest_csv(columns)}expected JSON objects (jsonl, or mooncake with {', '.join(MOONCAKE_KEYS)}), a CSV header "
         f"{','.join(AZURE_COLUMNS)} (azure, azure2024), {','.join(BURSTGPT_COLUMNS)} (burstgpt) "
         f"or {','.join(CSV_COLUMNS)} (csv); or set workload.format"
     )
+
+
+def _closest_csv(columns: set[str]) -> str:
+    """'closest is FORMAT, missing ...; ' for the CSV format sharing the most columns with a
+    header, or '' when it shares none."""
+    known = (("azure", AZURE_COLUMNS), ("burstgpt", BURSTGPT_COLUMNS), ("csv", CSV_COLUMNS))
+    # the most shared columns, then the fewest missing
+    shared, _, fmt, expected = max((len(columns & set(c)), -len(c), fmt, c) for fmt, c in known)
+    if not shared:
+        return ""
+    missing = [c for c in expected if c not in columns]
+    # BurstGPT's reader skips columns it does not read; the others take exactly theirs.
+    extra = [] if fmt == "burstgpt" else sorted(columns - set(expected))
+    parts = [f"missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)}"] if missing else []
+    parts += [f"unexpected column{'s' if len(extra) > 1 else ''} {', '.join(extra)}"] if extra else []
+    return f"closest is {fmt} ({' and '.join(parts)}); "
 
 
 def parse_timestamp(text: str) -> tuple[int, float]:
@@ -146,6 +167,25 @@ def _csv_header(path: Path, fmt: str, header: str, expected: tuple[str, ...]) ->
             f"got {header[:80]!r}"
         )
     return columns
+
+
+def _warn_backwards(rows: list[_Row], path: Path) -> None:
+    """Log one warning when arrival times go backwards: the run replays requests sorted by
+    arrival (`build_workload`), so such rows move ahead of lines above them."""
+    latest, moved, first = -math.inf, 0, None
+    for row in rows:
+        t = row.arrival_s
+        if t is None or not (math.isfinite(t) and t >= 0):
+            continue  # defaulted or rejected: it keeps its place
+        if t < latest:
+            moved += 1
+            first = first or row.line
+        latest = max(latest, t)
+    if moved:
+        log.warning(
+            f"trace file {path}: arrival times go backwards; {moved} of {len(rows)} rows arrive before "
+            f"a row above them (first at line {first}) and are replayed in arrival order"
+        )
 
 
 def _split(n: int, text: str, order: list[str]) -> tuple[_Row, dict[str, str]]:
