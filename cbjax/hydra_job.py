@@ -36,6 +36,20 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("cbjax.run_id", run_id, use_cache=True, replace=True)
 
 
+class FromLoggers(logging.Filter):
+    """Passes the records of the loggers `names` and their children; with `invert`, every other
+    record (configs/hydra/job_logging/cbjax.yaml: cbjax's to stdout, other libraries' to stderr)."""
+
+    def __init__(self, names: list[str], invert: bool = False):
+        super().__init__()
+        self.prefixes = tuple(names)
+        self.invert = invert
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ours = any(record.name == p or record.name.startswith(p + ".") for p in self.prefixes)
+        return ours != self.invert
+
+
 def run_hydra_job(
     cfg: RunConfig, out_dir: Path, hydra_cfg: DictConfig, run: Optional[Callable[..., dict[str, Any]]] = None
 ) -> Optional[float]:
