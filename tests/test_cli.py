@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -167,3 +168,42 @@ def test_swap_preemption_and_prefix_caching_from_the_command_line(tmp_path):
         composed("scheduler.preemption=swapp")
     with pytest.raises(ValueError, match="cache.num_swap_pages"):
         composed("cache.num_swap_pages=-1")
+
+
+def test_library_log_lines_stay_off_stdout(tmp_path, env_cpu):
+    """With JAX_PLATFORMS unset, JAX logs its platform probe (e.g. "Unable to initialize backend
+    'tpu'") through the root logger; stdout holds only cbjax's table and the outputs line."""
+    env = {k: v for k, v in env_cpu.items() if k != "JAX_PLATFORMS"}
+    cmd = cbjax_cmd() + [
+        "executor=jax", "executor.compilation_cache_dir=null", "executor.token_buckets=[2,16]", "progress=false",
+        "scheduler.max_num_batched_tokens=16", "model.max_model_len=64",
+        "scheduler.max_num_seqs=2", "workload.num_requests=2", "workload.prompt_len.dist=fixed",
+        "workload.prompt_len.value=8", "workload.output_len.dist=fixed", "workload.output_len.value=3",
+        f"hydra.run.dir={tmp_path}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "throughput" in proc.stdout
+    foreign = [line for line in proc.stdout.splitlines() if line and not line.startswith(("|", "outputs: "))]
+    assert not foreign, f"not cbjax's lines on stdout: {foreign}"
+
+
+JOB_LOGGING_CHECK = """
+import logging, logging.config, sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+cfg["handlers"]["file"]["filename"] = sys.argv[2]
+logging.config.dictConfig(cfg)
+for name in ("cbjax", "cbjax.serve", "jax._src.xla_bridge", "hydra", "mypolicy"):
+    logging.getLogger(name).info(f"{name} info")
+    logging.getLogger(name).warning(f"{name} warning")
+"""
+
+
+def test_job_logging_sends_cbjax_to_stdout_and_other_libraries_warnings_to_stderr(tmp_path):
+    config = REPO / "configs" / "hydra" / "job_logging" / "cbjax.yaml"
+    proc = subprocess.run([sys.executable, "-c", JOB_LOGGING_CHECK, str(config), str(tmp_path / "cli.log")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["cbjax info", "cbjax warning", "cbjax.serve info", "cbjax.serve warning"]
+    assert proc.stderr.splitlines() == ["jax._src.xla_bridge warning", "hydra warning", "mypolicy warning"]
+    assert len((tmp_path / "cli.log").read_text().splitlines()) == 10  # every message, INFO up

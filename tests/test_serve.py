@@ -4,6 +4,8 @@ queue, disconnects, and /metrics (the SIGTERM test runs a subprocess: test_serve
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -16,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import REPO
-import cbjax.serve.cli  # noqa: F401  registers ServeConfig and serve.yaml's resolver
+from cbjax.serve.cli import refused_override  # also registers ServeConfig and serve.yaml's resolver
 from cbjax.app.config_merge import check_known_keys
 from cbjax.serve.config import ServeConfig
 from cbjax.serve.server import Server
@@ -73,6 +75,26 @@ def test_config_composes_with_every_cbjax_group_and_checks_the_server_keys():
         serve_config("server.drain_s=-1")
     with pytest.raises(Exception, match="server.nope|nope"):
         serve_config("+server.nope=1")
+
+
+def test_engine_process_is_refused_without_the_real_engine():
+    # the simulator, paced or not, always runs on a thread of the server
+    for pace in ("none", "realtime"):
+        with pytest.raises(ValueError, match=r"server.engine_process=true needs executor=jax, got executor=sim"):
+            serve_config("executor=sim", f"executor.pace={pace}", "server.engine_process=true")
+    assert serve_config("executor=jax", "server.engine_process=true").server.engine_process
+
+
+def test_cli_refuses_an_experiment_or_a_sweep_in_one_line(env_cpu):
+    proc = subprocess.run([sys.executable, "-m", "cbjax.serve", "experiment=distserve_goodput"], env=env_cpu,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "cbjax-serve: error: experiment=distserve_goodput: a server runs one configuration; "
+        "an experiment (arms compared) is for `cbjax`"
+    ]
+    assert "hparams_search=mlfq_goodput" in refused_override(["server.port=0", "+hparams_search=mlfq_goodput"])
+    assert refused_override(["experiment=null", "experiment.name=x", "server.port=0"]) is None
 
 
 def test_openai_client_completions_and_chat_streaming_and_not(tmp_path):

@@ -17,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from cbjax.config import RunConfig
+from cbjax.config.help import help_page
 from cbjax.report.files import unwritable
 from cbjax.app.sweep import clear_skipped, comparable_config, count_skipped, run_job
 
@@ -32,8 +33,24 @@ def run_id() -> str:
 def register_resolvers() -> None:
     """`${cbjax.run_id:}` for configs/config.yaml's hydra.run.dir and hydra.sweep.dir. Cached
     like Hydra's `${now:}`: every reading of the config (and each sweep job's, which Hydra copies
-    the cache into) sees one value per process."""
+    the cache into) sees one value per process. `${cbjax.help:COMMAND}`: a command's --help page
+    (the root configs' hydra.help.template)."""
     OmegaConf.register_new_resolver("cbjax.run_id", run_id, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("cbjax.help", help_page, replace=True)
+
+
+class FromLoggers(logging.Filter):
+    """Passes the records of the loggers `names` and their children; with `invert`, every other
+    record (configs/hydra/job_logging/cbjax.yaml: cbjax's to stdout, other libraries' to stderr)."""
+
+    def __init__(self, names: list[str], invert: bool = False):
+        super().__init__()
+        self.prefixes = tuple(names)
+        self.invert = invert
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ours = any(record.name == p or record.name.startswith(p + ".") for p in self.prefixes)
+        return ours != self.invert
 
 
 def run_hydra_job(

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -22,6 +23,8 @@ ConfigStore.instance().store(name="serve_base_config", node=ServeConfig)
 OmegaConf.register_new_resolver("cbjax_serve_pace", lambda name: "realtime" if name == "sim" else "none", replace=True)
 
 log = logging.getLogger("cbjax")
+# `cbjax` groups that run several configurations: what each is, for the refusal
+RUN_ONLY_GROUPS = {"experiment": "an experiment (arms compared) is", "hparams_search": "a search (a sweep) is"}
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="serve")
@@ -50,10 +53,24 @@ def _app(cfg: DictConfig) -> None:
     print(f"cbjax-serve: stopped; {summary['num_requests']} requests, outputs in {out_dir}", file=sys.stderr, flush=True)
 
 
+def refused_override(args: list[str]) -> Optional[str]:
+    """Why a command-line override selects something a server cannot run (None: it does not).
+    Checked before Hydra composes, whose own message would be about its defaults list."""
+    for arg in args:
+        group, eq, option = arg.lstrip("+~").partition("=")
+        if eq and option != "null" and group in RUN_ONLY_GROUPS:
+            return f"{group}={option}: a server runs one configuration; {RUN_ONLY_GROUPS[group]} for `cbjax`"
+    return None
+
+
 def main() -> None:
     if os.getcwd() not in sys.path:  # a plug-in policy from the working directory, as `cbjax` finds it
         sys.path.insert(0, os.getcwd())
     if IN_SOURCE_TREE and not (CONFIG_DIR / "serve.yaml").is_file():
         sys.exit(f"cbjax-serve: error: no serve.yaml at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
+    why = refused_override(sys.argv[1:])
+    if why is not None:
+        print(f"cbjax-serve: error: {why}", file=sys.stderr)
+        sys.exit(2)
     check_group_overrides(sys.argv[1:], ServeConfig, "cbjax-serve")
     _app()

@@ -32,11 +32,12 @@ class ServerConfig:
     # or a running count of a chunked upload). 8 MiB holds a 128k-token prompt as token ids or
     # as escaped text, with room to spare.
     max_body_bytes: int = 8 * 1024 * 1024
-    # true: the real engine (executor=jax) runs in a process of its own, so its steps and the
-    # HTTP side's writes do not take turns on one GIL (cbjax.serve.remote); the two processes
+    # true: the real engine (executor=jax only) runs in a process of its own, so its steps and
+    # the HTTP side's writes do not take turns on one GIL (cbjax.serve.remote); the two processes
     # then need a core each, and a step's tokens cross a pipe. false: the engine runs on a
     # thread of the server's process. The simulator always runs on a thread (paced, it waits
-    # on requests still being read). docs/serving.md has the measured trade-off.
+    # on requests still being read), so ServeConfig refuses true with executor=sim.
+    # docs/serving.md has the measured trade-off.
     engine_process: bool = False
 
     def __post_init__(self) -> None:
@@ -69,3 +70,8 @@ class ServeConfig(RunConfig):
             sorted(self.experiment.arms),
         )
         _require(not self.distributed.enabled, "distributed.num_processes", "must be 1 for cbjax-serve", self.distributed.num_processes)
+        if self.server.engine_process and self.executor.name != "jax":
+            raise ValueError(
+                f"server.engine_process=true needs executor=jax, got executor={self.executor.name} "
+                "(the simulator runs on a thread of the server)"
+            )

@@ -44,8 +44,9 @@ ENGINE_LOST = "the engine process exited"
 
 
 def uses_engine_process(cfg: ServeConfig) -> bool:
-    """Whether the server runs `cfg`'s engine in a process of its own."""
-    return cfg.server.engine_process and cfg.executor.name == "jax"
+    """Whether the server runs `cfg`'s engine in a process of its own (ServeConfig allows it
+    for executor=jax only)."""
+    return cfg.server.engine_process
 
 
 class EngineProcess:
