@@ -4,6 +4,7 @@ members their protocols declare."""
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 from test_engine import BUDGET, MODEL, fresh, make_executor, workload
@@ -90,3 +91,51 @@ def test_the_engine_serves_through_the_executor_and_policy_protocols_alone():
     assert strict == direct and all(len(t) == r.sampling.max_tokens for r, t in zip(reqs, direct.values()))
     # the pipelined path ran, and the policy was consulted through its contract
     assert {"launch", "collect", "push", "pop", "on_step"} <= seen
+
+
+def test_the_simulator_and_its_cluster_run_through_the_executor_protocol_alone(tmp_path):
+    from test_purity import small_run
+
+    from cbjax.app.run import run_single
+    from cbjax.cluster import ClusterSim
+    from cbjax.config import ClusterConfig, ExecutorConfig
+    from cbjax.sim import SimExecutor, make_cost_model
+    from cbjax.workload import build_workload
+
+    cfg = small_run(executor=ExecutorConfig(name="sim", cost_model="roofline"))
+    seen: set = set()
+    for pipelined in (False, True):
+        def strict_sim(rcfg, pipelined=pipelined):
+            cost = make_cost_model("roofline", rcfg.model, rcfg.hardware)
+            return Strict(SimExecutor(cost, pipelined=pipelined), Executor, seen)
+
+        direct = run_single(cfg, verbose=False)
+        sched = Scheduler(cfg.scheduler, cfg.cache, cfg.model.max_model_len)
+        ex = strict_sim(cfg)
+        result = serve(build_workload(cfg.workload, cfg.seed), sched, ex)
+        assert all(r.is_finished for r in result.requests)
+        if not pipelined:
+            assert result.makespan_s == direct["makespan_s"]
+        for cluster in (ClusterConfig(replicas=2), ClusterConfig(prefill_replicas=1, decode_replicas=1)):
+            ccfg = dataclasses.replace(cfg, cluster=cluster)
+            out = ClusterSim(ccfg, strict_sim).serve(build_workload(ccfg.workload, ccfg.seed))
+            assert all(r.is_finished for r in out.requests)
+    assert {"timeline", "execute", "validate", "pipelined"} <= seen
+
+
+def test_no_code_probes_an_executor_outside_its_own_package():
+    # the executor protocol declares every member a caller uses: nothing outside the executors'
+    # packages (the engine's runtime/, the simulator's sim/) asks an executor what it has
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "cbjax"
+    probe = re.compile(r"\b(getattr|hasattr)\(\s*[\w.]*(executor|inner|ex)\b")
+    found = []
+    for path in root.rglob("*.py"):
+        if path.relative_to(root).parts[0] in ("runtime", "sim"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if probe.search(line):
+                found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

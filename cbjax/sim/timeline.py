@@ -37,7 +37,7 @@ class Timeline:
 
     def __init__(self, cost: CostModel):
         self.cost = cost
-        history = getattr(cost, "history", 0)
+        history = cost.history
         self._recent: Optional[deque[int]] = deque(maxlen=history) if history else None
         self._free = 0.0  # where the device is free: the end of the latest launched step
         self._last_end: Optional[float] = None  # where the latest collected step ended
