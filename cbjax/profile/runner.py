@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from cbjax.config import RunConfig
 from cbjax.profile.grid import GRIDS, profile_grid
@@ -28,8 +28,13 @@ class ProfileRunConfig(RunConfig):
     # from round 0; `cbjax.profile.serving.serving_round_count`): a tiny model's runs last about a
     # second each, so four rounds measure four moments of the machine; 0: serving_rounds exactly
     serving_min_s: float = 40.0
-    # fit the cold terms (a served step's extra cost 1-4 steps after a larger bucket's) on the
-    # served steps, beside the intercepts and the served step terms; off: they stay 0
+    # the CPU term set: what a CPU's threads and caches add to a step after the loop idled (the
+    # wake) and in the steps after a larger one (the cold terms); null: measured and fitted when
+    # the engine runs on a CPU, left 0 on an accelerator
+    cpu_terms: Optional[bool] = None
+    # with the CPU term set on, fit the cold terms (a served step's extra cost 1-4 steps after a
+    # larger bucket's) on the served steps, beside the intercepts and the served step terms; off:
+    # they stay 0
     fit_cold: bool = True
     # fit the per-row and per-page step terms on the served steps beside their intercepts
     # (cbjax.profile.served_fit.SERVED_STEP_TERMS); off: the grid's
@@ -61,6 +66,13 @@ class ProfileRunConfig(RunConfig):
             raise ValueError(f"executor.name: the profile times the engine (executor=jax), got {self.executor.name!r}")
 
 
+def executor_backend() -> str:
+    """The platform the engine's jax runs on: cpu, gpu or tpu."""
+    import jax
+
+    return jax.default_backend()
+
+
 def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     """Profile the engine `cfg` describes; writes profile.json and profile.png to `out_dir`."""
     from cbjax.profile.measure import (
@@ -89,18 +101,21 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     bucket_s = measure_buckets(engine_empty_step(executor), shapes.token_buckets, cfg.repeats)
     say("timing swap copies ...", flush=True)
     swaps = measure_swaps(executor, cfg.repeats)
-    say("timing steps after an idle loop ...", flush=True)
-    small = sorted(
-        (p for p in points if sum(n for n, _ in p.rows) <= 4 * shapes.num_rows), key=lambda p: sum(n for n, _ in p.rows)
-    )
-    wake_plans = [
-        build_schedule(p, shapes, cfg.cache.num_pages, cfg.model.vocab_size) for p in small[:: max(1, len(small) // 3)]
-    ]
-    wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
+    cpu_terms = executor_backend() == "cpu" if cfg.cpu_terms is None else cfg.cpu_terms
+    wake = None
+    if cpu_terms:
+        say("timing steps after an idle loop ...", flush=True)
+        small = sorted(
+            (p for p in points if sum(n for n, _ in p.rows) <= 4 * shapes.num_rows), key=lambda p: sum(n for n, _ in p.rows)
+        )
+        wake_plans = [
+            build_schedule(p, shapes, cfg.cache.num_pages, cfg.model.vocab_size) for p in small[:: max(1, len(small) // 3)]
+        ]
+        wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
     say("serving the profile's workloads ...", flush=True)
     serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native, min_s=cfg.serving_min_s)
     coefficients, residuals = fit_profile(
-        steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cfg.fit_cold,
+        steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cpu_terms and cfg.fit_cold,
         served_terms=cfg.served_terms, served_weighting=cfg.served_weighting,
     )
     extra = {
@@ -116,7 +131,8 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "serving_rounds": serving["rounds"],  # served, not asked for (`serving_min_s` may add rounds)
         "serving_min_s": cfg.serving_min_s,
         "gaps": serving["gaps"],
-        "fit_cold": cfg.fit_cold,
+        "cpu_terms": cpu_terms,
+        "fit_cold": cpu_terms and cfg.fit_cold,
         "served_terms": cfg.served_terms,
         "served_weighting": cfg.served_weighting,
         "warmup_s": warmup_s,
