@@ -1,4 +1,4 @@
-"""GPU check (issue 9, acceptance 5): compiled ragged kernel vs reference, decode HBM bandwidth.
+"""GPU check: compiled ragged kernel vs reference, decode HBM bandwidth.
 
     python benchmarks/gpu_check.py kernel --out DIR     # (1) and (2), appended to DIR/gpu_check.md
     python benchmarks/gpu_check.py engine --out DIR --summary FILE --overrides ...  # (3): report a run

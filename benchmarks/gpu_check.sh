@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU check for issue 9 (acceptance 5), as ONE call on a lent NVIDIA GPU (made for an H200):
+# The GPU check, as ONE call on a lent NVIDIA GPU (made for an H200):
 #   (1) the compiled Pallas ragged kernel vs the jnp reference and a float64 oracle;
 #   (2) decode-attention HBM bandwidth as a fraction of the H200 datasheet's 4.8 TB/s;
 #   (3) engine tok/s on a random 1B-class Llama (Llama-3.2-1B's shape, bf16) through the CLI;
-#   (4) the step's time against the KV page pool, the Pallas kernel compiled (issue 32: no cache
-#       copies; the last line of each log reads `pages 64 -> 4096: X.XXx`).
+#   (4) the step's time against the KV page pool, the Pallas kernel compiled (it should not
+#       grow: no cache copies; the last line of each log reads `pages 64 -> 4096: X.XXx`).
 # Results: $OUT/gpu_check.md (+ gpu_check.json, logs, engine_summary.json). Each part is
 # guarded: one failing still lets the others report. With no GPU it says so and exits 0.
 #

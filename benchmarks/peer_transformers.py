@@ -436,8 +436,7 @@ def bounds_report(counts, bandwidth, peak, cb_tok_s, cb_span_s, result, workload
         f"attention ({counts['attn_share']:.0%}) + the LM head at the {outputs} tokens whose logits "
         f"are needed ({counts['head_share']:.0%}) = {counts['flops'] / 1e9:.1f} GFLOP in {cb_span_s:.2f} s = "
         f"{flop_s / 1e9:.1f} GFLOP/s, {flop_s / 1e9 / peak:.0%} of the matmul peak "
-        f"({fraction_without_head:.0%} without the LM head, as this script counted "
-        f"before 2026-12-03).",
+        f"({fraction_without_head:.0%} without the LM head).",
     ]
     floors = {name: sum(n * per_call[b] for b, n in result.bucket_calls.items()) for name, per_call in gemm_s.items()}
     lines.append(

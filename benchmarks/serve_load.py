@@ -3,8 +3,8 @@
     python benchmarks/serve_load.py [--streams 1000] [--leave 0.0] [--max-tokens 32] [OVERRIDE ...]
 
 Starts `cbjax-serve` (paced simulator, 5 ms an iteration, 64 slots unless OVERRIDEs say
-otherwise), opens --streams streaming completions at once, and checks what issue 33's load and
-disconnect criteria ask:
+otherwise), opens --streams streaming completions at once, and checks the server under load
+and disconnects:
 - every stream that stays gets exactly --max-tokens tokens (counted from its chunks and from
   its usage) and no error;
 - a share --leave of them (every k-th) closes its connection after 10 tokens;

@@ -17,12 +17,11 @@ and, as the paced simulator's own reference, 4. offline sim: the same simulator 
 The table shows medians over --repeats of TTFT, TPOT, ITL (the client's; offline runs' time
 between tokens) and E2E p50, and output throughput, with served / offline and paced sim /
 offline sim. With offline and served among --ways, a second table gives the server-overhead
-figures of issue 33's acceptance 1 as median [min, max]: the client's TTFT p50 minus the
-server's own (its requests.jsonl, from each request's receipt) against max(2 ms, 10%), and
-the served / offline throughput ratio; and the CPU time per output token of the server
-process (all its threads, the engine's included) and of the client while the workload ran
-(from /proc on Linux). OVERRIDEs (Hydra `key=value`) apply to every run: the model, scheduler, cache,
-workload lengths. Measure on a quiet machine: the client and the server share its cores.
+figures as median [min, max]: the client's TTFT p50 minus the server's own (its requests.jsonl,
+from each request's receipt) against max(2 ms, 10%), and the served / offline throughput ratio;
+and the CPU time per output token of the server process (all its threads, the engine's
+included) and of the client while the workload ran (from /proc on Linux). OVERRIDEs (Hydra
+`key=value`) apply to every run: the model, scheduler, cache, workload lengths. Measure on a quiet machine: the client and the server share its cores.
 """
 
 from __future__ import annotations
@@ -99,8 +98,8 @@ def spread(vals: list[float], scale: float = 1.0) -> str:
     return f"{statistics.median(vals) * scale:.2f} [{min(vals) * scale:.2f}, {max(vals) * scale:.2f}]"
 
 
-def acceptance(results: dict[str, list[dict]], logs: list[dict], cpu: list[dict]) -> list[list[str]]:
-    """Issue 33's server-overhead figures, per repeat then as median [min, max]: the client's
+def overhead_figures(results: dict[str, list[dict]], logs: list[dict], cpu: list[dict]) -> list[list[str]]:
+    """The server-overhead figures, per repeat then as median [min, max]: the client's
     TTFT p50 over the server's own (from requests' receipt) and over the offline run's, with
     the bound max(2 ms, 10%) of the latter; the served / offline throughput ratio (within 5%).
     Beside them, the CPU time per output token of the server process and of the client while
@@ -204,8 +203,8 @@ def main(argv=None) -> int:
     print(f"\nexecutor={args.executor}, {args.num_requests} requests at {args.rate}/s, medians of {args.repeats}\n")
     print(markdown_table(header, rows))
     if "served" in ways and "offline" in ways:
-        print(f"\nserver overhead (issue 33, acceptance 1), median [min, max] of {args.repeats}\n")
-        print(markdown_table(["figure", "value"], acceptance(results, logs, cpu)))
+        print(f"\nserver overhead, median [min, max] of {args.repeats}\n")
+        print(markdown_table(["figure", "value"], overhead_figures(results, logs, cpu)))
     return 0
 
 

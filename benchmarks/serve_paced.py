@@ -1,4 +1,4 @@
-"""Benchmark: is the paced simulator faithful to itself? (issue 33, acceptance 2)
+"""Benchmark: is the paced simulator faithful to itself?
 
     python benchmarks/serve_paced.py [--repeats 3] [--rate 8] [--num-requests 240] [--step-s 0.02]
         [--out DIR] [OVERRIDE ...]
@@ -13,7 +13,7 @@ Each repeat draws a new workload (seed = the repeat's index), the same for both 
 TTFT p50 over a few hundred requests still carries the sampling error of where arrivals fall
 between step boundaries, and new draws average it out rather than repeat it. It prints TTFT
 and TPOT p50 as median [min, max] over the repeats, and the per-repeat ratios paced /
-offline as median [min, max]; the acceptance asks for the client's within 5% of 1. Bounded:
+offline as median [min, max]; the bound: the client's within 5% of 1. Bounded:
 about 30 s of load per paced run. OVERRIDEs (Hydra `key=value`) apply to both ways. Measure
 on a quiet machine.
 """

@@ -6,7 +6,7 @@ Builds a RunConfig and calls the public `run_single`, nothing below it. Progress
 the run's live request log (requests.jsonl.partial, flushed within a second): a watcher thread
 samples the process's resident set size once 10% of the requests have finished; the 100%
 sample is taken when `run_single` returns (every request served, the files written). A leak
-shows as 100% / 10% well above 1; the acceptance bar is within 10% (ratio <= 1.10).
+shows as 100% / 10% well above 1; the bound is within 10% (ratio <= 1.10).
 """
 
 from __future__ import annotations

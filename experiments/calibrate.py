@@ -11,9 +11,9 @@ slot count. Workloads, other requests than the profile's served runs (other leng
 distributions and seeds), one per load regime: a burst (every request at t=0: closed loop),
 Poisson arrivals at 30%, 60% and 90% of the simulator's saturated request rate (light, medium,
 heavy: open loop), and a slice of the Azure code trace at 70% (medium). By default the cells
-are issue 35's acceptance (`ACCEPTANCE_CELLS`: the burst under fcfs and static, Poisson 30%
-and 60% under fcfs, chunked prefill off); `--cells all`: every workload under fcfs, static and
-sjf, with and without chunked prefill.
+are the acceptance cells (`ACCEPTANCE_CELLS`: the burst under fcfs and static, Poisson 30% and
+60% under fcfs, chunked prefill off); `--cells all`: every workload under fcfs, static and sjf,
+with and without chunked prefill.
 
 Every cell runs at least 5 times on the engine (`--repeats`). Closed-loop cells carry the
 throughput; open-loop cells carry the latencies, p99 beside p50 (an open-loop throughput is
@@ -24,7 +24,7 @@ simulator lies inside the interval and within the target; the verdict is the tar
 signed error and worst cell. Run it on a quiet machine, just after the profile: an engine run
 counts only when the profile's anchor, timed before and after it, ran within 5% of the
 profile's speed (`cbjax.profile.anchor`; `engine_rounds`), and `--reports` merges slot counts
-calibrated one after another into one document (experiments/issue35_acceptance.sh).
+calibrated one after another into one document (experiments/fidelity_acceptance.sh).
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ CLOSED_METRICS = [("throughput_tok_s", "throughput")]
 OPEN_METRICS = [("ttft_s_p50", "TTFT p50"), ("ttft_s_p99", "TTFT p99"), ("e2e_s_p50", "E2E p50"),
                 ("e2e_s_p99", "E2E p99"), ("tpot_s_p50", "TPOT p50"), ("tpot_s_p99", "TPOT p99")]  # fmt: skip
 METRICS = CLOSED_METRICS + OPEN_METRICS
-# |signed error| % per cell (issue 35's acceptance); a figure without one is reported, not judged.
+# |signed error| % a cell's figure may carry; a figure without a target is reported, not judged.
 TARGETS = {"throughput_tok_s": 5.0, "ttft_s_p50": 10.0, "e2e_s_p50": 10.0, "e2e_s_p99": 15.0}
 RATIO_TARGET_PCT = 5.0  # the continuous / static throughput ratio
 MIN_REPEATS = 5
 # with the profile's anchor, rounds go on until each cell has `repeats` runs made at the
 # profile's machine speed, up to this many rounds per repeat (`engine_rounds`)
 MAX_ROUNDS_PER_REPEAT = 4
-# issue 35's acceptance 1, on workloads the profile never served: a burst under fcfs and under
+# the acceptance cells, on workloads the profile never served: a burst under fcfs and under
 # static (closed loop: throughput and the continuous / static ratio), Poisson at 30% and 60% of
 # the saturated rate under fcfs (open loop: the latencies); chunked prefill off
 ACCEPTANCE_CELLS = (("burst", "fcfs", False), ("burst", "static", False), ("poisson_30", "fcfs", False),
@@ -410,7 +410,7 @@ def _speed_section(cells: list[dict]) -> list[str]:
 
 def judged_cells(j: dict) -> tuple[str, str]:
     """A judged figure's table cells: the engine's median with its interval, and whether the
-    simulator is within the target (the target beside it). Shared with calibrate_cluster.py."""
+    simulator is within the target (the target beside it)."""
     lo, hi = j["interval"]
     within = "-" if j["within_target"] is None else ("yes" if j["within_target"] else "no")
     target = "" if j["target_pct"] is None else f" (±{j['target_pct']:g})"
@@ -481,24 +481,18 @@ def write_markdown(report: dict, profile_paths, path: Path, residual_profiles: S
     lines += ["", f"**Overall:** {len(cells) - fails} of {len(cells)} judged figures within target; regimes biased beyond "
               f"±{REGIME_BIAS_PCT:g}%: {', '.join(biased) or 'none'}.", "", "![parity](calibration_parity.png)", ""]  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    status, guide = hand_kept(path)
-    path.write_text("\n".join(lines[:2] + status + lines[2:] + guide))
+    head = hand_kept(path) or lines[:2]  # a new document: the generated title
+    path.write_text("\n".join(head + lines[2:]))
 
 
-# docs/CALIBRATION.md's hand-kept parts, which a regeneration keeps: a status section between the
-# title and the first `Profile:` line, and the guide from this heading to the end
-GUIDE_HEADING = "# Calibrating the simulator"
-
-
-def hand_kept(path: Path) -> tuple[list[str], list[str]]:
-    """(status lines, guide lines) of the document at `path` as it stands (none: empty)."""
+def hand_kept(path: Path) -> list[str]:
+    """The lines of the document at `path` before its generated tables (its first `Profile:`
+    line), which a regeneration keeps: docs/CALIBRATION.md's guide, and the date, command and
+    commit of the tables that follow it. None: empty."""
     if not path.is_file():
-        return [], []
+        return []
     old = path.read_text().split("\n")
-    first = next((i for i, line in enumerate(old) if line.startswith("Profile: `")), len(old))
-    guide = next((i for i, line in enumerate(old) if line.startswith(GUIDE_HEADING)), len(old))
-    status = old[2:first] if old and old[0].startswith("# ") and first <= guide else []
-    return status, old[guide:]
+    return old[: next((i for i, line in enumerate(old) if line.startswith("Profile: `")), len(old))]
 
 
 def plot_parity(report: dict, path: Path) -> None:
@@ -532,7 +526,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--residual-profiles", nargs="*", default=[],
                     help="more profiles (another model) whose step-time residual tables the report lists, uncalibrated")  # fmt: skip
     ap.add_argument("--cells", choices=("acceptance", "all"), default="acceptance",
-                    help="acceptance: ACCEPTANCE_CELLS (issue 35); all: every --workloads x --policies, chunked off and on")  # fmt: skip
+                    help="acceptance: ACCEPTANCE_CELLS; all: every --workloads x --policies, chunked off and on")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"engine runs per cell (at least {MIN_REPEATS})")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: burst and poisson_30, fcfs and static, chunked off, 32 requests; any repeats")  # fmt: skip

@@ -14,7 +14,7 @@ runs fall into two speeds, either reads that mix as much as the model.
 After each run it also times the machine itself (`stream_gb_s`): numpy summing a 128 MB array
 on one thread, then one array per core on as many threads at once. Where the engine's runs
 fall at two speeds and the second figure follows them while the first does not, the cores'
-joint memory bandwidth is what moves (docs/CALIBRATION.md, eleventh session).
+joint memory bandwidth is what moves (docs/CALIBRATION.md, "When to pin").
 
 Writes the runs and the summary (`steadiness`) as JSON to `--out`.
 """

@@ -120,7 +120,7 @@ def test_fewer_than_five_repeats_is_refused_without_quick(tmp_path):
         calibrate.main(["--profile", str(tmp_path / "p.json"), "--repeats", "3"])
 
 
-def test_default_cells_are_issue_35s_acceptance():
+def test_default_cells_are_the_acceptance_cells():
     args = argparse.Namespace(quick=False, cells="acceptance", workloads=None, policies=list(calibrate.POLICIES))
     assert calibrate.plan_cells(args) == [("burst", "fcfs", False), ("burst", "static", False),
                                           ("poisson_30", "fcfs", False), ("poisson_60", "fcfs", False)]  # fmt: skip
@@ -143,19 +143,23 @@ def test_reports_of_two_slot_counts_merge_into_one_by_hand():
     assert row["mean_signed_error_pct"] == pytest.approx(-3.0) and row["worst_cell"].startswith("32 slots")
 
 
-def test_regeneration_keeps_the_hand_kept_status_and_guide(tmp_path):
+def test_regeneration_keeps_the_hand_kept_guide_before_the_tables(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({
         "machine": {"cpu": "test cpu", "cores": 2, "jax": "0"}, "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2},
     }))  # fmt: skip
     doc = tmp_path / "CALIBRATION.md"
-    doc.write_text("# Calibration\n\n## Status\n\nby hand\n\nProfile: `old` (old)\n\n## Cells\n\nold table\n\n"
-                   "# Calibrating the simulator (guide)\n\nguide by hand\n")  # fmt: skip
+    head = "# Calibration\n\nguide by hand\n\n## The current tables\n\nrun on a date, by a command, at a commit\n\n"
+    doc.write_text(head + "Profile: `old` (old)\n\n## Cells\n\nold table\n")
     report = {"repeats": 5, "quick": False, "cells": [], "regimes": [], "ratios": []}
     calibrate.write_markdown(report, str(profile), doc)
     text = doc.read_text()
-    assert text.index("## Status\n\nby hand") < text.index(f"Profile: `{profile}`") < text.index("guide by hand")
+    assert text.startswith(head + f"Profile: `{profile}`")
     assert "old table" not in text and "Profile: `old`" not in text
+    # a new document gets the generated title
+    fresh = tmp_path / "new.md"
+    calibrate.write_markdown(report, str(profile), fresh)
+    assert fresh.read_text().startswith("# Calibration: the profiled simulator against the JAX engine\n\nProfile: `")
 
 
 def _timer(timings):

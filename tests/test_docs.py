@@ -1,6 +1,8 @@
-"""The README stays short and its quickstart exact; every relative link in the docs resolves; the
-trace guide's examples read as their formats; the docs list what an experiment arm writes."""
+"""The README stays short and its quickstart exact; every relative link in the docs resolves;
+every code path and `cbjax.` module a doc names exists; the trace guide's examples read as their
+formats; the docs list what an experiment arm writes."""
 
+import ast
 import dataclasses
 import re
 
@@ -50,6 +52,91 @@ def test_every_relative_link_in_the_docs_resolves():
             elif fragment and path.suffix == ".md" and fragment not in anchors(path):
                 broken.append(f"{doc.name}: {link} (no such heading)")
     assert not broken, broken
+
+
+# a path token a doc names, repository-relative; or one of cbjax's packages (`runtime/batch.py`)
+ROOTS = ("cbjax", "benchmarks", "experiments", "configs", "tests", "docs")
+PACKAGES = tuple(p.name for p in (REPO / "cbjax").iterdir() if (p / "__init__.py").is_file())
+PATH_TOKEN = re.compile(r"^(?:%s)/[\w./-]*$" % "|".join(ROOTS + PACKAGES))
+PATH_SUFFIXES = (".py", ".sh", ".yaml", ".md", ".cc", ".h", ".csv", ".json")
+MODULE_TOKEN = re.compile(r"^cbjax(?:\.\w+)+$")
+# packages installed under another name than their folder (setup.py)
+INSTALLED_AS = {"cbjax.configs": "configs"}
+
+
+def code_tokens(text: str) -> set[tuple[str, bool]]:
+    """The words of a markdown text's code: (word, inline) for inline code spans and fenced blocks."""
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    words = {(w, False) for block in blocks for w in block.split()} | {(w, True) for span in spans for w in span.split()}
+    return {(w.strip("()[],;:'\""), inline) for w, inline in words}
+
+
+def defined_names(source: str) -> set[str]:
+    """Every name a module's source defines at any depth: functions, classes, assignments
+    (attributes of `self` included) and imports."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return names
+
+
+def module_resolves(dotted: str) -> bool:
+    """Whether `cbjax.a.b.c` is a module of the checkout or names defined in one, found without
+    importing anything (the longest prefix that is a module file or package, then each further
+    name defined in that module's source)."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        head = ".".join(parts[:n])
+        folder = REPO / INSTALLED_AS.get(head, "/".join(parts[:n]))
+        source = folder.with_suffix(".py") if folder.with_suffix(".py").is_file() else folder / "__init__.py"
+        if not source.is_file():
+            continue
+        names = defined_names(source.read_text())
+        return all(name in names for name in parts[n:])
+    return False
+
+
+def stale_references(text: str) -> list[str]:
+    """The repository paths and `cbjax.` modules a markdown text names that do not exist. A path is
+    a file (by its suffix) or, in inline code, a folder; a fenced block's other words are a
+    command's arguments."""
+    stale = set()
+    for token, inline in code_tokens(text):
+        if any(c in token for c in "<>*{}$"):
+            continue  # a pattern or a placeholder, not a path
+        token = token.rstrip(".")
+        if PATH_TOKEN.match(token):
+            root = REPO if token.split("/")[0] in ROOTS else REPO / "cbjax"
+            if (token.endswith(PATH_SUFFIXES) or inline) and not (root / token).exists():
+                stale.add(token)
+        elif MODULE_TOKEN.match(token) and not module_resolves(token):
+            stale.add(token)
+    return sorted(stale)
+
+
+def test_a_doc_naming_a_missing_path_or_module_is_caught():
+    text = (
+        "Run `python experiments/no_such_script.py`, read `cbjax/core/plan.py` and `runtime/nope.py`;\n"
+        "```bash\nbash experiments/gone.sh --tokenizer cbjax/byte\n```\n"
+        "`cbjax.engine.loop.EngineLoop`, `cbjax.engine.loop.NoSuchThing`, `cbjax.nowhere`, `cbjax.configs`."
+    )
+    assert stale_references(text) == [
+        "cbjax.engine.loop.NoSuchThing", "cbjax.nowhere", "experiments/gone.sh", "experiments/no_such_script.py",
+        "runtime/nope.py",
+    ]  # fmt: skip
+
+
+def test_every_code_path_and_module_the_docs_name_exists():
+    stale = {doc.name: found for doc in DOCS if (found := stale_references(doc.read_text()))}
+    assert not stale, stale
 
 
 def test_every_trace_format_has_an_example_in_traces_md_that_reads_as_that_format(tmp_path):

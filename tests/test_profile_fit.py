@@ -1,4 +1,4 @@
-"""The profile's served fit as the product runs it (issue 35): per-row, per-page and cold terms
+"""The profile's served fit as the product runs it: per-row, per-page and cold terms
 fitted on served steps, weighted so a bucket's mean signed relative error is zero, judged on
 served rounds held out of the fit, and refitted offline from a recorded profile. No jax."""
 

@@ -80,7 +80,7 @@ def test_fit_flags_and_seed_spread_by_hand():
         fit_flags(entries, ["d"])
     with pytest.raises(ValueError, match="names 2 rows"):
         fit_flags([{"setting": "a"}, {"setting": "a"}], ["a"])
-    # 0.857, 0.71, 0.80: (0.857 - 0.71) / 0.80 = 18.4% (vLLM Fig 2's share over seeds, issue 35)
+    # 0.857, 0.71, 0.80: (0.857 - 0.71) / 0.80 = 18.4% (vLLM Fig 2's share over seeds)
     assert seed_spread([0.857, 0.71, 0.80]) == pytest.approx(0.147 / 0.80)
     assert seed_spread([2.0, 2.0, 2.0]) == 0.0 and seed_spread([1.0, None, 1.0]) is None
 

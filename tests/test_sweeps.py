@@ -1,4 +1,4 @@
-"""Sweeps (issue 12): joblib jobs in parallel, resume after a kill, optuna search, resume rules."""
+"""Sweeps: joblib jobs in parallel, resume after a kill, optuna search, resume rules."""
 
 from __future__ import annotations
 

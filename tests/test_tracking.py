@@ -1,4 +1,4 @@
-"""Experiment tracking (issue 12): logger=mlflow and tensorboard write local stores we read back."""
+"""Experiment tracking: logger=mlflow and tensorboard write local stores we read back."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 REGIMES = ("burst", "light", "medium", "heavy")
-# The mean signed error per regime that a figure may carry (issue 35: 5%).
+# The mean signed error per regime that a figure may carry.
 REGIME_BIAS_PCT = 5.0
 
 

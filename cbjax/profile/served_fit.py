@@ -77,11 +77,11 @@ def fit_served(
     With `served_terms` the SERVED_STEP_TERMS (per row, per page read) are fitted on the served
     steps too, beside the intercepts, instead of taken from the grid: a sparse light-load batch
     and a full burst then share one per-row cost fitted where runs have them, not one
-    intercept per bucket pooled over both (issue 35). They are returned under their names.
+    intercept per bucket pooled over both. They are returned under their names.
 
     A pipelined step whose share the loop's host time set (`censored`) while the next plan held
     a prefill is left out: its share is that launch's host time, which `fit_launch` fits and
-    the simulator charges as the longer of the two (`cbjax.engine.loop.EngineLoop._launch_virtual`);
+    the simulator charges as the longer of the two (`cbjax.sim.timeline.Timeline.launch`);
     fitted here too, it would raise every step of its bucket. A censored step before a decode
     stays in: its share is the loop's steady host time, what the engine's step costs when the
     host is the slower side. A step collected with nothing launched behind it (`uncovered`) is

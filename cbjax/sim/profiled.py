@@ -32,7 +32,7 @@ the native decode pass is charged per group), plus its swap copies:
              (`launch_s`: the pipelined loop's host time from
              collecting a step to launching this one (commit, plan, pack, dispatch); the step in
              flight is collected only after it, so it ends no earlier than that:
-             `cbjax.engine.loop.EngineLoop._launch_virtual`. A tiny model's decode step on a CPU is
+             `cbjax.sim.timeline.Timeline.launch`. A tiny model's decode step on a CPU is
              over before the host is: its share of the wall clock is this host time, and a
              prefill in the next plan lengthens it. With nothing in flight, the first step and
              the first after an idle loop, the step itself starts after its own launch)

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Issue 35's acceptance 1 and 2, in one go, on a quiet machine (run from a fresh clone's root):
+# The simulator's fidelity check, in one go, on a quiet machine (run from a fresh clone's root):
 #   - profiles of the tiny model at 16 and 32 slots and of SmolLM-135M's shape (random weights,
 #     8 slots, 256-token steps), each printing its held-out step-time residual table by regime
-#     (acceptance 2: no regime beyond 5% mean signed error; FAIL lines otherwise);
+#     (a regime beyond 5% mean signed error prints a FAIL line);
 #   - the calibration of the tiny model's acceptance cells at both slot counts, 5 engine runs
-#     each at the profile's machine speed, writing docs/CALIBRATION.md (acceptance 1) with the
-#     three profiles' tables. A calibration that ends with a cell short of them (the machine left
-#     the profile's speed and stayed away) is run again after a new profile, once.
-# Logs and profiles go to $OUT (default outputs/issue35); the document to $DOC (default
-# docs/CALIBRATION.md, whose hand-kept status and guide are kept).
+#     each at the profile's machine speed, writing docs/CALIBRATION.md's tables with the three
+#     profiles' residual tables. A calibration that ends with a cell short of them (the machine
+#     left the profile's speed and stayed away) is run again after a new profile, once.
+# Logs and profiles go to $OUT (default outputs/fidelity); the document to $DOC (default
+# docs/CALIBRATION.md, whose hand-kept guide is kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-outputs/issue35}
+OUT=${OUT:-outputs/fidelity}
 DOC=${DOC:-docs/CALIBRATION.md}
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -32,8 +32,8 @@ for slots in 16 32; do  # each slot count calibrated right after its profile
       if steady "$OUT/profile_tiny_$slots/profile.json"; then break; fi
       echo "profile at $slots slots, attempt $attempt: the machine changed speed while it ran"
     done
-    # 5 runs per cell at the profile's speed: 9 were tried, and this VM seldom held one speed
-    # long enough for them (docs/CALIBRATION.md)
+    # 5 runs per cell at the profile's speed: more need the machine to hold one speed for
+    # longer than a shared VM often does (docs/CALIBRATION.md)
     python experiments/calibrate.py --repeats 5 --profile "$OUT/profile_tiny_$slots/profile.json" \
       --out-dir "$OUT/calibration_$slots" --doc "$OUT/calibration_$slots/CALIBRATION.md" 2>&1 \
       | tee "$OUT/calibration_${slots}_$calibration.log"
