@@ -67,7 +67,7 @@ INSTALLED_AS = {"cbjax.configs": "configs"}
 def code_tokens(text: str) -> set[tuple[str, bool]]:
     """The words of a markdown text's code: (word, inline) for inline code spans and fenced blocks."""
     blocks = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
-    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    spans = re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))  # a span may wrap
     words = {(w, False) for block in blocks for w in block.split()} | {(w, True) for span in spans for w in span.split()}
     return {(w.strip("()[],;:'\""), inline) for w, inline in words}
 

@@ -39,7 +39,7 @@ the native decode pass is charged per group), plus its swap copies:
     drain = min(time, drain_s)  (`drain_s`: the share of a step the pipelined loop collects
              with nothing launched behind it, as the last before an idle loop or a run's end: the
              device's own remainder, which the next launch's host time otherwise hides;
-             `cbjax.engine.loop.EngineLoop._land`)
+             `cbjax.sim.timeline.Timeline.land`)
 
 The step terms are fitted on the grid's steps, which reach long contexts and large prefills;
 the fixed costs (and, when asked, the cold terms) on the iterations the profile serves through
