@@ -4,6 +4,7 @@ formats; the docs list what an experiment arm writes."""
 
 import ast
 import dataclasses
+import functools
 import re
 
 from conftest import REPO
@@ -104,11 +105,27 @@ def module_resolves(dotted: str) -> bool:
     return False
 
 
+@functools.cache
+def class_members() -> dict[str, set[str]]:
+    """Each class cbjax defines, by name: the names its module's source defines (a class name two
+    modules define gets both modules' names)."""
+    members: dict[str, set[str]] = {}
+    for path in (REPO / "cbjax").rglob("*.py"):
+        source = path.read_text()
+        classes = [n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]
+        for name in classes:
+            members.setdefault(name, set()).update(defined_names(source))
+    return members
+
+
+CLASS_MEMBER = re.compile(r"^([A-Z]\w*)\.(\w+)(?:\(|$)")  # `Class.name`, `Class.name()`, `Class.name(arg, ...`
+
+
 def stale_references(text: str) -> list[str]:
-    """The repository paths and `cbjax.` modules a markdown text names that do not exist. A path is
-    a file (by its suffix) or, in inline code, a folder; a fenced block's other words are a
-    command's arguments."""
-    stale = set()
+    """The repository paths, `cbjax.` modules and members of cbjax's classes a markdown text names
+    that do not exist. A path is a file (by its suffix) or, in inline code, a folder; a fenced
+    block's other words are a command's arguments."""
+    stale, members = set(), class_members()
     for token, inline in code_tokens(text):
         if any(c in token for c in "<>*{}$"):
             continue  # a pattern or a placeholder, not a path
@@ -119,6 +136,8 @@ def stale_references(text: str) -> list[str]:
                 stale.add(token)
         elif MODULE_TOKEN.match(token) and not module_resolves(token):
             stale.add(token)
+        elif (m := CLASS_MEMBER.match(token)) and m.group(1) in members and m.group(2) not in members[m.group(1)]:
+            stale.add(token)  # `EngineLoop.cancel`: a class of cbjax's, a name its module lacks
     return sorted(stale)
 
 
@@ -126,11 +145,12 @@ def test_a_doc_naming_a_missing_path_or_module_is_caught():
     text = (
         "Run `python experiments/no_such_script.py`, read `cbjax/core/plan.py` and `runtime/nope.py`;\n"
         "```bash\nbash experiments/gone.sh --tokenizer cbjax/byte\n```\n"
-        "`cbjax.engine.loop.EngineLoop`, `cbjax.engine.loop.NoSuchThing`, `cbjax.nowhere`, `cbjax.configs`."
+        "`cbjax.engine.loop.EngineLoop`, `cbjax.engine.loop.NoSuchThing`, `cbjax.nowhere`, `cbjax.configs`,\n"
+        "`EngineLoop.step`, `EngineLoop.no_such_method`, `OtherProject.anything`."
     )
     assert stale_references(text) == [
-        "cbjax.engine.loop.NoSuchThing", "cbjax.nowhere", "experiments/gone.sh", "experiments/no_such_script.py",
-        "runtime/nope.py",
+        "EngineLoop.no_such_method", "cbjax.engine.loop.NoSuchThing", "cbjax.nowhere", "experiments/gone.sh",
+        "experiments/no_such_script.py", "runtime/nope.py",
     ]  # fmt: skip
 
 
