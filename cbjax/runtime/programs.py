@@ -26,12 +26,12 @@ SUBDIR = "cbjax-programs"
 
 
 # cbjax code that never runs inside the jitted step: the host-side scheduler, simulator,
-# profiler, workloads, page allocator, predictor and the run/report plumbing. Editing it (a
+# profiler, workloads, page allocator, predictor, the core contract, the loop, the clusters,
+# the server, the bench client and the run/report plumbing. Editing it (a
 # scheduling policy, say) keeps the stored programs. Everything else counts, new files too.
 HOST_ONLY = frozenset({
-    "scheduler", "sim", "profile", "workload", "cache", "predictor",
-    "cli.py", "engine.py", "executor.py", "hydra_job.py", "metrics.py", "outputs.py", "plan.py", "plots.py",
-    "report.py", "reproduction.py", "request.py", "run.py", "service.py", "sweep.py", "tracking.py", "config_merge.py",
+    "scheduler", "sim", "profile", "workload", "cache", "predictor", "core", "engine", "app", "report", "cluster",
+    "serve", "bench",
 })  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
 
