@@ -24,8 +24,10 @@ def members(protocol) -> set[str]:
 
 
 class Strict:
-    """Forwards only `protocol`'s members to `inner`; any other attribute fails loudly. Calls
-    the view as a policy makes it pass through the same check."""
+    """Forwards only `protocol`'s members to `inner`; any other attribute fails loudly, and is
+    recorded in `seen` as ("refused", name), so a probe that swallows the error (`getattr` with
+    a default, `hasattr`) shows too. Calls the view as a policy makes it pass through the same
+    check."""
 
     def __init__(self, inner, protocol, seen: set):
         object.__setattr__(self, "_inner", inner)
@@ -34,6 +36,7 @@ class Strict:
 
     def __getattr__(self, name):
         if name not in self._allowed:
+            self._seen.add(("refused", name))
             raise AttributeError(f"{name!r} is outside the contract")
         self._seen.add(name)
         value = getattr(self._inner, name)
@@ -62,9 +65,11 @@ class Strict:
 def test_strict_proxy_refuses_what_the_protocol_does_not_declare():
     import pytest
 
-    ex = Strict(object(), Executor, set())
+    seen: set = set()
+    ex = Strict(object(), Executor, seen)
     with pytest.raises(AttributeError, match="'packer' is outside the contract"):
         ex.packer  # noqa: B018
+    assert getattr(ex, "remote", False) is False and ("refused", "remote") in seen  # a quiet probe shows
 
 
 def test_the_engine_serves_through_the_executor_and_policy_protocols_alone():
@@ -90,3 +95,4 @@ def test_the_engine_serves_through_the_executor_and_policy_protocols_alone():
     assert strict == direct and all(len(t) == r.sampling.max_tokens for r, t in zip(reqs, direct.values()))
     # the pipelined path ran, and the policy was consulted through its contract
     assert {"launch", "collect", "push", "pop", "on_step"} <= seen
+    assert not [name for name in seen if isinstance(name, tuple)], seen  # nothing outside the contracts asked for
