@@ -1,11 +1,17 @@
 """Subprocess body of tests/test_cluster_engine.py: serve tp_engine's workload on a single
-engine replica and on engine clusters (colocated replicas, P/D pools) in one process, and
-print each run's tokens and counters as JSON.
+engine replica and on engine clusters (colocated replicas, P/D pools), and print each run's
+tokens and counters as JSON.
+
+Usage: cluster_engine.py [--cache=DIR] RUN...; a run is "single" or a LAYOUTS key, with its
+replicas' executors in child processes (`cluster.backend=processes`), or prefixed "inline_"
+(all in this process), "ray_" (local Ray actors), "stop_" (child processes, stopped after a
+few driver turns). DIR: the executors' persistent compilation cache (shared by the runs' processes).
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (set before jax starts).
 """
 
 import json
+import os
 import sys
 
 from cbjax.config import ClusterConfig, ExecutorConfig, MeshConfig, RunConfig
@@ -13,6 +19,8 @@ from cbjax.engine.offline import serve
 from cbjax.app.run import build_executor, cluster_executors
 from cbjax.scheduler import Scheduler
 from tp_engine import BUCKETS, CACHE, MODEL, SCHED, workload
+
+CACHE_DIR = None  # --cache=DIR
 
 LAYOUTS = {  # name -> the cluster group and executor.mesh.tensor of the run
     "2x1": (dict(replicas=2), 1),
@@ -22,11 +30,10 @@ LAYOUTS = {  # name -> the cluster group and executor.mesh.tensor of the run
 }
 
 
-def config(cluster: dict, tensor: int) -> RunConfig:
-    executor = ExecutorConfig(name="jax", token_buckets=BUCKETS, mesh=MeshConfig(tensor), compilation_cache_dir=None)
-    return RunConfig(
-        model=MODEL, scheduler=SCHED, cache=CACHE, executor=executor, cluster=ClusterConfig(**cluster), progress=False
-    )
+def config(cluster: dict, tensor: int, backend: str = "processes") -> RunConfig:
+    executor = ExecutorConfig(name="jax", token_buckets=BUCKETS, mesh=MeshConfig(tensor), compilation_cache_dir=CACHE_DIR)
+    cluster = ClusterConfig(backend=backend, **cluster)
+    return RunConfig(model=MODEL, scheduler=SCHED, cache=CACHE, executor=executor, cluster=cluster, progress=False)
 
 
 def single() -> dict:
@@ -51,27 +58,34 @@ class StopAfter:
 
 
 def cluster(name: str) -> dict:
-    """name: a LAYOUTS key; "ray_" + one: its replicas' executors in local Ray actors;
-    "stop_" + one: stopped after a few driver turns."""
+    """name: a LAYOUTS key, prefixed as the module's docstring says."""
     from cbjax.cluster.engine import ClusterEngine
 
-    on_ray = name.startswith("ray_")
-    stop = StopAfter(6) if name.startswith("stop_") else None
-    cfg = config(*LAYOUTS[name.removeprefix("ray_").removeprefix("stop_")])
-    if not on_ray:
-        return report(ClusterEngine(cfg, cluster_executors(cfg)), on_ray, stop)
-    from cbjax.cluster.ray_actors import RayReplicas
+    backend, _, layout = name.partition("_") if name.startswith(("inline_", "ray_", "stop_")) else ("processes", "", name)
+    stop = StopAfter(6) if backend == "stop" else None
+    backend = "processes" if backend == "stop" else backend
+    cfg = config(*LAYOUTS[layout], backend=backend)
+    if backend == "inline":
+        return report(ClusterEngine(cfg, cluster_executors(cfg)), stop)
+    if backend == "ray":
+        from cbjax.cluster.ray_actors import RayReplicas
 
-    replicas = RayReplicas(build_executor, num_cpus=2)
+        replicas = RayReplicas(build_executor, num_cpus=2)
+    else:
+        from cbjax.cluster.processes import ProcessReplicas
+
+        replicas = ProcessReplicas(build_executor, cfg)
     try:
-        return report(ClusterEngine(cfg, replicas), on_ray)
+        return report(ClusterEngine(cfg, replicas), stop)
     finally:
         replicas.shutdown()
 
 
-def report(engine, on_ray: bool, stop=None) -> dict:
+def report(engine, stop=None) -> dict:
     result = engine.serve(workload(), stop=stop)
+    inline = engine.cfg.cluster.backend == "inline"
     metrics = [r.executor.metrics() for r in engine.replicas]
+    summary = engine.summary_fields(result)
     return {
         "tokens": {r.request_id: r.output_token_ids for r in result.requests},
         "fates": sorted({r.finish_reason.value for r in result.requests}),
@@ -79,22 +93,22 @@ def report(engine, on_ray: bool, stop=None) -> dict:
         "interrupted": result.interrupted,
         # every page back in its pool: a prefill's held pages were released after their copy
         "pages_leaked": [r.scheduler.allocator.num_usable_pages - r.scheduler.allocator.num_free_pages for r in engine.replicas],
-        "summary_compiles_after_warmup": engine.summary_fields(result)["compiles_after_warmup"],
+        "summary_compiles_after_warmup": summary["compiles_after_warmup"],
+        "replica_failure": summary["replica_failure"],
         "rows": {r.request_id: engine.row_extras(r) for r in result.requests},
         "compiles_after_warmup": [m["compiles_after_warmup"] for m in metrics],
-        # each replica's devices, from where its KV cache lives (in this process)
-        "devices": None if on_ray else [sorted(d.id for d in r.executor.cache.k.sharding.device_set) for r in engine.replicas],
-        "pids": [ray_pid(r.executor) for r in engine.replicas] if on_ray else None,
+        "mesh_tensor": [m["mesh_tensor"] for m in metrics],
+        # inline: each replica's devices, from where its KV cache lives
+        "devices": [sorted(d.id for d in r.executor.cache.k.sharding.device_set) for r in engine.replicas] if inline else None,
+        "pids": None if inline else [r.executor.pid for r in engine.replicas],
+        "driver_pid": os.getpid(),
         "requests": [r.num_routed for r in engine.replicas],
-        "kv_transfers": engine.summary_fields(result)["kv_transfers"],
+        "kv_transfers": summary["kv_transfers"],
     }
 
 
-def ray_pid(executor) -> int:
-    import ray
-
-    return ray.get(executor.actor.pid.remote())
-
-
 if __name__ == "__main__":
-    print(json.dumps({name: single() if name == "single" else cluster(name) for name in sys.argv[1:]}))
+    runs = sys.argv[1:]
+    if runs and runs[0].startswith("--cache="):
+        CACHE_DIR = runs.pop(0).removeprefix("--cache=")
+    print(json.dumps({name: single() if name == "single" else cluster(name) for name in runs}))

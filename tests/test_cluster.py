@@ -193,8 +193,13 @@ def test_cluster_config_errors_name_the_key():
         ClusterConfig(replicas=2, decode_tensor=2)
     with pytest.raises(ValueError, match=r"cluster\.kv_link_gbps must be > 0"):
         ClusterConfig(kv_link_gbps=0)
-    with pytest.raises(ValueError, match=r"cluster\.backend: unknown value 'mpi'"):
+    with pytest.raises(ValueError, match=r"cluster\.backend: unknown value 'mpi'; choose one of processes, inline, ray"):
         ClusterConfig(backend="mpi")
+    with pytest.raises(ValueError, match=r"cluster\.backend=ray: Ray actors hold engine replicas \(executor=jax\)"):
+        ClusterSim(config(replicas=2, backend="ray"), build_executor)
+    assert ClusterConfig().backend == "processes"  # the simulator takes the default, and inline
+    for backend in ("processes", "inline"):
+        ClusterSim(config(replicas=2, backend=backend), build_executor)
     with pytest.raises(ValueError, match=r"cluster\.decode_hardware: unknown hardware 'b300'"):
         ClusterSim(config(prefill_replicas=1, decode_replicas=1, decode_hardware="b300"), build_executor)
     with pytest.raises(ValueError, match=r"executor\.name=jax: ClusterSim runs the simulator \(executor=sim\)"):

@@ -1,12 +1,15 @@
-"""Engine clusters in one process on disjoint forced CPU devices: 2 replicas x TP 1, 2 x TP 2,
-and P/D (1 prefill + 1 decode, prefill TP 2 into decode TP 1) give a single replica's greedy
-tokens with 0 compiles after warmup; the CLI writes each request's replica.
+"""Engine clusters on forced CPU devices, each replica's executor in a child process of its own
+(`cluster.backend=processes`, the default): 2 replicas x TP 1, and P/D (a TP 2 prefill child
+feeding a TP 1 decode child, the K/V through the driver) give a single replica's greedy tokens
+with 0 compiles after warmup; so does P/D with every replica in one process
+(`cluster.backend=inline`, on disjoint devices of that process); the CLI writes each
+request's replica. The contract, device and failure checks of replica processes run on a
+stand-in executor in tests/test_replica_processes.py.
 
 Forced CPU devices need XLA_FLAGS before jax starts, so the engine runs in subprocesses.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,14 +29,18 @@ def _env(env_cpu, devices):
     return env
 
 
-def test_engine_clusters_give_the_single_replica_tokens_with_no_compiles_after_warmup(env_cpu):
-    layouts = ["2x1", "2x2", "pd_1_1", "pd_2_1"]
+def _runs(env_cpu, cache_dir, *names) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(HERE / "cluster_engine.py"), "single", *layouts, "stop_pd_1_1"],
+        [sys.executable, str(HERE / "cluster_engine.py"), f"--cache={cache_dir}", *names],
         env=_env(env_cpu, 8), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(proc.stdout.splitlines()[-1])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_engine_clusters_give_the_single_replica_tokens_with_no_compiles_after_warmup(env_cpu, tmp_path):
+    layouts = ["2x1", "pd_2_1", "inline_pd_2_1"]
+    runs = _runs(env_cpu, tmp_path, "single", *layouts, "stop_pd_2_1")
     single = runs["single"]["tokens"]
     assert len(single) == 6 and all(len(t) >= 4 for t in single.values())
     for name in layouts:
@@ -42,19 +49,21 @@ def test_engine_clusters_give_the_single_replica_tokens_with_no_compiles_after_w
         assert run["fates"] == ["length"] and run["compiles_after_warmup"] == [0, 0], name
         assert run["summary_compiles_after_warmup"] == 0 and not run["interrupted"], name
         assert run["pages_leaked"] == [0, 0], name  # a prefill's held pages were released after the copy
-    # each replica on its own devices, TP inside it
-    assert runs["2x1"]["devices"] == [[0], [1]] and runs["2x2"]["devices"] == [[0, 1], [2, 3]]
-    assert runs["pd_2_1"]["devices"] == [[0, 1], [2]]
-    for name in ("2x1", "2x2"):  # round robin: both replicas served
-        assert runs[name]["requests"] == [3, 3]
-        assert {row["replica"] for row in runs[name]["rows"].values()} == {0, 1}
-    for name in ("pd_1_1", "pd_2_1"):  # every request prefilled on 0, its K/V moved, decoded on 1
+        assert run["replica_failure"] is None, name
+    for name in ("2x1", "pd_2_1", "stop_pd_2_1"):  # a process per replica, not the driver's
+        pids = runs[name]["pids"]
+        assert len(set(pids)) == 2 and runs[name]["driver_pid"] not in pids, name
+    assert runs["pd_2_1"]["mesh_tensor"] == runs["inline_pd_2_1"]["mesh_tensor"] == [2, 1]
+    assert runs["inline_pd_2_1"]["devices"] == [[0, 1], [2]]  # inline: disjoint devices of one process
+    assert runs["2x1"]["requests"] == [3, 3]  # round robin: both replicas served
+    assert {row["replica"] for row in runs["2x1"]["rows"].values()} == {0, 1}
+    for name in ("pd_2_1", "inline_pd_2_1"):  # every request prefilled on 0, its K/V moved, decoded on 1
         assert runs[name]["kv_transfers"] == 6
         for row in runs[name]["rows"].values():
             assert (row["prefill_replica"], row["decode_replica"]) == (0, 1) and row["kv_transfer_s"] > 0
-    stopped = runs["stop_pd_1_1"]  # stopped mid-run: each request ends once, no page stays held
+    stopped = runs["stop_pd_2_1"]  # stopped mid-run: each request ends once, no page stays held
     assert stopped["interrupted"] and set(stopped["fates"]) == {"aborted", "length"}
-    assert stopped["pages_leaked"] == [0, 0]
+    assert stopped["pages_leaked"] == [0, 0] and stopped["replica_failure"] is None
     for rid, tokens in stopped["tokens"].items():
         assert tokens == single[rid][: len(tokens)], rid
         assert (tokens == single[rid]) == (stopped["fate"][rid] == "length"), rid
@@ -76,6 +85,7 @@ def test_cli_runs_an_engine_cluster_and_writes_each_requests_replica(tmp_path, e
     assert [r["replica"] for r in summary["replicas"]] == [0, 1] and summary["num_finished"] == 6
     assert [r["requests"] for r in summary["replicas"]] == [3, 3]
     assert summary["executor"] == "jax" and summary["compiles_after_warmup"] == 0
+    assert summary["interrupted"] is False and summary["replica_failure"] is None
 
 
 def test_too_few_devices_fail_naming_the_keys(monkeypatch):
@@ -86,21 +96,16 @@ def test_too_few_devices_fail_naming_the_keys(monkeypatch):
 
 
 @pytest.mark.slow
-def test_ray_replica_actors_give_the_in_process_replicas_tokens(env_cpu):
+def test_ray_replica_actors_give_the_replica_processes_tokens(env_cpu, tmp_path):
     """A local Ray cluster (2 CPUs, no dashboard): 2 replica actors, each its own process, and
     P/D with a prefill TP 2 actor whose K/V moves actor to actor into a TP 1 decode actor."""
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "cluster_engine.py"), "2x1", "ray_2x1", "ray_pd_2_1"],
-        env=_env(env_cpu, 8), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(proc.stdout.splitlines()[-1])
+    runs = _runs(env_cpu, tmp_path, "2x1", "ray_2x1", "ray_pd_2_1")
     local, ray_run, ray_pd = runs["2x1"], runs["ray_2x1"], runs["ray_pd_2_1"]
     assert len(local["tokens"]) == 6
     assert ray_run["tokens"] == local["tokens"] and ray_pd["tokens"] == local["tokens"]
     assert ray_run["rows"] == local["rows"]  # the same routing
     for run in (ray_run, ray_pd):
         assert run["fates"] == ["length"] and run["compiles_after_warmup"] == [0, 0]
-        assert len(set(run["pids"])) == 2 and os.getpid() not in run["pids"]  # one process per actor
+        assert len(set(run["pids"])) == 2 and run["driver_pid"] not in run["pids"]  # one process per actor
         assert run["pages_leaked"] == [0, 0] and run["summary_compiles_after_warmup"] == 0
     assert ray_pd["kv_transfers"] == 6

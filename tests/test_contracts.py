@@ -25,8 +25,10 @@ def members(protocol) -> set[str]:
 
 
 class Strict:
-    """Forwards only `protocol`'s members to `inner`; any other attribute fails loudly. Calls
-    the view as a policy makes it pass through the same check."""
+    """Forwards only `protocol`'s members to `inner`; any other attribute fails loudly, and is
+    recorded in `seen` as ("refused", name), so a probe that swallows the error (`getattr` with
+    a default, `hasattr`) shows too. Calls the view as a policy makes it pass through the same
+    check."""
 
     def __init__(self, inner, protocol, seen: set):
         object.__setattr__(self, "_inner", inner)
@@ -35,6 +37,7 @@ class Strict:
 
     def __getattr__(self, name):
         if name not in self._allowed:
+            self._seen.add(("refused", name))
             raise AttributeError(f"{name!r} is outside the contract")
         self._seen.add(name)
         value = getattr(self._inner, name)
@@ -63,9 +66,11 @@ class Strict:
 def test_strict_proxy_refuses_what_the_protocol_does_not_declare():
     import pytest
 
-    ex = Strict(object(), Executor, set())
+    seen: set = set()
+    ex = Strict(object(), Executor, seen)
     with pytest.raises(AttributeError, match="'packer' is outside the contract"):
         ex.packer  # noqa: B018
+    assert getattr(ex, "remote", False) is False and ("refused", "remote") in seen  # a quiet probe shows
 
 
 def test_the_engine_serves_through_the_executor_and_policy_protocols_alone():
@@ -91,6 +96,7 @@ def test_the_engine_serves_through_the_executor_and_policy_protocols_alone():
     assert strict == direct and all(len(t) == r.sampling.max_tokens for r, t in zip(reqs, direct.values()))
     # the pipelined path ran, and the policy was consulted through its contract
     assert {"launch", "collect", "push", "pop", "on_step"} <= seen
+    assert not [name for name in seen if isinstance(name, tuple)], seen  # nothing outside the contracts asked for
 
 
 def test_the_simulator_and_its_cluster_run_through_the_executor_protocol_alone(tmp_path):

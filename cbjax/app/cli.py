@@ -43,6 +43,7 @@ STOP = StopFlag()  # set by SIGINT/SIGTERM while the app runs
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _app(cfg: DictConfig) -> Optional[float]:
     from cbjax.app.run import run_experiment
+    from cbjax.cluster.remote import ReplicaFailed
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -60,6 +61,9 @@ def _app(cfg: DictConfig) -> Optional[float]:
         _to_stderr(f"cbjax: error: {err}")
         sys.exit(2)
     except OSError as err:  # the outputs could not be written (OutputError names the file); the summary was shown
+        _to_stderr(f"cbjax: error: {err}")
+        sys.exit(1)
+    except ReplicaFailed as err:  # an engine cluster's replica failed; a run it ended wrote every request's row
         _to_stderr(f"cbjax: error: {err}")
         sys.exit(1)
     if STOP.is_set():

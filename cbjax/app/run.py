@@ -144,7 +144,8 @@ def run_cluster(
     """`run_single` for a cluster (`cbjax.cluster`): the same three files, each row with its
     replica(s) and KV transfer time, summary.json with the `replicas` list. The simulator's
     cluster runs on a virtual clock (`ClusterSim`), the engine's on the wall clock
-    (`ClusterEngine`), its replicas in this process or, `cluster.backend=ray`, in Ray actors."""
+    (`ClusterEngine`), its replicas' executors each in a process of its own (`cluster.backend`).
+    A replica that failed ends the run: the files are written, then its error is raised."""
     cfg = resolve_model(cfg)  # each pool sizes its own KV pool
     requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
@@ -157,7 +158,7 @@ def run_cluster(
     try:
         return _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop)
     finally:
-        shutdown()  # Ray actors (and Ray, if the run started it) end with the run, whatever happens
+        shutdown()  # replica processes, Ray actors (and Ray, if the run started it) end with the run
 
 
 def _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop) -> dict[str, Any]:
@@ -181,25 +182,35 @@ def _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop) ->
     )  # fmt: skip
     if live is not None:
         live.close()
+    if cluster.failure is not None:
+        raise cluster.failure
     return summary
 
 
 def build_cluster(cfg: RunConfig):
-    """The cluster driver for `cfg` (simulated, or engine replicas on disjoint devices: in this
-    process, or in Ray actors with `cluster.backend=ray`), and the call that tears it down."""
+    """The cluster driver for `cfg` and the call that tears it down: simulated, or engine
+    replicas on disjoint devices, each in a child process (`cluster.backend=processes`), in a
+    Ray actor (`ray`) or all in this process (`inline`)."""
     if cfg.executor.name != "jax":
         from cbjax.cluster import ClusterSim
 
         return ClusterSim(cfg, build_executor), lambda: None
-    from cbjax.cluster.engine import ClusterEngine
+    from cbjax.cluster.engine import ClusterEngine, check_engine_supported
 
-    if cfg.cluster.backend != "ray":
+    check_engine_supported(cfg)  # before any replica starts
+    backend = cfg.cluster.backend
+    if backend == "inline":
         return ClusterEngine(cfg, cluster_executors(cfg)), lambda: None
-    try:
-        from cbjax.cluster.ray_actors import RayReplicas
-    except ModuleNotFoundError as err:
-        raise ValueError(f"cluster.backend=ray needs Ray: pip install 'cbjax[ray]' ({err})") from None
-    replicas = RayReplicas(build_executor)
+    if backend == "processes":
+        from cbjax.cluster.processes import ProcessReplicas
+
+        replicas = ProcessReplicas(build_executor, cfg)
+    else:
+        try:
+            from cbjax.cluster.ray_actors import RayReplicas
+        except ModuleNotFoundError as err:
+            raise ValueError(f"cluster.backend=ray needs Ray: pip install 'cbjax[ray]' ({err})") from None
+        replicas = RayReplicas(build_executor)
     try:
         return ClusterEngine(cfg, replicas), replicas.shutdown
     except BaseException:
@@ -208,7 +219,8 @@ def build_cluster(cfg: RunConfig):
 
 
 def cluster_executors(cfg: RunConfig):
-    """`make_executor` for an engine cluster: replica i's executor on its own devices
+    """`make_executor` for an engine cluster in this process (`cluster.backend=inline`):
+    replica i's executor on its own devices of this process's
     (`cbjax.runtime.mesh.replica_devices`), built in replica order."""
     from cbjax.cluster.pools import replica_configs
     from cbjax.runtime.mesh import replica_devices

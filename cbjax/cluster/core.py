@@ -86,6 +86,9 @@ class ClusterBase:
         self._proxies: dict[Request, tuple[Request, RouteRequest, Replica]] = {}  # prefill copy -> request, route, replica
         self._on_finish: Optional[Callable[[Request], None]] = None
         self._stopping = False
+        # The error that ended the run early (a replica's executor failed), raised by the
+        # caller once the outputs are written; None when the run ended by itself or by `stop`.
+        self.failure: Optional[Exception] = None
 
     # ---- routing ----
     def _admit(self, req: Request, t: float) -> Replica:

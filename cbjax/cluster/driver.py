@@ -110,17 +110,18 @@ class ClusterSim(ClusterBase):
 
 
 def check_supported(cfg: RunConfig) -> None:
-    """What this driver runs: the simulator's virtual clock, in one process."""
+    """What this driver runs: the simulator's virtual clock, in one process (`cluster.backend`
+    processes or inline: the simulated replicas are host objects, with no devices to own)."""
     c = cfg.cluster
     if cfg.executor.name != "sim":
         raise ValueError(
             f"executor.name={cfg.executor.name}: ClusterSim runs the simulator (executor=sim); an engine "
             "cluster runs in cbjax.cluster.engine.ClusterEngine"
         )
-    if c.backend != "local":
+    if c.backend == "ray":
         raise ValueError(
-            f"cluster.backend={c.backend}: Ray actors run engine replicas (executor=jax); the simulated "
-            "cluster runs in one process, use cluster.backend=local"
+            "cluster.backend=ray: Ray actors hold engine replicas (executor=jax); the simulated cluster "
+            "runs in this process, use cluster.backend=processes (the default) or inline"
         )
     if cfg.executor.pace != "none":
         raise ValueError(f"executor.pace={cfg.executor.pace}: a cluster runs on the virtual clock only (pace none)")

@@ -1,26 +1,36 @@
-"""The cluster on the real engine: replicas in one process, each on its own devices, on the
-wall clock (no jax here: the executors hold the devices).
+"""The cluster on the real engine: replicas on the wall clock, each on its own devices (no jax
+here: the executors hold the devices).
 
-One driver thread runs the router and every replica's `EngineLoop`: each turn it admits the
-arrivals due by now, then steps every replica with work once. A pipelined executor
-(`executor.async_scheduling`) launches its next step before it reads the previous one's
-tokens, so while the driver waits on one replica's tokens the others' steps run on their own
-devices (jax dispatches asynchronously).
+Where the executors run is `cluster.backend`'s choice: each in a child process of its own
+(`processes`, `cbjax.cluster.processes`), in Ray actors (`ray`), or all in this process
+(`inline`). The router, every replica's scheduler and `EngineLoop`, and this driver stay in
+this process, on one thread: each turn it admits the arrivals due by now, then steps every
+replica with work once. A pipelined executor (`executor.async_scheduling`) launches its next
+step before it reads the previous one's tokens, so while the driver waits on one replica's
+tokens the others' steps run on their own devices.
 
 Prefill/decode disaggregation: a prefill replica keeps a finished prefill's pages
 (`Scheduler.hold_finished_pages`) until the driver has copied their K/V to host memory
-(`JaxExecutor.export_kv`); the copy is whole whatever the prefill mesh, so it enters the
-decode replica's cache (`import_kv`, then the scheduler's swap-in) resharded for that mesh.
-A request's `kv_transfer_s` is the measured copy time.
+(`export_kv`); the copy is whole whatever the prefill mesh, so it enters the decode replica's
+cache (`import_kv`, then the scheduler's swap-in) resharded for that mesh. A request's
+`kv_transfer_s` is the measured copy time.
+
+A replica that fails (`ReplicaFailed`: a step raised, its process died) ends the run, as a
+dead engine core ends vLLM's: its requests end with fate `error` and the failure as their
+error, the other replicas' unfinished ones are aborted, those not arrived end `not_arrived`,
+and `failure` holds the one-line error for the caller to raise once the outputs are written.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from cbjax.cluster.core import ClusterBase
+from cbjax.cluster.remote import ReplicaFailed
+from cbjax.cluster.replica import Replica
 from cbjax.config import RunConfig
 from cbjax.core.results import RunResult
 from cbjax.core.stop import StopFlag
@@ -34,8 +44,10 @@ class ClusterEngine(ClusterBase):
     holds_prefill_pages = True
 
     def __init__(self, cfg: RunConfig, make_executor: Callable[[RunConfig], Any], clock: Callable[[], float] = time.perf_counter):
-        """`make_executor(replica_cfg)` builds each replica's engine executor on its own devices,
-        in replica order (`cbjax.app.run.cluster_executors`)."""
+        """`make_executor(replica_cfg)` gives each replica's engine executor on its own devices,
+        in replica order: a proxy of one in a child process (`cbjax.cluster.processes.ProcessReplicas`)
+        or a Ray actor (`cbjax.cluster.ray_actors.RayReplicas`), or one built in this process
+        (`cbjax.app.run.cluster_executors`, `cluster.backend=inline`)."""
         check_engine_supported(cfg)
         super().__init__(cfg, make_executor)
         self._clock = clock
@@ -44,12 +56,26 @@ class ClusterEngine(ClusterBase):
     def now(self) -> float:
         return self._clock() - self._t0
 
+    @property
+    def inline(self) -> bool:
+        """Every replica in this process (`cluster.backend=inline`): one compile count for all."""
+        return self.cfg.cluster.backend == "inline"
+
     def warmup(self, sampling: bool) -> float:
-        """Compile every replica's programs; compiles after warmup count from the last one."""
+        """Compile every replica's programs (side by side where each has a process of its
+        own); compiles after warmup count from the last one."""
         t0 = time.perf_counter()
         kv_transfer = self.cfg.cluster.disaggregated  # K/V copies out of prefill and into decode replicas
-        for replica in self.replicas:
+
+        def warm(replica: Replica) -> None:
             replica.executor.warmup(sampling=sampling, kv_transfer=kv_transfer)
+
+        if self.inline:
+            for replica in self.replicas:
+                warm(replica)
+        else:
+            with ThreadPoolExecutor(max_workers=len(self.replicas)) as pool:
+                list(pool.map(warm, self.replicas))
         for replica in self.replicas:
             replica.executor.restart_compile_count()
         return time.perf_counter() - t0
@@ -63,7 +89,15 @@ class ClusterEngine(ClusterBase):
         if h is not None:
             t0 = self._clock()
             pages = src.scheduler.held_pages(proxy.request_id)[: h.pages]
-            h.dst.executor.import_kv(h.req.request_id, src.executor.export_kv(pages))
+            try:
+                h.dst.executor.import_kv(h.req.request_id, src.executor.export_kv(pages))
+            except ReplicaFailed as err:  # the run stops at the next turn (`_Halt`)
+                self.failure = self.failure or err
+                src.scheduler.release_held(proxy.request_id)
+                h.dst.num_incoming -= 1
+                h.dst.incoming_pages -= h.pages
+                self._end(h.req, FinishReason.ERROR, self.now(), error=str(err))
+                return
             self._record_transfer(h, self._clock() - t0)
         src.scheduler.release_held(proxy.request_id)
         if h is not None:
@@ -80,37 +114,71 @@ class ClusterEngine(ClusterBase):
         """Warm every replica up, then serve `requests` (any order), each at its `arrival_s` on
         the wall clock; every request ends with a fate (as `cbjax.engine.offline.serve`)."""
         self._on_finish = on_finish
-        warmup_s = self.warmup(any(r.sampling.temperature > 0 for r in requests))
-        self._t0 = self._clock()
-        for replica in self.replicas:
-            replica.loop.clock.restart(self._t0)
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-        loops = [replica.loop for replica in self.replicas]
-        interrupted = drive(loops, pending, lambda req, t: self._admit(req, t).loop, stop=stop)
+        warmup_s, interrupted = 0.0, False
+        try:
+            warmup_s = self.warmup(any(r.sampling.temperature > 0 for r in requests))
+            self._t0 = self._clock()
+            for replica in self.replicas:
+                replica.loop.clock.restart(self._t0)
+            loops = [replica.loop for replica in self.replicas]
+            interrupted = drive(loops, pending, lambda req, t: self._admit(req, t).loop, stop=_Halt(self, stop))
+        except ReplicaFailed as err:
+            self.failure = self.failure or err
+        interrupted = interrupted or self.failure is not None
         self._stopping = True
         for replica in self.replicas:
-            replica.loop.abort_all()
+            self._end_replica(replica)
         for req in pending:
             self._end(req, FinishReason.NOT_ARRIVED, None)
         for replica in self.replicas:
-            replica.executor.close()
+            try:
+                replica.executor.close()
+            except ReplicaFailed as err:
+                self.failure = self.failure or err
         return self._result(list(requests), interrupted, self.now(), warmup_s)
 
+    def _end_replica(self, replica: Replica) -> None:
+        """End what is unfinished on `replica`: aborted (after a failure elsewhere, with it as
+        the reason), or, on a failed replica (the one that failed, or one that fails as its
+        step in flight lands), fate `error`."""
+        if self.failure is None or self.failure.replica != replica.index:
+            try:
+                replica.loop.abort_all(error=None if self.failure is None else f"run stopped: {self.failure}")
+                return
+            except ReplicaFailed as err:  # its step in flight did not land
+                self.failure = self.failure or err
+                failure = err
+        else:
+            failure = self.failure
+        replica.loop.fail_all(str(failure))
 
     def summary_fields(self, result: RunResult) -> dict[str, Any]:
-        """`ClusterBase.summary_fields`, and compiles after warmup over the whole cluster:
-        replicas in this process share one count, a remote replica (a Ray actor) has its own."""
+        """`ClusterBase.summary_fields`; compiles after warmup over the whole cluster (summed
+        over the replicas' processes; `inline`, the one process's count; None if a replica's
+        is unknown, as a failed one's); `replica_failure`, the error that ended the run."""
         out = super().summary_fields(result)
-        local, remote = [], []
-        for replica in self.replicas:
-            count = replica.executor.metrics()["compiles_after_warmup"]
-            (remote if getattr(replica.executor, "remote", False) else local).append(count)
-        out["compiles_after_warmup"] = max(local, default=0) + sum(remote)
+        counts = [replica.executor.metrics()["compiles_after_warmup"] for replica in self.replicas]
+        if None in counts:
+            out["compiles_after_warmup"] = None
+        else:
+            out["compiles_after_warmup"] = max(counts) if self.inline else sum(counts)
+        out["replica_failure"] = None if self.failure is None else str(self.failure)
         return out
 
 
+class _Halt:
+    """The drive loop's stop flag: `stop`'s, or a replica failed between steps (a K/V copy)."""
+
+    def __init__(self, cluster: ClusterEngine, stop: Optional[StopFlag]):
+        self.cluster, self.stop = cluster, stop
+
+    def is_set(self) -> bool:
+        return self.cluster.failure is not None or (self.stop is not None and self.stop.is_set())
+
+
 def check_engine_supported(cfg: RunConfig) -> None:
-    """What this driver runs: engine replicas on the wall clock, in one process."""
+    """What this driver runs: engine replicas on one host's devices, on the wall clock."""
     if cfg.executor.name != "jax":
         raise ValueError(f"executor.name={cfg.executor.name}: ClusterEngine runs the engine; use executor=jax")
     if cfg.distributed.enabled:

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from cbjax.config.checks import _one_of, _require
 
 ROUTERS = ("round_robin", "least_loaded", "least_kv", "prefix_affinity", "power_of_two")
-BACKENDS = ("local", "ray")
+BACKENDS = ("processes", "inline", "ray")
 
 
 @dataclass
@@ -27,8 +27,11 @@ class ClusterConfig:
     # subclass importable from the working directory or PYTHONPATH), built with router_args.
     router: str = "round_robin"
     router_args: dict[str, Any] = field(default_factory=dict)
-    # local: every replica in this process. ray: one Ray actor per replica.
-    backend: str = "local"
+    # Where an engine cluster's (executor=jax) executors run. processes: each replica's in a
+    # child process of its own, on its own devices. inline: all in this process (one debugger
+    # and profiler see every replica). ray: one Ray actor per replica, on any host of a Ray
+    # cluster. The simulated cluster runs in this process under processes and inline.
+    backend: str = "processes"
     # Prefill/decode disaggregation: both 0 (colocated) or both >= 1.
     prefill_replicas: int = 0
     decode_replicas: int = 0

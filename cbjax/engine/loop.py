@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 from cbjax.core.executor import Executor
 from cbjax.core.plan import Schedule
-from cbjax.core.request import Request
+from cbjax.core.request import FinishReason, Request
 from cbjax.core.results import LoadCounts, RunResult
 from cbjax.engine.clock import make_clock
 from cbjax.engine.intake import Intake
@@ -200,20 +200,30 @@ class EngineLoop:
             self._land()
         self.boundary()
 
-    def abort_all(self, pending: Optional[list[Request]] = None) -> None:
-        """End everything unfinished (aborted); `pending` requests that had not arrived end as
-        `not_arrived`, with no finish time."""
+    def abort_all(self, pending: Optional[list[Request]] = None, error: Optional[str] = None) -> None:
+        """End everything unfinished (aborted, with `error` as its reason if given); `pending`
+        requests that had not arrived end as `not_arrived`, with no finish time."""
         if self._inflight is not None:
             self._land()
-        now = max(self.clock.now(), self.clock.stamp())  # paced: past every arrival stamped so far
-        while self.intake.inbox:
-            self.add(self.intake.inbox.popleft(), now)
-        if self.scheduler.has_work():
-            self.scheduler.abort_all(now)
+        self._end_all(FinishReason.ABORTED, error)
         for req in pending or ():
             self.requests.append(req)
             self.scheduler.not_arrived(req)
         self._report_finished()
+
+    def fail_all(self, error: str) -> None:
+        """The executor is lost (a step raised, its process died): drop the step in flight
+        unread and end everything unfinished with fate `error`, `error` its reason."""
+        self._inflight = None
+        self._end_all(FinishReason.ERROR, error)
+        self._report_finished()
+
+    def _end_all(self, reason: FinishReason, error: Optional[str]) -> None:
+        now = max(self.clock.now(), self.clock.stamp())  # paced: past every arrival stamped so far
+        while self.intake.inbox:
+            self.add(self.intake.inbox.popleft(), now)
+        if self.scheduler.has_work():
+            self.scheduler.abort_all(now, reason, error)
 
     def result(self, interrupted: bool = False) -> RunResult:
         """The run so far, for summary.json and requests.jsonl."""

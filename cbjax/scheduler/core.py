@@ -469,8 +469,11 @@ class Scheduler(StepResults):
             self._held.discard(request_id)
             self.allocator.free(request_id)
 
-    def abort_all(self, now: float) -> None:
-        """End every unfinished request with reason `aborted` (e.g. a run cut short)."""
+    def abort_all(
+        self, now: float, finish_reason: FinishReason = FinishReason.ABORTED, error: Optional[str] = None
+    ) -> None:
+        """End every unfinished request with reason `aborted` (e.g. a run cut short), or
+        `finish_reason` with `error` as each one's error (its executor was lost)."""
         for req in list(self.running):
             self._release(req)
         leftovers = self.running + list(self.policy)
@@ -484,6 +487,8 @@ class Scheduler(StepResults):
             self.policy.pop()
         for req in leftovers:
             req.status = Status.FINISHED
-            req.finish_reason = FinishReason.ABORTED
+            req.finish_reason = finish_reason
             req.finish_s = now
+            if error is not None:
+                req.error = error
             self.finished.append(req)
