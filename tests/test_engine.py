@@ -443,11 +443,11 @@ def test_program_cache_keeps_its_programs_when_only_host_code_changes(tmp_path):
     """Editing a scheduling policy (host code) keeps the source digest, and so the stored
     programs; editing the model, the step or a new module changes it."""
     root = tmp_path / "cbjax"
-    for rel in ("runtime/step.py", "model/llama.py", "scheduler/policies.py", "sim/profiled.py", "run.py"):
+    for rel in ("runtime/step.py", "model/llama.py", "scheduler/policies.py", "sim/profiled.py", "app/run.py"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(f"# {rel}\n")
     digest = programs.source_digest(root)
-    for rel in ("scheduler/policies.py", "sim/profiled.py", "run.py"):
+    for rel in ("scheduler/policies.py", "sim/profiled.py", "app/run.py"):
         (root / rel).write_text("# edited\n")
         programs.source_digest.cache_clear()
         assert programs.source_digest(root) == digest, rel
