@@ -97,6 +97,22 @@ def test_cli_refuses_an_experiment_or_a_sweep_in_one_line(env_cpu):
     assert refused_override(["experiment=null", "experiment.name=x", "server.port=0"]) is None
 
 
+def test_cli_refuses_a_cluster_in_one_line_naming_the_key(env_cpu, tmp_path):
+    # one replica would be served while config.yaml recorded the cluster
+    cases = [
+        (["cluster.replicas=4", "cluster.router=least_loaded"], "cluster.replicas=4"),
+        (["cluster.prefill_replicas=1", "cluster.decode_replicas=2"], "cluster.prefill_replicas=1"),
+    ]
+    for overrides, key in cases:
+        proc = subprocess.run([sys.executable, "-m", "cbjax.serve", *overrides, f"hydra.run.dir={tmp_path}"], cwd=REPO,
+                              env=env_cpu, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines() == [f"cbjax-serve: error: {key}: cbjax-serve runs one replica; run a cluster "
+                                            "with `cbjax`, or serve each replica with a cbjax-serve of its own behind "
+                                            "your router"]  # fmt: skip
+    assert serve_config("cluster.router=least_loaded").cluster.replicas == 1  # a router alone is harmless
+
+
 def test_openai_client_completions_and_chat_streaming_and_not(tmp_path):
     byte = ByteTokenizer(512)
     with running(tmp_path) as (base, srv):
