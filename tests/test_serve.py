@@ -97,6 +97,22 @@ def test_cli_refuses_an_experiment_or_a_sweep_in_one_line(env_cpu):
     assert refused_override(["experiment=null", "experiment.name=x", "server.port=0"]) is None
 
 
+def test_cli_refuses_a_cluster_in_one_line_naming_the_key(env_cpu, tmp_path):
+    # one replica would be served while config.yaml recorded the cluster
+    cases = [
+        (["cluster.replicas=4", "cluster.router=least_loaded"], "cluster.replicas=4"),
+        (["cluster.prefill_replicas=1", "cluster.decode_replicas=2"], "cluster.prefill_replicas=1"),
+    ]
+    for overrides, key in cases:
+        proc = subprocess.run([sys.executable, "-m", "cbjax.serve", *overrides, f"hydra.run.dir={tmp_path}"], cwd=REPO,
+                              env=env_cpu, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines() == [f"cbjax-serve: error: {key}: cbjax-serve runs one replica; run a cluster "
+                                            "with `cbjax`, or serve each replica with a cbjax-serve of its own behind "
+                                            "your router"]  # fmt: skip
+    assert serve_config("cluster.router=least_loaded").cluster.replicas == 1  # a router alone is harmless
+
+
 def test_openai_client_completions_and_chat_streaming_and_not(tmp_path):
     byte = ByteTokenizer(512)
     with running(tmp_path) as (base, srv):
@@ -220,43 +236,6 @@ def test_the_socket_listens_once_bound_before_the_server_runs():
         conn.close()
     finally:
         sock.close()
-
-
-def _sse_events(url: str, body: dict) -> list:
-    """A stream's events, without the fields that differ between two requests (id, created)."""
-    with httpx.stream("POST", url, json=body, timeout=60) as resp:
-        assert resp.status_code == 200
-        lines = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    events = [json.loads(line) for line in lines[:-1]]
-    for e in events:
-        e.pop("id"), e.pop("created")
-    return events
-
-
-def test_streams_written_to_the_connection_equal_streams_sent_through_asgi(monkeypatch):
-    from cbjax.serve import direct
-
-    bodies = [
-        ("/completions", {"prompt": "hi", "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True}}),
-        ("/completions", {"prompt": "a", "max_tokens": 50, "stop": ["xxx"], "stream": True}),  # ended by the server
-        ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
-                               "stream_options": {"include_usage": True}}),
-    ]  # fmt: skip
-    with running(None) as (base, srv):
-        written = [_sse_events(base + path, body) for path, body in bodies]
-        # uvicorn picks httptools (the test and serve extras install it): every stream writes directly
-        assert srv.state.direct_streams == len(bodies), "no direct writes: is httptools installed? (pip install -e .[test])"
-        monkeypatch.setattr(direct, "writer", lambda scope: None)
-        sent = [_sse_events(base + path, body) for path, body in bodies]
-        assert srv.state.direct_streams == len(bodies)
-    assert written == sent
-    texts = [e["choices"][0]["text"] for e in written[0] if e["choices"]]
-    assert texts == ["x"] * 9 + [""] and written[0][-1]["usage"]["completion_tokens"] == 9
-    assert [e["choices"][0]["finish_reason"] for e in written[1]][-1] == "stop"
-    assert "".join(e["choices"][0]["text"] for e in written[1]) == ""
-    assert written[2][0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert "".join(e["choices"][0]["delta"].get("content", "") for e in written[2] if e["choices"]) == "xxxxx"
 
 
 def test_malformed_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(tmp_path):

@@ -1,12 +1,14 @@
 """The real engine in a process of its own (`server.engine_process=true`) against the same engine on
 a thread of the server's process: the same requests get the same tokens and the same fates, a
 client that leaves frees its slot and pages across the pipe, and the engine process writes the
-run's outputs."""
+run's outputs; a killed engine process shows in /health and in its requests' errors."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
 
 import httpx
 import openai
@@ -56,16 +58,22 @@ def test_the_engine_process_serves_as_the_engine_thread_does(tmp_path):
     assert summary["executor"] == "jax" and summary["num_requests"] == 3 and summary["compiles_after_warmup"] == 0
 
 
-def test_a_lost_engine_process_fails_its_requests_and_the_server_stays_up(tmp_path):
+def test_a_killed_engine_process_fails_its_requests_and_health_says_how(tmp_path):
     with running(tmp_path, *SMALL, "server.engine_process=true") as (base, srv):
+        root = base.removesuffix("/v1")
         body = {"prompt": "a", "max_tokens": 3}
         assert httpx.post(f"{base}/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 3
-        srv.remote._proc.kill()
-        srv.remote._proc.join()
+        assert httpx.get(f"{root}/health").status_code == 200
+        (engine,) = [p.pid for p in multiprocessing.active_children() if p.name == "cbjax-engine"]
+        os.kill(engine, signal.SIGKILL)  # (the server is the one to reap it)
+        wait_for(lambda: httpx.get(f"{root}/health").status_code == 503, "/health to answer 503")
+        health = httpx.get(f"{root}/health")
+        assert health.json()["error"]["message"] == "the engine process was killed by SIGKILL"
         r = httpx.post(f"{base}/completions", json=body, timeout=60)
-        assert r.status_code == 500 and "the engine process exited" in r.json()["error"]["message"]
+        assert r.status_code == 500 and "the engine process was killed by SIGKILL" in r.json()["error"]["message"]
         assert httpx.get(f"{base}/models").json()["data"][0]["id"] == "tiny"  # the HTTP side still answers
-    assert srv.summary is None and "the engine process exited" in srv.remote.error
+    assert srv.summary is None
     served, lost = rows(tmp_path)  # written by the server: every request has a row with its fate
     assert (served["finish_reason"], served["output_len"], len(served["output_token_ids"])) == ("length", 3, 3)
-    assert lost["finish_reason"] == "error" and "the engine process exited" in lost["error"]
+    assert lost["finish_reason"] == "error" and lost["error"] == "the engine process was killed by SIGKILL"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requests.jsonl"]  # no live log left beside it

@@ -38,7 +38,15 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if state.draining else 200)
+        """200 while the server admits requests and its engine can serve; 503 with why not."""
+        if state.draining:
+            why = "the server is shutting down"
+        else:
+            engine = state.engine.health()
+            if engine.alive:
+                return Response(status_code=200)
+            why = engine.reason
+        return JSONResponse(APIError(503, why, None, "service_unavailable").body(), status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -82,7 +90,7 @@ class Intake:
     through, with no extra task per chunk). It stamps the request's arrival on the engine's
     clock as the request reaches the app, before its body is read and parsed: a request's
     TTFT in requests.jsonl counts from there (`ARRIVAL`). A POST to /v1/ is announced to the
-    engine (`EngineLoop.receive`) until it is submitted or answered. With `server.api_key` set, a /v1/
+    engine (`EngineClient.receive`) until it is submitted or answered. With `server.api_key` set, a /v1/
     request without `Authorization: Bearer <key>` answers 401. A body over `server.max_body_bytes`
     answers 413 before it is read whole: by its Content-Length, or, for a chunked upload, as
     its running count passes the bound (such a body is read here, then handed on)."""
@@ -97,10 +105,10 @@ class Intake:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        engine = self.state.bridge.engine
+        engine = self.state.engine
         state = scope.setdefault("state", {})
         generation = scope["method"] == "POST" and scope["path"].startswith("/v1/")
-        if generation:  # the engine expects its submission (`EngineLoop.receive`)
+        if generation:  # the engine expects its submission (`EngineClient.receive`)
             state[RECEIPT] = receipt = object()
             state[ARRIVAL] = engine.receive(receipt)
         else:

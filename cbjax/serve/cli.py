@@ -48,7 +48,7 @@ def _app(cfg: DictConfig) -> None:
           f"outputs in {out_dir}", file=sys.stderr, flush=True)  # fmt: skip
     summary = server.run(sock)
     if summary is None:
-        print(f"cbjax-serve: error: {server.remote.error}; no summary written", file=sys.stderr, flush=True)
+        print(f"cbjax-serve: error: {server.engine.health().reason}; no summary written", file=sys.stderr, flush=True)
         sys.exit(1)
     print(f"cbjax-serve: stopped; {summary['num_requests']} requests, outputs in {out_dir}", file=sys.stderr, flush=True)
 

@@ -70,6 +70,14 @@ class ServeConfig(RunConfig):
             sorted(self.experiment.arms),
         )
         _require(not self.distributed.enabled, "distributed.num_processes", "must be 1 for cbjax-serve", self.distributed.num_processes)
+        # one replica: the cluster's router and pools are `cbjax`'s (simulated or engine clusters)
+        for key, alone in (("replicas", 1), ("prefill_replicas", 0), ("decode_replicas", 0)):
+            value = getattr(self.cluster, key)
+            if value != alone:
+                raise ValueError(
+                    f"cluster.{key}={value}: cbjax-serve runs one replica; run a cluster with `cbjax`, "
+                    "or serve each replica with a cbjax-serve of its own behind your router"
+                )
         if self.server.engine_process and self.executor.name != "jax":
             raise ValueError(
                 f"server.engine_process=true needs executor=jax, got executor={self.executor.name} "

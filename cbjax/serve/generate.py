@@ -15,8 +15,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from cbjax.core.request import FinishReason, Request, SamplingParams
-from cbjax.serve import direct
 from cbjax.serve.bridge import EngineBridge, Finished, Mailbox, Token
+from cbjax.serve.client import EngineClient
 from cbjax.serve.config import ServerConfig
 from cbjax.serve.metrics import ServerMetrics
 from cbjax.serve.output import STOP_SEQUENCE, Output, usage
@@ -34,6 +34,7 @@ RECEIPT = "cbjax_receipt"  # the key under which the engine expects the request'
 class ServeState:
     """What the handlers share; `draining` is set once SIGTERM closes admission."""
 
+    engine: EngineClient
     bridge: EngineBridge
     tokenizer: Tokenizer
     metrics: ServerMetrics
@@ -47,7 +48,6 @@ class ServeState:
     draining: bool = False
     # every request id given to a request the engine received: a reused one is renamed
     request_ids: set[str] = field(default_factory=set)
-    direct_streams: int = 0  # streams whose chunks after the first were written directly (`direct`)
 
 
 class EngineStream(Response):
@@ -57,11 +57,9 @@ class EngineStream(Response):
     It waits for the request's first event itself: the framework's return path runs while the
     request waits for a slot, and between the first token and the client lies only the send of
     its chunk. An end before any token with an error (a rejection) answers as a plain error
-    response instead. After the first chunk, the later ones are written straight to the
-    connection by the callback that delivers the engine's events (`direct`), where the server
-    allows it; otherwise the handler sends them, all events waiting at a wakeup in one send. A
-    watcher on `receive` aborts the request when the client leaves, at any point; the stream
-    then ends with the engine's abort."""
+    response instead. After the first chunk, each wakeup of the handler sends every event
+    waiting in one ASGI send. A watcher on `receive` aborts the request when the client leaves,
+    at any point; the stream then ends with the engine's abort."""
 
     HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -90,13 +88,7 @@ class EngineStream(Response):
                     raise err  # answered by the app's error handler, before anything was sent
             await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
             await send({"type": "http.response.body", "body": _join(chunks.opening() + chunks.feed(first)), "more_body": True})
-            if not chunks.ended:
-                write = direct.writer(scope)
-                if write is not None:
-                    self.state.direct_streams += 1
-                    await self._direct(write)
-                else:
-                    await self._sent(send)
+            await self._rest(send)
             self.ended = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             if self.background is not None:
@@ -106,28 +98,8 @@ class EngineStream(Response):
             if not self.ended:  # a server error mid-stream
                 self.state.bridge.cancel(self.req.request_id, "client disconnected")
 
-    async def _direct(self, write) -> None:
-        """The rest of the stream, written by the delivering callback; returns at its end."""
-        chunks = self.chunks
-        done = asyncio.get_running_loop().create_future()
-
-        def sink(event: object) -> None:
-            if done.done():  # the handler is gone (failed or cancelled): nobody to write for
-                return
-            try:
-                out = chunks.feed(event)
-                if out:
-                    write(_join(out))
-                if chunks.ended:
-                    done.set_result(None)
-            except Exception as e:  # reported to the handler, which ends the stream
-                done.set_exception(e)
-
-        self.queue.attach(sink)
-        await done
-
-    async def _sent(self, send) -> None:
-        """The rest of the stream through ASGI sends: one per wakeup, with every event waiting."""
+    async def _rest(self, send) -> None:
+        """The rest of the stream: one send per wakeup, with every event waiting."""
         chunks, queue = self.chunks, self.queue
         while not chunks.ended:
             out = chunks.feed(await queue.get())
@@ -223,11 +195,11 @@ async def generate(state: ServeState, body: SamplingFields, ids: list[int], prom
         after = state.server.retry_after_s
         message = f"the server's queue is full ({bound} requests waiting, server.max_queue); retry later"
         req.input_error = message  # the engine records it as rejected: every request received has a row
-        state.bridge.engine.submit(req, arrival)
-        state.bridge.engine.received(receipt)
+        state.engine.submit(req, arrival)
+        state.engine.received(receipt)
         raise APIError(429, message, None, "rate_limit_error", headers={"Retry-After": str(after)})
     queue = state.bridge.submit(req, arrival)
-    state.bridge.engine.received(receipt)
+    state.engine.received(receipt)
     out = Output(state.tokenizer, req, stops)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

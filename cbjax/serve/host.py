@@ -1,7 +1,8 @@
 """The engine side of cbjax-serve: the scheduler, the executor and their loop, the per-step
 service log and the live request log; at the end, the run's outputs as an offline run writes
 them. It runs on a thread of the server's process, or in an engine process of its own
-(`cbjax.serve.remote`); either way the server sees only the loop's intake and its callbacks."""
+(`cbjax.serve.remote`); either way the server reaches it only through its `EngineClient`
+(`cbjax.serve.local`, `cbjax.serve.remote`)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,11 @@ class EngineHost:
         self.engine.close()
         self.executor.close()
         return summary
+
+    def keep_rows(self) -> None:
+        """After the loop failed (no summary can be written): the live log's rows, one per
+        request that ended, become the run's requests.jsonl."""
+        if self.live is not None:
+            self.live.close(remove=False)
+            self.live.path.replace(self.out_dir / "requests.jsonl")
+        self.executor.close()

@@ -1,7 +1,6 @@
 """GET /metrics: Prometheus text with vLLM's metric meanings under a `cbjax:` prefix.
 
-Gauges and the preemption counter are the engine's load when scraped (`counts`: read from the
-scheduler on another thread, or the engine process's latest report).
+Gauges and the preemption counter are the engine's load when scraped (its client's `counts`).
 Latency histograms are observed once per request, as it ends served."""
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from cbjax.report.metrics import SERVED, request_latencies
 from cbjax.core.request import Request
+from cbjax.serve.client import EngineClient
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,7 +25,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class EngineCollector:
     """The scheduler's state at scrape time."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.engine = engine
         self.labels = {"model_name": model_name}
 
@@ -53,7 +53,7 @@ class EngineCollector:
 class ServerMetrics:
     """The server's registry (one per app, so tests may build many)."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
         labels = ["model_name"]

@@ -19,7 +19,8 @@ starts no JAX runtime of its own, and a forked JAX runtime would not be safe):
 The engine process writes requests.jsonl (live, as requests end) and the outputs, as a server
 that runs the engine on a thread does. It ignores SIGINT: the server drains on Ctrl-C and then
 tells it to finish; if the server process dies, the pipe closes and the engine process stops.
-If the engine process dies, the server writes requests.jsonl itself (`write_rows`)."""
+If the engine process dies, `health` says how (its exit code, or the signal that killed it),
+every request ends in error, and `finish` writes requests.jsonl from the server's copies."""
 
 from __future__ import annotations
 
@@ -35,28 +36,25 @@ from typing import Any, Optional
 
 from cbjax.engine.online import IDLE_WAIT_S
 from cbjax.core.results import LoadCounts
+from cbjax.report.files import RequestLog
 from cbjax.report.tables import write_requests
 from cbjax.core.request import FinishReason, Request
+from cbjax.serve.client import ALIVE, EngineEvents, Health
 from cbjax.serve.config import ServeConfig
 
 log = logging.getLogger("cbjax")
-ENGINE_LOST = "the engine process exited"
-
-
-def uses_engine_process(cfg: ServeConfig) -> bool:
-    """Whether the server runs `cfg`'s engine in a process of its own (ServeConfig allows it
-    for executor=jax only)."""
-    return cfg.server.engine_process
+# The pipe closes as the engine process dies; its exit code follows within moments (the wait
+# for it runs on the event loop, once, when the engine is lost).
+EXIT_WAIT_S = 5.0
 
 
 class EngineProcess:
-    """The server's handle on the engine process: the loop's intake (`submit`, `cancel`,
-    `close_admission`, `stamp`, `receive`, `received`, `counts`), with its callbacks delivered
-    to `bridge` (`on_token`, `on_finish`, `tick`) on the event loop (`attach`), and after it
-    has stopped by `finish`."""
+    """`EngineClient` with the engine in a spawned process. Its reports reach `events` on the
+    server's event loop (`start`), and, once that has stopped, in `finish`."""
 
-    def __init__(self, cfg: ServeConfig, out_dir: Optional[Path], bridge):
-        self.bridge = bridge
+    def __init__(self, cfg: ServeConfig, out_dir: Optional[Path], events: EngineEvents):
+        self.events = events
+        self.out_dir = out_dir
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_engine_main, args=(cfg, out_dir, child), name="cbjax-engine", daemon=True)
@@ -64,49 +62,47 @@ class EngineProcess:
         child.close()
         self._send_lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # submitted, not yet finished: the server's objects
-        self.submitted: list[Request] = []  # every request sent, in order (rows if the engine is lost)
+        self._submitted: list[Request] = []  # every request sent, in order (rows if the engine is lost)
         self._counts = LoadCounts(0, 0, 0, 0, 0)
         self._t0 = time.perf_counter()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self.summary: Optional[dict[str, Any]] = None
-        self.error: Optional[str] = None
+        self._summary: Optional[dict[str, Any]] = None
+        self._error: Optional[str] = None
 
     # ---- start and end ----
-    def wait_ready(self) -> None:
+    def warmup(self) -> None:
         """Block until the engine process has built and warmed up its executor. A config error
         there is raised here as a ValueError, anything else as a RuntimeError."""
         msg = self._recv()
         if msg is None or msg[0] != "ready":
-            self._proc.join(timeout=10)
             if msg is None:
-                raise RuntimeError(f"{ENGINE_LOST} while starting (code {self._proc.exitcode})")
+                raise RuntimeError(f"{self._exit_reason()} while starting")
+            self._proc.join(timeout=10)
             _, kind, text, trace = msg
             if kind == "ValueError":  # a config the executor refused: the message names the field
                 raise ValueError(text)
             raise RuntimeError(f"the engine process failed while starting:\n{trace}")
         self._counts = msg[1]
 
-    def start(self) -> None:
-        """Start the clock now: arrivals count from here."""
-        self._t0 = time.perf_counter()
-        self._send(("start", self._t0))
-
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the engine's reports on `loop` (the server's event loop, from its thread): the
-        events reach their handlers in the same loop turn, with no thread between."""
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the clock now (arrivals count from here), and read the engine's reports on
+        `loop` (the server's event loop, from its thread): the events reach their handlers in
+        the same loop turn, with no thread between."""
         loop.add_reader(self._conn.fileno(), self._readable)
         self._loop = loop
+        self._t0 = time.perf_counter()
+        self._command(("start", self._t0))
 
     def finish(self, timeout_s: float = 600.0) -> Optional[dict[str, Any]]:
         """Once the event loop has stopped: stop the engine, which aborts what is left, reports
-        their ends, writes the outputs and exits. Returns the summary (None if the engine
-        process failed: see `error`)."""
+        their ends, writes the outputs and exits. Returns the summary; None if the engine
+        process failed (`health` says how), requests.jsonl then written here (`_write_rows`)."""
         try:
             self._send(("finish",))
         except OSError:
             pass  # already gone
         deadline = time.monotonic() + timeout_s
-        while self.summary is None and self.error is None:
+        while self._summary is None and self._error is None:
             if not self._conn.poll(max(0.0, deadline - time.monotonic())):
                 self._lost(f"the engine process did not finish within {timeout_s:.0f} s")
                 break
@@ -116,12 +112,35 @@ class EngineProcess:
             self._proc.kill()
             self._proc.join()
         self._conn.close()
-        return self.summary
+        if self._summary is None and self.out_dir is not None:
+            self._write_rows(self.out_dir / "requests.jsonl")
+        return self._summary
 
-    def write_rows(self, path: Path) -> None:
+    def _write_rows(self, path: Path) -> None:
         """With the engine lost (its outputs unwritten): one requests.jsonl row per request sent,
-        from the server's copies: the fates the engine reported, and `error` for the rest."""
-        write_requests(path, self.submitted, lambda r: {"output_token_ids": r.output_token_ids})
+        from the server's copies: the fates the engine reported, and `error` for the rest. The
+        engine's live log, which holds a subset of these rows, goes."""
+        write_requests(path, self._submitted, lambda r: {"output_token_ids": r.output_token_ids})
+        path.with_name(path.name + RequestLog.SUFFIX).unlink(missing_ok=True)
+
+    def health(self) -> Health:
+        if self._error is None and self._summary is None and not self._proc.is_alive():
+            self._lost(self._exit_reason())  # gone, its pipe's end not yet read
+        return ALIVE if self._error is None else Health(False, self._error)
+
+    def _exit_reason(self) -> str:
+        """How the engine process ended: its exit code, or the signal that killed it."""
+        self._proc.join(timeout=EXIT_WAIT_S)
+        code = self._proc.exitcode
+        if code is None:
+            return "the engine process stopped answering (its pipe closed)"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"the engine process was killed by {name}"
+        return f"the engine process exited with code {code}"
 
     # ---- the loop's intake ----
     def stamp(self) -> float:
@@ -137,14 +156,16 @@ class EngineProcess:
         """Send `req` to the engine; with the engine gone, it ends in error at once."""
         req.arrival_s = self.stamp() if arrival_s is None else arrival_s
         self._requests[req.request_id] = req
-        self.submitted.append(req)
-        if self.error is None:
+        self._submitted.append(req)
+        if self._error is None:
             try:
                 self._send(("submit", req, req.arrival_s))
                 return
             except OSError:
-                self.error = f"{ENGINE_LOST} (code {self._proc.exitcode})"
-        self._lost(self.error)
+                self._lost(self._exit_reason())
+                return
+        self._end(req, self._error)
+        self.events.tick()
 
     def cancel(self, request_id: str, reason: str = "client disconnected", finish_reason: FinishReason = FinishReason.ABORTED) -> None:
         self._command(("cancel", request_id, reason, finish_reason))
@@ -176,48 +197,51 @@ class EngineProcess:
 
     def _readable(self) -> None:
         """The pipe has data (on the event loop): handle every message that has come."""
-        while self.summary is None and self.error is None and self._conn.poll(0):
+        while self._summary is None and self._error is None and self._conn.poll(0):
             self._handle(self._recv())
-        if self.error is not None and self._loop is not None:
+        if self._error is not None and self._loop is not None:
             self._loop.remove_reader(self._conn.fileno())
             self._loop = None
 
     def _handle(self, msg: Optional[tuple]) -> None:
-        """One report of the engine's, delivered to the bridge as the engine's thread would."""
+        """One report of the engine's, delivered to `events` as the engine's thread would."""
         if msg is None:
-            self._lost(f"{ENGINE_LOST} (code {self._proc.exitcode})")
+            self._lost(self._exit_reason())
             return
         kind = msg[0]
         if kind == "events":
-            bridge, requests = self.bridge, self._requests
+            events, requests = self.events, self._requests
             for event in msg[1]:
                 if type(event) is tuple:
                     req = requests.get(event[0])
                     if req is not None:
-                        bridge.on_token(req, event[1], event[2])
+                        events.on_token(req, event[1], event[2])
                 else:
                     req = requests.pop(event.request_id, None)
                     if req is None:
                         req = event
                     else:  # the handler holds the server's object: bring it up to date
                         req.__dict__.update(event.__dict__)
-                    bridge.on_finish(req)
+                    events.on_finish(req)
             self._counts = msg[2]
-            bridge.tick()
+            events.tick()
         elif kind == "done":
-            self.summary = msg[1]
+            self._summary = msg[1]
         elif kind == "error":
             log.error("cbjax-serve: the engine failed:\n%s", msg[3])
             self._lost(f"the engine failed: {msg[1]}: {msg[2]}")
 
     def _lost(self, error: str) -> None:
         """The engine is gone: every request it held ends in error, so no handler waits forever."""
-        self.error = error
+        self._error = error
         for req in list(self._requests.values()):
-            self._requests.pop(req.request_id, None)
-            req.finish_reason, req.error = FinishReason.ERROR, error
-            self.bridge.on_finish(req)
-        self.bridge.tick()
+            self._end(req, error)
+        self.events.tick()
+
+    def _end(self, req: Request, error: str) -> None:
+        self._requests.pop(req.request_id, None)
+        req.finish_reason, req.error = FinishReason.ERROR, error
+        self.events.on_finish(req)
 
 
 class _Forward:
