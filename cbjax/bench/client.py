@@ -58,12 +58,13 @@ def itls(timing: Timing) -> list[float]:
 def open_session(cfg: BenchClientConfig) -> aiohttp.ClientSession:
     """The load's one session: no cap on connections (the workload sets how many requests are in
     flight), no timeout of its own (bench.timeout_s bounds each request), no compression (a
-    compressed stream's tokens would come when the compressor lets them go)."""
+    compressed stream's tokens would come when the compressor lets them go), and no cookies:
+    the client's own work per request and per chunk is part of every latency it measures."""
     headers = {"user-agent": "cbjax-bench", "accept-encoding": "identity"}
     if cfg.api_key:
         headers["authorization"] = f"Bearer {cfg.api_key}"
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers,
-                                 timeout=aiohttp.ClientTimeout(total=None))  # fmt: skip
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers, auto_decompress=False,
+                                 cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=None))  # fmt: skip
 
 
 async def check_server(session: aiohttp.ClientSession, cfg: BenchClientConfig) -> str:
