@@ -133,7 +133,8 @@ async def send_one(session: aiohttp.ClientSession, cfg: BenchClientConfig, model
     except ValueError as e:  # a data: line that is not JSON (json.JSONDecodeError)
         timing.error = f"{type(e).__name__}: {e}"
     except asyncio.CancelledError:
-        timing.aborted, timing.error = True, "cancelled"
+        if not done:  # cut short; after [DONE] it had come whole
+            timing.aborted, timing.error = True, "cancelled"
     finally:
         timing.end_s = time.perf_counter() - t0
     return timing
