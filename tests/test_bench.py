@@ -1,5 +1,6 @@
 """cbjax-bench against cbjax-serve (in-process, paced simulator): open and closed loop, cbjax's
-run files, and collect_sweep reading them."""
+run files, and collect_sweep reading them; the command against scripted servers: a bench.url
+it cannot reach, and an interrupted load."""
 
 from __future__ import annotations
 
