@@ -1,35 +1,41 @@
-"""Benchmark: cbjax-bench's own CPU time per streamed token, this checkout against another.
+"""Benchmark: cbjax-bench's client against the hand-written HTTP/1.1 client it replaced, side by
+side on one workload and one server.
 
-    python benchmarks/client_cpu.py [--base DIR] [--rate 80] [--num-requests 200] [--repeats 3]
+    python benchmarks/client_cpu.py [--old REV] [--rate 80] [--num-requests 200] [--repeats 3]
         [OVERRIDE ...]
 
 One `cbjax-serve executor=sim executor.pace=realtime` (this checkout's) serves every run. Each
-run is cbjax-bench in a process of its own, open loop at the workload's Poisson arrivals, with
-the cbjax of the checkout it measures (this one, and --base's, a plain copy of another commit:
-`git -C REPO archive COMMIT | tar -x -C DIR`), the two alternating. A run reports the client
-process's CPU seconds (user + system, getrusage) spent in run_bench per output token, the
-server's CPU seconds per output token over the same span (from /proc), and the client's TTFT
-and ITL p50. The client shares the machine's cores with the server, so its CPU time both
-delays its own timestamps and slows the server: measure on a quiet machine. OVERRIDEs
-(Hydra `key=value`): `workload.*` go to the client, the rest to the server.
+run is cbjax-bench in a process of its own, open loop at the workload's Poisson arrivals (the
+same workload every run), with the cbjax of the checkout it measures: this one (aiohttp), and
+REV's (default e374f09, the last commit with the hand-written `cbjax.bench.http`), extracted
+with `git archive` into a temporary folder; the two alternate, in turn first. A run reports
+the client's TTFT and ITL p50, the client process's CPU seconds (user + system, getrusage)
+spent in run_bench per output token, and the server's CPU seconds per output token over the
+same span (from /proc). At the end: the medians, and the TTFT p50 difference of each pair of
+runs (this checkout's minus REV's) and their median. The client shares the machine's cores
+with the server, so its CPU time both delays its own timestamps and slows the server: measure
+on a quiet machine. OVERRIDEs (Hydra `key=value`): `workload.*` go to the client, the rest to
+the server.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's cbjax, as the server (run from ROOT) imports it
 
 from cbjax.serve import process as serve_process  # noqa: E402
-
 
 # the client process: run_bench in-process between two getrusage readings; one JSON line out
 CLIENT = r"""
@@ -55,8 +61,17 @@ print("result " + json.dumps(out), flush=True)
 """
 
 
+def extract(rev: str, into: Path) -> Path:
+    """REV's tree (`git archive`), as a plain folder to run its cbjax from."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
 def run_client(checkout: Path, server: subprocess.Popen, overrides: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(checkout), "JAX_PLATFORMS": "cpu"}
+    path = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-c", CLIENT, str(checkout / "configs"), *overrides]
     proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE, text=True)
     result, server_before = None, None
@@ -70,12 +85,14 @@ def run_client(checkout: Path, server: subprocess.Popen, overrides: list[str]) -
         raise SystemExit(f"the client in {checkout} failed ({proc.returncode})")
     if not result["cbjax"].startswith(str(checkout)):
         raise SystemExit(f"the client meant for {checkout} imported {result['cbjax']}")
+    if result["num_http_errors"]:
+        raise SystemExit(f"the client in {checkout} saw {result['num_http_errors']} failed requests")
     return result
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", type=Path, help="another checkout's root to compare against (its cbjax-bench)")
+    parser.add_argument("--old", default="e374f09", help="the commit whose cbjax-bench to compare against")
     parser.add_argument("--rate", type=float, default=80.0, help="Poisson arrivals, requests per second")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
@@ -84,33 +101,37 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     workload = [o for o in args.overrides if o.startswith(("workload.", "workload=", "seed="))]
     server_overrides = [o for o in args.overrides if o not in workload]
-    checkouts = {"this": ROOT, **({"base": args.base.resolve()} if args.base else {})}
-    server, url = serve_process.start(["executor=sim", "executor.pace=realtime", f"hydra.run.dir={args.out / 'server'}",
-                                       *server_overrides], ROOT)  # fmt: skip
-    results: dict[str, list[dict]] = {name: [] for name in checkouts}
-    try:
-        client = [f"bench.url={url}", f"workload.num_requests={args.num_requests}", "workload.arrival=poisson",
-                  f"workload.rate={args.rate}", *workload]  # fmt: skip
-        for i in range(args.repeats):
-            for name in (list(checkouts) if i % 2 else list(checkouts)[::-1]):
-                r = run_client(checkouts[name], server, client)
-                results[name].append(r)
-                print(f"repeat {i + 1} {name}: {r['cpu_s'] / r['output_tokens'] * 1e6:.1f} us/token client, "
-                      f"{r['server_cpu_s'] / r['output_tokens'] * 1e6:.1f} us/token server, "
-                      f"TTFT p50 {r['ttft_s_p50'] * 1e3:.2f} ms, ITL p50 {r['itl_s_p50'] * 1e3:.2f} ms, "
-                      f"{r['num_finished']} finished, {r['num_http_errors']} errors", flush=True)  # fmt: skip
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=120)
-    print(f"\nmedians of {args.repeats}, {args.num_requests} requests at {args.rate}/s")
+    client = [f"workload.num_requests={args.num_requests}", "workload.arrival=poisson", f"workload.rate={args.rate}", *workload]
+    names = {"old": f"hand-written ({args.old})", "new": "aiohttp (this checkout)"}
+    results: dict[str, list[dict]] = {"old": [], "new": []}
+    with tempfile.TemporaryDirectory(prefix="cbjax-old-") as tmp:
+        checkouts = {"old": extract(args.old, Path(tmp)), "new": ROOT}
+        server, url = serve_process.start(["executor=sim", "executor.pace=realtime", f"hydra.run.dir={args.out / 'server'}",
+                                           *server_overrides], ROOT)  # fmt: skip
+        try:
+            for i in range(args.repeats):
+                for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
+                    r = run_client(checkouts[name], server, [f"bench.url={url}", *client])
+                    results[name].append(r)
+                    print(f"repeat {i + 1} {names[name]}: TTFT p50 {r['ttft_s_p50'] * 1e3:.2f} ms, ITL p50 {r['itl_s_p50'] * 1e3:.2f} ms, "
+                          f"{r['cpu_s'] / r['output_tokens'] * 1e6:.1f} us/token client, "
+                          f"{r['server_cpu_s'] / r['output_tokens'] * 1e6:.1f} us/token server, {r['num_finished']} finished", flush=True)  # fmt: skip
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=120)
 
     def med(runs: list[dict], f) -> float:
         return statistics.median(f(r) for r in runs)
 
+    print(f"\nmedians of {args.repeats}, {args.num_requests} requests at {args.rate}/s")
     for name, runs in results.items():
-        print(f"{name:>5}: client {med(runs, lambda r: r['cpu_s'] / r['output_tokens']) * 1e6:.1f} us/token, "
-              f"server {med(runs, lambda r: r['server_cpu_s'] / r['output_tokens']) * 1e6:.1f} us/token, "
-              f"TTFT p50 {med(runs, lambda r: r['ttft_s_p50']) * 1e3:.2f} ms, ITL p50 {med(runs, lambda r: r['itl_s_p50']) * 1e3:.2f} ms")  # fmt: skip
+        print(f"{names[name]:>28}: TTFT p50 {med(runs, lambda r: r['ttft_s_p50']) * 1e3:.2f} ms, "
+              f"ITL p50 {med(runs, lambda r: r['itl_s_p50']) * 1e3:.2f} ms, "
+              f"client {med(runs, lambda r: r['cpu_s'] / r['output_tokens']) * 1e6:.1f} us/token, "
+              f"server {med(runs, lambda r: r['server_cpu_s'] / r['output_tokens']) * 1e6:.1f} us/token")  # fmt: skip
+    diffs = [(new["ttft_s_p50"] - old["ttft_s_p50"]) * 1e3 for old, new in zip(results["old"], results["new"])]
+    print(f"TTFT p50, aiohttp minus hand-written: {statistics.median(diffs):+.2f} ms (median of the pairs; "
+          f"each: {', '.join(f'{d:+.2f}' for d in diffs)} ms)")
     return 0
 
 

@@ -1,9 +1,13 @@
 """cbjax-bench against cbjax-serve (in-process, paced simulator): open and closed loop, cbjax's
-run files, and collect_sweep reading them."""
+run files, and collect_sweep reading them; the command against scripted servers: a bench.url
+it cannot reach, and an interrupted load."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
+import socket
 import subprocess
 import sys
 
@@ -12,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import REPO
+from test_bench_client import MODELS, chunked, scripted_server, server_thread, sse, text
 from test_serve import rows, running
 import cbjax.bench.cli  # noqa: F401  registers BenchConfig
 from cbjax.bench.config import BenchConfig
@@ -83,8 +88,82 @@ def test_cbjax_bench_command_and_collect_sweep(tmp_path, env_cpu):
     assert "ttft_s_p50" in col.stdout
 
 
+BENCH = [sys.executable, "-m", "cbjax.bench", "progress=false", "workload.num_requests=8", "workload.output_len.dist=fixed",
+         "workload.output_len.value=4", "workload.prompt_len.dist=fixed", "workload.prompt_len.value=4"]  # fmt: skip
+
+
+def bench_cmd(tmp_path, env, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([*BENCH, f"hydra.run.dir={tmp_path / 'bench'}", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+async def plain_http_server():
+    """Answers whatever comes, a TLS hello included, with a plain-HTTP 400, as uvicorn does."""
+
+    async def handle(reader, writer):
+        await reader.read(1024)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+
+
+def test_a_url_nobody_listens_at_is_one_line_naming_bench_url(tmp_path, env_cpu):
+    with socket.socket() as sock:  # a port nothing listens at once it is closed
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    proc = bench_cmd(tmp_path, env_cpu, f"bench.url={url}", "bench.model=m")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and err.splitlines() == [f"cbjax-bench: error: bench.url={url}: connection refused"]
+
+
+def test_https_to_a_plain_http_server_is_one_line_naming_bench_url(tmp_path, env_cpu):
+    with server_thread(plain_http_server) as url:
+        proc = bench_cmd(tmp_path, env_cpu, f"bench.url={url}")
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and err.splitlines() == [
+        f"cbjax-bench: error: bench.url={url}: TLS handshake failed (WRONG_VERSION_NUMBER): the server seems to speak plain HTTP; try http://"]
+
+
+def test_an_interrupted_bench_keeps_a_row_with_its_fate_for_every_request_sent(tmp_path, env_cpu):
+    """Closed loop, 3 in flight: the first request finishes, the next three stall after one
+    token, and SIGINT comes while they do. The four sent get rows (one `length`, three
+    `aborted`); the four never sent get none."""
+    proc = None
+    stalled = 0
+
+    async def stall(writer):
+        nonlocal stalled
+        writer.write(chunked(sse(text("a")))[: -len(b"0\r\n\r\n")])  # one token, and the stream stays open
+        await writer.drain()
+        stalled += 1
+        if stalled == 3:
+            proc.send_signal(signal.SIGINT)
+        await asyncio.sleep(60)
+
+    def answer(n: int, head: bytes):
+        if head.startswith(b"GET"):
+            return MODELS
+        return chunked(sse(*(text(t) for t in "abc"), text("d", "length"), b"[DONE]")) if n == 1 else stall
+
+    out = tmp_path / "bench"
+    with server_thread(lambda: scripted_server(answer)) as url:
+        proc = bench_cmd(tmp_path, env_cpu, f"bench.url={url}", "bench.concurrency=3")
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == f"cbjax-bench: interrupted by SIGINT; the requests sent are saved in {out}"
+    fates = sorted((r["finish_reason"], r["output_len"], r["error"]) for r in rows(out))
+    assert fates[0] == ("aborted", fates[0][1], "cbjax-bench was interrupted (SIGINT)") and fates[-1] == ("length", 4, None)
+    assert [f[0] for f in fates] == ["aborted"] * 3 + ["length"] and all(f[2] == fates[0][2] for f in fates[:3])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["num_requests"] == 4 and summary["num_aborted"] == 3
+    assert summary["num_finished"] == 1 and summary["num_http_errors"] == 0
+
+
 def test_a_chunk_is_a_token_even_with_empty_text_but_not_a_role_or_finish_only_chunk():
-    from cbjax.bench.client import is_token
+    from cbjax.bench.stream import is_token
 
     # completions
     assert is_token({"index": 0, "text": "a", "finish_reason": None})

@@ -3,7 +3,7 @@ with the server's requests.jsonl: the same requests and token counts, and TTFT p
 (slow: AIPerf starts a dozen processes).
 
 AIPerf is not in the test extra (its dependencies pin optuna 5, the sweeper test needs 2.x):
-install the `bench` extra in its own environment and point CBJAX_AIPERF at its `aiperf`."""
+install the `aiperf` extra in its own environment and point CBJAX_AIPERF at its `aiperf`."""
 
 from __future__ import annotations
 

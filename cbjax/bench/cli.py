@@ -14,22 +14,32 @@ from omegaconf import DictConfig, OmegaConf
 from cbjax.bench.config import BenchConfig
 from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE, check_group_overrides
 from cbjax.app.config_merge import check_known_keys
+from cbjax.core.stop import StopFlag
 
 ConfigStore.instance().store(name="bench_base_config", node=BenchConfig)
+STOP = StopFlag()  # set by SIGINT/SIGTERM while the app runs
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="bench")
 def _app(cfg: DictConfig) -> None:
-    from cbjax.bench.run import run_bench
-
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        from cbjax.bench.run import run_bench
+    except ModuleNotFoundError as err:
+        if err.name != "aiohttp":
+            raise
+        print("cbjax-bench: error: its HTTP client, aiohttp, is not installed: pip install 'cbjax[bench]'", file=sys.stderr)
+        sys.exit(2)
     try:
         check_known_keys(cfg, BenchConfig)
         bench_cfg: BenchConfig = OmegaConf.to_object(cfg)
-        run_bench(bench_cfg, out_dir)
+        run_bench(bench_cfg, out_dir, stop=STOP)
     except ValueError as err:
         print(f"cbjax-bench: error: {err}", file=sys.stderr)
         sys.exit(2)
+    if STOP.is_set():
+        print(f"cbjax-bench: interrupted by {STOP.name}; the requests sent are saved in {out_dir}", file=sys.stderr)
+        sys.exit(130)
     print(f"\noutputs: {out_dir}")
 
 
@@ -39,4 +49,9 @@ def main() -> None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     check_group_overrides(sys.argv[1:], BenchConfig, "cbjax-bench")
-    _app()
+    try:
+        with STOP.catching():  # a signal while the files are written waits for them
+            _app()
+    except KeyboardInterrupt:  # a signal before the handlers were installed
+        print("cbjax-bench: interrupted before the load started", file=sys.stderr)
+        sys.exit(130)

@@ -8,10 +8,12 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from cbjax.bench.client import Timing, apply, itls, run_load
+from cbjax.bench.client import apply, itls, run_load
 from cbjax.bench.config import BenchConfig
+from cbjax.bench.stream import Timing
 from cbjax.core.results import IterationStats, RunResult
 from cbjax.report.metrics import summarize
+from cbjax.core.stop import StopFlag
 from cbjax.report.tables import markdown_table, write_run
 from cbjax.core.request import FinishReason, Request
 from cbjax.workload import build_workload
@@ -30,7 +32,8 @@ SERVER_SIDE = (
 )  # fmt: skip
 
 
-def bench_summary(cfg: BenchConfig, requests: list[Request], timings: dict[Request, Timing], wall_s: float) -> dict[str, Any]:
+def bench_summary(cfg: BenchConfig, requests: list[Request], timings: dict[Request, Timing], wall_s: float,
+                  interrupted: bool = False) -> dict[str, Any]:  # fmt: skip
     """summarize() over what the client saw; ITL is the time between tokens (tbt_s, also
     written as itl_s); the makespan runs from the start to the last request's end."""
     gaps = [gap for t in timings.values() for gap in itls(t)]
@@ -42,15 +45,20 @@ def bench_summary(cfg: BenchConfig, requests: list[Request], timings: dict[Reque
         summary.pop(key, None)
     for key in ("p50", "p90", "p99", "mean"):
         summary[f"itl_s_{key}"] = summary[f"tbt_s_{key}"]
-    summary["num_http_errors"] = sum(1 for t in timings.values() if t.error is not None)
+    summary["num_http_errors"] = sum(1 for t in timings.values() if t.error is not None and not t.aborted)
     b = cfg.bench
     summary.update({"client": "cbjax-bench", "url": b.url, "model": b.model, "endpoint": b.endpoint,
                     "mode": "open" if b.concurrency is None else "closed", "concurrency": b.concurrency,
-                    "seed": cfg.seed, "interrupted": False})  # fmt: skip
+                    "seed": cfg.seed, "interrupted": interrupted})  # fmt: skip
     return summary
 
 
-def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool = True) -> dict[str, Any]:
+def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool = True,
+              stop: Optional[StopFlag] = None) -> dict[str, Any]:  # fmt: skip
+    """Send the workload and write its run files. A signal during the load (SIGINT, SIGTERM:
+    it sets `stop`) ends it early; the requests sent get their rows, those in flight
+    `aborted`, and summary.json says `interrupted: true`."""
+    stop = stop if stop is not None else StopFlag()
     requests = build_workload(cfg.workload, cfg.seed)
     if cfg.bench.prompt == "ids":
         encode_text_prompts(requests, None, where="cbjax-bench (bench.prompt=ids)")
@@ -64,13 +72,13 @@ def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool
         req.finish_reason, req.reject_reason, req.finish_s = FinishReason.REJECTED, req.input_error, req.arrival_s
     good = [r for r in requests if r.input_error is None]
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        timings, wall = runner.run(run_load(cfg.bench, good, progress=bar.update if bar else None))
+        timings, wall = runner.run(run_load(cfg.bench, good, progress=bar.update if bar else None, stop=stop))
     if bar is not None:
         bar.close()
     for req, timing in timings.items():
         apply(req, timing)
     rows = [r for r in requests if r in timings or r.input_error is not None]  # not sent (bench.duration_s): no row
-    summary = bench_summary(cfg, rows, timings, wall)
+    summary = bench_summary(cfg, rows, timings, wall, interrupted=stop.is_set())
     if out_dir is not None:
         extra = lambda r: {"itl_s": itls(timings[r]) if r in timings else [], "http_status": timings[r].status if r in timings else None}  # noqa: E731
         write_run(out_dir, cfg, summary, rows, extra_rows=extra)
@@ -80,7 +88,7 @@ def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool
 
 
 def _loop_factory():
-    """uvloop's event loop where it is installed (the serve extra brings it): the client's own
+    """uvloop's event loop where it is installed (the bench extra brings it): the client's own
     time per chunk is part of every latency it measures. None: asyncio's default loop."""
     try:
         import uvloop
