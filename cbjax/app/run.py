@@ -262,10 +262,23 @@ def build_summary(cfg: RunConfig, result, service_log: ServiceLog, executor) -> 
             "model": cfg.model.name,
             "hardware": cfg.hardware.name,
             "overhead": cfg.overhead.name if cfg.executor.name == "sim" else None,
+            # what a profiled simulator predicts: the engine as its profile ran it
+            "profile_pinning": profile_pinning(cfg),
             "seed": cfg.seed,
         }
     )
     return summary
+
+
+def profile_pinning(cfg: RunConfig) -> Optional[dict[str, Any]]:
+    """The pinning of the engine a profiled simulator run predicts ({"cores", "cpus"}, from its
+    profile); None for any other run, or a profile taken unpinned."""
+    if cfg.executor.name != "sim" or cfg.executor.cost_model != "profiled":
+        return None
+    from cbjax.sim.profiled import load_profile
+
+    profile = load_profile(cfg.executor.profile, cfg.model, cfg.cache.page_size, cfg.scheduler.max_num_seqs)
+    return profile.get("pinning")
 
 
 def summary_keys(cfg: RunConfig) -> set[str]:

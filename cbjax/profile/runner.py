@@ -19,6 +19,9 @@ class ProfileRunConfig(RunConfig):
     """The `cbjax` run config plus the profile's own knobs (Hydra config `configs/profile.yaml`)."""
 
     grid: str = "full"  # full | small (a few points, for tests)
+    # pin the profile to the first N CPUs this process may use (`cbjax.profile.pinning`): the
+    # profile then describes the engine run so; null: unpinned
+    cores: Optional[int] = None
     repeats: int = 5  # timed calls per grid point; the median is fitted
     # times the served workloads are served, each round with its own requests and arrivals; the
     # odd rounds are held out of the fit and the residual table is computed on them alone
@@ -74,7 +77,11 @@ def executor_backend() -> str:
 
 
 def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
-    """Profile the engine `cfg` describes; writes profile.json and profile.png to `out_dir`."""
+    """Profile the engine `cfg` describes; writes profile.json and profile.png to `out_dir`.
+    With `cfg.cores`, the process is pinned first (before jax starts)."""
+    from cbjax.profile.pinning import pin
+
+    pinning = pin(cfg.cores)
     from cbjax.profile.measure import (
         OthersLoad, build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_steps,
         measure_swaps, wall_time_of, write_profile,
@@ -132,6 +139,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "serving_min_s": cfg.serving_min_s,
         "gaps": serving["gaps"],
         "cpu_terms": cpu_terms,
+        "pinning": pinning,
         "fit_cold": cpu_terms and cfg.fit_cold,
         "served_terms": cfg.served_terms,
         "served_weighting": cfg.served_weighting,
