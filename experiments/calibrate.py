@@ -536,6 +536,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--trace", default=str(AZURE_CODE), help="the Azure LLM inference code trace CSV")
     ap.add_argument("--out-dir", default=str(REPO / "outputs" / "calibration"))
     ap.add_argument("--doc", default=str(REPO / "docs" / "CALIBRATION.md"))
+    ap.add_argument("--cores", type=int, default=None,
+                    help="pin the engine runs to the first N CPUs (default: as the first profile was pinned)")  # fmt: skip
     ap.add_argument("--reports", nargs="+", default=None,
                     help="no engine runs: merge these calibration.json files (one per --profile, in its order, as a "
                          "run per slot count writes them) into one report and document")  # fmt: skip
@@ -548,6 +550,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.requests is None:
         args.requests = 32 if args.quick else 256
+    if args.reports is None:  # the engine runs as its profile ran: pinned alike (before jax starts)
+        from cbjax.profile.pinning import pin
+
+        cores = args.cores
+        if cores is None:
+            cores = (json.loads(Path(args.profile[0]).read_text()).get("pinning") or {}).get("cores")
+        try:
+            pinning = pin(cores, key="--cores")
+        except ValueError as err:
+            ap.error(str(err))
+        print(f"engine runs pinned to CPUs {pinning['cpus']}" if pinning else "engine runs unpinned", flush=True)
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
 
     start = time.perf_counter()

@@ -96,17 +96,29 @@ def main(argv: list[str] | None = None) -> None:
         "--run", default="fcfs_poisson_60pct", help="which of the profile's workloads (default fcfs_poisson_60pct)"
     )
     ap.add_argument("--out", default="outputs/steadiness.json", help="where the JSON goes")
+    ap.add_argument("--cores", type=int, default=None, help="pin the process to the first N CPUs (default: unpinned)")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="serve --runs unpinned and --runs pinned to one core (two processes, one after the "
+                         "other) and print both summaries side by side")  # fmt: skip
     args = ap.parse_args(argv)
     if args.runs < 2:
         ap.error(f"--runs: at least 2 to compare, got {args.runs}")
+    if args.side_by_side:
+        side_by_side(args)
+        return
+    from cbjax.profile.pinning import pin
+
+    try:
+        pinning = pin(args.cores, key="--cores")
+    except ValueError as err:
+        ap.error(str(err))
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
     from cbjax.profile.serving import serve_timed, served_points, serving_runs
     from cbjax.app.run import build_executor, resolve
 
     cfg = resolve(compose(args.overrides))
     executor = build_executor(cfg)
-    executor.progress = executor.sampling = False  # the profile's runs are greedy
-    executor.warmup()
+    executor.warmup(sampling=False)  # the profile's runs are greedy
     runs = dict(serving_runs(cfg, None, 0))
     if "poisson" in args.run:  # the Poisson rates are shares of the first burst's request rate
         first = next(iter(runs.values()))
@@ -141,7 +153,35 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"overrides": args.overrides, "run": args.run, "shape": {"rows": shape[0], "bucket": shape[1]},
-                               "runs": rows, "summary": summary}, indent=2) + "\n")  # fmt: skip
+                               "pinning": pinning, "runs": rows, "summary": summary}, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {out}")
+
+
+def side_by_side(args: argparse.Namespace) -> None:
+    """This script twice, in child processes one after the other: unpinned, then pinned to one
+    core; both summaries in one table (`--out` gets both)."""
+    import subprocess
+    import tempfile
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("unpinned", []), ("pinned, 1 core", ["--cores", "1"])):
+            out = Path(tmp) / f"{len(results)}.json"
+            cmd = [sys.executable, __file__, *args.overrides, "--runs", str(args.runs), "--run", args.run,
+                   "--out", str(out), *extra]  # fmt: skip
+            print(f"== {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            results[name] = json.loads(out.read_text())
+    rows = []
+    for name, r in results.items():
+        s = r["summary"]
+        rows.append([name, s["runs"], f"{1e3 * s['median_s']:.2f}", f"{1e3 * s['fastest_s']:.2f}",
+                     f"{1e3 * s['slowest_s']:.2f}", f"+{100 * s['spread']:.0f}%", f"{s['near_median']} of {s['runs']}"])  # fmt: skip
+    print(f"{args.run}: each run's median of its most common decode step (ms)")
+    print(markdown_table(["setting", "runs", "median", "fastest", "slowest", "spread", f"within {100 * NEAR:.0f}%"], rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
 
 
