@@ -1,7 +1,7 @@
 """What a step's results do to the scheduler's requests (no jax): `postprocess` after a step
 run to completion, or its two halves under pipelined serving, `advance` at launch and `commit`
-when the tokens arrive. `Scheduler` (`cbjax.scheduler.core`) inherits them; they read and
-update its running set, allocator, prefix cache, policy and finished list."""
+when the tokens arrive. `Scheduler` (`cbjax.scheduler.core`) holds one `StepResults` and
+hands it each step's plan; what it reads and updates is given to its constructor."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from typing import Optional, Sequence
 
 from cbjax.core.plan import Schedule
 from cbjax.core.request import FinishReason, Request, Status
+from cbjax.scheduler.output import PlanWriter
+from cbjax.scheduler.policy import PolicyContract
+from cbjax.scheduler.running import RunningSet
 
 
 # Marks a request whose step failed, in `advance`'s list for `commit`.
@@ -16,7 +19,39 @@ _FAILED = object()
 
 
 class StepResults:
-    """Postprocessing of a step's results, mixed into `Scheduler`."""
+    """Postprocessing of a step's results: tokens to requests, retiring the finished.
+
+    It advances the requests of `running_set` (finishing them there), reads the plan's requests
+    from `writer`, registers computed pages in `prefix`, tells `policy` of each step, and ends a
+    request at its length (`max_model_len` included) or on `eos_token_id`. `needs_sync` reads
+    the pages a next plan may take from `allocator` under `token_budget`. Every gap between a
+    request's consecutive tokens is kept in `tbt_s`. The methods that end requests return
+    them; the caller keeps the record of finished requests.
+    """
+
+    def __init__(
+        self,
+        running_set: RunningSet,
+        writer: PlanWriter,
+        policy: PolicyContract,
+        allocator,
+        prefix,
+        *,
+        token_budget: int,
+        max_model_len: int,
+        eos_token_id: Optional[int],
+    ):
+        self.running_set = running_set
+        self.writer = writer
+        self.policy = policy
+        self.allocator = allocator
+        self.prefix = prefix  # a PrefixCache, or None
+        self.token_budget = token_budget
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.tbt_s: list[float] = []  # every gap between a request's consecutive tokens
+        # pipelined serving: (plan, its requests that yield a token) between advance and commit
+        self.uncommitted: Optional[tuple[Schedule, list]] = None
 
     def postprocess(
         self,
@@ -40,7 +75,7 @@ class StepResults:
         # Simulated tokens, no errors: `advance` then `commit`, fused into one pass over the
         # requests. Only lengths end requests then, all in `advance`, so the frees and slot
         # returns happen in the same order, and each request's commit touches only itself.
-        if self._uncommitted is not None:
+        if self.uncommitted is not None:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         writer = self.writer
         requests = writer.requests(plan)
@@ -49,6 +84,7 @@ class StepResults:
         done: list[Request] = []
         tbt_s = self.tbt_s
         prefix = self.prefix
+        finish = self.running_set.finish
         for req in requests:
             if req.status is not running:  # (never under postprocess: kept as advance has it)
                 req.num_new_tokens = 0
@@ -69,11 +105,10 @@ class StepResults:
             req.last_token_s = now
             if reason is None:
                 continue
-            self._finish(req, reason, now)
+            finish(req, reason, now)
             done.append(req)
         if done:
-            self.running = [r for r in self.running if r.status is running]
-            self.finished.extend(done)
+            self.running_set.prune()
         self.policy.on_step(requests, now)
         return done
 
@@ -95,7 +130,7 @@ class StepResults:
             return True
         alloc = self.allocator
         need = 0
-        for req in self.running:
+        for req in self.running_set.running:
             n = min(req.num_tokens - req.num_computed, self.token_budget)
             need += alloc.pages_to_append(req.request_id, req.num_computed + n)
         return need > alloc.num_free_pages
@@ -106,7 +141,7 @@ class StepResults:
         """The token-free half of `postprocess`, for a launched step (see above). `errors` known
         already (a step run to completion) end those requests at commit with this step's work
         dropped. `notify`: tell the policy now (`postprocess` tells it after the commit)."""
-        if self._uncommitted is not None:
+        if self.uncommitted is not None:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         yielded = []
         requests = self.writer.requests(plan)
@@ -125,12 +160,12 @@ class StepResults:
             # _length_reason's first test inlined: most steps end no request
             reason = self._length_reason(req) if req.num_generated >= req.max_output_len else None
             if reason is not None:  # ends here; its reason and time are recorded at commit
-                self._finish(req, None, None)
+                self.running_set.finish(req, None, None)
                 retired = True
             yielded.append((i, req, reason))
         if retired:
-            self.running = [r for r in self.running if r.status is running]
-        self._uncommitted = (plan, yielded)
+            self.running_set.prune()
+        self.uncommitted = (plan, yielded)
         if notify:
             self.policy.on_step(requests, now)
 
@@ -143,10 +178,10 @@ class StepResults:
     ) -> list[Request]:
         """The token half of `postprocess` for the step `advance` saw last: record each token
         (an errored row's is dropped), retire the finished. Returns them."""
-        if self._uncommitted is None or self._uncommitted[0] is not plan:
+        if self.uncommitted is None or self.uncommitted[0] is not plan:
             raise RuntimeError("commit: the plan is not the one advanced last; this is a bug")
-        _, yielded = self._uncommitted
-        self._uncommitted = None
+        _, yielded = self.uncommitted
+        self.uncommitted = None
         self.writer.done(plan)
         done: list[Request] = []
         tbt_s = self.tbt_s
@@ -169,14 +204,13 @@ class StepResults:
             if reason is None:
                 continue
             if req.status is Status.RUNNING:
-                self._finish(req, reason, now)
+                self.running_set.finish(req, reason, now)
             else:  # retired at advance
                 req.finish_reason = reason
                 req.finish_s = now
             done.append(req)
         if done:
-            self.running = [r for r in self.running if r.status is Status.RUNNING]
-            self.finished.extend(done)
+            self.running_set.prune()
         return done
 
     def _computed(self, req: Request) -> bool:
