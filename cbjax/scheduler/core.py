@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Optional, Sequence
 
 from cbjax.cache import make_allocator
@@ -17,6 +18,14 @@ from cbjax.scheduler.results import StepResults
 from cbjax.scheduler.running import RunningSet
 from cbjax.scheduler.view import PolicyView
 from cbjax.scheduler.waiting import WaitingQueue
+
+
+def _delegate(path: str, doc: str, settable: bool = False) -> property:
+    """A property that reads (and if `settable`, writes) `self.<part>.<attr>` for `path`
+    "part.attr"; an attrgetter reads it without a Python call."""
+    part, _, attr = path.partition(".")
+    fset = (lambda self, value: setattr(getattr(self, part), attr, value)) if settable else None
+    return property(operator.attrgetter(path), fset, doc=doc)
 
 
 class Scheduler:
@@ -79,39 +88,18 @@ class Scheduler:
             self.reserve_tokens, self.results,
         )  # fmt: skip
 
-    @property
-    def running(self) -> list[Request]:
-        """The running requests, in admission order."""
-        return self.running_set.running
-
-    @property
-    def slots(self) -> list[Optional[Request]]:
-        """The request in each slot, or None."""
-        return self.running_set.slots
-
-    @property
-    def num_preemptions(self) -> int:
-        """Preemptions so far, by swap or by recompute."""
-        return self.planner.num_preemptions
-
-    @property
-    def swap_used(self) -> int:
-        """Host pages that waiting requests' K/V occupies."""
-        return self.waiting.swap_used
-
-    @property
-    def tbt_s(self) -> list[float]:
-        """Every gap between a request's consecutive tokens."""
-        return self.results.tbt_s
-
-    @property
-    def hold_finished_pages(self) -> bool:
-        """Whether a finished request keeps its pages until `release_held` (see `RunningSet`)."""
-        return self.running_set.hold_finished_pages
-
-    @hold_finished_pages.setter
-    def hold_finished_pages(self, value: bool) -> None:
-        self.running_set.hold_finished_pages = value
+    # what the parts hold, read (and where settable, written) as the scheduler's own
+    running = _delegate("running_set.running", "The running requests, in admission order.")
+    slots = _delegate("running_set.slots", "The request in each slot, or None.")
+    num_preemptions = _delegate("planner.num_preemptions", "Preemptions so far, by swap or by recompute.")
+    swap_used = _delegate("waiting.swap_used", "Host pages that waiting requests' K/V occupies.")
+    tbt_s = _delegate("results.tbt_s", "Every gap between a request's consecutive tokens.")
+    hold_finished_pages = _delegate(
+        "running_set.hold_finished_pages", "Whether a finished request keeps its pages (see `RunningSet`).", settable=True
+    )
+    plan_token_ids = _delegate(
+        "writer.token_ids", "Whether plans carry token ids (`PlanWriter.token_ids`; EngineLoop sets it).", settable=True
+    )
 
     # ---- intake ----
     def rejection_reason(self, req: Request) -> Optional[str]:
@@ -214,15 +202,6 @@ class Scheduler:
         """The plan's scheduled requests, in plan order (until its results are recorded)."""
         return self.writer.requests(plan)
 
-    @property
-    def plan_token_ids(self) -> bool:
-        """Whether plans carry token ids (`PlanWriter.token_ids`; EngineLoop sets it)."""
-        return self.writer.token_ids
-
-    @plan_token_ids.setter
-    def plan_token_ids(self, value: bool) -> None:
-        self.writer.token_ids = value
-
     def has_work(self) -> bool:
         return bool(self.running) or len(self.policy) > 0
 
@@ -265,9 +244,19 @@ class Scheduler:
     def postprocess(
         self, plan: Schedule, token_ids: Optional[Sequence[int]], now: float, errors: Optional[dict[int, str]] = None
     ) -> list[Request]:
-        """Record the step's tokens (None: simulated) and errors; retire the finished and
-        return them (`StepResults.postprocess`)."""
-        done = self.results.postprocess(plan, token_ids, now, errors)
+        """Record one new token per scheduled request; retire the finished. Returns them.
+
+        `token_ids` follows `plan.scheduled` order; None means simulated tokens. `errors` maps
+        an index into `plan.scheduled` to why its step failed: that request ends with reason
+        `error` (its token and this step's K/V are dropped) and the others go on."""
+        results = self.results
+        if errors or token_ids is not None:  # the two halves of `StepResults`, back to back
+            results.advance(plan, now, errors, notify=False)
+            requests = self.writer.requests(plan)
+            done = results.commit(plan, token_ids, now, errors)
+            self.policy.on_step(requests, now)
+        else:
+            done = results.simulated_step(plan, now)
         if done:
             self.finished.extend(done)
         return done

@@ -1,6 +1,6 @@
-"""What a step's results do to the scheduler's requests (no jax): `postprocess` after a step
-run to completion, or its two halves under pipelined serving, `advance` at launch and `commit`
-when the tokens arrive. `Scheduler` (`cbjax.scheduler.core`) holds one `StepResults` and
+"""What a step's results do to the scheduler's requests (no jax): `advance` at the step's
+launch and `commit` when its tokens arrive, or both fused into `simulated_step` for a step
+with simulated tokens and no errors. `Scheduler` (`cbjax.scheduler.core`) holds one `StepResults` and
 hands it each step's plan; what it reads and updates is given to its constructor."""
 
 from __future__ import annotations
@@ -53,28 +53,11 @@ class StepResults:
         # pipelined serving: (plan, its requests that yield a token) between advance and commit
         self.uncommitted: Optional[tuple[Schedule, list]] = None
 
-    def postprocess(
-        self,
-        plan: Schedule,
-        token_ids: Optional[Sequence[int]],
-        now: float,
-        errors: Optional[dict[int, str]] = None,
-    ) -> list[Request]:
-        """Record one new token per scheduled request; retire the finished. Returns them.
-
-        `token_ids` follows `plan.scheduled` order; None means simulated tokens. `errors` maps
-        an index into `plan.scheduled` to why its step failed: that request ends with reason
-        `error` (its token and this step's K/V are dropped) and the others go on.
-        """
-        if errors or token_ids is not None:
-            self.advance(plan, now, errors, notify=False)
-            requests = self.writer.requests(plan)
-            done = self.commit(plan, token_ids, now, errors)
-            self.policy.on_step(requests, now)
-            return done
-        # Simulated tokens, no errors: `advance` then `commit`, fused into one pass over the
-        # requests. Only lengths end requests then, all in `advance`, so the frees and slot
-        # returns happen in the same order, and each request's commit touches only itself.
+    def simulated_step(self, plan: Schedule, now: float) -> list[Request]:
+        """`advance` then `commit` of a step with simulated tokens and no errors, fused into
+        one pass over its requests: retires the finished and returns them. Only lengths end
+        requests then, all in `advance`, so the frees and slot returns happen in the same
+        order, and each request's commit touches only itself."""
         if self.uncommitted is not None:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         writer = self.writer
@@ -86,7 +69,7 @@ class StepResults:
         prefix = self.prefix
         finish = self.running_set.finish
         for req in requests:
-            if req.status is not running:  # (never under postprocess: kept as advance has it)
+            if req.status is not running:  # (never in a fused step: kept as advance has it)
                 req.num_new_tokens = 0
                 continue
             # self._computed(req), inlined
@@ -112,7 +95,7 @@ class StepResults:
         self.policy.on_step(requests, now)
         return done
 
-    # ---- pipelined serving: postprocess in two halves ----
+    # ---- a step's results in two halves ----
     # The engine launches step t+1 before it reads step t's tokens (executor.async_scheduling).
     # `advance(plan)` runs when the step is launched and does what needs no token: counts, the
     # prefix index, and retiring requests that reach their length (their slots and pages free
@@ -138,9 +121,9 @@ class StepResults:
     def advance(
         self, plan: Schedule, now: float, errors: Optional[dict[int, str]] = None, *, notify: bool = True
     ) -> None:
-        """The token-free half of `postprocess`, for a launched step (see above). `errors` known
+        """The token-free half of a step's results, at its launch (see above). `errors` known
         already (a step run to completion) end those requests at commit with this step's work
-        dropped. `notify`: tell the policy now (`postprocess` tells it after the commit)."""
+        dropped. `notify`: tell the policy now (`Scheduler.postprocess` tells it after the commit)."""
         if self.uncommitted is not None:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         yielded = []
@@ -176,7 +159,7 @@ class StepResults:
         now: float,
         errors: Optional[dict[int, str]] = None,
     ) -> list[Request]:
-        """The token half of `postprocess` for the step `advance` saw last: record each token
+        """The token half of a step's results, for the step `advance` saw last: record each token
         (an errored row's is dropped), retire the finished. Returns them."""
         if self.uncommitted is None or self.uncommitted[0] is not plan:
             raise RuntimeError("commit: the plan is not the one advanced last; this is a bug")
