@@ -90,7 +90,3 @@ class ClusterConfig:
     def enabled(self) -> bool:
         """Whether a run goes through the cluster: more than one replica, or P/D pools."""
         return self.replicas > 1 or self.disaggregated
-
-    @property
-    def num_replicas(self) -> int:
-        return self.prefill_replicas + self.decode_replicas if self.disaggregated else self.replicas
