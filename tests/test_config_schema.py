@@ -161,7 +161,7 @@ def test_a_registered_addition_is_selectable(monkeypatch):
 
     monkeypatch.setitem(POLICIES, "mine", FCFSPolicy)
     monkeypatch.setattr(allocator, "ALLOCATIONS", allocator.ALLOCATIONS + ("mine",))
-    monkeypatch.setitem(COST_MODELS, "mine", lambda model, hw: UnitCost())
+    monkeypatch.setitem(COST_MODELS, "mine", lambda model, hw, run: UnitCost())
     monkeypatch.setattr(clock, "PACES", clock.PACES + ("mine",))
     monkeypatch.setitem(registry._ATTENTION, "mine", registry.AttentionBackend("mine", lambda: None))
     monkeypatch.setitem(registry._OPS, "mine", registry.OpsBackend("mine", lambda: None))
