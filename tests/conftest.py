@@ -162,7 +162,7 @@ class ContentCheckingExecutor(CheckingExecutor):
 def no_compiler(monkeypatch, tmp_path):
     """`cbjax.kernels.native` as on a machine without a C++ compiler; the kernels this process
     registered come back afterwards (a process registers them once; later tests use them)."""
-    native = pytest.importorskip("cbjax.kernels.native.kernels", reason="the native CPU kernels package is not installed")
+    native = pytest.importorskip("cbjax.kernels.native.build", reason="the native CPU kernels package is not installed")
 
     assert native.ensure_registered() is None
     saved = dict(native._state)

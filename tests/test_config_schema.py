@@ -108,26 +108,74 @@ def test_group_yaml_files_hold_only_what_differs_from_the_dataclass_defaults(gro
             assert value != default, f"{group}/{path.name}: {key}: {value!r} is the dataclass default"
 
 
-def test_choice_lists_come_from_the_registries(monkeypatch):
-    from cbjax.cache import allocator
+def registries() -> dict:
+    """Each registry-chosen key's registry, read from the registry's own module."""
+    from cbjax.cache.allocator import ALLOCATIONS
+    from cbjax.cluster.router import ROUTER_CLASSES
+    from cbjax.engine.clock import PACES
+    from cbjax.kernels import registry
+    from cbjax.scheduler import POLICIES
+    from cbjax.sim.cost import COST_MODELS
+
+    registry.load_plugins()  # the optional kernel packages register their backends
+    return {
+        "scheduler.name": set(POLICIES),
+        "cache.allocation": set(ALLOCATIONS),
+        "executor.cost_model": set(COST_MODELS),
+        "executor.pace": set(PACES),
+        "executor.attention": {"auto", *registry._ATTENTION},
+        "executor.matmul": {"auto", *registry._OPS},
+        "cluster.router": set(ROUTER_CLASSES),
+    }
+
+
+def with_value(key: str, value: str) -> C.RunConfig:
+    group, field = key.split(".")
+    extra = {"profile": "profile.json"} if (key, value) == ("executor.cost_model", "profiled") else {}
+    cls = type(getattr(C.RunConfig(), group))
+    return C.RunConfig(**{group: cls(**{field: value, **extra})})
+
+
+def test_each_registry_chosen_key_accepts_exactly_its_registry_names():
+    from cbjax.app.choices import NAMES, check_choices
+
+    expected = registries()
+    assert set(NAMES) == set(expected)
+    for key, names in expected.items():
+        for name in names:
+            assert getattr(getattr(check_choices(with_value(key, name)), key.split(".")[0]), key.split(".")[1]) == name
+        with pytest.raises(ValueError, match=rf"{key}: unknown value 'nope'; choose one of") as err:
+            check_choices(with_value(key, "nope"))
+        offered = str(err.value).split("choose one of ")[1].split(", ")
+        assert set(offered) == names, key
+
+
+def test_a_registered_addition_is_selectable(monkeypatch):
     from cbjax.app.choices import check_choices
+    from cbjax.cache import allocator
+    from cbjax.cluster.router import ROUTER_CLASSES, RoundRobin
+    from cbjax.engine import clock
+    from cbjax.kernels import registry
     from cbjax.scheduler.policy import POLICIES, FCFSPolicy
     from cbjax.sim.cost import COST_MODELS, UnitCost
 
-    def run(**groups):
-        return C.RunConfig(**{key: cls(**{field: "mine"}) for key, (cls, field) in groups.items()})
-
-    policy = dict(scheduler=(C.SchedulerConfig, "name"))
-    cost = dict(executor=(C.ExecutorConfig, "cost_model"))
-    for make in (lambda: check_choices(run(**policy)), lambda: C.CacheConfig(allocation="mine"),
-                 lambda: check_choices(run(**cost))):  # fmt: skip
-        with pytest.raises(ValueError, match="unknown value 'mine'"):
-            make()
     monkeypatch.setitem(POLICIES, "mine", FCFSPolicy)
     monkeypatch.setattr(allocator, "ALLOCATIONS", allocator.ALLOCATIONS + ("mine",))
-    monkeypatch.setitem(COST_MODELS, "mine", lambda model, hw: UnitCost())
-    assert check_choices(run(**policy)).scheduler.name == "mine"
-    assert C.CacheConfig(allocation="mine").allocation == "mine"
-    assert check_choices(run(**cost)).executor.cost_model == "mine"
-    with pytest.raises(ValueError, match=r"scheduler\.name: unknown value 'nope'; choose one of .*mine"):
-        check_choices(C.RunConfig(scheduler=C.SchedulerConfig(name="nope")))
+    monkeypatch.setitem(COST_MODELS, "mine", lambda model, hw, run: UnitCost())
+    monkeypatch.setattr(clock, "PACES", clock.PACES + ("mine",))
+    monkeypatch.setitem(registry._ATTENTION, "mine", registry.AttentionBackend("mine", lambda: None))
+    monkeypatch.setitem(registry._OPS, "mine", registry.OpsBackend("mine", lambda: None))
+    monkeypatch.setitem(ROUTER_CLASSES, "mine", RoundRobin)
+    for key in registries():
+        group, field = key.split(".")
+        assert getattr(getattr(check_choices(with_value(key, "mine")), group), field) == "mine"
+
+
+def test_a_kernel_plugin_registers_the_names_it_declares():
+    # the config accepts a plugin's declared names before it is imported (no jax at startup)
+    from cbjax.kernels import registry
+
+    registry.load_plugins()
+    for package, names in registry.PLUGINS.items():
+        assert package not in registry._missing, package
+        assert names["attention"] in registry._ATTENTION and names["matmul"] in registry._OPS

@@ -107,3 +107,25 @@ def test_the_layers_import_only_downwards():
             device = {d for d in deps if d.startswith(("cbjax.runtime", "cbjax.kernels", "cbjax.model"))}
             assert not device, f"{mod} (host side) imports the device side: {sorted(device)}"
             assert not deps & app, f"{mod} imports the run layer: {sorted(deps & app)}"
+
+
+MAX_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+    over = {}
+    for path in sorted((ROOT / "cbjax").rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        num_lines = len(path.read_text().splitlines())
+        if num_lines > MAX_LINES:
+            over[name] = num_lines
+    assert not over, f"modules over {MAX_LINES} lines (split them by job): {over}"
+
+
+def test_the_config_layer_imports_only_itself():
+    # the registries' packages import the config; the config checks no registry's names itself
+    graph = import_graph()
+    for mod, deps in graph.items():
+        if mod.startswith("cbjax.config"):
+            outside = {d for d in deps if d != "cbjax" and not d.startswith("cbjax.config")}
+            assert not outside, f"{mod} imports {sorted(outside)}"

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-kernels = pytest.importorskip("cbjax.kernels.native.kernels", reason="the native CPU kernels package is not installed")
+kernels = pytest.importorskip("cbjax.kernels.native.build", reason="the native CPU kernels package is not installed")
 
 
 def _fake(directory, name: str, banner: str):

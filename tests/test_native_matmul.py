@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbjax.config import ExecutorConfig
+from cbjax.app.choices import check_choices
+from cbjax.config import ExecutorConfig, RunConfig
 from cbjax.kernels.registry import resolve_matmul
 
 native = pytest.importorskip("cbjax.kernels.native", reason="the native CPU kernels package is not installed")
@@ -286,8 +287,8 @@ def test_auto_runs_native_only_where_it_applies_and_native_says_why_not():
         resolve_matmul("native", "float32", False, "tpu")
     with pytest.raises(ValueError, match="executor.matmul: unknown value 'blas'"):
         resolve_matmul("blas")
-    with pytest.raises(ValueError, match="executor.matmul"):
-        ExecutorConfig(name="jax", matmul="blas")
+    with pytest.raises(ValueError, match="executor.matmul: unknown value 'blas'"):
+        check_choices(RunConfig(executor=ExecutorConfig(name="jax", matmul="blas")))
 
 
 def test_without_a_compiler_auto_falls_back_to_xla_and_native_names_why(no_compiler, capsys):

@@ -7,7 +7,8 @@ import pytest
 
 from cbjax.cluster import PrefixIndex, ReplicaSnapshot, RouteRequest, Router, make_router
 from cbjax.cluster.router import RoundRobin
-from cbjax.config import ClusterConfig
+from cbjax.app.choices import check_choices
+from cbjax.config import ClusterConfig, RunConfig
 
 REQ = RouteRequest("r", prompt_len=64, page_hashes=(11, 12, 13, 14))
 
@@ -83,7 +84,7 @@ def test_prefix_index_matches_leading_pages_and_evicts_the_least_recent():
 
 def test_bad_router_config_names_the_key():
     with pytest.raises(ValueError, match=r"cluster\.router: unknown value 'fastest'"):
-        ClusterConfig(router="fastest")
+        check_choices(RunConfig(cluster=ClusterConfig(router="fastest")))
     with pytest.raises(ValueError, match=r"cluster\.router must be a built-in router or look like"):
         ClusterConfig(router="not a module:Cls")
     with pytest.raises(ValueError, match=r"cluster\.router_args: PrefixAffinity does not accept"):

@@ -442,3 +442,49 @@ def test_a_plan_that_may_preempt_waits_for_the_commit():
 def ids(items):
     """Request ids of requests or plan entries."""
     return [x.request_id for x in items]
+
+
+def test_plan_entries_are_immutable_and_written_field_by_field():
+    from cbjax.core.plan import ScheduledRequest
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2), CacheConfig(num_pages=16, page_size=4), 64)
+    req = Request("a", 0.0, 6, sampling=SamplingParams(max_tokens=2, ignore_eos=True), target_output_len=2)
+    sched.add(req, 0.0)
+    plan = sched.schedule(0.0)
+    # 6 prompt tokens on pages of 4: the two lowest pages after the null page 0; knobs sent once
+    assert plan.scheduled == [ScheduledRequest(
+        request_id="a", slot=0, num_computed=0, num_new_tokens=6, is_decode=False, token_ids=None,
+        feed_previous=False, page_table=(1, 2), sampling=req.sampling, yields=True,
+    )]  # fmt: skip
+    entry = plan.scheduled[0]
+    with pytest.raises(AttributeError):
+        entry.slot = 1
+    assert entry._replace(slot=1).slot == 1 and entry.slot == 0
+    sched.postprocess(plan, None, 1.0)
+    # the decode of position 6 stays on page 2: no page-table row, no knobs
+    assert sched.schedule(1.0).scheduled == [ScheduledRequest("a", 0, 6, 1, True)]
+
+
+def test_step_results_runs_on_the_parts_it_is_given():
+    from cbjax.cache import make_allocator
+    from cbjax.scheduler.output import Draft, PlanWriter
+    from cbjax.scheduler.results import StepResults
+    from cbjax.scheduler.running import RunningSet
+
+    allocator = make_allocator(num_pages=16, page_size=4)
+    writer = PlanWriter(2, allocator)
+    running_set = RunningSet(2, allocator, writer)
+    policy = FCFSPolicy(SchedulerConfig())
+    results = StepResults(running_set, writer, policy, allocator, None, token_budget=64, max_model_len=64, eos_token_id=7)
+    req = Request("a", 0.0, 3, sampling=SamplingParams(max_tokens=4), prompt_token_ids=[1, 2, 3])
+    req.max_output_len = 4
+    allocator.allocate("a", 3, 6, [])
+    running_set.admit(req, 0.0)
+    req.num_new_tokens = 3
+    draft = Draft()
+    draft.prefills.append(req)
+    plan = writer.write(draft, 0.0)
+    results.advance(plan, 0.0)
+    assert results.commit(plan, [7], 0.5) == [req]  # the EOS id ends it
+    assert req.finish_reason is FinishReason.EOS and req.output_token_ids == [7]
+    assert running_set.running == [] and running_set.num_free_slots == 2 and allocator.num_used_pages == 0

@@ -109,13 +109,19 @@ def _is_config_group(key: str) -> bool:
     return "/" in key or key.startswith("hydra") or root.joinpath(*key.split(".")).is_dir()
 
 
-def main() -> None:
-    # A plug-in policy (scheduler.policy_class) is found in the working directory, as with `python -m`.
+def preflight(prog: str, config_name: str, schema: type) -> None:
+    """What a command checks before Hydra composes its config: the config file is there, and
+    no override sets a group of settings to one value (`check_group_overrides`). The working
+    directory goes on sys.path, so a plug-in class there is found, as with `python -m`."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    if IN_SOURCE_TREE and not (CONFIG_DIR / "config.yaml").is_file():
-        sys.exit(f"cbjax: error: no configs at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
-    check_group_overrides(sys.argv[1:], RunConfig, "cbjax")
+    if IN_SOURCE_TREE and not (CONFIG_DIR / f"{config_name}.yaml").is_file():
+        sys.exit(f"{prog}: error: no {config_name}.yaml at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
+    check_group_overrides(sys.argv[1:], schema, prog)
+
+
+def main() -> None:
+    preflight("cbjax", "config", RunConfig)
     try:
         with STOP.catching():
             _app()

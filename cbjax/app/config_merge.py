@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import typing
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -14,6 +14,8 @@ from omegaconf.errors import OmegaConfBaseException
 from cbjax.app.choices import check_choices
 from cbjax.config import ExperimentConfig, RunConfig
 from cbjax.config.overhead import expand_presets
+
+T = TypeVar("T")
 
 
 def check_known_keys(node: Any, cls: type, where: str = "config", prefix: str = "") -> None:
@@ -66,10 +68,17 @@ def _unwrap_optional(ftype: Any) -> Any:
     return args[0] if typing.get_origin(ftype) is typing.Union and len(args) == 1 else ftype
 
 
+def typed_config(cfg: DictConfig, schema: type[T]) -> T:
+    """The checked dataclasses of a composed config of `schema`, refusing keys it lacks; a run
+    config's values chosen from a registry are checked against it (`check_choices`)."""
+    check_known_keys(cfg, schema)
+    out = OmegaConf.to_object(cfg)
+    return check_choices(out) if isinstance(out, RunConfig) else out
+
+
 def to_run_config(cfg: DictConfig) -> RunConfig:
-    """The checked dataclasses of a composed config, refusing keys the schema lacks."""
-    check_known_keys(cfg, RunConfig)
-    return check_choices(OmegaConf.to_object(cfg))
+    """The checked RunConfig of a composed `cbjax` config (`typed_config`)."""
+    return typed_config(cfg, RunConfig)
 
 
 def merge_overrides(cfg: RunConfig, overrides: dict[str, Any], where: str = "overrides") -> RunConfig:

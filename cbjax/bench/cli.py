@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from cbjax.bench.config import BenchConfig
-from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE, check_group_overrides
-from cbjax.app.config_merge import check_known_keys
+from cbjax.app.cli import CONFIG_PATH, preflight
+from cbjax.app.config_merge import typed_config
 from cbjax.core.stop import StopFlag
 
 ConfigStore.instance().store(name="bench_base_config", node=BenchConfig)
@@ -31,9 +30,7 @@ def _app(cfg: DictConfig) -> None:
         print("cbjax-bench: error: its HTTP client, aiohttp, is not installed: pip install 'cbjax[bench]'", file=sys.stderr)
         sys.exit(2)
     try:
-        check_known_keys(cfg, BenchConfig)
-        bench_cfg: BenchConfig = OmegaConf.to_object(cfg)
-        run_bench(bench_cfg, out_dir, stop=STOP)
+        run_bench(typed_config(cfg, BenchConfig), out_dir, stop=STOP)
     except ValueError as err:
         print(f"cbjax-bench: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -44,11 +41,7 @@ def _app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    if IN_SOURCE_TREE and not (CONFIG_DIR / "bench.yaml").is_file():
-        sys.exit(f"cbjax-bench: error: no bench.yaml at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    check_group_overrides(sys.argv[1:], BenchConfig, "cbjax-bench")
+    preflight("cbjax-bench", "bench", BenchConfig)
     try:
         with STOP.catching():  # a signal while the files are written waits for them
             _app()

@@ -13,7 +13,7 @@ def make_allocator(
     """The allocator for `cache.allocation`: paged pages on demand, or contiguous reservations."""
     if allocation == "paged":
         return PageAllocator(num_pages, page_size, allocation, prefix_caching)
-    if allocation in ("reserve_max", "reserve_pow2", "reserve_oracle"):
+    if allocation in ALLOCATIONS:  # every mode but paged reserves
         if prefix_caching:
             raise ValueError(f"cache.allocation={allocation} cannot combine with cache.prefix_caching=true")
         return ReservationAllocator(num_pages, page_size, allocation, fit)

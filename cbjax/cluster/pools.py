@@ -12,8 +12,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from cbjax.config import HardwareConfig, RunConfig
 
-ROLES = ("colocated", "prefill", "decode")
-
 
 def hardware_dir() -> Path:
     """configs/hardware of a source checkout, else the installed package's copy."""

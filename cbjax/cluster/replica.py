@@ -25,7 +25,6 @@ class Replica:
         # The router's approximate record of this replica's cache: prompts routed here, as
         # many pages as the replica's pool holds.
         self.prefix = PrefixIndex(scheduler.allocator.num_usable_pages)
-        self.step_pending = False  # the driver's event queue holds this replica's next iteration
         self.num_routed = 0  # requests routed (or, decode replicas, transferred) here
         # requests whose K/V is on its way here, and their pages: counted as waiting and held
         self.num_incoming = 0

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cbjax.config.checks import _one_of, _require
-from cbjax.config.cluster import BACKENDS, ROUTERS, ClusterConfig
+from cbjax.config.checks import _class_path, _one_of, _require
+from cbjax.config.cluster import BACKENDS, ClusterConfig
 from cbjax.config.machine import DTYPES, MLP_KINDS, HardwareConfig, ModelConfig
 from cbjax.config.overhead import OverheadConfig
 from cbjax.config.reporting import (
@@ -26,29 +26,20 @@ from cbjax.config.workload import (
 )  # fmt: skip
 
 __all__ = [
-    "PREDICTORS", "PREEMPTION_MODES", "EXECUTORS", "ATTENTION_IMPLS", "MATMUL_IMPLS", "ARRIVALS", "LENGTH_DISTS", "TRUNCATIONS",
-    "WORKLOADS", "DTYPES", "MLP_KINDS", "LOGGERS", "WANDB_MODES", "allocation_names",
+    "PREDICTORS", "PREEMPTION_MODES", "EXECUTORS", "ARRIVALS", "LENGTH_DISTS", "TRUNCATIONS",
+    "WORKLOADS", "DTYPES", "MLP_KINDS", "LOGGERS", "WANDB_MODES",
     "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig",
     "ClientConfig", "WorkloadConfig", "ModelConfig", "HardwareConfig", "OverheadConfig", "ExperimentConfig", "ServiceWeights",
     "MetricsConfig", "SLOConfig", "LoggerConfig", "DistributedConfig", "RunConfig",
-    "ClusterConfig", "ROUTERS", "BACKENDS",
+    "ClusterConfig", "BACKENDS",
 ]  # fmt: skip
 
 PREDICTORS = ("oracle", "mean", "learned")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
-PACES = ("none", "realtime")
-ATTENTION_IMPLS = ("auto", "native", "pallas", "ragged", "reference", "triton")
-MATMUL_IMPLS = ("auto", "native", "xla")
-
-
-# Choice lists that have a registry are read from it, so a registered addition is selectable.
-# The policy and cost-model registries import this module: their names are checked where a
-# config enters a run (`cbjax.app.choices`); the allocator's list imports nothing of ours.
-def allocation_names() -> list[str]:
-    from cbjax.cache.allocator import ALLOCATIONS
-
-    return list(ALLOCATIONS)
+# A value chosen from a registry (scheduler.name, cache.allocation, executor.cost_model,
+# executor.pace, executor.attention, executor.matmul, cluster.router) is checked against it
+# where a config enters a run (`cbjax.app.choices`): the registries' packages import this one.
 
 
 @dataclass
@@ -87,13 +78,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.policy_class is not None:
-            module, _, cls = self.policy_class.partition(":")
-            _require(
-                bool(module and cls and all(part.isidentifier() for part in module.split(".") + cls.split("."))),
-                "scheduler.policy_class",
-                'must look like "package.module:ClassName"',
-                self.policy_class,
-            )
+            _class_path("scheduler.policy_class", self.policy_class)
         _one_of("scheduler.preemption", self.preemption, PREEMPTION_MODES)
         _one_of("scheduler.predictor", self.predictor, PREDICTORS)
         if self.name == "sjf" and self.predictor == "learned":
@@ -145,7 +130,6 @@ class CacheConfig:
     num_swap_pages: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _one_of("cache.allocation", self.allocation, allocation_names())
         _one_of("cache.reservation_fit", self.reservation_fit, ("first_fit", "buddy"))
         _require(self.page_size >= 1, "cache.page_size", "must be >= 1", self.page_size)
         if self.num_pages != "auto":
@@ -222,9 +206,6 @@ class ExecutorConfig:
         _one_of("executor.name", self.name, EXECUTORS)
         if self.name == "sim" and self.cost_model == "profiled":
             _require(bool(self.profile), "executor.profile", "is required by cost_model=profiled (a profile.json)", self.profile)
-        _one_of("executor.attention", self.attention, ATTENTION_IMPLS)
-        _one_of("executor.matmul", self.matmul, MATMUL_IMPLS)
-        _one_of("executor.pace", self.pace, PACES)
         if self.pace != "none":
             _require(self.name == "sim", "executor.pace", "paces the simulator's clock; it needs executor=sim", self.pace)
         if self.token_buckets is not None:

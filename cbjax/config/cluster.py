@@ -6,9 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cbjax.config.checks import _one_of, _require
+from cbjax.config.checks import _class_path, _one_of, _require
 
-ROUTERS = ("round_robin", "least_loaded", "least_kv", "prefix_affinity", "power_of_two")
 BACKENDS = ("processes", "inline", "ray")
 
 
@@ -23,7 +22,7 @@ class ClusterConfig:
     """
 
     replicas: int = 1
-    # A built-in router (ROUTERS) or a user's "package.module:ClassName" (a cbjax.cluster.Router
+    # A built-in router (`cbjax.cluster.router.ROUTER_CLASSES`) or a user's "package.module:ClassName" (a cbjax.cluster.Router
     # subclass importable from the working directory or PYTHONPATH), built with router_args.
     router: str = "round_robin"
     router_args: dict[str, Any] = field(default_factory=dict)
@@ -47,16 +46,8 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _require(self.replicas >= 1, "cluster.replicas", "must be >= 1", self.replicas)
-        if ":" in self.router:
-            module, _, cls = self.router.partition(":")
-            _require(
-                bool(module and cls and all(p.isidentifier() for p in module.split(".") + cls.split("."))),
-                "cluster.router",
-                'must be a built-in router or look like "package.module:ClassName"',
-                self.router,
-            )
-        else:
-            _one_of("cluster.router", self.router, ROUTERS)
+        if ":" in self.router:  # a built-in router's name is checked against the registry
+            _class_path("cluster.router", self.router, 'must be a built-in router or look like "package.module:ClassName"')
         _one_of("cluster.backend", self.backend, BACKENDS)
         for key in ("prefill_replicas", "decode_replicas"):
             _require(getattr(self, key) >= 0, f"cluster.{key}", "must be >= 0", getattr(self, key))
@@ -102,7 +93,3 @@ class ClusterConfig:
     def enabled(self) -> bool:
         """Whether a run goes through the cluster: more than one replica, or P/D pools."""
         return self.replicas > 1 or self.disaggregated
-
-    @property
-    def num_replicas(self) -> int:
-        return self.prefill_replicas + self.decode_replicas if self.disaggregated else self.replicas

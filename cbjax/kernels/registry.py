@@ -6,7 +6,9 @@
 `pallas`, `triton` and `xla`; an optional kernel package registers more when it is imported
 (`cbjax.kernels.native`: the CPU kernels, `native` for both). `auto` is the Pallas kernel on
 GPU/TPU; on CPU it is the registered CPU default (`native`) where its kernels build here, else
-`ragged` / `xla`, with a one-line notice saying why.
+`ragged` / `xla`, with a one-line notice saying why. The names the config accepts are read from
+here (`attention_names`, `matmul_names`); this module imports jax only where it resolves a name,
+so a simulated run checks its config without loading jax.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ import dataclasses
 import functools
 import importlib
 import sys
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import jax
+if TYPE_CHECKING:
+    from cbjax.kernels.metadata import AttentionFn
 
-from cbjax.config import ATTENTION_IMPLS, MATMUL_IMPLS
-from cbjax.kernels.metadata import AttentionFn
-
-# Optional packages that register backends when imported; a missing one is not an error.
-PLUGINS = ("cbjax.kernels.native",)
+# Optional packages that register backends when imported, with the names they register them
+# under (`executor.attention`, `executor.matmul`): the config accepts those names before the
+# package is imported, and where it is missing they are refused when resolved, saying why.
+PLUGINS = {"cbjax.kernels.native": {"attention": "native", "matmul": "native"}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,22 @@ def register_ops(backend: OpsBackend) -> None:
     _OPS[backend.name] = backend
 
 
+def attention_names() -> tuple[str, ...]:
+    """Every `executor.attention` value: auto, the registered backends, the plugins' ones."""
+    return _names(_ATTENTION, "attention")
+
+
+def matmul_names() -> tuple[str, ...]:
+    """Every `executor.matmul` value: auto, the registered implementations, the plugins' ones."""
+    return _names(_OPS, "matmul")
+
+
+def _names(registered: dict, key: str) -> tuple[str, ...]:
+    names = ["auto", *registered]
+    names += [declared[key] for declared in PLUGINS.values() if key in declared and declared[key] not in names]
+    return tuple(names)
+
+
 @functools.cache
 def load_plugins() -> None:
     """Import the optional kernel packages once; each registers its backends."""
@@ -95,9 +113,9 @@ def _not_registered(key: str, impl: str) -> str:
 def resolve_attention(impl: str = "auto", backend: str | None = None) -> str:
     """The registered backend `impl` runs as on `backend` (default: jax's): auto -> pallas on
     GPU/TPU, the CPU default (native) or ragged on CPU."""
-    backend = backend or jax.default_backend()
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"executor.attention: unknown value {impl!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
+    backend = backend or _default_backend()
+    if impl not in attention_names():
+        raise ValueError(f"executor.attention: unknown value {impl!r}; choose one of {', '.join(attention_names())}")
     load_plugins()
     if impl == "auto":
         if backend != "cpu":
@@ -124,9 +142,9 @@ def resolve_matmul(impl: str = "auto", dtype: str = "float32", sharded: bool = F
     """The registered `LayerOps` `executor.matmul=impl` runs as: auto -> the CPU default
     (native: a float32 model on one CPU device, where its kernels build), else xla. An
     explicit name that does not apply raises, saying why."""
-    backend = backend or jax.default_backend()
-    if impl not in MATMUL_IMPLS:
-        raise ValueError(f"executor.matmul: unknown value {impl!r}; choose one of {', '.join(MATMUL_IMPLS)}")
+    backend = backend or _default_backend()
+    if impl not in matmul_names():
+        raise ValueError(f"executor.matmul: unknown value {impl!r}; choose one of {', '.join(matmul_names())}")
     if impl == "xla":
         return impl
     load_plugins()
@@ -189,6 +207,12 @@ def layer_ops(impl: str):
     return entry.make()
 
 
+def _default_backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
 def _reference() -> AttentionFn:
     from cbjax.kernels.reference import ragged_attention_reference
 
@@ -206,7 +230,7 @@ def _pallas(target: Optional[str]) -> Callable[[], AttentionFn]:
     def make() -> AttentionFn:
         from cbjax.kernels.pallas_ragged import ragged_paged_attention
 
-        return functools.partial(ragged_paged_attention, interpret=jax.default_backend() == "cpu", target=target)
+        return functools.partial(ragged_paged_attention, interpret=_default_backend() == "cpu", target=target)
 
     return make
 

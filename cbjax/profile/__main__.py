@@ -8,9 +8,10 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE
+from cbjax.app.cli import CONFIG_PATH, preflight
+from cbjax.app.config_merge import typed_config
 from cbjax.profile.runner import ProfileRunConfig
 
 ConfigStore.instance().store(name="profile_base_config", node=ProfileRunConfig)
@@ -22,7 +23,7 @@ def _app(cfg: DictConfig) -> None:
     from cbjax.profile.runner import run_profile
 
     try:
-        run_cfg = OmegaConf.to_object(cfg)
+        run_cfg = typed_config(cfg, ProfileRunConfig)
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         profile = run_profile(run_cfg, out_dir)
     except ValueError as err:
@@ -88,6 +89,5 @@ def _app(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if IN_SOURCE_TREE and not (CONFIG_DIR / "profile.yaml").is_file():
-        sys.exit(f"cbjax.profile: error: no configs at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
+    preflight("cbjax.profile", "profile", ProfileRunConfig)
     _app()

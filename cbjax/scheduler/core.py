@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import heapq
-from collections import Counter
+import operator
 from typing import Callable, Optional, Sequence
 
 from cbjax.cache import make_allocator
@@ -12,45 +11,24 @@ from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.core.plan import Schedule
 from cbjax.core.request import FinishReason, Request, Status
 from cbjax.scheduler.intake import rejection_reason
+from cbjax.scheduler.output import PlanWriter
+from cbjax.scheduler.planning import Planner
 from cbjax.scheduler.policy import PolicyContract, make_policy
-from cbjax.scheduler.output import Draft, PlanWriter
 from cbjax.scheduler.results import StepResults
+from cbjax.scheduler.running import RunningSet
+from cbjax.scheduler.view import PolicyView
+from cbjax.scheduler.waiting import WaitingQueue
 
 
-class _View:
-    """The scheduler as policies see it: `cbjax.scheduler.policy.SchedulerView`. Read-only."""
-
-    __slots__ = ("_s",)
-
-    def __init__(self, scheduler: "Scheduler"):
-        self._s = scheduler
-
-    @property
-    def running(self) -> Sequence[Request]:
-        return tuple(self._s.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._s.policy)
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._s._free_slots)
-
-    @property
-    def num_free_pages(self) -> int:
-        return self._s.allocator.num_free_pages
-
-    def pages_held(self, request_id: str) -> int:
-        return len(self._s.allocator.page_tables.get(request_id, ()))
-
-    def admission_pages(self, req: Request) -> int:
-        """Pages `req` needs to be admitted with its current tokens."""
-        s = self._s
-        return s.allocator.admission_pages(req.num_tokens, s.reserve_tokens(req))
+def _delegate(path: str, doc: str, settable: bool = False) -> property:
+    """A property that reads (and if `settable`, writes) `self.<part>.<attr>` for `path`
+    "part.attr"; an attrgetter reads it without a Python call."""
+    part, _, attr = path.partition(".")
+    fset = (lambda self, value: setattr(getattr(self, part), attr, value)) if settable else None
+    return property(operator.attrgetter(path), fset, doc=doc)
 
 
-class Scheduler(StepResults):
+class Scheduler:
     """Admits, preempts and retires requests; one `schedule` + `postprocess` pair per iteration.
 
     Iteration semantics: finished requests have freed their slots before `schedule` runs; free
@@ -67,6 +45,10 @@ class Scheduler(StepResults):
     allocated and the host copy comes back (`Schedule.swap_in`), bypassing the prefix cache.
     A victim with nothing computed, or whose pages exceed the free host pages
     (`cache.num_swap_pages`), is recomputed instead.
+
+    Its parts, each given what it reads: `RunningSet` (the slots and the running requests),
+    `WaitingQueue` (the policy's queue and the host pages beside it), `Planner` (one
+    iteration's plan), `PlanWriter` (plans as data) and `StepResults` (a step's tokens).
     """
 
     def __init__(
@@ -88,51 +70,41 @@ class Scheduler(StepResults):
         self.allocator = make_allocator(
             cache.num_pages, cache.page_size, cache.allocation, cache.prefix_caching, cache.reservation_fit
         )
-        # reservations only: pages each waiting request would reserve -> how many wait, so the
-        # smallest (for external fragmentation) costs no scan of the queue
-        self._waiting_pages: Counter[int] = Counter()
         self.prefix = PrefixCache(self.allocator) if cache.prefix_caching else None
-        self.swap = cfg.preemption == "swap"
-        self.swap_capacity = cache.swap_capacity
-        self.swap_used = 0
-        self._swapped: dict[Request, int] = {}  # waiting request -> its pages held in host memory
         self.validate = validate
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size  # model.vocab_size: prompt ids must be below it
-        self.running: list[Request] = []
-        # request id -> final_tokens(req), for every request in a slot: what kv_breakdown pairs
-        # with the page tables, kept from admission to release (both are fixed while it runs)
-        self._final_tokens: dict[str, int] = {}
-        self.slots: list[Optional[Request]] = [None] * cfg.max_num_seqs
-        self._free_slots = list(range(cfg.max_num_seqs))  # a min-heap
-        self.finished: list[Request] = []
-        self.tbt_s: list[float] = []  # every gap between a request's consecutive tokens
-        self.num_preemptions = 0
-        self.num_swap_preemptions = 0
-        self.num_swapped_out_pages = 0
-        self._admit_counter = 0
-        self._prefilled_last = False  # scheduler.alternate_phases: the last plan had prefill work
-        # scheduler.static_padding: the current batch's rows, padded prompt length, decode steps
-        self._pad_rows = 0
-        self._pad_len = 0
-        self._pad_step = 0
-        # pipelined serving: (plan, its requests that yield a token) between advance and commit
-        self._uncommitted: Optional[tuple[Schedule, list]] = None
-        self.view = _View(self)
+        self.finished: list[Request] = []  # every request that ended, in the order they did
         self.writer = PlanWriter(cfg.max_num_seqs, self.allocator)
-        # A prefill replica of an engine cluster keeps a finished request's pages until its K/V
-        # is copied out (`held_pages`, `release_held`): a later plan would overwrite them.
-        self.hold_finished_pages = False
-        self._held: set[str] = set()
+        self.running_set = RunningSet(cfg.max_num_seqs, self.allocator, self.writer, self.prefix)
+        self.results = StepResults(
+            self.running_set, self.writer, self.policy, self.allocator, self.prefix,
+            token_budget=self.token_budget, max_model_len=max_model_len, eos_token_id=eos_token_id,
+        )  # fmt: skip
+        self.waiting = WaitingQueue(self.policy, self.allocator, self.reserve_tokens, cache.swap_capacity)
+        self.view = PolicyView(self.running_set, self.policy, self.allocator, self.reserve_tokens)
+        self.planner = Planner(
+            cfg, self.running_set, self.waiting, self.policy, self.view, self.allocator, self.prefix, self.writer,
+            self.reserve_tokens, self.results,
+        )  # fmt: skip
+
+    # what the parts hold, read (and where settable, written) as the scheduler's own
+    running = _delegate("running_set.running", "The running requests, in admission order.")
+    slots = _delegate("running_set.slots", "The request in each slot, or None.")
+    num_preemptions = _delegate("planner.num_preemptions", "Preemptions so far, by swap or by recompute.")
+    swap_used = _delegate("waiting.swap_used", "Host pages that waiting requests' K/V occupies.")
+    tbt_s = _delegate("results.tbt_s", "Every gap between a request's consecutive tokens.")
+    hold_finished_pages = _delegate(
+        "running_set.hold_finished_pages", "Whether a finished request keeps its pages (see `RunningSet`).", settable=True
+    )
+    plan_token_ids = _delegate(
+        "writer.token_ids", "Whether plans carry token ids (`PlanWriter.token_ids`; EngineLoop sets it).", settable=True
+    )
 
     # ---- intake ----
     def rejection_reason(self, req: Request) -> Optional[str]:
         """Why the request can never run here, or None (`cbjax.scheduler.intake`)."""
         return rejection_reason(self, req)
-
-    def max_len_tokens(self, req: Request) -> int:
-        """Tokens stored at the request's maximum length: what `reserve_max` reserves."""
-        return min(req.prompt_len + req.sampling.max_tokens, self.max_model_len) - 1
 
     def reserve_tokens(self, req: Request) -> int:
         """Tokens a reservation covers (the last token's K/V is never stored, hence the -1):
@@ -145,25 +117,14 @@ class Scheduler(StepResults):
             return req.prompt_len + out - 1
         if self.allocation == "reserve_pow2":
             return min(req.prompt_len + (1 << max(0, out - 1).bit_length()), self.max_model_len) - 1
-        return self.max_len_tokens(req)
-
-    def final_tokens(self, req: Request) -> int:
-        """Tokens the request will store at its final length (its stopping length as known)."""
-        return req.prompt_len + req.max_output_len - 1
+        return min(req.prompt_len + req.sampling.max_tokens, self.max_model_len) - 1
 
     def kv_breakdown(self) -> tuple[int, int, int, int, int]:
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
         fragmentation is judged against the smallest reservation among waiting requests."""
         return self.allocator.slot_breakdown(
-            self._final_tokens.items(), min(self._waiting_pages) if self._waiting_pages else 0
+            self.running_set.final_tokens.items(), self.waiting.smallest_reservation()
         )
-
-    def _track_waiting(self, req: Request, delta: int) -> None:
-        if self.allocator.reserve:
-            pages = self.allocator.pages_for(self.reserve_tokens(req))
-            self._waiting_pages[pages] += delta
-            if not self._waiting_pages[pages]:
-                del self._waiting_pages[pages]
 
     def add(self, req: Request, now: float) -> None:
         """Accept a newly arrived request, or reject it with a reason."""
@@ -178,11 +139,7 @@ class Scheduler(StepResults):
             self.reject(req, reason, now)
             return
         req.status = Status.WAITING
-        if host_pages:
-            self._swapped[req] = host_pages
-            self.swap_used += host_pages
-        self._track_waiting(req, 1)
-        self.policy.push(req)
+        self.waiting.push(req, host_pages)
 
     def add_transferred(self, req: Request, now: float, num_pages: int) -> None:
         """Accept a request prefilled on another replica (prefill/decode disaggregation, see
@@ -220,22 +177,18 @@ class Scheduler(StepResults):
         its error; or a stop string the server found in its text: `stop`): its slot, pages and
         host copy are free for the next plan. False if no such request is unfinished here. Not
         while a step's tokens are uncommitted."""
-        if self._uncommitted is not None:
+        if self.results.uncommitted is not None:
             raise RuntimeError("abort with a step's tokens uncommitted; commit first (this is a bug)")
-        req = next((r for r in self.running if r.request_id == request_id), None)
+        req = next((r for r in self.running_set.running if r.request_id == request_id), None)
         if req is not None:
-            self._release(req)
+            self.running_set.evict(req)
             if self.prefix is not None:
                 self.prefix.forget(req)
-            self.running.remove(req)
         else:
             req = next((r for r in self.policy if r.request_id == request_id), None)
             if req is None:
                 return False
-            self.policy.remove(req)
-            self._track_waiting(req, -1)
-            swapped = self._swapped.pop(req, 0)
-            self.swap_used -= swapped
+            self.waiting.remove(req)
         req.num_new_tokens = 0
         req.status = Status.FINISHED
         req.finish_reason = finish_reason
@@ -249,134 +202,13 @@ class Scheduler(StepResults):
         """The plan's scheduled requests, in plan order (until its results are recorded)."""
         return self.writer.requests(plan)
 
-    @property
-    def plan_token_ids(self) -> bool:
-        """Whether plans carry token ids (`PlanWriter.token_ids`; EngineLoop sets it)."""
-        return self.writer.token_ids
-
-    @plan_token_ids.setter
-    def plan_token_ids(self, value: bool) -> None:
-        self.writer.token_ids = value
-
     def has_work(self) -> bool:
         return bool(self.running) or len(self.policy) > 0
 
     # ---- one iteration ----
     def schedule(self, now: float) -> Schedule:
-        plan = Draft()
-        budget = self.token_budget
-        # Running requests first: decodes (one token left to process), then unfinished
-        # prefills, then new prefills: Sarathi-Serve's stall-free order. A request processes
-        # tokens[num_computed : num_computed + num_new_tokens]. Without hybrid batching an
-        # iteration with prefill work runs only that, and decodes wait for one without (or,
-        # with alternate_phases, run in every other iteration while prefill work waits).
-        hybrid = self.cfg.hybrid_batching
-        if hybrid or (self.cfg.alternate_phases and self._prefilled_last):
-            budget = self._plan_running(plan, True, budget)
-        if hybrid or not plan.decodes:
-            if len(plan.decodes) != len(self.running):  # else every running request decodes here
-                budget = self._plan_running(plan, False, budget)
-            new_batch = not self.running
-            budget = self._admit_waiting(plan, budget, now)
-        else:
-            new_batch = False
-        if not hybrid and not plan.prefills and not plan.decodes:
-            self._plan_running(plan, True, budget)
-        self._prefilled_last = bool(plan.prefills)
-        if self.cfg.static_padding:
-            self._pad(plan, new_batch)
-        return self.writer.write(plan, now)
-
-    def _plan_running(self, plan: Draft, decoding: bool, budget: int) -> int:
-        """Plan the running requests' decodes (`decoding`) or unfinished prefills, preempting
-        when pages run out. Returns the budget left."""
-        if not decoding and len(plan.decodes) == len(self.running):
-            return budget  # every running request decodes in this plan: no prefill is left
-        alloc = self.allocator
-        running = Status.RUNNING
-        planned = plan.decodes if decoding else plan.prefills
-        for req in list(self.running):
-            if req.status is not running or req.num_new_tokens:
-                continue  # preempted earlier in this loop, or already planned
-            remaining = req.prompt_len + req.num_generated - req.num_computed  # num_tokens - num_computed
-            if (remaining == 1) != decoding:
-                continue
-            n = remaining if remaining < budget else budget
-            if n == 0:
-                continue
-            if not alloc.try_append(req.request_id, req.num_computed + n):
-                while not alloc.can_append(req.request_id, req.num_computed + n):
-                    victim = self.policy.choose_victim(self.running)
-                    budget += self._preempt(victim, plan)
-                    if victim is req:
-                        break
-                if req.status is not running:
-                    continue
-                alloc.append(req.request_id, req.num_computed + n)
-            req.num_new_tokens = n
-            budget -= n
-            planned.append(req)
-        return budget
-
-    def _admit_waiting(self, plan: Draft, budget: int, now: float) -> int:
-        """Admit waiting requests as the policy, slots, budget and pages allow; their prefills
-        join the plan. Returns the budget left."""
-        alloc = self.allocator
-        if not self.policy.admission_open(self.view):
-            return budget
-        # Nothing preempted this iteration is readmitted in it.
-        while len(self.policy) and budget > 0:
-            req = self.policy.peek()
-            if req in plan.preempted:
-                break
-            swapped = self._swapped.get(req, 0)
-            cached = [] if swapped or self.prefix is None else self.prefix.match(req)
-            done = req.num_computed if swapped else len(cached) * alloc.page_size
-            n = req.num_tokens - done
-            if n > budget:
-                # Chunked prefill (Sarathi-Serve) fills the budget's remainder with the
-                # head's first chunk. Without it, only a recomputed request can outgrow the
-                # whole budget (longer prompts are rejected): it is chunked the same way.
-                if n <= self.token_budget and not self.cfg.chunked_prefill:
-                    break
-                n = budget
-            if not self._free_slots or not alloc.can_allocate(done + n, self.reserve_tokens(req), cached):
-                # The policy may evict a running request the head outranks (priority, mlfq).
-                victim = self.policy.preempt_for(req, self.view)
-                if victim is None:
-                    break
-                budget += self._preempt(victim, plan)
-                continue
-            self.policy.pop()
-            self._track_waiting(req, -1)
-            table = alloc.allocate(req.request_id, done + n, self.reserve_tokens(req), cached)
-            budget -= n
-            if swapped:
-                del self._swapped[req]
-                self.swap_used -= swapped
-                plan.swap_in.append((req, table[:swapped]))
-            else:
-                if self.prefix is not None:
-                    self.prefix.admitted(req, done)
-                req.num_computed = done
-            self._admit(req, now)
-            req.num_new_tokens = n
-            plan.prefills.append(req)
-        return budget
-
-    def _pad(self, plan: Draft, new_batch: bool) -> None:
-        """`scheduler.static_padding`: charge the plan as a padded `generate` batch runs. The
-        iteration that forms a batch prefills every row padded to the batch's longest prompt;
-        each later one decodes every row of the batch, finished rows included, at the padded
-        length, until the last row finishes (the next batch then forms)."""
-        if new_batch and plan.prefills:
-            self._pad_rows = len(plan.prefills)
-            self._pad_len = max(r.num_tokens for r in plan.prefills)
-            self._pad_step = 0
-            plan.padded_rows = [(self._pad_len, 0, False)] * self._pad_rows
-            return
-        self._pad_step += 1
-        plan.padded_rows = [(1, self._pad_len + self._pad_step - 1, True)] * self._pad_rows
+        """The next iteration's plan (`Planner.plan`)."""
+        return self.planner.plan(now)
 
     def cache_stats(self) -> dict:
         """Prefix-cache and swap counters for summary.json (hit rate: `PrefixCache.hit_rate`)."""
@@ -385,106 +217,26 @@ class Scheduler(StepResults):
             "prefix_cache_hit_rate": prefix.hit_rate if prefix else 0.0,
             "prefix_cache_hit_tokens": prefix.tokens_hit if prefix else 0,
             "prefix_cache_evictions": self.allocator.num_evictions,
-            "swap_preemptions": self.num_swap_preemptions,
-            "swapped_out_pages": self.num_swapped_out_pages,
+            "swap_preemptions": self.planner.num_swap_preemptions,
+            "swapped_out_pages": self.planner.num_swapped_out_pages,
         }
-
-    def _admit(self, req: Request, now: float) -> None:
-        req.status = Status.RUNNING
-        req.slot = heapq.heappop(self._free_slots)
-        self.slots[req.slot] = req
-        self._admit_counter += 1
-        req.admit_seq = self._admit_counter
-        self.writer.admitted(req.request_id)
-        self._final_tokens[req.request_id] = req.prompt_len + req.max_output_len - 1  # final_tokens(req)
-        if req.scheduled_s is None:
-            req.scheduled_s = now
-        self.running.append(req)
-
-    def _release(self, req: Request, keep_pages: bool = False) -> None:
-        if not keep_pages:
-            self.allocator.free(req.request_id)
-        self.writer.released(req.request_id)
-        del self._final_tokens[req.request_id]
-        self.slots[req.slot] = None
-        heapq.heappush(self._free_slots, req.slot)
-        req.slot = -1
-
-    def _preempt(self, req: Request, plan: Draft) -> int:
-        """Preempt by swap (its computed pages to host memory, `num_computed` kept) or by
-        recompute (its K/V dropped), and requeue it with its tokens so far.
-
-        Returns the budget tokens it gives back if it was already planned this iteration.
-        """
-        if self._uncommitted is not None:
-            raise RuntimeError("preemption with a step's tokens uncommitted (see needs_sync); this is a bug")
-        planned = req.num_new_tokens
-        if planned:
-            (plan.decodes if req in plan.decodes else plan.prefills).remove(req)
-            req.num_new_tokens = 0
-        pages = self.allocator.pages_for(req.num_computed)
-        swap_in = next((entry for entry in plan.swap_in if entry[0] is req), None)
-        if swap_in is not None:
-            plan.swap_in.remove(swap_in)  # swapped in by this plan: its host copy is still there
-        elif self.swap and 0 < pages <= self.swap_capacity - self.swap_used:
-            plan.swap_out.append((req, self.allocator.page_tables[req.request_id][:pages]))
-            self.num_swap_preemptions += 1
-            self.num_swapped_out_pages += pages
-        else:
-            pages = 0
-        self._release(req)
-        self.running.remove(req)
-        req.status = Status.WAITING
-        if pages:
-            self._swapped[req] = pages
-            self.swap_used += pages
-        else:
-            req.num_computed = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        plan.preempted.append(req)
-        self._track_waiting(req, 1)
-        self.policy.requeue(req)
-        return planned
-
-    def _finish(self, req: Request, reason: Optional[FinishReason], now: Optional[float]) -> None:
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        req.finish_s = now
-        if self.hold_finished_pages:
-            self._held.add(req.request_id)
-        self._release(req, keep_pages=self.hold_finished_pages)
-        if self.prefix is not None:
-            self.prefix.forget(req)
 
     def held_pages(self, request_id: str) -> list[int]:
         """The pages a finished request holds (`hold_finished_pages`), in token order."""
-        if request_id not in self._held:
-            raise KeyError(f"request {request_id}: holds no pages (finished without hold_finished_pages?)")
-        return list(self.allocator.page_tables[request_id])
+        return self.running_set.held_pages(request_id)
 
     def release_held(self, request_id: str) -> None:
         """Free a finished request's held pages (no-op if it holds none)."""
-        if request_id in self._held:
-            self._held.discard(request_id)
-            self.allocator.free(request_id)
+        self.running_set.release_held(request_id)
 
     def abort_all(
         self, now: float, finish_reason: FinishReason = FinishReason.ABORTED, error: Optional[str] = None
     ) -> None:
         """End every unfinished request with reason `aborted` (e.g. a run cut short), or
         `finish_reason` with `error` as each one's error (its executor was lost)."""
-        for req in list(self.running):
-            self._release(req)
-        leftovers = self.running + list(self.policy)
-        self.running = []
-        self._swapped.clear()
-        self._waiting_pages.clear()
-        self.swap_used = 0
+        leftovers = self.running_set.evict_all() + self.waiting.clear()
         if self.prefix is not None:
             self.prefix.clear()
-        while len(self.policy):
-            self.policy.pop()
         for req in leftovers:
             req.status = Status.FINISHED
             req.finish_reason = finish_reason
@@ -492,3 +244,43 @@ class Scheduler(StepResults):
             if error is not None:
                 req.error = error
             self.finished.append(req)
+
+    # ---- a step's results (`StepResults`) ----
+    def postprocess(
+        self, plan: Schedule, token_ids: Optional[Sequence[int]], now: float, errors: Optional[dict[int, str]] = None
+    ) -> list[Request]:
+        """Record one new token per scheduled request; retire the finished. Returns them.
+
+        `token_ids` follows `plan.scheduled` order; None means simulated tokens. `errors` maps
+        an index into `plan.scheduled` to why its step failed: that request ends with reason
+        `error` (its token and this step's K/V are dropped) and the others go on."""
+        results = self.results
+        if errors or token_ids is not None:  # the two halves of `StepResults`, back to back
+            results.advance(plan, now, errors, notify=False)
+            requests = self.writer.requests(plan)
+            done = results.commit(plan, token_ids, now, errors)
+            self.policy.on_step(requests, now)
+        else:
+            done = results.simulated_step(plan, now)
+        if done:
+            self.finished.extend(done)
+        return done
+
+    def needs_sync(self) -> bool:
+        """Whether the next `schedule` may preempt (`StepResults.needs_sync`)."""
+        return self.results.needs_sync()
+
+    def advance(
+        self, plan: Schedule, now: float, errors: Optional[dict[int, str]] = None, *, notify: bool = True
+    ) -> None:
+        """The token-free half of `postprocess` at a step's launch (`StepResults.advance`)."""
+        self.results.advance(plan, now, errors, notify=notify)
+
+    def commit(
+        self, plan: Schedule, token_ids: Optional[Sequence[int]], now: float, errors: Optional[dict[int, str]] = None
+    ) -> list[Request]:
+        """The token half of `postprocess` once the tokens arrive (`StepResults.commit`)."""
+        done = self.results.commit(plan, token_ids, now, errors)
+        if done:
+            self.finished.extend(done)
+        return done

@@ -31,19 +31,12 @@ class Draft:
         self.padded_rows: Optional[list[tuple[int, int, bool]]] = None
 
 
-# ScheduledRequest's and Schedule's fields, in order; checked here, since the writer relies on
-# them. It builds each entry by filling its instance dict at once (a frozen dataclass's
-# generated __init__ sets each field through object.__setattr__, which made entries the
-# costliest part of writing a plan) and passes a plan's fields by position.
-_ENTRY_FIELDS = ("request_id", "slot", "num_computed", "num_new_tokens", "is_decode", "token_ids",
-                 "feed_previous", "page_table", "sampling", "yields")  # fmt: skip
+# Schedule's fields, in order: the writer passes them by position (keywords cost twice as
+# much to pass), so a reordering must fail here, at import, not as a wrong plan.
 _SCHEDULE_FIELDS = ("num_slots", "scheduled", "preempted", "start_s", "swap_out", "swap_in", "page_size",
                     "step_id", "padded_rows")  # fmt: skip
-if tuple(f.name for f in fields(ScheduledRequest)) != _ENTRY_FIELDS:
-    raise AssertionError("cbjax.scheduler.output: _ENTRY_FIELDS differs from ScheduledRequest's fields")
 if tuple(f.name for f in fields(Schedule)) != _SCHEDULE_FIELDS:
     raise AssertionError("cbjax.scheduler.output: _SCHEDULE_FIELDS differs from Schedule's fields")
-_new = object.__new__
 
 
 class PlanWriter:
@@ -114,13 +107,10 @@ class PlanWriter:
                 sampling = req.sampling
             lo, n = req.num_computed, req.num_new_tokens
             token_ids, feed = self._token_ids(req, lo, n) if with_ids else (None, False)
-            entry = _new(ScheduledRequest)
-            entry.__dict__.update(
-                request_id=rid, slot=req.slot, num_computed=lo, num_new_tokens=n, is_decode=decode,
-                token_ids=token_ids, feed_previous=feed, page_table=page_table, sampling=sampling,
-                yields=lo + n >= req.prompt_len + req.num_generated,  # req.num_tokens
-            )  # fmt: skip
-            out.append(entry)
+            out.append(ScheduledRequest(
+                rid, req.slot, lo, n, decode, token_ids, feed, page_table, sampling,
+                lo + n >= req.prompt_len + req.num_generated,  # yields: it reaches req.num_tokens
+            ))  # fmt: skip
 
     @staticmethod
     def _token_ids(req: Request, lo: int, n: int) -> tuple[Optional[tuple[int, ...]], bool]:

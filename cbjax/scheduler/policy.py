@@ -132,27 +132,19 @@ class Policy:
         """Called after each iteration with the requests that ran in it."""
 
 
-class FCFSPolicy(Policy):
-    """First come, first served: continuous batching at iteration level (Orca, vLLM)."""
+class QueuedPolicy(Policy):
+    """A policy whose waiting queue is one object, `queue`, with `peek`, `pop` (the head),
+    `remove`, `len` and iteration in queue order; how requests enter it is the subclass's."""
 
-    name = "fcfs"
-
-    def __init__(self, cfg: "SchedulerConfig"):
+    def __init__(self, cfg: "SchedulerConfig", queue):
         super().__init__(cfg)
-        self._queue: deque[Request] = deque()
-
-    def push(self, request: Request) -> None:
-        self._queue.append(request)
-
-    def requeue(self, request: Request) -> None:
-        # A preempted request was admitted before everything still waiting: it goes first.
-        self._queue.appendleft(request)
+        self._queue = queue
 
     def peek(self) -> Optional[Request]:
-        return self._queue[0] if self._queue else None
+        return self._queue.peek()
 
     def pop(self) -> Request:
-        return self._queue.popleft()
+        return self._queue.pop()
 
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
@@ -162,6 +154,33 @@ class FCFSPolicy(Policy):
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self._queue)
+
+
+class FifoQueue(deque):
+    """Requests in the order they were queued. `pop` takes the head (a deque's `popleft`);
+    length, iteration and `remove` are the deque's own, so they run in C on the hot path."""
+
+    __slots__ = ()
+    pop = deque.popleft
+
+    def peek(self) -> Optional[Request]:
+        return self[0] if self else None
+
+
+class FCFSPolicy(QueuedPolicy):
+    """First come, first served: continuous batching at iteration level (Orca, vLLM)."""
+
+    name = "fcfs"
+
+    def __init__(self, cfg: "SchedulerConfig"):
+        super().__init__(cfg, FifoQueue())
+
+    def push(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def requeue(self, request: Request) -> None:
+        # A preempted request was admitted before everything still waiting: it goes first.
+        self._queue.appendleft(request)
 
 
 class StaticPolicy(FCFSPolicy):

@@ -1,7 +1,7 @@
-"""What a step's results do to the scheduler's requests (no jax): `postprocess` after a step
-run to completion, or its two halves under pipelined serving, `advance` at launch and `commit`
-when the tokens arrive. `Scheduler` (`cbjax.scheduler.core`) inherits them; they read and
-update its running set, allocator, prefix cache, policy and finished list."""
+"""What a step's results do to the scheduler's requests (no jax): `advance` at the step's
+launch and `commit` when its tokens arrive, or both fused into `simulated_step` for a step
+with simulated tokens and no errors. `Scheduler` (`cbjax.scheduler.core`) holds one `StepResults` and
+hands it each step's plan; what it reads and updates is given to its constructor."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from typing import Optional, Sequence
 
 from cbjax.core.plan import Schedule
 from cbjax.core.request import FinishReason, Request, Status
+from cbjax.scheduler.output import PlanWriter
+from cbjax.scheduler.policy import PolicyContract
+from cbjax.scheduler.running import RunningSet
 
 
 # Marks a request whose step failed, in `advance`'s list for `commit`.
@@ -16,31 +19,46 @@ _FAILED = object()
 
 
 class StepResults:
-    """Postprocessing of a step's results, mixed into `Scheduler`."""
+    """Postprocessing of a step's results: tokens to requests, retiring the finished.
 
-    def postprocess(
+    It advances the requests of `running_set` (finishing them there), reads the plan's requests
+    from `writer`, registers computed pages in `prefix`, tells `policy` of each step, and ends a
+    request at its length (`max_model_len` included) or on `eos_token_id`. `needs_sync` reads
+    the pages a next plan may take from `allocator` under `token_budget`. Every gap between a
+    request's consecutive tokens is kept in `tbt_s`. The methods that end requests return
+    them; the caller keeps the record of finished requests.
+    """
+
+    def __init__(
         self,
-        plan: Schedule,
-        token_ids: Optional[Sequence[int]],
-        now: float,
-        errors: Optional[dict[int, str]] = None,
-    ) -> list[Request]:
-        """Record one new token per scheduled request; retire the finished. Returns them.
+        running_set: RunningSet,
+        writer: PlanWriter,
+        policy: PolicyContract,
+        allocator,
+        prefix,
+        *,
+        token_budget: int,
+        max_model_len: int,
+        eos_token_id: Optional[int],
+    ):
+        self.running_set = running_set
+        self.writer = writer
+        self.policy = policy
+        self.allocator = allocator
+        self.prefix = prefix  # a PrefixCache, or None
+        self.token_budget = token_budget
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.tbt_s: list[float] = []  # every gap between a request's consecutive tokens
+        # pipelined serving: (plan, its requests that yield a token) between advance and commit
+        self.uncommitted: Optional[tuple[Schedule, list]] = None
 
-        `token_ids` follows `plan.scheduled` order; None means simulated tokens. `errors` maps
-        an index into `plan.scheduled` to why its step failed: that request ends with reason
-        `error` (its token and this step's K/V are dropped) and the others go on.
-        """
-        if errors or token_ids is not None:
-            self.advance(plan, now, errors, notify=False)
-            requests = self.writer.requests(plan)
-            done = self.commit(plan, token_ids, now, errors)
-            self.policy.on_step(requests, now)
-            return done
-        # Simulated tokens, no errors: `advance` then `commit`, fused into one pass over the
-        # requests. Only lengths end requests then, all in `advance`, so the frees and slot
-        # returns happen in the same order, and each request's commit touches only itself.
-        if self._uncommitted is not None:
+    def simulated_step(self, plan: Schedule, now: float) -> list[Request]:
+        """`advance` then `commit` of a step with simulated tokens and no errors, fused into
+        one pass over its requests: retires the finished and returns them. Only lengths end
+        requests then, all in `advance`, so the frees and slot returns happen in the same
+        order, and each request's commit touches only itself."""
+        if self.uncommitted is not None:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         writer = self.writer
         requests = writer.requests(plan)
@@ -49,8 +67,9 @@ class StepResults:
         done: list[Request] = []
         tbt_s = self.tbt_s
         prefix = self.prefix
+        finish = self.running_set.finish
         for req in requests:
-            if req.status is not running:  # (never under postprocess: kept as advance has it)
+            if req.status is not running:  # (never in a fused step: kept as advance has it)
                 req.num_new_tokens = 0
                 continue
             # self._computed(req), inlined
@@ -69,15 +88,14 @@ class StepResults:
             req.last_token_s = now
             if reason is None:
                 continue
-            self._finish(req, reason, now)
+            finish(req, reason, now)
             done.append(req)
         if done:
-            self.running = [r for r in self.running if r.status is running]
-            self.finished.extend(done)
+            self.running_set.prune()
         self.policy.on_step(requests, now)
         return done
 
-    # ---- pipelined serving: postprocess in two halves ----
+    # ---- a step's results in two halves ----
     # The engine launches step t+1 before it reads step t's tokens (executor.async_scheduling).
     # `advance(plan)` runs when the step is launched and does what needs no token: counts, the
     # prefix index, and retiring requests that reach their length (their slots and pages free
@@ -95,7 +113,7 @@ class StepResults:
             return True
         alloc = self.allocator
         need = 0
-        for req in self.running:
+        for req in self.running_set.running:
             n = min(req.num_tokens - req.num_computed, self.token_budget)
             need += alloc.pages_to_append(req.request_id, req.num_computed + n)
         return need > alloc.num_free_pages
@@ -103,10 +121,10 @@ class StepResults:
     def advance(
         self, plan: Schedule, now: float, errors: Optional[dict[int, str]] = None, *, notify: bool = True
     ) -> None:
-        """The token-free half of `postprocess`, for a launched step (see above). `errors` known
+        """The token-free half of a step's results, at its launch (see above). `errors` known
         already (a step run to completion) end those requests at commit with this step's work
-        dropped. `notify`: tell the policy now (`postprocess` tells it after the commit)."""
-        if self._uncommitted is not None:
+        dropped. `notify`: tell the policy now (`Scheduler.postprocess` tells it after the commit)."""
+        if self.uncommitted is not None:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         yielded = []
         requests = self.writer.requests(plan)
@@ -125,12 +143,12 @@ class StepResults:
             # _length_reason's first test inlined: most steps end no request
             reason = self._length_reason(req) if req.num_generated >= req.max_output_len else None
             if reason is not None:  # ends here; its reason and time are recorded at commit
-                self._finish(req, None, None)
+                self.running_set.finish(req, None, None)
                 retired = True
             yielded.append((i, req, reason))
         if retired:
-            self.running = [r for r in self.running if r.status is running]
-        self._uncommitted = (plan, yielded)
+            self.running_set.prune()
+        self.uncommitted = (plan, yielded)
         if notify:
             self.policy.on_step(requests, now)
 
@@ -141,12 +159,12 @@ class StepResults:
         now: float,
         errors: Optional[dict[int, str]] = None,
     ) -> list[Request]:
-        """The token half of `postprocess` for the step `advance` saw last: record each token
+        """The token half of a step's results, for the step `advance` saw last: record each token
         (an errored row's is dropped), retire the finished. Returns them."""
-        if self._uncommitted is None or self._uncommitted[0] is not plan:
+        if self.uncommitted is None or self.uncommitted[0] is not plan:
             raise RuntimeError("commit: the plan is not the one advanced last; this is a bug")
-        _, yielded = self._uncommitted
-        self._uncommitted = None
+        _, yielded = self.uncommitted
+        self.uncommitted = None
         self.writer.done(plan)
         done: list[Request] = []
         tbt_s = self.tbt_s
@@ -169,14 +187,13 @@ class StepResults:
             if reason is None:
                 continue
             if req.status is Status.RUNNING:
-                self._finish(req, reason, now)
+                self.running_set.finish(req, reason, now)
             else:  # retired at advance
                 req.finish_reason = reason
                 req.finish_s = now
             done.append(req)
         if done:
-            self.running = [r for r in self.running if r.status is Status.RUNNING]
-            self.finished.extend(done)
+            self.running_set.prune()
         return done
 
     def _computed(self, req: Request) -> bool:

@@ -48,7 +48,6 @@ class EngineBridge:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, Mailbox]] = {}
         self._lock = threading.Lock()
         self.num_in_flight = 0  # submitted, not yet finished
-        self.num_received = 0
         self.listeners: list[Callable[[Request], None]] = []
         self._pending: list = []  # (queue entry, event) since the last tick; engine thread only
         self._first: list = []  # the same for requests' first tokens, handed off ahead of _pending
@@ -62,7 +61,6 @@ class EngineBridge:
         with self._lock:
             self._queues[req.request_id] = (asyncio.get_running_loop(), queue)
             self.num_in_flight += 1
-            self.num_received += 1
             self._fresh.add(req.request_id)
         self.engine.submit(req, arrival_s)
         return queue

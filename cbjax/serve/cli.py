@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -13,8 +12,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from cbjax.app.cli import CONFIG_DIR, CONFIG_PATH, IN_SOURCE_TREE, check_group_overrides
-from cbjax.app.config_merge import check_known_keys
+from cbjax.app.cli import CONFIG_PATH, preflight
+from cbjax.app.config_merge import typed_config
 from cbjax.serve.config import ServeConfig
 from cbjax.serve.process import LISTENING
 
@@ -33,9 +32,7 @@ def _app(cfg: DictConfig) -> None:
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        check_known_keys(cfg, ServeConfig)
-        serve_cfg: ServeConfig = OmegaConf.to_object(cfg)
-        server = Server(serve_cfg, out_dir)
+        server = Server(typed_config(cfg, ServeConfig), out_dir)
         server.warmup()
         sock = server.bind()
     except (ValueError, OSError) as err:
@@ -64,13 +61,9 @@ def refused_override(args: list[str]) -> Optional[str]:
 
 
 def main() -> None:
-    if os.getcwd() not in sys.path:  # a plug-in policy from the working directory, as `cbjax` finds it
-        sys.path.insert(0, os.getcwd())
-    if IN_SOURCE_TREE and not (CONFIG_DIR / "serve.yaml").is_file():
-        sys.exit(f"cbjax-serve: error: no serve.yaml at {CONFIG_DIR}; set CBJAX_CONFIG_DIR to the repository's configs/")
     why = refused_override(sys.argv[1:])
     if why is not None:
         print(f"cbjax-serve: error: {why}", file=sys.stderr)
         sys.exit(2)
-    check_group_overrides(sys.argv[1:], ServeConfig, "cbjax-serve")
+    preflight("cbjax-serve", "serve", ServeConfig)
     _app()

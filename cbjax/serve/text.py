@@ -97,10 +97,6 @@ class HFTokenizer:
         return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
 
     @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
-    @property
     def filler_token_id(self) -> int:
         ids = self.encode(FILLER_TEXT, special=False)
         return ids[0] if ids else 0

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig
 from cbjax.core.plan import Schedule
@@ -138,37 +138,30 @@ class WithOverhead:
         return StepTime(t.device_s, t.host_s + host, t.copy_s, t.launch_s, drain)
 
 
-def _profiled(
-    model: ModelConfig,
-    hw: HardwareConfig,
-    *,
-    scheduler: Optional[SchedulerConfig] = None,
-    cache: Optional[CacheConfig] = None,
-    executor: Optional[ExecutorConfig] = None,
-    overhead: Optional[OverheadConfig] = None,
-):
+class RunParts(NamedTuple):
+    """The run's configs a cost model may be built from besides the model and the hardware
+    (None where the caller has none)."""
+
+    scheduler: Optional[SchedulerConfig] = None
+    cache: Optional[CacheConfig] = None
+    executor: Optional[ExecutorConfig] = None
+    overhead: Optional[OverheadConfig] = None  # the serving stack's host costs; None: overhead=none
+
+
+def _profiled(model: ModelConfig, hw: HardwareConfig, run: RunParts):
     from cbjax.sim.profiled import make_profiled_cost
 
-    if scheduler is None or cache is None or executor is None:
+    if run.scheduler is None or run.cache is None or run.executor is None:
         raise ValueError("executor.cost_model=profiled: make_cost_model needs scheduler, cache and executor")
-    cost = make_profiled_cost(model, scheduler, cache, executor)
-    return cost if overhead is None or overhead.is_none else WithOverhead(cost, model, overhead)
+    cost = make_profiled_cost(model, run.scheduler, run.cache, run.executor)
+    return cost if run.overhead is None or run.overhead.is_none else WithOverhead(cost, model, run.overhead)
 
 
-_profiled.needs_run = True  # built from the run's scheduler, cache, executor and overhead configs too
-
-
-def _roofline(model: ModelConfig, hw: HardwareConfig, *, overhead: Optional[OverheadConfig] = None, **_) -> RooflineCost:
-    return RooflineCost(model, hw, overhead)
-
-
-_roofline.needs_run = True
-
-# executor.cost_model names -> factories of (model, hardware); the one list the config checks.
-# A factory with `needs_run` also gets the run's scheduler, cache, executor and overhead configs.
+# executor.cost_model names -> factories of (model, hardware, RunParts); the one list the
+# config is checked against (`cbjax.app.choices`).
 COST_MODELS = {
-    "unit": lambda model, hw: UnitCost(),
-    "roofline": _roofline,
+    "unit": lambda model, hw, run: UnitCost(),
+    "roofline": lambda model, hw, run: RooflineCost(model, hw, run.overhead),
     "profiled": _profiled,
 }
 
@@ -186,9 +179,6 @@ def make_cost_model(
     """The cost model `name`; `profiled` also needs the run's scheduler, cache and executor configs
     (the engine's shape plan and the profile path); `overhead` is the serving stack's host costs
     (None: `overhead=none`), which `roofline` and `profiled` add."""
-    if name in COST_MODELS:
-        factory = COST_MODELS[name]
-        if getattr(factory, "needs_run", False):
-            return factory(model, hw, scheduler=scheduler, cache=cache, executor=executor, overhead=overhead)
-        return factory(model, hw)
-    raise ValueError(f"executor.cost_model: unknown value {name!r}; choose one of {', '.join(COST_MODELS)}")
+    if name not in COST_MODELS:
+        raise ValueError(f"executor.cost_model: unknown value {name!r}; choose one of {', '.join(COST_MODELS)}")
+    return COST_MODELS[name](model, hw, RunParts(scheduler, cache, executor, overhead))

@@ -2,7 +2,7 @@
 
 Importing it registers, in `cbjax.kernels.registry`, the `native` attention backend
 (`attention.ragged_attention_native`) and the `native` `LayerOps` (`ops.NativeOps`), both the CPU
-default where the kernels build (`kernels.ensure_registered`). Nothing else in cbjax names it:
+default where the kernels build (`build.ensure_registered`). Nothing else in cbjax names it:
 deleting this package leaves `executor.attention=auto` on `ragged` and `executor.matmul=auto`
 on `xla`, with a one-line notice. The sources are `native_*.cc` and `native_common.h`;
 docs/cpu_kernels.md describes the kernels and their measurements.
@@ -13,18 +13,17 @@ from __future__ import annotations
 from typing import Optional
 
 from cbjax.kernels import registry
+from cbjax.kernels.native.build import ensure_registered, prune  # noqa: F401  (prune: the package's API)
 from cbjax.kernels.native.kernels import (  # noqa: F401  the package's kernel API
     PANEL,
     block_groups_into,
     embed,
-    ensure_registered,
     glu_applies,
     greedy,
     layer_matmul,
     layer_matmul_glu,
     layer_matmul_rope,
     matmul_nt,
-    prune,
     rope_applies,
     single_groups,
     to_panels,

@@ -1,189 +1,21 @@
-"""The native CPU kernels' build and their jax wrappers (XLA FFI custom calls).
+"""The native CPU kernels' jax wrappers (XLA FFI custom calls into the build of `build`).
 
 Contract: every wrapper takes and returns float32 jax arrays (int32 indices), is traceable
 under `jax.jit`, raises a ValueError naming the shapes it cannot take, and returns what its
 docstring's plain-jnp expression returns, up to f32 rounding where it says so. A kernel that
 skips rows (`live`) writes zeros there. Weight matrices are read in panel order (`to_panels`).
-
-The sources (`native_*.cc`, `native_common.h`) are compiled with the system GCC C++ compiler (`CXX`,
-else `g++`, else `c++`) at first use, with one progress line on stderr, and kept in
-`~/.cache/cbjax/native` (`CBJAX_NATIVE_DIR` overrides), keyed by the sources, the compiler, the
-flags, jaxlib's version and the CPU (`-march=native`); later processes load that build. A build
-prunes builds nobody loaded for `STALE_S` and half-written ones a crashed build left. Without a
-compiler, or if the build fails, `ensure_registered()` returns the reason and the registry runs
-the XLA implementations instead. Why each kernel exists and what it was measured to buy:
-docs/cpu_kernels.md.
+Why each kernel exists and what it was measured to buy: docs/cpu_kernels.md.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from importlib import metadata
-from pathlib import Path
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-COMMON_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-fPIC", "-w")
-# Each source with its own flags, and the custom call targets it defines (name, symbol).
-# Attention: -fassociative-math lets the compiler vectorize the dot products (their sums
-# reassociate); NaN and infinity handling stay IEEE (no -ffinite-math-only).
-# Matmul: no reassociation, so each output sums over k in order whatever the row count (a
-# row's result is the same alone or in a batch).
-SOURCES = {
-    "native_decode.cc": (("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"),
-                         (("cbjax_single_groups", "CbjaxSingleGroups"), ("cbjax_block_groups_into", "CbjaxBlockGroupsInto"),
-                          ("cbjax_write_kv", "CbjaxWriteKV"))),
-    "native_gemm.cc": (
-        (),
-        (("cbjax_layer_matmul", "CbjaxLayerMatmul"), ("cbjax_layer_matmul_glu", "CbjaxLayerMatmulGlu"),
-         ("cbjax_layer_matmul_rope", "CbjaxLayerMatmulRope"),
-         ("cbjax_matmul_nt", "CbjaxMatmulNT")),
-    ),
-    "native_tokens.cc": ((), (("cbjax_embed", "CbjaxEmbed"), ("cbjax_greedy", "CbjaxGreedy"))),
-}  # fmt: skip
-HERE = Path(__file__).parent
-HEADERS = ("native_common.h",)  # included by the sources
-
-STALE_S = 30 * 24 * 3600.0  # a build nobody loaded for this long is pruned by the next build
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CBJAX_NATIVE_DIR") or Path.home() / ".cache" / "cbjax" / "native")
-
-
-def _is_gcc(cxx: str) -> bool:
-    """Whether `cxx` is GCC: the sources use GCC's vector extensions (`__builtin_shuffle` with
-    run-time masks), which clang does not build."""
-    try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "clang" not in out.lower()
-
-
-def _compiler() -> Optional[str]:
-    """The first GCC C++ compiler of `CXX`, `g++`, `c++` on PATH; None when there is none."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        path = shutil.which(name) if name else None
-        if path and _is_gcc(path):
-            return path
-    return None
-
-
-def _cpu_features() -> str:
-    """What -march=native compiles for: the CPU's model and flags (a home directory shared by
-    machines with other CPUs gets a library per CPU)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
-    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
-
-
-def _library_path(cxx: str) -> Path:
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    h = hashlib.sha256()
-    parts = [version.encode(), " ".join(COMMON_FLAGS).encode(), metadata.version("jaxlib").encode(),
-             _cpu_features().encode()]  # fmt: skip
-    for name, (flags, targets) in SOURCES.items():
-        parts += [name.encode(), (HERE / name).read_bytes(), " ".join(flags).encode(), repr(targets).encode()]
-    parts += [(HERE / name).read_bytes() for name in HEADERS]
-    for part in parts:
-        h.update(part)
-        h.update(b"\0")
-    return cache_dir() / f"cbjax_native_{h.hexdigest()[:16]}.so"
-
-
-def _build(cxx: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    print("cbjax: building native CPU kernels (first use, ~30 s)...", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as objects:
-        cmds = [[cxx, *COMMON_FLAGS, *flags, f"-I{jax.ffi.include_dir()}", "-c", str(HERE / name),
-                 "-o", str(Path(objects) / f"{name}.o")] for name, (flags, _) in SOURCES.items()]  # fmt: skip
-        link = [cxx, "-shared", *(c[-1] for c in cmds), "-o", tmp]
-        # the sources compile side by side, then link
-        procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for cmd in cmds]
-        results = [(cmd, proc.communicate()[0], proc.returncode) for cmd, proc in procs]
-        link_proc = subprocess.run(link, capture_output=True, text=True) if all(rc == 0 for *_, rc in results) else None
-        if link_proc is not None:
-            results.append((link, link_proc.stderr or link_proc.stdout, link_proc.returncode))
-        for cmd, output, rc in results:
-            if rc != 0:
-                os.unlink(tmp)
-                raise RuntimeError(f"{' '.join(cmd)} failed: {output.strip()[-1500:]}")
-    os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
-    prune(out.parent, keep=out)
-
-
-def _touch(path: Path) -> None:
-    """Mark a build as loaded now (a read-only cache directory just keeps its old time)."""
-    try:
-        os.utime(path)
-    except OSError:
-        pass
-
-
-def prune(directory: Path, keep: Path, now: Optional[float] = None) -> list[Path]:
-    """Delete the builds in `directory` (but `keep`) last loaded over STALE_S ago, and half-written
-    builds (`tmp*.so`) over a day old; returns what it deleted. A library still loaded by a running
-    process stays usable: unlinking a file does not unmap it."""
-    now = time.time() if now is None else now
-    gone = []
-    for path in [*directory.glob("cbjax_native_*.so"), *directory.glob("tmp*.so")]:
-        limit = STALE_S if path.name.startswith("cbjax_native_") else 24 * 3600.0
-        try:
-            if path != keep and now - path.stat().st_mtime > limit:
-                path.unlink()
-                gone.append(path)
-        except OSError:  # another process pruned or replaced it first
-            pass
-    return gone
-
-
-def ensure_registered() -> Optional[str]:
-    """Build (or find) and register the kernel once per process. None when it is ready, else
-    the reason it is not (no compiler, a failed build)."""
-    with _lock:
-        if "error" in _state:
-            return _state["error"]  # type: ignore[return-value]
-        error = None
-        try:
-            cxx = _compiler()
-            if cxx is None:
-                raise RuntimeError("no GCC C++ compiler found (set CXX, or install g++; clang cannot build these sources)")
-            path = _library_path(cxx)
-            if not path.exists():
-                _build(cxx, path)
-            else:
-                _touch(path)
-            lib = ctypes.cdll.LoadLibrary(str(path))
-            for _, targets in SOURCES.values():
-                for target, symbol in targets:
-                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-            lib.cbjax_matmul_tile_columns.restype = ctypes.c_int64
-            _state["tile_columns"] = int(lib.cbjax_matmul_tile_columns())  # for rope_applies
-            _state["lib"] = lib  # keep the library loaded
-        except Exception as exc:  # any failure leaves the XLA backend in charge
-            error = f"the native CPU kernels are unavailable: {exc}"
-        _state["error"] = error
-        return error
-
+from cbjax.kernels.native import build
 
 def single_groups(
     q, pos_ext, q_idx, row, page_table, k_flat, v_flat, page_base, num_pages: int, scale: float, group: int | None = None
@@ -195,9 +27,7 @@ def single_groups(
     [T, kv_heads, group or more, head_dim] whose first `group` entries on axis 2 are the queries
     (the fused q/k/v product, read in place); pos_ext i32[T + 1] (-1 at T, padding's token);
     q_idx i32[capacity], T for a padding group."""
-    error = ensure_registered()
-    if error is not None:
-        raise RuntimeError(f"executor.attention=native: {error}")
+    build.require("executor.attention")
     group = q.shape[2] if group is None else group
     if not 1 <= group <= q.shape[2]:
         raise ValueError(f"single_groups: group {group} must be in [1, {q.shape[2]}] (q's axis 2, shape {q.shape})")
@@ -217,9 +47,7 @@ def block_groups_into(
     concatenation, scatter or transpose after; as `cbjax.kernels.xla_ragged._group_pass`
     computes the block list. q_idx i32[capacity, block]; q may hold more than base's group on
     its axis 2 (the fused q/k/v product); the rest as `single_groups`."""
-    error = ensure_registered()
-    if error is not None:
-        raise RuntimeError(f"executor.attention=native: {error}")
+    build.require("executor.attention")
     if base.ndim != 4 or base.shape[:2] != q.shape[:2] or base.shape[3] != q.shape[3] or base.shape[2] > q.shape[2]:
         raise ValueError(
             f"block_groups_into: base has shape {base.shape}, not q's [tokens, kv_heads, group, head_dim] = {q.shape} "
@@ -238,9 +66,7 @@ def write_kv(qkv: jax.Array, write_idx: jax.Array, layer, k_pages: jax.Array, v_
     then its k, then its v), in place (the caches are aliased to the outputs): as
     `cbjax.model.ops.write_layer` on the sliced k and v, in one call with no copies.
     k_pages, v_pages f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]."""
-    error = ensure_registered()
-    if error is not None:
-        raise RuntimeError(f"executor.attention=native: {error}")
+    build.require("executor.attention")
     if (qkv.ndim != 4 or qkv.shape[2] < 3 or k_pages.ndim != 5 or k_pages.shape != v_pages.shape
             or k_pages.shape[1] != qkv.shape[1] or k_pages.shape[4] != qkv.shape[3] or write_idx.shape != qkv.shape[:1]
             or k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32):  # fmt: skip
@@ -299,9 +125,7 @@ def layer_matmul(
     multiplied, the others give zeros (a step's padding tokens); None: all. `norm` (one-axis x):
     x's rows normed first, as `scale * (x * factor)` in f32; `residual` [..., *out]: added to the
     product as it is stored (`residual + x @ W`, one f32 add): no XLA op before or after."""
-    error = ensure_registered()
-    if error is not None:
-        raise RuntimeError(f"executor.matmul=native: {error}")
+    build.require("executor.matmul")
     in_shape, out_shape = w.shape[1 : 1 + num_in], w.shape[1 + num_in :]
     k, n, p = _panel_dims(w.shape, num_in, 1)
     if x.shape[x.ndim - num_in :] != in_shape or x.dtype != jnp.float32 or w.dtype != jnp.float32:
@@ -335,9 +159,7 @@ def layer_matmul_glu(
     activation computed as the product's tiles leave the registers (no [..., 2, ffn] product in
     memory, no XLA op after). As `jax.nn.silu(gate) * up` up to f32 rounding; `live`, `norm` and
     the order of sums as `layer_matmul`'s."""
-    error = ensure_registered()
-    if error is not None:
-        raise RuntimeError(f"executor.matmul=native: {error}")
+    build.require("executor.matmul")
     if not glu_applies(w.shape) or x.shape[-1] != w.shape[1] or x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"layer_matmul_glu: x {x.dtype}{list(x.shape)} and w {w.dtype}{list(w.shape)} must be "
                          f"[..., k] and [layers, k, 2, ffn] (ffn a multiple of {PANEL}), both float32")  # fmt: skip
@@ -356,9 +178,9 @@ def rope_applies(w_shape: tuple[int, ...], head_dim: int) -> bool:
     kv_heads, group + 2, head_dim]: its columns in whole panels and column tiles, and head_dim
     even and dividing the kernel's column tile (so a head's halves meet in one tile). False
     where the kernels do not build."""
-    if ensure_registered() is not None or len(w_shape) != 5 or w_shape[-1] != head_dim:
+    if build.ensure_registered() is not None or len(w_shape) != 5 or w_shape[-1] != head_dim:
         return False
-    tile = _state["tile_columns"]
+    tile = build.tile_columns()
     n = int(np.prod(w_shape[2:]))
     return n % PANEL == 0 and n % tile == 0 and head_dim % 2 == 0 and tile % head_dim == 0
 
@@ -373,9 +195,7 @@ def layer_matmul_rope(
     kv_heads, group + 2, head_dim] f32 in panel order (`to_panels`); cos and sin f32[...,
     head_dim] (`cbjax.model.llama.rope_tables`). As `rope` after `layer_matmul` up to f32
     rounding; `live`, `norm` and the order of sums as `layer_matmul`'s."""
-    error = ensure_registered()
-    if error is not None:
-        raise RuntimeError(f"executor.matmul=native: {error}")
+    build.require("executor.matmul")
     head_dim = w.shape[-1]
     if (not rope_applies(w.shape, head_dim) or x.shape[-1] != w.shape[1] or cos.shape != (*x.shape[:-1], head_dim)
             or sin.shape != cos.shape or x.dtype != jnp.float32 or w.dtype != jnp.float32):
@@ -413,9 +233,7 @@ def matmul_nt(x: jax.Array, w: jax.Array, live: jax.Array | int | None = None) -
     output sums its lanes' residues of k in order, then the lanes in a tree (16 columns' sums
     folded together by shuffle-add stages; columns past the last whole 16 in lane order), then
     the k % lanes tail: the same alone or in a batch. `live` as `layer_matmul`'s."""
-    error = ensure_registered()
-    if error is not None:
-        raise RuntimeError(f"executor.matmul=native: {error}")
+    build.require("executor.matmul")
     if w.ndim != 2 or x.shape[-1] != w.shape[1] or x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"matmul_nt: x {x.dtype}{list(x.shape)} does not contract with w {w.dtype}{list(w.shape)} "
                          f"on their last axes (both float32)")  # fmt: skip
@@ -430,9 +248,7 @@ def greedy(logits: jax.Array, live: jax.Array | int | None = None) -> jax.Array:
     of its logits is NaN or infinite, 0 for the rows after (`native_tokens.cc`). As
     `cbjax.model.ops.first_argmax` with `mark_non_finite`, in one vectorized pass per
     row where XLA:CPU runs three scalar reductions."""
-    error = ensure_registered()
-    if error is not None:
-        raise RuntimeError(f"executor.matmul=native: {error}")
+    build.require("executor.matmul")
     if logits.ndim != 2 or logits.shape[1] < 1:
         raise ValueError(f"greedy: logits must be [rows, vocab] with vocab >= 1, got shape {logits.shape}")
     rows = logits.shape[0]
@@ -444,9 +260,7 @@ def embed(table: jax.Array, tokens: jax.Array, feed: jax.Array, prev: jax.Array)
     """f32[T, d]: the embedding table's row for each token, where a token with feed >= 0 is the
     previous step's output `prev[feed]` (`native_tokens.cc`). As
     `table[jnp.where(feed >= 0, prev[feed], tokens)]`, without XLA's threads."""
-    error = ensure_registered()
-    if error is not None:
-        raise RuntimeError(f"executor.matmul=native: {error}")
+    build.require("executor.matmul")
     if table.ndim != 2 or table.dtype != jnp.float32 or tokens.ndim != 1 or feed.shape != tokens.shape or prev.ndim != 1:
         raise ValueError(f"embed: table must be float32 [vocab, d], tokens and feed [T], prev [R]; got table "
                          f"{table.dtype}{list(table.shape)}, tokens {list(tokens.shape)}, feed {list(feed.shape)}, "

@@ -8,7 +8,7 @@ import itertools
 from typing import Iterator, Optional
 
 from cbjax.core.request import Request, Status
-from cbjax.scheduler.policy import Policy, SchedulerView
+from cbjax.scheduler.policy import QueuedPolicy, SchedulerView
 
 
 class RankedQueue:
@@ -40,7 +40,7 @@ class RankedQueue:
         return (entry[2] for entry in sorted(self._heap))
 
 
-class RankedPolicy(Policy):
+class RankedPolicy(QueuedPolicy):
     """Serves the waiting request of lowest `rank` first, first come first served among equals.
 
     A request's rank is read when it is queued, so it must not change while the request waits.
@@ -54,8 +54,7 @@ class RankedPolicy(Policy):
     preempts = False
 
     def __init__(self, cfg):
-        super().__init__(cfg)
-        self._queue = RankedQueue()
+        super().__init__(cfg, RankedQueue())
         self._num_requeued = itertools.count()
         self._victims: Optional[_Victims] = None
 
@@ -69,21 +68,6 @@ class RankedPolicy(Policy):
 
     def requeue(self, request: Request) -> None:
         self._queue.push((self.rank(request), 0, -next(self._num_requeued)), request)
-
-    def peek(self) -> Optional[Request]:
-        return self._queue.peek()
-
-    def pop(self) -> Request:
-        return self._queue.pop()
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
 
     # ---- decisions ----
     def victim_key(self, request: Request) -> tuple:
