@@ -7,8 +7,8 @@ The configurations are every paper reproduction (`experiment=NAME`), the shipped
 trace and `static_vs_continuous`, each through the `cbjax` command line of the tree, so a
 refactor's results can be checked against an earlier commit's (a `git worktree` of it).
 Fields that measure this machine rather than the simulated system (wall time, host time of
-the scheduler) are left out of the comparison. `--set KEY=VALUE` pins an override in every
-run (a default that changed between the trees).
+the scheduler) are left out of the comparison, as are fields B added that are empty (null).
+`--set KEY=VALUE` pins an override in every run (a default that changed between the trees).
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def diff(a, b, path: str = "") -> list[str]:
         for key in sorted(set(a) | set(b)):
             if _host_field(key):
                 continue
+            if key not in a and b[key] is None:
+                continue  # a field added since A, empty here: no result changed
             if key not in a or key not in b:
                 out.append(f"{path}.{key}: only in {'B' if key not in a else 'A'}")
                 continue

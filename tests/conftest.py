@@ -146,12 +146,13 @@ class ContentCheckingExecutor(CheckingExecutor):
         for req in self.scheduler.requests_of(plan):
             seq = req.prompt_ids() + req.output_token_ids
             table = self.scheduler.allocator.page_tables[req.request_id]
-            # generated tokens the simulator never materialized are ("sim", request, position)
-            seq += [("sim", req.request_id, pos) for pos in range(len(seq), req.num_tokens)]
+            # generated tokens the simulator never materialized are ("sim", request, position);
+            # a decode stretch's steps each write one more (`Schedule.num_steps`)
+            end = req.num_computed + req.num_new_tokens + plan.num_steps - 1
+            seq += [("sim", req.request_id, pos) for pos in range(len(seq), max(req.num_tokens, end))]
             for pos in range(req.num_computed):
                 got = self.pages.get(table[pos // ps], [None] * ps)[pos % ps]
                 assert got == seq[pos], f"request {req.request_id}: position {pos} holds {got}, not {seq[pos]}"
-            end = req.num_computed + req.num_new_tokens
             for pos in range(req.num_computed, end):
                 self.pages.setdefault(table[pos // ps], [None] * ps)[pos % ps] = seq[pos]
             out.append((sum(seq[:end]) * 31 + end) % 97 if self.tokens else 0)

@@ -42,11 +42,11 @@ class PolicyCheckingExecutor(CheckingExecutor):
         return super().execute(plan)
 
 
-def run(cfg_kw, requests, num_slots, cache=BIG_CACHE, max_model_len=100_000, executor=None, **sched_kw):
+def run(cfg_kw, requests, num_slots, cache=BIG_CACHE, max_model_len=100_000, executor=None, stretches=True, **sched_kw):
     cfg = SchedulerConfig(max_num_seqs=num_slots, **{**LOOSE, **sched_kw, **cfg_kw})
     sched = Scheduler(cfg, cache, max_model_len)
     ex = (executor or PolicyCheckingExecutor)(sched)
-    return serve(requests, sched, ex), sched, ex
+    return serve(requests, sched, ex, stretches=stretches), sched, ex
 
 
 def finish_times(requests):
@@ -249,7 +249,7 @@ def test_mlfq_demotion_by_hand(preempt):
     #   no preempt: A runs 0->10 (queue 0 for iterations 0-1, 1 for 2-5, 2 for 6-9), B 10->13.
     a, b = make_requests([10, 3], prompt_lens=[2, 2], arrivals=[0.0, 0.5])
     cfg_kw = dict(name="mlfq", mlfq_num_queues=3, mlfq_base_quantum=2, mlfq_preempt=preempt)
-    _, sched, rec = run(cfg_kw, [a, b], 1, executor=LevelRecorder)
+    _, sched, rec = run(cfg_kw, [a, b], 1, executor=LevelRecorder, stretches=False)  # a plan per step, observed
     if preempt:
         assert rec.levels["0"] == {0: 0, 1: 0, 5: 1, 6: 1, 7: 1, 8: 1, 9: 2, 10: 2, 11: 2, 12: 2}
         assert rec.levels["1"] == {2: 0, 3: 0, 4: 1}

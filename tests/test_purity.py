@@ -86,24 +86,28 @@ def test_the_profiled_model_reads_its_context_and_nothing_else(tmp_path):
 
 
 class PlanRecorder:
-    """Wraps `Scheduler.schedule`: keeps each plan and a deep copy taken as the scheduler returns it."""
+    """Wraps `Scheduler.schedule` and `schedule_stretch`: keeps each plan and a deep copy taken
+    as the scheduler returns it."""
 
     def __init__(self, monkeypatch):
         self.plans = []
-        real = Scheduler.schedule
+        for name in ("schedule", "schedule_stretch"):
+            monkeypatch.setattr(Scheduler, name, self._recording(getattr(Scheduler, name)))
 
-        def schedule(sched, now):
-            plan = real(sched, now)
+    def _recording(self, real):
+        def write(sched, *args):
+            plan = real(sched, *args)
             self.plans.append((plan, copy.deepcopy(plan)))
             return plan
 
-        monkeypatch.setattr(Scheduler, "schedule", schedule)
+        return write
 
     def check(self) -> int:
+        """The steps the plans held (a decode stretch's plan holds several)."""
         assert self.plans
         for plan, written in self.plans:
             assert plan == written, f"plan {written.step_id} changed after it was written"
-        return len(self.plans)
+        return sum(plan.num_steps for plan, _ in self.plans)
 
 
 def small_run(**kw) -> RunConfig:

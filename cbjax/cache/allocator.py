@@ -222,9 +222,14 @@ class PageAllocator:
         self.num_stored_tokens -= self._stored.pop(request_id)
         del self._num_hashed[request_id]
         if not self.prefix_caching:
-            for page in table:
-                self._is_free[page] = 1
-            self._num_free += len(table)
+            is_free = self._is_free
+            first, n = table[0] if table else 0, len(table)
+            if n and table[-1] - first == n - 1 and table == list(range(first, first + n)):
+                is_free[first : first + n] = b"\1" * n  # one stretch (placement's aim): one copy
+            else:
+                for page in table:
+                    is_free[page] = 1
+            self._num_free += n
             return
         # Tail first, so a sequence's last pages are evicted before the prefix they extend.
         for page in reversed(table):

@@ -87,7 +87,9 @@ class ClusterSim(ClusterBase):
         self._on_finish = on_finish
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         loops = [replica.loop for replica in self.replicas]
-        interrupted = drive(loops, pending, self._arrive, events=self._events, stop=stop)
+        # P/D's events are the only way one replica's steps reach another's
+        events = self._events if self.cfg.cluster.disaggregated else None
+        interrupted = drive(loops, pending, self._arrive, events=events, stop=stop)
         if interrupted:
             self._stop(list(pending))
         return self._result(list(requests), interrupted, time.perf_counter() - wall0)

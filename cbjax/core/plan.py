@@ -50,6 +50,11 @@ class Schedule:
     Swaps run before the step, swap-outs first: `swap_out` holds (request id, its pages whose
     contents go to host memory), `swap_in` (request id, the new pages its host copy returns
     to), pages in sequence order. A page freed by a swap-out may be a swap-in's destination.
+
+    A decode stretch (`num_steps` > 1, simulated tokens only) is that many steps in a row of
+    the same decodes, each a token further: step j processes every row's token at
+    `num_computed + j`, and is plan `step_id + j`. Nothing arrives, finishes before the last
+    step, or takes a page between them (`cbjax.scheduler.stretch`).
     """
 
     num_slots: int
@@ -64,6 +69,7 @@ class Schedule:
     # they differ from `scheduled`: a padded static batch computes every row of its batch at
     # the batch's padded length, finished rows included. None: exactly `scheduled`.
     padded_rows: Optional[list[tuple[int, int, bool]]] = None
+    num_steps: int = 1
 
     def cost_rows(self) -> list[tuple[int, int, bool]]:
         """(num_new_tokens, num_context_tokens, is_decode) per row the step computes, for cost

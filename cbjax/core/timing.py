@@ -9,15 +9,14 @@ virtual clock fills in (`cbjax.sim.timeline.Timeline`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
 
 from cbjax.core.plan import Schedule
 
 
-@dataclass(frozen=True)
-class StepContext:
-    """What a step meets when it is launched, as its timeline saw it."""
+class StepContext(NamedTuple):
+    """What a step meets when it is launched, as its timeline saw it. (A named tuple: one is
+    made per step, and a frozen dataclass costs several times more to build.)"""
 
     # rows of the step still running when this one is launched (a pipelined loop plans a step
     # while the one before it runs); 0: nothing in flight
@@ -32,9 +31,8 @@ class StepContext:
 NO_CONTEXT = StepContext()
 
 
-@dataclass(frozen=True)
-class StepTime:
-    """One step's seconds, by where they are spent.
+class StepTime(NamedTuple):
+    """One step's seconds, by where they are spent (a named tuple: one is made per step).
 
     Run to completion, a step takes `total_s`: its device work, the KV copies before it, and
     the serving stack's host time around it. A pipelined loop also needs `launch_s`, its host

@@ -33,6 +33,7 @@ class Clock:
     """Seconds since the loop started. A subclass says how a step's span is found."""
 
     virtual = False  # time jumps over idle gaps (`advance_to`)
+    stretches = False  # it runs decode stretches (`run_stretch`): a virtual, unpaced clock
     paced = False  # a virtual clock that follows the wall clock
     pipelines = False  # it can run a pipelined executor's steps (`launch`, `collect`)
 
@@ -115,6 +116,16 @@ class VirtualClock(Clock):
         duration, end = self.timeline.run(plan, start)
         self._now = self.last_end = end
         return out, duration, end
+
+    @property
+    def stretches(self) -> bool:
+        return not self.paced and self.timeline.stretches
+
+    def run_stretch(self, start: float, durations: list[float]) -> list[float]:
+        """A decode stretch's steps from `start`, priced already: their ends."""
+        ends = self.timeline.run_stretch(start, durations)
+        self._now = self.last_end = ends[-1]
+        return ends
 
     def launch(self, executor: Executor, plan: Schedule, start: float) -> Any:
         return executor.execute(plan), self.timeline.launch(plan, start)

@@ -72,6 +72,23 @@ def drive(
 
 def _drive_virtual(loops, pending, admit, events, stop, max_iterations) -> bool:
     first = loops[0].stats
+    order = {id(loop): i for i, loop in enumerate(loops)}
+    # the loops with work, by their next iteration's time (then replica order); an entry is
+    # current while `queued` holds its time for that loop
+    ready: list[tuple[float, int, EngineLoop]] = []
+    queued: dict[int, float] = {}
+
+    def enqueue(loop: EngineLoop) -> None:
+        if loop.has_work():
+            t = loop.clock.now()
+            if queued.get(id(loop)) != t:
+                queued[id(loop)] = t
+                heapq.heappush(ready, (t, order[id(loop)], loop))
+        else:
+            queued.pop(id(loop), None)
+
+    for loop in loops:
+        enqueue(loop)
     while True:
         if stop is not None and stop.is_set():
             # what arrived by the time the run stopped was there: it ends aborted, not unarrived
@@ -79,16 +96,11 @@ def _drive_virtual(loops, pending, admit, events, stop, max_iterations) -> bool:
             while pending and pending[0].arrival_s <= t:
                 admit(pending.popleft(), t)
             return True
+        while ready and queued.get(id(ready[0][2])) != ready[0][0]:
+            heapq.heappop(ready)  # out of date
+        t_step = ready[0][0] if ready else _INF
         t_event = events.next_time() if events is not None else _INF
         t_arrival = pending[0].arrival_s if pending else _INF
-        loop, t_step, t_other = None, _INF, _INF
-        for candidate in loops:
-            if candidate.has_work():
-                t = candidate.clock.now()
-                if t < t_step:
-                    loop, t_other, t_step = candidate, t_step, t
-                elif t < t_other:
-                    t_other = t
         if (t_event <= t_step or t_arrival <= t_step) and (t_event < _INF or t_arrival < _INF):
             if t_event <= t_arrival:
                 target, t = events.pop(), t_event
@@ -97,18 +109,31 @@ def _drive_virtual(loops, pending, admit, events, stop, max_iterations) -> bool:
                 target = admit(pending.popleft(), t)
             if target is not None:
                 target.clock.advance_to(t)
+                enqueue(target)
             continue
-        if loop is None:
+        if not ready:
             return False
-        # run the loop's iterations while each starts before every other event
+        _, _, loop = heapq.heappop(ready)
+        del queued[id(loop)]
+        while ready and queued.get(id(ready[0][2])) != ready[0][0]:
+            heapq.heappop(ready)
+        t_other = ready[0][0] if ready else _INF
+        # run the loop's iterations while each starts before every other event; a decode stretch
+        # may run past the other loops' next steps when nothing they do reaches this one (no
+        # cluster events), but never past an arrival or an event
         t_next = min(t_event, t_arrival, t_other)
+        until = t_next if events is not None else min(t_event, t_arrival)
         while True:
-            if max_iterations is not None and first.iterations >= max_iterations:
-                return False
-            loop.step()
+            max_steps = None
+            if max_iterations is not None:
+                if first.iterations >= max_iterations:
+                    return False
+                max_steps = max_iterations - first.iterations if loop is loops[0] else None
+            loop.step(until, max_steps)
             loop.boundary()
             if not loop.has_work() or loop.clock.now() >= t_next or (stop is not None and stop.is_set()):
                 break
+        enqueue(loop)
 
 
 def _drive_wall(loops, pending, admit, stop, max_iterations) -> bool:

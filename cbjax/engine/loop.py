@@ -24,13 +24,15 @@ from typing import Callable, Optional
 from cbjax.core.executor import Executor
 from cbjax.core.plan import Schedule
 from cbjax.core.request import FinishReason, Request
-from cbjax.core.results import LoadCounts, RunResult
+from cbjax.core.results import RunResult
 from cbjax.engine.clock import make_clock
 from cbjax.engine.intake import Intake
-from cbjax.engine.stats import ProgressBar, StatsRecorder
+from cbjax.engine.stats import ProgressBar, StatsRecorder, TokenReporter
+from cbjax.engine.stretch import run_stretch
 from cbjax.scheduler.core import Scheduler
 
 _perf_counter = time.perf_counter
+_INF = float("inf")
 
 
 class EngineLoop:
@@ -50,36 +52,32 @@ class EngineLoop:
         total: Optional[int] = None,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        stretches: bool = True,
     ):
         self.scheduler, self.executor = scheduler, executor
         self.clock = make_clock(executor, pace, clock, sleep)
         self.intake = Intake(self.clock)
         self.pipelined = executor.pipelined and self.clock.pipelines
+        # decode stretches (`cbjax.engine.stretch`): a virtual clock, one step at a time, no token callback
+        self.stretches = stretches and not self.pipelined and on_token is None and self.clock.stretches
+        self._simulated = False  # the last step's tokens were simulated (None)
         scheduler.plan_token_ids = executor.reads_token_ids
-        self.on_step, self.on_token, self.on_finish, self.tick = on_step, on_token, on_finish, tick
+        self.on_step, self.on_finish, self.tick = on_step, on_finish, tick
+        self.tokens = TokenReporter(on_token, not executor.virtual_clock) if on_token is not None else None
         self.recorder = StatsRecorder(scheduler)
         self.stats = self.recorder.stats
         self.requests: list[Request] = []  # every request that entered, in order of entry
         self._bar = ProgressBar(total) if progress else None
         self._num_seen = 0  # scheduler.finished[:_num_seen] went to on_finish
         self._inflight = None  # pipelined: (plan, clock handle, batched tokens, iteration, requests)
-        self._emitted: dict[Request, int] = {}  # on_token: tokens reported so far per request
 
-    # ---- time and load ----
+    # ---- time ----
     def now(self) -> float:
         return self.clock.now()
 
     @property
     def last_end(self) -> float:
         return self.clock.last_end
-
-    def counts(self) -> LoadCounts:
-        """The scheduler's load now (from another thread: a racy read of list lengths and
-        counters, which may see an iteration half done but never a torn number)."""
-        sched = self.scheduler
-        alloc = sched.allocator
-        return LoadCounts(len(sched.running), len(sched.policy), alloc.num_used_pages, alloc.num_usable_pages,
-                          sched.num_preemptions)  # fmt: skip
 
     # ---- intake ----
     def add(self, req: Request, now: Optional[float] = None) -> None:
@@ -108,7 +106,8 @@ class EngineLoop:
         finished = self.scheduler.finished
         if len(finished) > self._num_seen:
             for req in finished[self._num_seen :]:
-                self._emitted.pop(req, None)
+                if self.tokens is not None:
+                    self.tokens.forget(req)
                 if self.on_finish is not None:
                     self.on_finish(req)
             self._num_seen = len(finished)
@@ -117,8 +116,10 @@ class EngineLoop:
     def has_work(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
 
-    def step(self) -> bool:
-        """Run one iteration (or land the step in flight); False when there is nothing to do."""
+    def step(self, until: float = _INF, max_steps: Optional[int] = None) -> bool:
+        """Run one iteration (or land the step in flight); False when there is nothing to do.
+        On a virtual clock with no token callback, the steps of a decode stretch that start
+        before `until` (at most `max_steps`) run as one (`cbjax.engine.stretch`)."""
         sched, stats = self.scheduler, self.stats
         if self._inflight is not None and (not sched.has_work() or sched.needs_sync()):
             self._land()  # nothing to overlap with, or the next plan may preempt: tokens first
@@ -126,6 +127,8 @@ class EngineLoop:
         if not sched.has_work():
             return False
         start = self.clock.now()
+        if self.stretches and self._simulated and until > start and run_stretch(self, start, until, max_steps):
+            return True
         t_sched = _perf_counter()
         plan = sched.schedule(start)
         stats.schedule_s += _perf_counter() - t_sched
@@ -149,6 +152,7 @@ class EngineLoop:
             self._inflight = (plan, handle, batched, stats.iterations, requests)
             return True
         out, busy, end = self.clock.run(self.executor, plan, start)
+        self._simulated = out.token_ids is None  # a stretch needs tokens that are simulated
         stats.busy_s += busy
         t_post = _perf_counter()
         done = sched.postprocess(plan, out.token_ids, end, out.errors)
@@ -169,29 +173,19 @@ class EngineLoop:
         self.stats.postprocess_s += _perf_counter() - t_post
         self._finished(plan, batched, done, iteration, now, requests)
 
+    def finished_steps(self, plan, batched, done, ends, requests) -> None:
+        """A decode stretch's steps (`cbjax.engine.stretch`) are done: report them as one."""
+        self._finished(plan, batched, done, self.stats.iterations, ends, requests)
+
     def _finished(self, plan, batched, done, iteration, end, requests) -> None:
         if done:
             self.recorder.ended(done, iteration)
-        if self.on_token is not None and self._emit_tokens(requests, end) and self.tick is not None:
+        if self.tokens is not None and self.tokens.report(requests, end) and self.tick is not None:
             self.tick()
         if self.on_step is not None:
             self.on_step(plan, end, batched, requests)
         if self._bar is not None:
             self._bar.update(len(self.scheduler.finished))
-
-    def _emit_tokens(self, requests: list[Request], now: float) -> bool:
-        """Report the requests' new tokens; True if there were any."""
-        real = not self.executor.virtual_clock
-        emitted, any_new = self._emitted, False
-        for req in requests:
-            have = len(req.output_token_ids) if real else req.num_generated
-            sent = emitted.get(req, 0)
-            if have > sent:
-                for k in range(sent, have):
-                    self.on_token(req, req.output_token_ids[k] if real else None, now)
-                emitted[req] = have
-                any_new = True
-        return any_new
 
     # ---- the end ----
     def settle(self) -> None:
@@ -228,8 +222,6 @@ class EngineLoop:
     def result(self, interrupted: bool = False) -> RunResult:
         """The run so far, for summary.json and requests.jsonl."""
         sched = self.scheduler
-        if self._bar is not None:
-            self._bar.update(len(sched.finished))
         return RunResult(
             requests=list(self.requests), stats=self.stats, num_slots=sched.max_num_seqs,
             makespan_s=self.clock.last_end, preemptions=sched.num_preemptions,
@@ -239,6 +231,7 @@ class EngineLoop:
 
     def close(self) -> None:
         if self._bar is not None:
+            self._bar.update(len(self.scheduler.finished))
             self._bar.close()
             self._bar = None
 

@@ -30,14 +30,17 @@ def serve(
     pace: str = "none",
     clock: Callable[[], float] = time.perf_counter,
     sleep: Callable[[float], None] = time.sleep,
+    stretches: bool = True,
 ) -> RunResult:
     """Serve `requests` (any order) offline, each at its `arrival_s`; every request ends with a
     fate. `stop` is checked at each iteration boundary (and while idle): once set, the loop
     ends, what had arrived and is unfinished is aborted, and what had not arrived ends as
-    `not_arrived`. `max_iterations` caps the run the same way."""
+    `not_arrived`. `max_iterations` caps the run the same way. `stretches=False` plans (and
+    hands the executor) every step of a decode stretch on its own (`cbjax.engine.stretch`):
+    the same results, more slowly."""
     loop = EngineLoop(
         scheduler, executor, pace=pace, on_step=on_step, on_finish=on_finish, tick=tick,
-        progress=progress, total=len(requests), clock=clock, sleep=sleep,
+        progress=progress, total=len(requests), clock=clock, sleep=sleep, stretches=stretches,
     )  # fmt: skip
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     loop.clock.restart()

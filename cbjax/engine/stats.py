@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from cbjax.core.plan import Schedule
 from cbjax.core.request import Request
@@ -20,7 +20,10 @@ class StatsRecorder:
         self._pool_slots = alloc.num_usable_pages * alloc.page_size
 
     def planned(self, plan: Schedule) -> int:
-        """The iteration's counters, as the plan leaves the scheduler; returns its batched tokens."""
+        """The iteration's counters, as the plan leaves the scheduler; returns its batched tokens
+        (per step, for a decode stretch)."""
+        if plan.num_steps > 1:
+            return self._planned_stretch(plan)
         stats, sched = self.stats, self.scheduler
         alloc = sched.allocator
         scheduled = plan.scheduled
@@ -47,11 +50,69 @@ class StatsRecorder:
             stats.batch_peak = num_scheduled
         return batched
 
+    def _planned_stretch(self, plan: Schedule) -> int:
+        """A decode stretch's steps, counted as `planned` counts each step when it leaves the
+        scheduler. The stretch's plan stores all its steps' tokens at once; before step j of n,
+        (n - 1 - j) tokens a row less were stored, and nothing else of the pool moves."""
+        stats, sched = self.stats, self.scheduler
+        alloc = sched.allocator
+        rows = len(plan.scheduled)
+        n = plan.num_steps
+        used = alloc.num_used_pages
+        token, reserved, internal, external, free = sched.kv_breakdown()
+        stored = alloc.num_stored_tokens
+        capacity = used * alloc.page_size
+        sums, pool = stats.kv_share_sums, self._pool_slots
+        for j in range(n):
+            behind = (n - 1 - j) * rows
+            stats.iterations += 1
+            stats.occupied_slot_iterations += rows
+            stats.batched_tokens += rows
+            stats.pages_used_sum += used
+            stats.kv_util_sum += (stored - behind) / capacity if used else 1.0
+            sums[0] += (token - behind) / pool
+            sums[1] += (reserved + behind) / pool
+            sums[2] += internal / pool
+            sums[3] += external / pool
+            sums[4] += free / pool
+        if used > stats.pages_used_peak:
+            stats.pages_used_peak = used
+        if rows > stats.batch_peak:
+            stats.batch_peak = rows
+        return rows
+
     def ended(self, done: list[Request], iteration: int) -> None:
         """The requests a step finished, at its iteration (1-based)."""
         finish_iteration = self.stats.finish_iteration
         for req in done:
             finish_iteration[req.request_id] = iteration
+
+
+class TokenReporter:
+    """Hands each request's new tokens to `on_token(request, token_id, now)` as steps end;
+    `real`: the executor's tokens (else simulated: None each)."""
+
+    def __init__(self, on_token: Callable[[Request, Optional[int], float], None], real: bool):
+        self.on_token, self.real = on_token, real
+        self._sent: dict[Request, int] = {}  # tokens reported so far per request
+
+    def report(self, requests: list[Request], now: float) -> bool:
+        """Report the requests' new tokens; True if there were any."""
+        real, sent, on_token = self.real, self._sent, self.on_token
+        any_new = False
+        for req in requests:
+            have = len(req.output_token_ids) if real else req.num_generated
+            done = sent.get(req, 0)
+            if have > done:
+                for k in range(done, have):
+                    on_token(req, req.output_token_ids[k] if real else None, now)
+                sent[req] = have
+                any_new = True
+        return any_new
+
+    def forget(self, req: Request) -> None:
+        """The request ended: nothing more of it is reported."""
+        self._sent.pop(req, None)
 
 
 class ProgressBar:

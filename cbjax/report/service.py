@@ -50,12 +50,37 @@ class ServiceLog:
         self._prompt_done: dict[Request, int] = {}
         self._generated: dict[Request, int] = {}
 
-    def on_step(self, plan: Schedule, end_s: float, num_batched_tokens: int, requests: list[Request]) -> None:
+    def on_step(self, plan: Schedule, end_s, num_batched_tokens: int, requests: list[Request]) -> None:
         """Record one iteration after `Scheduler.postprocess` has run on `plan`, whose
-        scheduled requests are `requests`."""
+        scheduled requests are `requests`; a decode stretch (`plan.num_steps` > 1, `end_s` the
+        steps' ends) records each of its steps."""
+        if plan.num_steps > 1:
+            self._stretch(len(plan.scheduled), end_s, num_batched_tokens, requests)
+            return
+        self._step(len(plan.scheduled), end_s, num_batched_tokens, requests)
+
+    def _stretch(self, rows: int, ends, num_batched_tokens: int, requests: list[Request]) -> None:
+        """A decode stretch's steps: in each but the last every request generated one token and
+        none ended (`cbjax.scheduler.stretch`); the last is an ordinary step."""
+        counts: dict[str, int] = {}  # client -> its requests, in order of first appearance
+        for req in requests:
+            counts[req.client_id] = counts.get(req.client_id, 0) + 1
+        for end in ends[:-1]:
+            it = len(self.end_s)
+            self.end_s.append(end)
+            self.batch.append(rows)
+            self.batched_tokens.append(num_batched_tokens)
+            for client, n in counts.items():
+                self.events.append((it, client, 0, n))
+        generated = self._generated
+        for req in requests:
+            generated[req] = req.num_generated - 1
+        self._step(rows, ends[-1], num_batched_tokens, requests)
+
+    def _step(self, rows: int, end_s: float, num_batched_tokens: int, requests: list[Request]) -> None:
         it = len(self.end_s)
         self.end_s.append(end_s)
-        self.batch.append(len(plan.scheduled))  # plan.num_scheduled
+        self.batch.append(rows)
         self.batched_tokens.append(num_batched_tokens)
         prompt_done, generated = self._prompt_done, self._generated
         served: Optional[dict[str, list[int]]] = None  # client -> [prompt, generated], once a 2nd client serves

@@ -10,12 +10,14 @@ from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.core.plan import Schedule
 from cbjax.core.request import FinishReason, Request, Status
+from cbjax.core.results import LoadCounts
 from cbjax.scheduler.intake import rejection_reason
 from cbjax.scheduler.output import PlanWriter
 from cbjax.scheduler.planning import Planner
 from cbjax.scheduler.policy import PolicyContract, make_policy
 from cbjax.scheduler.results import StepResults
 from cbjax.scheduler.running import RunningSet
+from cbjax.scheduler.stretch import DecodeStretch
 from cbjax.scheduler.view import PolicyView
 from cbjax.scheduler.waiting import WaitingQueue
 
@@ -87,6 +89,10 @@ class Scheduler:
             cfg, self.running_set, self.waiting, self.policy, self.view, self.allocator, self.prefix, self.writer,
             self.reserve_tokens, self.results,
         )  # fmt: skip
+        # static padding charges every plan its batch's padded rows: no stretch writes those
+        self.stretch = None if cfg.static_padding else DecodeStretch(
+            self.running_set, self.writer, self.policy, self.allocator, self.token_budget
+        )  # fmt: skip
 
     # what the parts hold, read (and where settable, written) as the scheduler's own
     running = _delegate("running_set.running", "The running requests, in admission order.")
@@ -118,6 +124,13 @@ class Scheduler:
         if self.allocation == "reserve_pow2":
             return min(req.prompt_len + (1 << max(0, out - 1).bit_length()), self.max_model_len) - 1
         return min(req.prompt_len + req.sampling.max_tokens, self.max_model_len) - 1
+
+    def load(self) -> LoadCounts:
+        """The load now (from another thread: a racy read of list lengths and counters, which
+        may see an iteration half done but never a torn number)."""
+        alloc = self.allocator
+        return LoadCounts(len(self.running_set.running), len(self.policy), alloc.num_used_pages,
+                          alloc.num_usable_pages, self.planner.num_preemptions)  # fmt: skip
 
     def kv_breakdown(self) -> tuple[int, int, int, int, int]:
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
@@ -207,8 +220,27 @@ class Scheduler:
 
     # ---- one iteration ----
     def schedule(self, now: float) -> Schedule:
-        """The next iteration's plan (`Planner.plan`)."""
+        """The next iteration's plan: a decode stretch's next (`DecodeStretch`), or planned
+        (`Planner.plan`); either way the same plan."""
+        if self.stretch is not None:
+            plan = self.stretch.next_plan(now)
+            if plan is not None:
+                self.planner.continued()
+                return plan
         return self.planner.plan(now)
+
+    def stretch_steps(self, now: float) -> tuple[Optional[Schedule], int]:
+        """The next decode stretch: (a one-step plan of its first step, not written, and how many
+        steps it holds), or (None, 0) (`DecodeStretch.steps`)."""
+        if self.stretch is None:
+            return None, 0
+        return self.stretch.steps(now)
+
+    def schedule_stretch(self, now: float, num_steps: int) -> Schedule:
+        """The next `num_steps` steps of the decode stretch as one plan (`Schedule.num_steps`)."""
+        plan = self.stretch.write(now, num_steps)
+        self.planner.continued()
+        return plan
 
     def cache_stats(self) -> dict:
         """Prefix-cache and swap counters for summary.json (hit rate: `PrefixCache.hit_rate`)."""
@@ -247,15 +279,19 @@ class Scheduler:
 
     # ---- a step's results (`StepResults`) ----
     def postprocess(
-        self, plan: Schedule, token_ids: Optional[Sequence[int]], now: float, errors: Optional[dict[int, str]] = None
+        self, plan: Schedule, token_ids: Optional[Sequence[int]], now: float, errors: Optional[dict[int, str]] = None,
+        ends: Optional[Sequence[float]] = None,
     ) -> list[Request]:
         """Record one new token per scheduled request; retire the finished. Returns them.
 
         `token_ids` follows `plan.scheduled` order; None means simulated tokens. `errors` maps
         an index into `plan.scheduled` to why its step failed: that request ends with reason
-        `error` (its token and this step's K/V are dropped) and the others go on."""
+        `error` (its token and this step's K/V are dropped) and the others go on. A decode
+        stretch (`plan.num_steps` > 1) gives each request a token per step, at `ends`."""
         results = self.results
-        if errors or token_ids is not None:  # the two halves of `StepResults`, back to back
+        if plan.num_steps > 1:
+            done = results.simulated_stretch(plan, ends)
+        elif errors or token_ids is not None:  # the two halves of `StepResults`, back to back
             results.advance(plan, now, errors, notify=False)
             requests = self.writer.requests(plan)
             done = results.commit(plan, token_ids, now, errors)

@@ -34,7 +34,7 @@ class Draft:
 # Schedule's fields, in order: the writer passes them by position (keywords cost twice as
 # much to pass), so a reordering must fail here, at import, not as a wrong plan.
 _SCHEDULE_FIELDS = ("num_slots", "scheduled", "preempted", "start_s", "swap_out", "swap_in", "page_size",
-                    "step_id", "padded_rows")  # fmt: skip
+                    "step_id", "padded_rows", "num_steps")  # fmt: skip
 if tuple(f.name for f in fields(Schedule)) != _SCHEDULE_FIELDS:
     raise AssertionError("cbjax.scheduler.output: _SCHEDULE_FIELDS differs from Schedule's fields")
 
@@ -88,6 +88,19 @@ class PlanWriter:
             self.allocator.page_size,
             self._num_plans,
             draft.padded_rows,
+        )
+
+    def write_continuation(
+        self, requests: list[Request], scheduled: list[ScheduledRequest], now: float, num_steps: int = 1
+    ) -> Schedule:
+        """The plan of a decode stretch's next `num_steps` steps (`cbjax.scheduler.stretch`):
+        `scheduled`, one decode per request of `requests`, none of whose page tables or knobs
+        changed since it was last sent. Each step counts as a plan (`Schedule.num_steps`)."""
+        step_id = self._num_plans + 1
+        self._num_plans += num_steps
+        self._plans[step_id] = list(requests)
+        return Schedule(
+            self.num_slots, scheduled, [], now, [], [], self.allocator.page_size, step_id, None, num_steps
         )
 
     def _entries(self, requests: list[Request], decode: bool, out: list[ScheduledRequest]) -> None:

@@ -83,6 +83,10 @@ class Planner:
             self._pad(plan, new_batch)
         return self.writer.write(plan, now)
 
+    def continued(self) -> None:
+        """A plan written without planning (a decode stretch's): it holds no prefill."""
+        self._prefilled_last = False
+
     def _plan_running(self, plan: Draft, decoding: bool, budget: int) -> int:
         """Plan the running requests' decodes (`decoding`) or unfinished prefills, preempting
         when pages run out. Returns the budget left."""

@@ -63,6 +63,31 @@ class StepResults:
         writer = self.writer
         requests = writer.requests(plan)
         writer.done(plan)
+        return self._simulated_tokens(requests, now)
+
+    def simulated_stretch(self, plan: Schedule, ends: Sequence[float]) -> list[Request]:
+        """A decode stretch's steps (`plan.num_steps`, ending at `ends`), as `simulated_step`
+        would have recorded them one by one: each request yields a token per step. Before the
+        last step no page fills and no request reaches its length (`cbjax.scheduler.stretch`),
+        so those steps only count tokens and gaps; the last is an ordinary step."""
+        if self.uncommitted is not None:
+            raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
+        writer = self.writer
+        requests = writer.requests(plan)
+        writer.done(plan)
+        tbt = self.tbt_s
+        on_step = self.policy.on_step
+        for end in ends[:-1]:
+            for req in requests:
+                req.num_computed += 1
+                req.num_generated += 1
+                tbt.append(end - req.last_token_s)
+                req.last_token_s = end
+            on_step(requests, end)
+        return self._simulated_tokens(requests, ends[-1])
+
+    def _simulated_tokens(self, requests: list[Request], now: float) -> list[Request]:
+        """One step's simulated tokens for `requests` (`simulated_step`'s pass)."""
         running = Status.RUNNING
         done: list[Request] = []
         tbt_s = self.tbt_s

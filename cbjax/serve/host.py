@@ -106,7 +106,7 @@ class EngineHost:
         self.engine.intake.received(key)
 
     def counts(self) -> LoadCounts:
-        return self.engine.counts()
+        return self.engine.scheduler.load()
 
     def finish(self) -> dict[str, Any]:
         """Once the loop has stopped: abort what is left, write requests.jsonl, summary.json and

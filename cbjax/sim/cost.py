@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig
 from cbjax.core.plan import Schedule
@@ -94,6 +94,37 @@ class RooflineCost:
         compute_s = max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
         host_s = self.stack.host_s(plan) if self.stack.active else 0.0
         return StepTime(compute_s + tokens * self.allreduce_s_per_token, host_s, swap_s)
+
+
+    def stretch_s(self, plan: Schedule, ctx: StepContext) -> Optional[Iterator[float]]:
+        """Each step's `total_s` of a decode stretch from `plan` (one step of decodes; step j
+        each row j tokens further), as `__call__` prices them one by one, for as many steps as
+        are asked: a step's sums over its rows grow by one per row and step, and those sums are
+        whole numbers that floats hold exactly, so each step is priced from the first step's
+        sums. None where a step's host time depends on its pages (`overhead.page_s`): price
+        those one by one."""
+        if self.stack.active and self.stack.config.page_s:
+            return None
+        return self._stretch(plan, self(plan, ctx))
+
+    def _stretch(self, plan: Schedule, first: StepTime) -> Iterator[float]:
+        yield first.total_s
+        rows = len(plan.scheduled)
+        pairs = 0.0
+        kv_tokens = 0
+        for s in plan.scheduled:
+            pairs += s.num_computed + 1.0  # a decode's context plus the new token
+            kv_tokens += s.num_computed + 2  # it reads its context and writes one
+        tokens_flops = rows * self.body_flops_per_token + rows * self.head_flops_per_seq
+        attn, kv_bytes, flops_per_s, bytes_per_s = self.attn_flops_per_pair, self.kv_bytes_per_token, self.flops_per_s, self.bytes_per_s
+        weight_bytes = self.weight_bytes
+        host_s, allreduce_s = first.host_s, rows * self.allreduce_s_per_token
+        j = 0
+        while True:
+            j += 1
+            step_pairs, step_kv = pairs + j * rows, kv_tokens + j * rows
+            compute_s = max((tokens_flops + step_pairs * attn) / flops_per_s, (weight_bytes + step_kv * kv_bytes) / bytes_per_s)
+            yield (compute_s + allreduce_s) + 0.0 + host_s  # StepTime(device, host, 0.0).total_s
 
 
 class StackOverhead:

@@ -23,6 +23,14 @@ from cbjax.core.plan import Schedule
 from cbjax.core.timing import NO_CONTEXT, CostModel, StepContext, StepTime
 
 
+def shifted(plan: Schedule, j: int) -> Schedule:
+    """`plan` (one decode step) with every row `j` tokens further: a stretch's step j."""
+    if not j:
+        return plan
+    rows = [s._replace(num_computed=s.num_computed + j) for s in plan.scheduled]
+    return Schedule(plan.num_slots, rows, [], plan.start_s, [], [], plan.page_size, plan.step_id, None)
+
+
 class VirtualStep:
     """A launched step on the virtual clock: its plan's time and its span."""
 
@@ -42,6 +50,9 @@ class Timeline:
         self._free = 0.0  # where the device is free: the end of the latest launched step
         self._last_end: Optional[float] = None  # where the latest collected step ended
         self._in_flight: Optional[VirtualStep] = None  # launched, not collected yet
+        # decode stretches price their steps one by one from the first's context, which holds
+        # for a cost model that reads no earlier steps
+        self.stretches = not history
 
     def _context(self, plan: Schedule, start: float, in_flight_rows: int) -> StepContext:
         last = self._last_end
@@ -61,6 +72,32 @@ class Timeline:
         end = start + duration
         self._last_end = self._free = end
         return duration, end
+
+    def price_stretch(self, plan: Schedule, start: float, until: float, num_steps: int) -> list[float]:
+        """The durations of a decode stretch's steps that start before `until`, at most
+        `num_steps`, the first being `plan`'s (one step) from `start` and step j its rows a token
+        further; each as `run` would price it one by one. Prices only: nothing moves."""
+        ctx = self._context(plan, start, 0)
+        stretch = getattr(self.cost, "stretch_s", None)
+        totals = stretch(plan, ctx) if stretch is not None else None
+        out, t = [], start
+        for j in range(num_steps):
+            if t >= until:
+                break
+            d = next(totals) if totals is not None else self.cost(shifted(plan, j), ctx if j == 0 else NO_CONTEXT).total_s
+            out.append(d)
+            t += d
+        return out
+
+    def run_stretch(self, start: float, durations: list[float]) -> list[float]:
+        """A decode stretch's steps back to back from `start` (`price_stretch`'s durations):
+        their ends."""
+        ends, end = [], start
+        for d in durations:
+            end = end + d
+            ends.append(end)
+        self._last_end = self._free = end
+        return ends
 
     def launch(self, plan: Schedule, start: float) -> VirtualStep:
         """A pipelined step planned at `start`, while the step in flight (if any) runs."""

@@ -1,0 +1,147 @@
+"""Decode stretches (cbjax.scheduler.stretch, cbjax.engine.stretch): several steps of the same
+decodes run as one plan must give exactly the results of the same steps run one at a time,
+to the last bit: every request's times and fate, every counter, every token gap, every
+service-log entry; and the stretch's pricing must equal pricing the steps one by one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cbjax.cluster import ClusterSim
+from cbjax.config import (
+    CacheConfig, ClusterConfig, ExecutorConfig, HardwareConfig, LengthConfig, ModelConfig, OverheadConfig, RunConfig,
+    SchedulerConfig, WorkloadConfig,
+)  # fmt: skip
+from cbjax.core.plan import Schedule, ScheduledRequest
+from cbjax.engine.loop import EngineLoop
+from cbjax.engine.offline import serve
+from cbjax.report.metrics import request_row, summarize
+from cbjax.report.service import ServiceLog
+from cbjax.scheduler.core import Scheduler
+from cbjax.sim import SimExecutor, make_cost_model
+from cbjax.sim.timeline import Timeline, shifted
+from cbjax.workload import build_workload
+
+LLAMA = ModelConfig(name="llama", vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    head_dim=128, ffn_dim=14336, max_model_len=4096)  # fmt: skip
+
+
+def config(**kw) -> RunConfig:
+    base = dict(
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048),
+        cache=CacheConfig(page_size=16, num_pages=400),
+        workload=WorkloadConfig(
+            num_requests=120, arrival="poisson", rate=6.0, prompt_len=LengthConfig(dist="uniform", low=16, high=600),
+            output_len=LengthConfig(dist="uniform", low=1, high=300),
+        ),
+        executor=ExecutorConfig(name="sim", cost_model="roofline"),
+        model=LLAMA,
+        hardware=HardwareConfig(),
+        progress=False,
+    )
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def everything(requests, result, log: ServiceLog) -> dict:
+    """Every output of a run that a stretch could change."""
+    return {
+        "rows": [request_row(r) for r in sorted(requests, key=lambda r: r.request_id)],
+        "summary": {k: v for k, v in summarize(result).items() if k not in ("wall_s", "scheduler_host_s")},
+        "tbt": list(result.tbt_s),
+        "stats": {k: v for k, v in dataclasses.asdict(result.stats).items() if k not in ("schedule_s", "postprocess_s")},
+        # a cluster's replicas share one log, each writing its own steps: which replica writes
+        # first may differ, so the log is compared as a set of (time, entry); every figure
+        # drawn from it sums whole numbers of tokens, whatever the order
+        "service": (
+            sorted(zip(log.end_s, log.batch, log.batched_tokens)),
+            sorted((log.end_s[it], client, p, g) for it, client, p, g in log.events),
+        ),
+        "makespan": result.makespan_s,
+    }
+
+
+def run_single(cfg: RunConfig, stretches: bool, counter: list):
+    requests = build_workload(cfg.workload, cfg.seed)
+    sched = Scheduler(cfg.scheduler, cfg.cache, cfg.model.max_model_len)
+    real = sched.schedule_stretch
+
+    def counted(now, num_steps):
+        counter.append(num_steps)
+        return real(now, num_steps)
+
+    sched.schedule_stretch = counted
+    cost = make_cost_model(cfg.executor.cost_model, cfg.model, cfg.hardware, overhead=cfg.overhead)
+    log = ServiceLog()
+    result = serve(requests, sched, SimExecutor(cost), on_step=log.on_step, stretches=stretches)
+    return everything(requests, result, log)
+
+
+CASES = {
+    "fcfs": {},
+    "mlfq": dict(scheduler=SchedulerConfig(name="mlfq", max_num_seqs=16, max_num_batched_tokens=2048)),
+    "vtc": dict(scheduler=SchedulerConfig(name="vtc", max_num_seqs=16, max_num_batched_tokens=2048)),
+    "priority_swap": dict(
+        scheduler=SchedulerConfig(name="priority", max_num_seqs=16, max_num_batched_tokens=2048, preemption="swap"),
+        cache=CacheConfig(page_size=16, num_pages=120, num_swap_pages=400),
+    ),
+    "chunked_small_pool": dict(
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, chunked_prefill=True),
+        cache=CacheConfig(page_size=16, num_pages=120),
+    ),
+    "prefix_caching": dict(cache=CacheConfig(page_size=16, num_pages=400, prefix_caching=True),
+                           workload=WorkloadConfig(name="shared_prefix", num_requests=120, arrival="poisson", rate=6.0)),
+    "reserve_pow2": dict(cache=CacheConfig(page_size=16, num_pages=2000, allocation="reserve_pow2")),
+    "unit_cost": dict(executor=ExecutorConfig(name="sim", cost_model="unit")),
+    "page_overhead": dict(overhead=OverheadConfig(name="test", step_s=2e-3, seq_s=1e-4, page_s=1e-6)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_stretch_gives_the_results_of_its_steps_one_by_one(case):
+    cfg = config(**CASES[case])
+    stretched, single = [], []
+    assert run_single(cfg, True, stretched) == run_single(cfg, False, single)
+    assert not single and stretched and max(stretched) > 2, case  # stretches ran, and only where asked
+
+
+@pytest.mark.parametrize("cluster", [dict(replicas=3, router="least_loaded"),
+                                     dict(prefill_replicas=1, decode_replicas=2)])  # fmt: skip
+def test_a_clusters_stretches_give_the_results_of_their_steps_one_by_one(cluster):
+    cfg = config(cluster=ClusterConfig(**cluster), workload=dataclasses.replace(config().workload, rate=12.0))
+    out = {}
+    for stretches in (True, False):
+        sim = ClusterSim.__new__(ClusterSim)
+        ClusterSim.__init__(sim, cfg, lambda rcfg: SimExecutor(make_cost_model("roofline", rcfg.model, rcfg.hardware)))
+        # the same cluster, its loops told to run their steps one at a time or not
+        for replica in sim.replicas:
+            replica.loop.stretches = stretches and replica.loop.stretches
+        requests = build_workload(cfg.workload, cfg.seed)
+        result = sim.serve(requests)
+        out[stretches] = everything(requests, result, sim.service_log)
+    assert out[True] == out[False]
+
+
+def test_the_roofline_prices_a_stretch_as_its_steps_one_by_one():
+    cost = make_cost_model("roofline", LLAMA, HardwareConfig())
+    rows = [ScheduledRequest(str(i), i, ctx, 1, True, None, False, None, None, True) for i, ctx in enumerate((5, 700, 33))]
+    plan = Schedule(num_slots=4, scheduled=rows, page_size=16)
+    fast = cost.stretch_s(plan, Timeline(cost)._context(plan, 0.0, 0))
+    assert [next(fast) for _ in range(40)] == [cost(shifted(plan, j)).total_s for j in range(40)]
+    # a stack whose host time follows the pages read prices step by step (None)
+    paged = make_cost_model("roofline", LLAMA, HardwareConfig(), overhead=OverheadConfig(name="t", page_s=1e-6))
+    assert paged.stretch_s(plan, Timeline(paged)._context(plan, 0.0, 0)) is None
+
+
+def test_a_loop_runs_no_stretch_for_a_token_callback_or_a_pipelined_or_paced_clock():
+    sched = Scheduler(SchedulerConfig(), CacheConfig(), 1024)
+    cost = make_cost_model("unit", LLAMA, HardwareConfig())
+    assert EngineLoop(sched, SimExecutor(cost)).stretches
+    assert not EngineLoop(sched, SimExecutor(cost), on_token=lambda *a: None).stretches
+    assert not EngineLoop(sched, SimExecutor(cost, pipelined=True)).stretches
+    assert not EngineLoop(sched, SimExecutor(cost), pace="realtime").stretches
+    assert not EngineLoop(sched, SimExecutor(cost), stretches=False).stretches
+
+
