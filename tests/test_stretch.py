@@ -1,5 +1,5 @@
-"""Decode stretches (cbjax.scheduler.stretch, cbjax.engine.stretch): several steps of the same
-decodes run as one plan must give exactly the results of the same steps run one at a time,
+"""Decode stretches (cbjax.scheduler.stretch, cbjax.engine.loop.run_stretch): several steps of
+the same decodes run as one plan must give exactly the results of the same steps run one at a time,
 to the last bit: every request's times and fate, every counter, every token gap, every
 service-log entry; and the stretch's pricing must equal pricing the steps one by one."""
 

@@ -6,6 +6,10 @@ runs one iteration per `step`. Drivers feed it: the offline `serve`, the cluster
 `intake`. With a pipelined executor (`executor.pipelined`) a step launches before the previous
 one's tokens are read: `Scheduler.advance` at launch, `Scheduler.commit` when the tokens come.
 
+On a virtual clock, the steps of a decode stretch that start before the next event run as
+one plan (`run_stretch`): several steps of the same decodes, each a token further, priced,
+run and recorded step by step, with the results of the same steps run one at a time.
+
 Callbacks run on the loop's thread:
 - `on_step(plan, end_s, num_batched_tokens, requests)`: after each iteration's postprocess,
   with the plan's requests in plan order;
@@ -28,7 +32,6 @@ from cbjax.core.results import RunResult
 from cbjax.engine.clock import make_clock
 from cbjax.engine.intake import Intake
 from cbjax.engine.stats import ProgressBar, StatsRecorder, TokenReporter
-from cbjax.engine.stretch import run_stretch
 from cbjax.scheduler.core import Scheduler
 
 _perf_counter = time.perf_counter
@@ -58,7 +61,7 @@ class EngineLoop:
         self.clock = make_clock(executor, pace, clock, sleep)
         self.intake = Intake(self.clock)
         self.pipelined = executor.pipelined and self.clock.pipelines
-        # decode stretches (`cbjax.engine.stretch`): a virtual clock, one step at a time, no token callback
+        # decode stretches (`run_stretch`): a virtual clock, one step at a time, no token callback
         self.stretches = stretches and not self.pipelined and on_token is None and self.clock.stretches
         self._simulated = False  # the last step's tokens were simulated (None)
         scheduler.plan_token_ids = executor.reads_token_ids
@@ -119,7 +122,7 @@ class EngineLoop:
     def step(self, until: float = _INF, max_steps: Optional[int] = None) -> bool:
         """Run one iteration (or land the step in flight); False when there is nothing to do.
         On a virtual clock with no token callback, the steps of a decode stretch that start
-        before `until` (at most `max_steps`) run as one (`cbjax.engine.stretch`)."""
+        before `until` (at most `max_steps`) run as one (`run_stretch`)."""
         sched, stats = self.scheduler, self.stats
         if self._inflight is not None and (not sched.has_work() or sched.needs_sync()):
             self._land()  # nothing to overlap with, or the next plan may preempt: tokens first
@@ -174,7 +177,7 @@ class EngineLoop:
         self._finished(plan, batched, done, iteration, now, requests)
 
     def finished_steps(self, plan, batched, done, ends, requests) -> None:
-        """A decode stretch's steps (`cbjax.engine.stretch`) are done: report them as one."""
+        """A decode stretch's steps (`run_stretch`) are done: report them as one."""
         self._finished(plan, batched, done, self.stats.iterations, ends, requests)
 
     def _finished(self, plan, batched, done, iteration, end, requests) -> None:
@@ -235,3 +238,30 @@ class EngineLoop:
             self._bar.close()
             self._bar = None
 
+
+def run_stretch(loop: EngineLoop, start: float, until: float, max_steps: Optional[int]) -> bool:
+    """Run the next steps of `loop` as a decode stretch if two or more start before `until`
+    (at most `max_steps`); False, having changed nothing, otherwise."""
+    sched, stats = loop.scheduler, loop.stats
+    first, num_steps = sched.stretch_steps(start)
+    if max_steps is not None and num_steps > max_steps:
+        num_steps = max_steps
+    if num_steps < 2:
+        return False
+    durations = loop.clock.timeline.price_stretch(first, start, until, num_steps)
+    if len(durations) < 2:
+        return False
+    t_sched = _perf_counter()
+    plan = sched.schedule_stretch(start, len(durations))
+    stats.schedule_s += _perf_counter() - t_sched
+    requests = sched.requests_of(plan)
+    batched = loop.recorder.planned(plan)
+    out = loop.executor.execute(plan)
+    ends = loop.clock.run_stretch(start, durations)
+    for d in durations:
+        stats.busy_s += d
+    t_post = _perf_counter()
+    done = sched.postprocess(plan, out.token_ids, ends[-1], out.errors, ends=ends)
+    stats.postprocess_s += _perf_counter() - t_post
+    loop.finished_steps(plan, batched, done, tuple(ends), requests)
+    return True

@@ -36,7 +36,7 @@ def serve(
     fate. `stop` is checked at each iteration boundary (and while idle): once set, the loop
     ends, what had arrived and is unfinished is aborted, and what had not arrived ends as
     `not_arrived`. `max_iterations` caps the run the same way. `stretches=False` plans (and
-    hands the executor) every step of a decode stretch on its own (`cbjax.engine.stretch`):
+    hands the executor) every step of a decode stretch on its own (`cbjax.engine.loop.run_stretch`):
     the same results, more slowly."""
     loop = EngineLoop(
         scheduler, executor, pace=pace, on_step=on_step, on_finish=on_finish, tick=tick,
