@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+AZURE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"  # both trees read this one
 
 
 def run(tree: Path, script: str, args: list[str], pin: bool) -> str:
@@ -45,7 +46,7 @@ def cluster_seconds(out: str, replicas: int) -> float:
     """`cluster_sim.py`'s CPU seconds of its `replicas`-replica row (the process's own time)."""
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells and cells[0] == f"{replicas} replicas":
+        if cells and cells[0] == str(replicas):
             header = [c.strip() for c in out.splitlines()[0].strip().strip("|").split("|")]
             return float(cells[header.index("CPU s")])
     raise ValueError(f"no '{replicas} replicas' row in:\n{out}")
@@ -66,9 +67,10 @@ def main() -> None:
             times: dict[tuple[str, str], list[float]] = {}
             for i in range(args.repeats):
                 for name, tree in (("ref", ref), ("this", REPO)):
-                    out = run(tree, "sim_trace_replay.py", ["--repeats", "1"], pin)
+                    out = run(tree, "sim_trace_replay.py", ["--repeats", "1", "--trace", str(AZURE)], pin)
                     times.setdefault((name, "replay"), []).append(replay_seconds(out))
-                    out = run(tree, "cluster_sim.py", ["--replicas", str(args.replicas), "--baseline-repeats", "1"], pin)
+                    out = run(tree, "cluster_sim.py", ["--replicas", str(args.replicas), "--baseline-repeats", "1",
+                                                       "--source", str(AZURE)], pin)  # fmt: skip
                     times.setdefault((name, "cluster"), []).append(cluster_seconds(out, args.replicas))
                 print(f"round {i + 1}/{args.repeats}: " + ", ".join(f"{k[0]} {k[1]} {v[-1]:.2f} s" for k, v in times.items()),
                       file=sys.stderr, flush=True)  # fmt: skip
