@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 from cbjax.cluster.core import ClusterBase, ClusterServiceLog, Handoff, first_token_reason
 from cbjax.config import RunConfig
 from cbjax.core.request import FinishReason, Request
+from cbjax.report.metrics import SERVED
 from cbjax.core.results import RunResult
 from cbjax.core.stop import StopFlag
 from cbjax.engine.drive import Events, drive
@@ -42,18 +43,32 @@ _PREFILLED, _TRANSFERRED = 0, 1
 
 
 class ClusterSim(ClusterBase):
-    """Replicas behind a router on one virtual clock; `serve` runs a list of requests."""
+    """Replicas behind a router on one virtual clock; `serve` runs a list of requests.
+
+    Its executors are the simulator's, or engines timed by a cost model
+    (`cbjax.sim.costed.CostTimed`): the engine's replicas on the simulator's clock, whose
+    decisions are the simulator's. A prefilled request's K/V goes through the executors
+    (`export_kv` as its prefill ends, `import_kv` when its decode replica is chosen; nothing
+    for the simulator's)."""
+
+    holds_prefill_pages = True  # until its K/V is exported, as its prefill ends
 
     def __init__(self, cfg: RunConfig, make_executor: Callable[[RunConfig], Any]):
         """`make_executor(replica_cfg)` builds one replica's executor (`cbjax.app.run.build_executor`)."""
         check_supported(cfg)
         super().__init__(cfg, make_executor)
         self._events = Events(self._on_event)
+        self._kv: dict[Request, Any] = {}  # prefill copy -> its exported K/V, until it moves on
 
     def _arrive(self, req: Request, t: float) -> EngineLoop:
         return self._admit(req, t).loop
 
     def _prefilled_event(self, proxy: Request) -> None:
+        src = self._proxies[proxy][2]
+        if proxy.finish_reason in SERVED:  # its prompt's K/V, on its first pages
+            pages = src.scheduler.held_pages(proxy.request_id)[: src.scheduler.allocator.pages_for(proxy.num_computed)]
+            self._kv[proxy] = src.executor.export_kv(pages)
+        src.scheduler.release_held(proxy.request_id)  # freed as the prefill ends, as without K/V to move
         if self._stopping or proxy.finish_s is None:
             self._prefilled(proxy, proxy.finish_s)
         else:
@@ -61,8 +76,10 @@ class ClusterSim(ClusterBase):
 
     def _prefilled(self, proxy: Request, t: Optional[float]) -> None:
         """The prefill copy ended at `t`: start the transfer, or end the request."""
+        kv = self._kv.pop(proxy, None)
         h = self._handoff(proxy, t)
         if h is not None:
+            h.dst.executor.import_kv(h.req.request_id, kv)
             self._record_transfer(h, h.transfer_s)
             self._events.push(t + h.transfer_s, _TRANSFERRED, h)
 
