@@ -31,10 +31,12 @@ JOIN_TIMEOUT_S = 10.0
 _START_LOCK = threading.Lock()  # the environment is the process's: one child starts at a time
 
 
-def replica_main(conn, build: Callable[[RunConfig], Any], cfg: RunConfig) -> None:
-    """A replica process: build the executor, then answer calls until `close` or until the
-    driver is gone."""
+def replica_main(conn, build: Callable[[RunConfig], Any], cfg: RunConfig, cpu: Optional[int] = None) -> None:
+    """A replica process: pinned to `cpu` if given, build the executor, then answer calls until
+    `close` or until the driver is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cpu is not None:  # before jax starts its threads, which inherit it
+        os.sched_setaffinity(0, [cpu])
     host = ExecutorHost(build, cfg)
     while True:
         try:
@@ -131,11 +133,13 @@ class ProcessReplicas:
         context = multiprocessing.get_context("spawn")
         self.transports: list[PipeTransport] = []
         self._next = 0
+        cpus = sorted(os.sched_getaffinity(0)) if cfg.cluster.pin_replicas else None
         try:
             for i, (rcfg, env) in enumerate(zip(self.configs, envs)):
                 ours, theirs = context.Pipe()
+                cpu = cpus[i % len(cpus)] if cpus else None
                 process = context.Process(
-                    target=replica_main, args=(theirs, build, rcfg), name=f"cbjax-replica-{i}", daemon=True
+                    target=replica_main, args=(theirs, build, rcfg, cpu), name=f"cbjax-replica-{i}", daemon=True
                 )
                 with _environment(env):
                     process.start()

@@ -31,6 +31,10 @@ class ClusterConfig:
     # and profiler see every replica). ray: one Ray actor per replica, on any host of a Ray
     # cluster. The simulated cluster runs in this process under processes and inline.
     backend: str = "processes"
+    # processes: pin replica i's process to a CPU of its own, the i-th of those the driver may
+    # use (round robin), before its jax starts: each replica then runs on one core, as a
+    # profile pinned to one core (`python -m cbjax.profile cores=1`) describes it.
+    pin_replicas: bool = False
     # Prefill/decode disaggregation: both 0 (colocated) or both >= 1.
     prefill_replicas: int = 0
     decode_replicas: int = 0

@@ -1,0 +1,38 @@
+"""experiments/fidelity_table.py: one table of a fidelity run, each row against its target,
+from result files written here by hand."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "experiments"))
+import fidelity_table  # noqa: E402
+
+
+def test_every_check_becomes_a_row_with_its_verdict(tmp_path):
+    (tmp_path / "profile_tiny_16").mkdir()
+    regimes = {"light": {"mean_signed_error": 0.031}, "heavy": {"mean_signed_error": -0.062}}
+    (tmp_path / "profile_tiny_16" / "profile.json").write_text(json.dumps(
+        {"pinning": {"cores": 1, "cpus": [0]}, "residuals": {"by_regime": {"regimes": regimes}}}))
+    (tmp_path / "calibration").mkdir()
+    judge = {"error_pct": -4.0, "within_target": True}
+    (tmp_path / "calibration" / "calibration.json").write_text(json.dumps({
+        "cells": [{"name": "burst, fcfs", "throughput_tok_s": judge, "ttft_s_p50": {"error_pct": 12.5, "within_target": False}}],
+        "regimes": [{"regime": "burst", "figure": "throughput_tok_s", "mean_signed_error_pct": -4.0, "bias_ok": True}],
+        "ratios": [{"workload": "burst", "error_pct": None, "verdict": "fail"}],
+    }))
+    (tmp_path / "decisions.log").write_text("7 passed in 3.0s\n")
+    (tmp_path / "cluster_ratios.json").write_text(json.dumps({"comparisons": {"pd / colocated": {"figures": {
+        "ttft_s_p50": {"error": 0.08, "engine_median": 1.0, "simulator": 1.08, "pass": True}}}}}))
+    rows = fidelity_table.rows_of(tmp_path)
+    verdicts = {(r[0], r[2]): r[-1] for r in rows}
+    assert verdicts[("residual", "light")] == "pass" and verdicts[("residual", "heavy")] == "FAIL"  # 6.2% > 5%
+    assert verdicts[("cell", "throughput_tok_s")] == "pass" and verdicts[("cell", "ttft_s_p50")] == "FAIL"
+    assert verdicts[("regime mean", "throughput_tok_s")] == "pass"
+    assert verdicts[("continuous / static", "throughput ratio")] == "fail"
+    assert verdicts[("cluster decisions", "same replica")] == "pass"
+    assert verdicts[("cluster ratio", "ttft_s_p50")] == "pass"
+    assert len(rows) == 8
