@@ -4,7 +4,7 @@ side on one workload and one server.
     python benchmarks/client_cpu.py [--old REV] [--rate 80] [--num-requests 200] [--repeats 3]
         [OVERRIDE ...]
 
-One `cbjax-serve executor=sim executor.pace=realtime` (this checkout's) serves every run. Each
+One `cbjax-serve executor=sim model=tiny executor.pace=realtime` (this checkout's) serves every run. Each
 run is cbjax-bench in a process of its own, open loop at the workload's Poisson arrivals (the
 same workload every run), with the cbjax of the checkout it measures: this one (aiohttp), and
 REV's (default e374f09, the last commit with the hand-written `cbjax.bench.http`), extracted
@@ -106,8 +106,8 @@ def main(argv=None) -> int:
     results: dict[str, list[dict]] = {"old": [], "new": []}
     with tempfile.TemporaryDirectory(prefix="cbjax-old-") as tmp:
         checkouts = {"old": extract(args.old, Path(tmp)), "new": ROOT}
-        server, url = serve_process.start(["executor=sim", "executor.pace=realtime", f"hydra.run.dir={args.out / 'server'}",
-                                           *server_overrides], ROOT)  # fmt: skip
+        server, url = serve_process.start(["executor=sim", "model=tiny", "hardware=a100_80gb", "executor.pace=realtime",
+                                           f"hydra.run.dir={args.out / 'server'}", *server_overrides], ROOT)  # fmt: skip
         try:
             for i in range(args.repeats):
                 for name in ("old", "new") if i % 2 == 0 else ("new", "old"):

@@ -93,7 +93,8 @@ class PolicyClock:
 def bench(policy: str, iterations: int, warmup: int, waiting: int, slots: int, seed: int, instrument: bool) -> dict:
     """One seeded run. Times are f64[iterations] seconds: the whole iteration, or the policy's share."""
     cfg = SchedulerConfig(name=policy, max_num_seqs=slots, max_num_batched_tokens=32768, **POLICY_KNOBS[policy])
-    sched = Scheduler(cfg, CacheConfig(num_pages=slots * 80, page_size=16), max_model_len=4096)
+    # no prefix cache, as the figures of docs/benchmarks.md were taken
+    sched = Scheduler(cfg, CacheConfig(num_pages=slots * 80, page_size=16, prefix_caching=False), max_model_len=4096)
     sched.plan_token_ids = False  # as under the simulator (EngineLoop sets it from the executor)
     clock = PolicyClock(sched.policy) if instrument else None
     arrivals = Arrivals(seed)

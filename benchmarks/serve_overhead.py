@@ -149,7 +149,8 @@ def main(argv=None) -> int:
         parser.error(f"--ways: unknown {', '.join(unknown)}; choose from {', '.join(WAYS)}")
     # the workload keys go to cbjax-bench too; the rest only to the server and offline runs
     lengths = [o for o in args.overrides if o.startswith(("workload.", "workload=", "seed=", "slo."))]
-    engine = [o for o in args.overrides if o not in lengths]
+    # one model for every way, the simulator's included: the engine's default unless an override names one
+    engine = ["model=tiny", "hardware=a100_80gb", *(o for o in args.overrides if o not in lengths)]
     if args.rate in ("half", "half-served"):
         burst = [f"workload.num_requests={args.num_requests}", *lengths, "workload.arrival=all_at_once"]
         if args.rate == "half":

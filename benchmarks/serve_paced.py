@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     mine = [*lengths, *args.overrides]
     workload = [f"workload.num_requests={args.num_requests}", "workload.arrival=poisson", f"workload.rate={args.rate}",
                 *(o for o in mine if o.startswith(("workload.", "workload=", "seed=", "slo.")))]  # fmt: skip
-    engine = ["executor=sim", f"overhead.step_s={args.step_s}", *(o for o in mine if o not in workload)]
+    engine = ["executor=sim", "model=tiny", "hardware=a100_80gb", f"overhead.step_s={args.step_s}",
+              *(o for o in mine if o not in workload)]  # fmt: skip
     runs: dict[str, list[dict]] = {"offline sim": [], "paced (client)": [], "paced (server)": []}
     for i in range(args.repeats):
         out = args.out / f"r{i}"

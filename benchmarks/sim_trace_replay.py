@@ -41,7 +41,8 @@ def main() -> None:
     args = ap.parse_args()
     cfg = RunConfig(
         scheduler=SchedulerConfig(name="fcfs", max_num_seqs=256, max_num_batched_tokens=8192),
-        cache=CacheConfig(page_size=16, num_pages=args.num_pages),
+        # no prefix cache: the figures of docs/benchmarks.md, and older trees, run without it
+        cache=CacheConfig(page_size=16, num_pages=args.num_pages, prefix_caching=False),
         executor=ExecutorConfig(name="sim", cost_model="roofline"),
         workload=WorkloadConfig(name="trace", path=args.trace),
         model=model_config(args.model),

@@ -95,7 +95,9 @@ def base_config(profile: dict, requests: int) -> RunConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=made["scheduler.max_num_seqs"], max_num_batched_tokens=profile["max_num_batched_tokens"]
         ),  # fmt: skip
-        cache=CacheConfig(page_size=made["cache.page_size"], num_pages=profile.get("num_pages", CacheConfig.num_pages)),
+        # no prefix cache, as the profile's served runs but one, and its anchor, ran
+        cache=CacheConfig(page_size=made["cache.page_size"], num_pages=profile.get("num_pages", CacheConfig.num_pages),
+                          prefix_caching=False),
         executor=ExecutorConfig(name="jax", token_buckets=profile["token_buckets"]),
         workload=WorkloadConfig(num_requests=requests, vocab_size=model.vocab_size, **lengths),
         progress=False,

@@ -14,7 +14,8 @@ from cbjax.app.cli import CONFIG_DIR, check_group_overrides, to_run_config
 from cbjax.config import RunConfig
 from cbjax.app.run import run_experiment, with_overrides
 
-TINY_RUN = ["progress=false", "workload.num_requests=24"]
+# the tiny model on an A100-80GB: small, fast runs whose page counts the tests set by hand
+TINY_RUN = ["progress=false", "model=tiny", "hardware=a100_80gb", "workload.num_requests=24"]
 
 
 def composed(*overrides):
@@ -59,7 +60,7 @@ def test_every_request_appears_with_its_fate(tmp_path):
         {"arrival_s": 0.3, "prompt_len": 5000, "output_len": 3},  # longer than max_model_len
     ]
     trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n{not json\n")
-    cfg = composed("workload=trace", f"workload.path={trace}", "progress=false")
+    cfg = composed("workload=trace", f"workload.path={trace}", "model=tiny", "progress=false")
     summary = run_experiment(cfg, tmp_path / "out", verbose=False)
     rows = {r["request_id"]: r for r in map(json.loads, (tmp_path / "out/requests.jsonl").read_text().splitlines())}
     assert len(rows) == 6 and summary["num_requests"] == 6

@@ -132,6 +132,8 @@ def registries() -> dict:
 def with_value(key: str, value: str) -> C.RunConfig:
     group, field = key.split(".")
     extra = {"profile": "profile.json"} if (key, value) == ("executor.cost_model", "profiled") else {}
+    if key == "cache.allocation" and value != "paged":
+        extra = {"prefix_caching": False}  # a reservation cannot share prefix pages
     cls = type(getattr(C.RunConfig(), group))
     return C.RunConfig(**{group: cls(**{field: value, **extra})})
 

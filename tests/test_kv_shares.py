@@ -90,7 +90,7 @@ def test_shares_of_one_request_by_hand(allocation, reserved, internal):
     # the slots still to fill being 2, 1, 0 (paged pages of one slot hold nothing in advance).
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
-        CacheConfig(num_pages=11, page_size=1, allocation=allocation),
+        CacheConfig(num_pages=11, page_size=1, allocation=allocation, prefix_caching=False),
         max_model_len=100,
     )
     reqs = make_requests([3], prompt_lens=[2], max_tokens=8)

@@ -111,7 +111,7 @@ def test_invariants_under_binding_limits(variant, reqs, allocation, num_slots, b
     requests = make_requests([r[2] for r in reqs], [r[1] for r in reqs], [r[0] for r in reqs])
     for req, (*_, priority, client) in zip(requests, reqs):
         req.priority, req.client_id = priority, client
-    cache = CacheConfig(num_pages=num_pages, page_size=page_size, allocation=allocation)
+    cache = CacheConfig(num_pages=num_pages, page_size=page_size, allocation=allocation, prefix_caching=False)
     result, sched, _ = run(
         VARIANTS[variant], requests, num_slots, cache, max_model_len=64, max_num_batched_tokens=max(budget, num_slots)
     )
@@ -133,7 +133,7 @@ def test_invariants_under_binding_limits(variant, reqs, allocation, num_slots, b
 def test_degenerate_configs_reproduce_fcfs_exactly(cfg_kw, reqs, allocation, num_slots, budget, num_pages, page_size):
     # With one rank for everybody, latest-preempted-first requeues and latest-admitted victims
     # make these policies fcfs, binding limits, preemptions and chunked recomputes included.
-    cache = CacheConfig(num_pages=num_pages, page_size=page_size, allocation=allocation)
+    cache = CacheConfig(num_pages=num_pages, page_size=page_size, allocation=allocation, prefix_caching=False)
 
     def outcome(kw):
         requests = make_requests([r[2] for r in reqs], [r[1] for r in reqs], [r[0] for r in reqs])
@@ -345,7 +345,7 @@ def test_vtc_keeps_two_backlogged_clients_within_the_papers_bound_and_fcfs_does_
             req.client_id, req.request_id = "b", "b" + req.request_id
         cfg = SchedulerConfig(name=policy, max_num_seqs=4, **LOOSE)
         # reserve_max: no preemption, so W counts each token once
-        sched = Scheduler(cfg, CacheConfig(num_pages=25, page_size=4, allocation="reserve_max"), 1000)
+        sched = Scheduler(cfg, CacheConfig(num_pages=25, page_size=4, allocation="reserve_max", prefix_caching=False), 1000)
         rec = ServiceRecorder(sched)
         serve(a + b, sched, rec, max_iterations=500)
         gaps[policy], window = rec.max_service_difference()

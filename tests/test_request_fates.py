@@ -87,7 +87,7 @@ def test_sim_and_jax_reject_the_same_requests_for_the_same_reasons(tmp_path):
         {"arrival_s": 0.0, "prompt_len": 5, "max_tokens": 0},
         {"arrival_s": 0.0, "prompt_len": 5, "output_len": 3},
     ])  # fmt: skip
-    common = ["progress=false", "workload=trace", f"workload.path={trace}", "model.max_model_len=32",
+    common = ["progress=false", "model=tiny", "workload=trace", f"workload.path={trace}", "model.max_model_len=32",
               "scheduler.max_num_seqs=2", "scheduler.max_num_batched_tokens=32", "cache.num_pages=32",
               "executor.token_buckets=[8,32]", "executor.attention=reference"]  # fmt: skip
     fates = {}

@@ -315,6 +315,34 @@ def test_prefix_cache_hit_rate_by_hand():
     assert sched.allocator.num_cached_pages == 6 + 1 + 2
 
 
+def test_length_only_requests_share_nothing_under_prefix_caching():
+    # no token ids and no synthetic prompt to draw them from: no page of theirs is known, so
+    # the second (alone in the slot after the first) matches nothing and prefills its 16 tokens
+    reqs = make_requests([2, 2], prompt_lens=[16, 16])
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=1, **LOOSE), CacheConfig(num_pages=64, page_size=4, prefix_caching=True), 1000
+    )
+    result = serve(reqs, sched, CheckingExecutor(sched))
+    assert [(r.finish_reason, r.num_generated) for r in reqs] == [(FinishReason.LENGTH, 2)] * 2
+    assert result.stats.batched_tokens == 2 * (16 + 1)
+    assert summarize(result)["prefix_cache_hit_tokens"] == 0 and sched.allocator.num_cached_pages == 0
+
+
+def test_synthetic_prompts_are_hashed_without_keeping_their_ids():
+    # one seed draws the same 16 ids twice: the second request (alone after the first) finds
+    # the first's 3 full pages of 4 (the page of its last token is prefilled), yet neither
+    # keeps its drawn ids, so a long simulated trace does not hold every prompt in memory
+    reqs = make_requests([2, 2], prompt_lens=[16, 16])
+    for req in reqs:
+        req.synthetic_prompt = (7, 512)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=1, **LOOSE), CacheConfig(num_pages=64, page_size=4, prefix_caching=True), 1000
+    )
+    result = serve(reqs, sched, CheckingExecutor(sched))
+    assert summarize(result)["prefix_cache_hit_tokens"] == 12
+    assert [r.prompt_token_ids for r in reqs] == [None, None]
+
+
 @pytest.mark.parametrize(
     "preemption,prefix_caching,num_swap_pages,batched,swaps,hit_tokens",
     [

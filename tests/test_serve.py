@@ -26,7 +26,7 @@ from cbjax.serve.text import ByteTokenizer
 
 # The tiny model on the roofline simulator, paced to the wall clock at 2 ms an iteration: a
 # request of n tokens takes about 2n ms, long enough to leave midway, short enough for a test.
-FAST = ["server.port=0", "overhead.step_s=0.002"]
+FAST = ["server.port=0", "model=tiny", "hardware=a100_80gb", "overhead.step_s=0.002"]
 
 
 def serve_config(*overrides: str) -> ServeConfig:

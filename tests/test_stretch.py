@@ -28,10 +28,15 @@ LLAMA = ModelConfig(name="llama", vocab_size=32000, d_model=4096, num_layers=32,
                     head_dim=128, ffn_dim=14336, max_model_len=4096)  # fmt: skip
 
 
+def cache(**kw) -> CacheConfig:
+    """A pool without prefix caching unless a case turns it on (its own case covers it)."""
+    return CacheConfig(**{"prefix_caching": False, **kw})
+
+
 def config(**kw) -> RunConfig:
     base = dict(
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048),
-        cache=CacheConfig(page_size=16, num_pages=400),
+        cache=cache(page_size=16, num_pages=400),
         workload=WorkloadConfig(
             num_requests=120, arrival="poisson", rate=6.0, prompt_len=LengthConfig(dist="uniform", low=16, high=600),
             output_len=LengthConfig(dist="uniform", low=1, high=300),
@@ -85,15 +90,15 @@ CASES = {
     "vtc": dict(scheduler=SchedulerConfig(name="vtc", max_num_seqs=16, max_num_batched_tokens=2048)),
     "priority_swap": dict(
         scheduler=SchedulerConfig(name="priority", max_num_seqs=16, max_num_batched_tokens=2048, preemption="swap"),
-        cache=CacheConfig(page_size=16, num_pages=120, num_swap_pages=400),
+        cache=cache(page_size=16, num_pages=120, num_swap_pages=400),
     ),
     "chunked_small_pool": dict(
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, chunked_prefill=True),
-        cache=CacheConfig(page_size=16, num_pages=120),
+        cache=cache(page_size=16, num_pages=120),
     ),
-    "prefix_caching": dict(cache=CacheConfig(page_size=16, num_pages=400, prefix_caching=True),
+    "prefix_caching": dict(cache=cache(page_size=16, num_pages=400, prefix_caching=True),
                            workload=WorkloadConfig(name="shared_prefix", num_requests=120, arrival="poisson", rate=6.0)),
-    "reserve_pow2": dict(cache=CacheConfig(page_size=16, num_pages=2000, allocation="reserve_pow2")),
+    "reserve_pow2": dict(cache=cache(page_size=16, num_pages=2000, allocation="reserve_pow2")),
     "unit_cost": dict(executor=ExecutorConfig(name="sim", cost_model="unit")),
     "page_overhead": dict(overhead=OverheadConfig(name="test", step_s=2e-3, seq_s=1e-4, page_s=1e-6)),
 }

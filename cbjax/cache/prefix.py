@@ -11,7 +11,9 @@ class PrefixCache:
 
     A page is identified by its chained hash, so only pages whose token ids are all known can
     be matched or registered: prompt pages always, pages of generated tokens only when the
-    executor materializes tokens (the JAX engine; the simulator has no ids for them).
+    executor materializes tokens (the JAX engine; the simulator has no ids for them). A request
+    with neither prompt ids nor a synthetic prompt to draw them from (a length-only request
+    built by hand) has no known page: it shares nothing.
     """
 
     def __init__(self, allocator: PageAllocator):
@@ -25,11 +27,13 @@ class PrefixCache:
     def _chain(self, req: Request) -> list[int]:
         """Chained hashes of the request's full pages whose token ids are known (memoized)."""
         chain = self._chains.setdefault(req, [])
+        if req.prompt_token_ids is None and req.synthetic_prompt is None:
+            return chain
         ps = self.page_size
         known = req.prompt_len + len(req.output_token_ids)
         if (len(chain) + 1) * ps <= known:
             lo, hi = len(chain) * ps, known - known % ps
-            ids = req.prompt_ids()
+            ids = req.prompt_ids(keep=False)
             if hi > req.prompt_len:
                 ids = ids + req.output_token_ids
             chain.extend(chain_hashes(chain[-1] if chain else ROOT_HASH, ids[lo:hi], ps))

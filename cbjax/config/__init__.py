@@ -124,8 +124,9 @@ class CacheConfig:
     # up to a power of two of pages at an aligned place, as a buddy allocator does.
     reservation_fit: str = "first_fit"
     # Share full pages with an identical token prefix between requests, and keep released ones
-    # cached (evicted LRU once the free list is empty) for later requests.
-    prefix_caching: bool = False
+    # cached (evicted LRU once the free list is empty) for later requests. On by default, as in
+    # vLLM v1 and SGLang; a reproduction of a system without it sets it false.
+    prefix_caching: bool = True
     # Host pages for scheduler.preemption=swap. None: as many as num_pages.
     num_swap_pages: Optional[int] = None
 
@@ -144,8 +145,9 @@ class CacheConfig:
         )
         if self.allocation != "paged" and self.prefix_caching:
             raise ValueError(
-                f"cache.allocation={self.allocation} cannot combine with cache.prefix_caching=true: a "
-                "reservation is one contiguous run, a shared prefix page lies elsewhere"
+                f"cache.allocation={self.allocation} cannot combine with cache.prefix_caching=true (on by "
+                "default): a reservation is one contiguous run, a shared prefix page lies elsewhere; "
+                "set cache.prefix_caching=false"
             )
         if self.num_swap_pages is not None:
             _require(self.num_swap_pages >= 0, "cache.num_swap_pages", "must be >= 0", self.num_swap_pages)

@@ -18,6 +18,7 @@ from cbjax.config.overhead import config_dir
 
 WIDTH = 100
 KEY_COLUMN = 36  # where a key's meaning starts
+NBSP = "\u00a0"  # joins an option to its note, so a wrapped line never splits them
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,9 @@ OVERHEAD = Group("overhead", "a serving stack's host costs, added to each simula
     ("overhead.seq_s", "host seconds per scheduled sequence per iteration"),
 ))  # fmt: skip
 CACHE = Group("cache", "the paged KV cache", (
-    ("cache.num_pages", "KV pages: an int, or auto (what the memory leaves)"),
+    ("cache.num_pages", "KV pages: an int, or auto (what memory leaves; sim's default)"),
     ("cache.page_size", "tokens per page"),
-    ("cache.prefix_caching", "true: requests share the pages of a common prefix"),
+    ("cache.prefix_caching", "true (default): requests share the pages of a common prefix"),
     ("cache.allocation", "paged | reserve_max | reserve_pow2 | reserve_oracle"),
 ))  # fmt: skip
 CLUSTER = Group("cluster", "replicas behind a router; prefill/decode disaggregation", (
@@ -157,7 +158,7 @@ PAGES = {
         ),
         examples=(
             ("cbjax-serve executor=jax model=hf model.path=DIR", "a real checkpoint"),
-            ("cbjax-serve executor.cost_model=profiled executor.profile=FILE", "the paced simulator"),
+            ("cbjax-serve model=tiny executor.cost_model=profiled executor.profile=FILE", "paced, profiled"),
         ),
         groups=(SERVER, SERVE_EXECUTOR, SCHEDULER, MODEL, HARDWARE, OVERHEAD, CACHE, METRICS, SERVE_KEYS),
         docs="docs/serving.md (cbjax-serve), " + DOCS,
@@ -187,14 +188,15 @@ def help_page(command: str, configs: Optional[Path] = None) -> str:
     lines = [f"{page.command} {page.about[0]}", page.about[1], "", f"Usage: {page.command} [GROUP=OPTION ...] [KEY=VALUE ...]"]
     width = max(len(cmd) for cmd, _ in page.examples)
     lines += [f"  {cmd:<{width}}  # {what}" for cmd, what in page.examples]
-    lines += ["", "Config groups (GROUP=OPTION; * the default) and their main keys:"]
+    lines += ["", "Config groups (GROUP=OPTION; * the default, or each executor's) and their main keys:"]
     for group in page.groups:
         lines.append("")
         if group.name is None:
             lines.append("Other keys:")
         else:
-            options = [o + ("*" if o == defaults.get(group.name) else "") for o in group_options(configs, group.name)]
-            lines += textwrap.wrap(f"{group.name}: {group.meaning}. Options: {', '.join(options)}", WIDTH, subsequent_indent="    ")
+            options = marked_options(configs, group.name, defaults.get(group.name))
+            text = f"{group.name}: {group.meaning}. Options: {', '.join(options)}"
+            lines += [line.replace(NBSP, " ") for line in textwrap.wrap(text, WIDTH, subsequent_indent="    ")]
         lines += [f"  {key:<{KEY_COLUMN - 3}} {meaning}" for key, meaning in group.keys]
     lines += ["", f"Every key: {page.command} --cfg job (the composed config). Hydra's flags: {page.command} --hydra-help."]
     lines += textwrap.wrap(f"Docs: {page.docs}.", WIDTH, subsequent_indent="    ")
@@ -203,6 +205,29 @@ def help_page(command: str, configs: Optional[Path] = None) -> str:
 
 def group_options(configs: Path, group: str) -> list[str]:
     return sorted(p.stem for p in (configs / group).glob("*.yaml"))
+
+
+def marked_options(configs: Path, group: str, choice: Optional[str]) -> list[str]:
+    """The group's options, the root's choice starred; a choice that follows the executor
+    (`defaults/${executor}`) stars each executor's option and names the executor."""
+    if choice is not None and choice.startswith("defaults/"):
+        chosen = executor_defaults(configs, group)
+        return [o + (f"*{NBSP}(executor={'|'.join(chosen[o])})" if o in chosen else "") for o in group_options(configs, group)]
+    return [o + ("*" if o == choice else "") for o in group_options(configs, group)]
+
+
+def executor_defaults(configs: Path, group: str) -> dict[str, list[str]]:
+    """{option: the executors it is the default of}: configs/GROUP/defaults/EXECUTOR.yaml names
+    its option in its defaults list, as `/GROUP/OPTION@PACKAGE`."""
+    import yaml
+
+    out: dict[str, list[str]] = {}
+    for path in sorted((configs / group / "defaults").glob("*.yaml")):
+        for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
+            target = entry.split("@")[0] if isinstance(entry, str) else ""
+            if target.startswith(f"/{group}/"):
+                out.setdefault(target.rsplit("/", 1)[1], []).append(path.stem)
+    return out
 
 
 def root_defaults(path: Path) -> dict[str, str]:

@@ -104,15 +104,19 @@ class Request:
         """Prompt plus generated tokens."""
         return self.prompt_len + self.num_generated
 
-    def prompt_ids(self) -> list[int]:
-        """The prompt's token ids, drawing seeded synthetic ids for a length-only request."""
-        if self.prompt_token_ids is None:
-            if self.synthetic_prompt is None:
-                raise ValueError(f"request {self.request_id}: has no prompt token ids")
-            seed, vocab_size = self.synthetic_prompt
-            rng = np.random.default_rng(seed)
-            self.prompt_token_ids = rng.integers(0, vocab_size, size=self.prompt_len).tolist()
-        return self.prompt_token_ids
+    def prompt_ids(self, keep: bool = True) -> list[int]:
+        """The prompt's token ids, drawing seeded synthetic ids for a length-only request; drawn
+        ids are kept on the request unless `keep` is false (a caller that reads them once, as
+        the prefix cache hashing a simulated prompt, so a long trace does not hold them all)."""
+        if self.prompt_token_ids is not None:
+            return self.prompt_token_ids
+        if self.synthetic_prompt is None:
+            raise ValueError(f"request {self.request_id}: has no prompt token ids")
+        seed, vocab_size = self.synthetic_prompt
+        ids = np.random.default_rng(seed).integers(0, vocab_size, size=self.prompt_len).tolist()
+        if keep:
+            self.prompt_token_ids = ids
+        return ids
 
     def stop_length(self) -> int:
         """How many tokens this request may generate at most (before the model's max length)."""

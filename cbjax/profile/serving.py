@@ -128,6 +128,9 @@ def serving_runs(
     `cbjax.profile.residuals.regime_of`). Each round `round_` draws its
     own requests and arrivals (seeds offset by ROUND_SEED_STRIDE x round): a round held out of
     the fit is then other requests, not a re-timing of the same ones."""
+    # the prefix cache is on in fcfs_prefix alone, so the fit can tell the loop's prefix-cache
+    # work (launch_cached_seq_s) from a row's
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, prefix_caching=False))
     seed = cfg.seed + ROUND_SEED_STRIDE * round_
     length = cfg.model.max_model_len
     slots = cfg.scheduler.max_num_seqs
