@@ -96,6 +96,13 @@ CASES = {
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, chunked_prefill=True),
         cache=cache(page_size=16, num_pages=120),
     ),
+    # a chunk leaves each prompt's last token alone: that row is planned as a decode, yet it
+    # yields the request's first token, which a stretch's inner steps never do
+    "prefill_tail": dict(
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=39, chunked_prefill=True),
+        workload=WorkloadConfig(num_requests=6, arrival="poisson", rate=0.2, prompt_len=LengthConfig(value=40),
+                                output_len=LengthConfig(value=12)),
+    ),
     "prefix_caching": dict(cache=cache(page_size=16, num_pages=400, prefix_caching=True),
                            workload=WorkloadConfig(name="shared_prefix", num_requests=120, arrival="poisson", rate=6.0)),
     "reserve_pow2": dict(cache=cache(page_size=16, num_pages=2000, allocation="reserve_pow2")),

@@ -5,6 +5,10 @@ from __future__ import annotations
 from cbjax.cache.allocator import ROOT_HASH, PageAllocator, chain_hashes
 from cbjax.core.request import Request
 
+# Tags a synthetic page's key: (tag, seed, vocab, page size, page index) never equals a
+# content hash's (parent hash, ids) tuple.
+_SYNTHETIC = -1
+
 
 class PrefixCache:
     """Matches and registers requests' full pages in the allocator's prefix index.
@@ -25,18 +29,33 @@ class PrefixCache:
         self.tokens_hit = 0  # found in the cache at every admission, readmissions included
 
     def _chain(self, req: Request) -> list[int]:
-        """Chained hashes of the request's full pages whose token ids are known (memoized)."""
+        """Chained hashes of the request's full pages whose token ids are known (memoized).
+
+        A page wholly inside a synthetic prompt is named by (seed, vocabulary, page index)
+        rather than by hashing drawn ids: seeded draws of one seed agree on their common
+        prefix, so two such pages hold equal ids exactly when their keys are equal (up to the
+        same 64-bit collision odds as content hashes), and a long simulated trace never draws
+        its prompts. Later pages chain content hashes from the last synthetic key."""
         chain = self._chains.setdefault(req, [])
-        if req.prompt_token_ids is None and req.synthetic_prompt is None:
+        synthetic = req.synthetic_prompt
+        if req.prompt_token_ids is None and synthetic is None:
             return chain
         ps = self.page_size
         known = req.prompt_len + len(req.output_token_ids)
-        if (len(chain) + 1) * ps <= known:
-            lo, hi = len(chain) * ps, known - known % ps
+        if (len(chain) + 1) * ps > known:
+            return chain
+        lo = len(chain)
+        if synthetic is not None:
+            seed, vocab = synthetic
+            inside = req.prompt_len // ps
+            chain.extend(hash((_SYNTHETIC, seed, vocab, ps, i)) for i in range(lo, inside))
+            lo = max(lo, inside)
+        hi = known // ps
+        if hi > lo:
             ids = req.prompt_ids(keep=False)
-            if hi > req.prompt_len:
+            if hi * ps > req.prompt_len:
                 ids = ids + req.output_token_ids
-            chain.extend(chain_hashes(chain[-1] if chain else ROOT_HASH, ids[lo:hi], ps))
+            chain.extend(chain_hashes(chain[-1] if chain else ROOT_HASH, ids[lo * ps : hi * ps], ps))
         return chain
 
     def match(self, req: Request) -> list[int]:

@@ -82,6 +82,8 @@ class DecodeStretch:
             computed = req.num_computed
             if req.status is not status or req.num_new_tokens or req.prompt_len + req.num_generated - computed != 1:
                 return 0
+            if not req.num_generated:  # its prefill's last token: the step yields its first token
+                return 0
             # steps until its pages are full: the one after needs a new page
             n = len(tables[req.request_id]) * ps - computed
             if left is None or n < left:
