@@ -27,6 +27,10 @@ class PrefixCache:
         self.prompt_tokens_admitted = 0  # over first admissions
         self.prompt_tokens_hit = 0  # of those, found in the cache
         self.tokens_hit = 0  # found in the cache at every admission, readmissions included
+        # Name pages of synthetic prompts by their seed (see `_chain`). Off where the executor
+        # reads token ids: a prompt built from another request's ids (a session's next turn)
+        # must find that request's pages by content.
+        self.synthetic_keys = True
 
     def _chain(self, req: Request) -> list[int]:
         """Chained hashes of the request's full pages whose token ids are known (memoized).
@@ -35,7 +39,8 @@ class PrefixCache:
         rather than by hashing drawn ids: seeded draws of one seed agree on their common
         prefix, so two such pages hold equal ids exactly when their keys are equal (up to the
         same 64-bit collision odds as content hashes), and a long simulated trace never draws
-        its prompts. Later pages chain content hashes from the last synthetic key."""
+        its prompts. Later pages chain content hashes from the last synthetic key. Used only
+        while `synthetic_keys` holds (set before the first request arrives)."""
         chain = self._chains.setdefault(req, [])
         synthetic = req.synthetic_prompt
         if req.prompt_token_ids is None and synthetic is None:
@@ -45,7 +50,7 @@ class PrefixCache:
         if (len(chain) + 1) * ps > known:
             return chain
         lo = len(chain)
-        if synthetic is not None:
+        if synthetic is not None and self.synthetic_keys:
             seed, vocab = synthetic
             inside = req.prompt_len // ps
             chain.extend(hash((_SYNTHETIC, seed, vocab, ps, i)) for i in range(lo, inside))

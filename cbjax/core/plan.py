@@ -37,6 +37,11 @@ class ScheduledRequest(NamedTuple):
     # Set in the first plan after (re)admission, when the request takes its slot: its knobs.
     sampling: Optional[SamplingParams] = None
     yields: bool = True  # False for a chunk of a prefill that leaves tokens for later steps
+    # Speculative decoding: the last `num_drafts` of a decode row's `num_new_tokens` tokens are
+    # drafts to verify. Their ids are in `token_ids` when the host proposed them (n-gram); when
+    # the executor drafts them itself (a draft model), `token_ids` holds only the row's first
+    # `num_new_tokens - num_drafts` ids.
+    num_drafts: int = 0
 
 
 @dataclass
@@ -107,7 +112,13 @@ class StepOutput:
     """One iteration's result: a token per scheduled request (`Schedule.scheduled` order), or
     None when tokens are simulated. `errors` maps an index into `Schedule.scheduled` to why that
     request's step failed (e.g. non-finite logits); the scheduler aborts those requests and the
-    run goes on. Time is not here: the loop's clock owns it (`cbjax.engine.clock`)."""
+    run goes on. A row verifying drafts yields several tokens (`num_accepted`). Time is not here: the loop's clock owns it (`cbjax.engine.clock`)."""
 
     token_ids: Optional[Sequence[int]]
     errors: Optional[dict[int, str]] = None
+    # Speculative decoding, per row (`Schedule.scheduled` order); None when no row had drafts.
+    # `num_accepted[r]`: how many of row r's drafts were accepted (0..num_drafts, in order);
+    # `accepted_ids[r]`: their ids, where the executor reads ids. Row r then yields those
+    # drafts followed by `token_ids[r]`, the target's own token after them.
+    num_accepted: Optional[Sequence[int]] = None
+    accepted_ids: Optional[Sequence[Sequence[int]]] = None

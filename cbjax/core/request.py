@@ -76,6 +76,11 @@ class Request:
     prompt_text: Optional[str] = None
     # The id the input gave, when it had to be renamed (a duplicate): request_id is then unique.
     original_request_id: Optional[str] = None
+    # A turn of a multi-turn session (`workload=sessions`, conversation traces): its session,
+    # its index there (0 first), and whether a later turn of the session follows it.
+    session_id: Optional[str] = None
+    turn: int = 0
+    more_turns: bool = False
 
     # ---- scheduler-owned state ----
     status: Status = Status.WAITING

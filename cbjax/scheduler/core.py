@@ -103,9 +103,18 @@ class Scheduler:
     hold_finished_pages = _delegate(
         "running_set.hold_finished_pages", "Whether a finished request keeps its pages (see `RunningSet`).", settable=True
     )
-    plan_token_ids = _delegate(
-        "writer.token_ids", "Whether plans carry token ids (`PlanWriter.token_ids`; EngineLoop sets it).", settable=True
-    )
+
+    @property
+    def plan_token_ids(self) -> bool:
+        """Whether plans carry token ids (`PlanWriter.token_ids`; EngineLoop sets it). An executor
+        that reads ids names every cached page by its ids (`PrefixCache.synthetic_keys`)."""
+        return self.writer.token_ids
+
+    @plan_token_ids.setter
+    def plan_token_ids(self, value: bool) -> None:
+        self.writer.token_ids = value
+        if self.prefix is not None:
+            self.prefix.synthetic_keys = not value
 
     # ---- intake ----
     def rejection_reason(self, req: Request) -> Optional[str]:
