@@ -249,6 +249,10 @@ def build_summary(cfg: RunConfig, result, service_log: ServiceLog, executor) -> 
     """summary.json's fields for a finished (or interrupted) run."""
     summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
     summary["interrupted"] = result.interrupted
+    if "kv_host_pages_stored" in summary:  # a host KV tier's pages moved, in bytes each way
+        page_bytes = cfg.cache.page_size * cfg.model.kv_bytes_per_token
+        summary["kv_host_bytes_stored"] = summary["kv_host_pages_stored"] * page_bytes
+        summary["kv_host_bytes_loaded"] = summary["kv_host_pages_loaded"] * page_bytes
     summary.update(executor.metrics())
     summary.update(service_summary(result, service_log, cfg.metrics, cfg.slo))
     summary.update(

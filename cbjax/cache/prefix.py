@@ -31,6 +31,8 @@ class PrefixCache:
         # reads token ids: a prompt built from another request's ids (a session's next turn)
         # must find that request's pages by content.
         self.synthetic_keys = True
+        # The host tier (`cbjax.cache.host_tier.HostTier`) beneath the device pool, or None.
+        self.tier = None
 
     def _chain(self, req: Request) -> list[int]:
         """Chained hashes of the request's full pages whose token ids are known (memoized).
@@ -68,6 +70,36 @@ class PrefixCache:
         token: that token is always prefilled, so the prefill yields the next one."""
         return self.allocator.match(self._chain(req)[: (req.num_tokens - 1) // self.page_size])
 
+    def match_host(self, req: Request, num_device: int) -> list[int]:
+        """Host pages of the tier continuing the request's `num_device` cached device pages
+        (`match`), short of the page of its last token as `match` is."""
+        return self.tier.match(self._chain(req)[: (req.num_tokens - 1) // self.page_size], num_device)
+
+    def loaded(self, req: Request, device: list[int], hosts: list[int], table: list[int]) -> None:
+        """`req`, just allocated `table` on its `device` pages, loads `hosts` (pinned) into the
+        pages after them, which hold its chain's next pages from now on."""
+        k, n = len(device), len(hosts)
+        if n:
+            self.tier.load(req, hosts, table[k : k + n])
+            self.allocator.register(req.request_id, self._chain(req), k + n)
+        self.tier.admitted(req, device, n)
+
+    def prefetch(self, req: Request, room: int) -> int:
+        """Start loading the waiting request's host pages into new cached device pages (at most
+        `room`; all or none); how many. A page its chain has on the device ends the run."""
+        device = self.match(req)
+        hosts = self.match_host(req, len(device))
+        if not hosts:
+            return 0
+        hashes = self._chain(req)[len(device) : len(device) + len(hosts)]
+        on_device = next((i for i, h in enumerate(hashes) if self.allocator.match([h])), len(hashes))
+        hosts, hashes = hosts[:on_device], hashes[:on_device]
+        if not hosts or len(hosts) > room:
+            return 0
+        self.tier.pin(hosts)
+        self.tier.load(req, hosts, self.allocator.cache_pages(hashes), prefetch=True)
+        return len(hosts)
+
     def admitted(self, req: Request, num_hit: int) -> None:
         """Count an admission that reuses `num_hit` cached tokens. Call before it is scheduled."""
         self.tokens_hit += num_hit
@@ -85,12 +117,18 @@ class PrefixCache:
         if full <= offered or (req.prompt_len + len(req.output_token_ids)) // self.page_size <= offered:
             return
         self.allocator.register(req.request_id, self._chain(req), full)
+        if self.tier is not None:
+            self.tier.tag(self.allocator.page_tables[req.request_id][offered:full], req.session_id)
 
     def forget(self, req: Request) -> None:
         self._chains.pop(req, None)
+        if self.tier is not None:
+            self.tier.turn_ended(req)
 
     def clear(self) -> None:
         self._chains.clear()
+        if self.tier is not None:
+            self.tier.clear_requests()
 
     @property
     def hit_rate(self) -> float:

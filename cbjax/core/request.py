@@ -99,6 +99,12 @@ class Request:
     finish_s: Optional[float] = None
     num_preemptions: int = 0
     admit_seq: int = 0  # admission order, for victim choice
+    # With a host KV tier (`cache.host_pages`; None without): prompt tokens its first admission
+    # found cached on the device and in host memory, and the seconds of the copies that loaded
+    # its host pages (its share, by pages, of each step's loads)
+    prefix_hit_tokens_device: Optional[int] = None
+    prefix_hit_tokens_host: Optional[int] = None
+    kv_load_s: Optional[float] = None
 
     @property
     def is_finished(self) -> bool:

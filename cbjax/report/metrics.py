@@ -54,6 +54,10 @@ def request_row(req: Request) -> dict[str, Any]:
         "scheduled_s": req.scheduled_s,
     }
     row.update(request_latencies(req))
+    if req.prefix_hit_tokens_host is not None:  # a run with a host KV tier
+        row["prefix_hit_tokens_device"] = req.prefix_hit_tokens_device
+        row["prefix_hit_tokens_host"] = req.prefix_hit_tokens_host
+        row["kv_load_s"] = req.kv_load_s
     for key, value in row.items():
         if isinstance(value, float) and not math.isfinite(value):
             row[key] = None  # JSON has no NaN
