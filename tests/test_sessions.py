@@ -308,3 +308,12 @@ def test_the_simulator_and_the_engine_find_the_same_prefix_pages():
     engine_hits = _hits(hit_sessions(), engine)
     engine.close()
     assert engine_hits == _hits(hit_sessions(), SimExecutor(UnitCost())) == (HITS, HITS)
+
+
+def test_cbjax_bench_refuses_turns_that_wait_on_the_server():
+    from cbjax.bench.config import BenchConfig
+    from cbjax.bench.run import run_bench
+
+    cfg = BenchConfig(workload=WorkloadConfig(name="sessions", num_sessions=2), progress=False)
+    with pytest.raises(ValueError, match="cbjax-bench sends every request at a fixed time"):
+        run_bench(cfg, verbose=False)
