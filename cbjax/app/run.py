@@ -92,12 +92,12 @@ def run_single(
     if cfg.cluster.enabled:
         return run_cluster(cfg, out_dir, verbose=verbose, stop=stop)
     cfg = resolve(cfg)
-    requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
     if cfg.model.path:
         from cbjax.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.path)
+    requests = build_workload(cfg.workload, cfg.seed, tokenizer)
     encode_text_prompts(requests, tokenizer, where=f"model {cfg.model.name!r}")
     executor = build_executor(cfg)
     scheduler = Scheduler(
@@ -147,12 +147,12 @@ def run_cluster(
     (`ClusterEngine`), its replicas' executors each in a process of its own (`cluster.backend`).
     A replica that failed ends the run: the files are written, then its error is raised."""
     cfg = resolve_model(cfg)  # each pool sizes its own KV pool
-    requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
     if cfg.model.path:
         from cbjax.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.path)
+    requests = build_workload(cfg.workload, cfg.seed, tokenizer)
     encode_text_prompts(requests, tokenizer, where=f"model {cfg.model.name!r}")
     cluster, shutdown = build_cluster(cfg)
     try:

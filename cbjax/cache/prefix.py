@@ -42,19 +42,24 @@ class PrefixCache:
         prefix, so two such pages hold equal ids exactly when their keys are equal (up to the
         same 64-bit collision odds as content hashes), and a long simulated trace never draws
         its prompts. Later pages chain content hashes from the last synthetic key. Used only
-        while `synthetic_keys` holds (set before the first request arrives)."""
+        while `synthetic_keys` holds (set before the first request arrives).
+
+        A session's turn that another follows (`more_turns`) generates, in the simulator, the
+        continuation of its seeded stream: the next turn's prompt is that stream up to past
+        this turn's output (`cbjax.engine.followups`). Its pages of generated tokens are then
+        known too, and named by the same keys."""
         chain = self._chains.setdefault(req, [])
         synthetic = req.synthetic_prompt
         if req.prompt_token_ids is None and synthetic is None:
             return chain
         ps = self.page_size
-        known = req.prompt_len + len(req.output_token_ids)
+        known = self._known(req)
         if (len(chain) + 1) * ps > known:
             return chain
         lo = len(chain)
         if synthetic is not None and self.synthetic_keys:
             seed, vocab = synthetic
-            inside = req.prompt_len // ps
+            inside = (known if req.more_turns else req.prompt_len) // ps
             chain.extend(hash((_SYNTHETIC, seed, vocab, ps, i)) for i in range(lo, inside))
             lo = max(lo, inside)
         hi = known // ps
@@ -114,11 +119,17 @@ class PrefixCache:
         token ids are unknown), the loop's host time per row."""
         offered = self.allocator.num_hashed(req.request_id)
         full = req.num_computed // self.page_size
-        if full <= offered or (req.prompt_len + len(req.output_token_ids)) // self.page_size <= offered:
+        if full <= offered or self._known(req) // self.page_size <= offered:
             return
         self.allocator.register(req.request_id, self._chain(req), full)
         if self.tier is not None:
             self.tier.tag(self.allocator.page_tables[req.request_id][offered:full], req.session_id)
+
+    def _known(self, req: Request) -> int:
+        """Leading tokens of the request whose ids are known (see `_chain`)."""
+        if req.more_turns and self.synthetic_keys and req.synthetic_prompt is not None:
+            return req.prompt_len + req.num_generated
+        return req.prompt_len + len(req.output_token_ids)
 
     def forget(self, req: Request) -> None:
         self._chains.pop(req, None)

@@ -22,13 +22,14 @@ from cbjax.config.reporting import (
     LOGGERS, WANDB_MODES, ExperimentConfig, LoggerConfig, MetricsConfig, ServiceWeights, SLOConfig,
 )  # fmt: skip
 from cbjax.config.workload import (
-    ARRIVALS, LENGTH_DISTS, TRUNCATIONS, WORKLOADS, ClientConfig, LengthConfig, WorkloadConfig, check_fits_model,
+    ARRIVALS, LENGTH_DISTS, TRUNCATIONS, WORKLOADS, ClientConfig, LengthConfig, PauseConfig, WorkloadConfig,
+    check_fits_model,
 )  # fmt: skip
 
 __all__ = [
     "PREDICTORS", "PREEMPTION_MODES", "EXECUTORS", "ARRIVALS", "LENGTH_DISTS", "TRUNCATIONS",
     "WORKLOADS", "DTYPES", "MLP_KINDS", "LOGGERS", "WANDB_MODES",
-    "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig",
+    "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig", "PauseConfig",
     "ClientConfig", "WorkloadConfig", "ModelConfig", "HardwareConfig", "OverheadConfig", "ExperimentConfig", "ServiceWeights",
     "MetricsConfig", "SLOConfig", "LoggerConfig", "DistributedConfig", "RunConfig",
     "ClusterConfig", "BACKENDS",

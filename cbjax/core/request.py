@@ -81,6 +81,11 @@ class Request:
     session_id: Optional[str] = None
     turn: int = 0
     more_turns: bool = False
+    # A later turn that arrives `pause_s` seconds after the turn before it ends (None: at
+    # `arrival_s`). Until then (`cbjax.engine.followups`) its `arrival_s` is inf and its
+    # `prompt_len` counts its new input alone; at release its prompt becomes the conversation
+    # so far (that turn's prompt and output) followed by that new input.
+    pause_s: Optional[float] = None
 
     # ---- scheduler-owned state ----
     status: Status = Status.WAITING
