@@ -188,3 +188,23 @@ def test_a_draft_models_proposals_are_charged_as_its_own_decode_steps():
     assert cost(plan).device_s == pytest.approx(want, rel=1e-12)
     no_drafts = Schedule(num_slots=3, scheduled=[rows[2]], page_size=16)
     assert cost(no_drafts).device_s == plain(no_drafts).device_s
+
+
+def test_a_separate_draft_models_weights_and_kv_come_out_of_the_pool():
+    from cbjax.app.run import resolve
+    from cbjax.cache.sizing import auto_num_pages
+    from cbjax.config import RunConfig
+    from cbjax.config.spec import load_draft_model
+
+    target, draft = load_draft_model("llama3_8b"), load_draft_model("llama32_1b")
+    hw = HardwareConfig(mem_bytes=80e9)
+    weights = target.num_params * 2 + draft.num_params * 2
+    page = (target.kv_bytes_per_token + draft.kv_bytes_per_token) * 16
+    assert auto_num_pages(target, hw, 16, 0.9, draft) == int((80e9 * 0.9 - weights) // page)
+    cfg = RunConfig(model=target, hardware=hw, cache=CacheConfig(num_pages="auto"))
+    alone = resolve(cfg).cache.num_pages
+    drafted = resolve(dataclasses.replace(cfg, spec=SpecConfig(method="draft", draft_model="llama32_1b"))).cache.num_pages
+    assert drafted == auto_num_pages(target, hw, 16, 0.9, draft) < alone
+    # a draft of the target's own layers shares its weights and K/V
+    layers = resolve(dataclasses.replace(cfg, spec=SpecConfig(method="draft", draft_layers=4))).cache.num_pages
+    assert layers == alone

@@ -45,8 +45,11 @@ def resolve(cfg: RunConfig) -> RunConfig:
         return cfg
     from cbjax.cache.sizing import auto_num_pages
 
+    from cbjax.config.spec import separate_draft_model
+
     cache = cfg.cache
-    num_pages = auto_num_pages(cfg.model, cfg.hardware, cache.page_size, cache.memory_utilization)
+    draft = separate_draft_model(cfg.spec)
+    num_pages = auto_num_pages(cfg.model, cfg.hardware, cache.page_size, cache.memory_utilization, draft)
     return dataclasses.replace(cfg, cache=dataclasses.replace(cache, num_pages=num_pages))
 
 

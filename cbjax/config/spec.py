@@ -153,6 +153,14 @@ def draft_model_config(spec: SpecConfig, model: ModelConfig) -> Optional[ModelCo
     return load_draft_model(spec.draft_model)
 
 
+def separate_draft_model(spec: SpecConfig) -> Optional[ModelConfig]:
+    """The draft model with weights and a KV pool of its own (`spec.draft_model`), or None (no
+    speculation, n-gram drafts, or `spec.draft_layers`, which shares the target's)."""
+    if spec.method != "draft" or spec.draft_model is None:
+        return None
+    return load_draft_model(spec.draft_model)
+
+
 def load_draft_model(name: str) -> ModelConfig:
     """The model config `name` names: configs/model/NAME.yaml, or a path to a YAML file of
     ModelConfig keys. Errors name spec.draft_model."""
