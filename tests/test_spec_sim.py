@@ -208,3 +208,35 @@ def test_a_separate_draft_models_weights_and_kv_come_out_of_the_pool():
     # a draft of the target's own layers shares its weights and K/V
     layers = resolve(dataclasses.replace(cfg, spec=SpecConfig(method="draft", draft_layers=4))).cache.num_pages
     assert layers == alone
+
+
+def test_a_speculating_profile_times_verify_steps_and_the_default_grid_is_unchanged():
+    from cbjax.layout.shapes import plan_shapes
+    from cbjax.profile.grid import build_schedule, profile_grid
+
+    shapes = plan_shapes(num_rows=32, max_model_len=256, page_size=8, max_num_batched_tokens=512)
+    plain = profile_grid(shapes, 256, "full")
+    assert profile_grid(shapes, 256, "full", spec_tokens=0) == plain
+    assert {p.kind for p in plain} == {"decode", "prefill", "chunk", "mixed"}
+    spec = profile_grid(shapes, 256, "full", spec_tokens=4)
+    verify = [p for p in spec if p.kind == "verify"]
+    assert [p for p in spec if p.kind != "verify"] == plain
+    assert {n for p in verify for n, _ in p.rows} == {2, 5}  # 1 and 4 drafts
+    assert max(len(p.rows) for p in verify) == 32 and all(sum(n for n, _ in p.rows) <= 512 for p in verify)
+    plan = build_schedule(verify[-1], shapes, 2048, 512)
+    assert all(s.is_decode and s.num_drafts == s.num_new_tokens - 1 == 4 for s in plan.scheduled)
+    assert all(len(s.token_ids) == s.num_new_tokens for s in plan.scheduled)  # host drafts: ids in the row
+
+
+def test_a_simulated_cluster_speculates_on_every_replica():
+    from cbjax.app.run import run_single
+    from cbjax.config import ClusterConfig, RunConfig, WorkloadConfig
+
+    spec = SpecConfig(method="ngram", num_tokens=3, acceptance_rate=0.6)
+    base = RunConfig(progress=False, workload=WorkloadConfig(num_requests=30), spec=spec)
+    for cluster in (ClusterConfig(replicas=2), ClusterConfig(prefill_replicas=1, decode_replicas=1)):
+        cfg = dataclasses.replace(base, cluster=cluster)
+        on = run_single(cfg, verbose=False)
+        off = run_single(dataclasses.replace(cfg, spec=SpecConfig()), verbose=False)
+        assert on["spec_proposed_tokens"] > 0 and 0 < on["spec_acceptance_rate"] < 1
+        assert on["output_tokens"] == off["output_tokens"] and on["num_finished"] == 30

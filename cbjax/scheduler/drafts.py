@@ -64,7 +64,7 @@ class Drafts:
         """Give the plan's `decodes` (one token each so far) their drafts; the budget left."""
         if not decodes or budget <= 0:
             return budget
-        view = SpecView(decodes, len(self.running_set.running), len(self.queue), self.max_drafts,
+        view = SpecView(tuple(decodes), len(self.running_set.running), len(self.queue), self.max_drafts,
                         self.acceptance_rate, self._pricer(decodes) if self.step_cost is not None else None)  # fmt: skip
         k = self.policy.num_drafts(view)
         if not (isinstance(k, int) and 0 <= k <= self.max_drafts):
@@ -162,7 +162,10 @@ class Drafts:
             policy.on_verified(req, d, a)
             kept = a
             if token_ids is not None:
-                tokens = list(accepted_ids[i][:a]) + [int(token_ids[i])]
+                if a and (accepted_ids is None or len(accepted_ids[i]) < a):
+                    raise RuntimeError(f"request {req.request_id}: the executor accepted {a} drafts "
+                                       "without their ids (StepOutput.accepted_ids); this is a bug")  # fmt: skip
+                tokens = (list(accepted_ids[i][:a]) if a else []) + [int(token_ids[i])]
                 kept = next((j for j, tok in enumerate(tokens[:a]) if self._stops(req, tok)), a)
                 req.output_token_ids.extend(tokens[:kept])
                 if out_ids is None:
