@@ -24,7 +24,7 @@ def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict
     import matplotlib.pyplot as plt
 
     values = [r for r in rows if r["kind"] in ("value", "exact")]
-    ranked = [r for r in rows if r["kind"] in ("ordering", "argmin_in")]
+    ranked = [r for r in rows if r["kind"] in ("ordering", "argmin_in", "best_of")]
     show_series = bool(series) and any(r["metric"].startswith("client_service.") for r in rows)
     panels = (1 if values else 0) + len(ranked) + (len(series) if show_series else 0)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8), squeeze=False)

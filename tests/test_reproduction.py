@@ -79,6 +79,22 @@ def test_argmin_in_checks_the_lowest_arm():
     assert rows[0]["paper"] == "lowest in {b, c}"
 
 
+def test_best_of_holds_an_arm_against_the_lowest_of_the_others():
+    rows = evaluate([
+        {"kind": "best_of", "metric": "lat", "arm": "c", "arms": ["a", "b"], "tolerance": 1.5},  # 3.0 / 1.2667
+        {"kind": "best_of", "metric": "lat", "arm": "c", "arms": ["a", "b"], "tolerance": 1.0},
+        {"kind": "best_of", "metric": "lat", "arm": "b", "arms": ["a", "c"]},  # lower than both: passes
+        {"kind": "best_of", "metric": "none", "arm": "b", "arms": ["a", "c"]},
+    ], SUMMARIES)  # fmt: skip
+    assert [r["verdict"] for r in rows] == ["pass", "fail", "pass", "fail"]
+    assert rows[0]["ours"] == pytest.approx(3.0 / 1.2667) and rows[2]["tolerance"] == 0.15
+    assert rows[0]["paper"] == "c <= the best of {a, b}" and rows[3]["ours"] is None
+    with pytest.raises(ValueError, match=r"\[0\]: arms is required for kind best_of"):
+        check_entries([{"kind": "best_of", "metric": "lat", "arm": "a"}], KEYS)
+    with pytest.raises(ValueError, match=r"\[0\].metric: 'lat' is not a summary.json key of arm 'q'"):
+        check_entries([{"kind": "best_of", "metric": "lat", "arm": "a", "arms": ["b", "q"]}], {**KEYS, "q": {"x"}})
+
+
 def test_rows_have_exactly_the_published_fields(tmp_path):
     rows = evaluate([{"figure": "F1", "setting": "s", "metric": "tput", "arm": "a", "paper": 100}], SUMMARIES)
     path = write_reproduction(tmp_path, rows)

@@ -59,8 +59,10 @@ def sized(cfg: RunConfig) -> RunConfig:
         return cfg
     from cbjax.cache.sizing import auto_num_pages
 
+    from cbjax.config.spec import separate_draft_model
+
     c = cfg.cache
-    num_pages = auto_num_pages(cfg.model, cfg.hardware, c.page_size, c.memory_utilization)
+    num_pages = auto_num_pages(cfg.model, cfg.hardware, c.page_size, c.memory_utilization, separate_draft_model(cfg.spec))
     return dataclasses.replace(cfg, cache=dataclasses.replace(c, num_pages=num_pages))
 
 

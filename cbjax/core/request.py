@@ -110,6 +110,11 @@ class Request:
     prefix_hit_tokens_device: Optional[int] = None
     prefix_hit_tokens_host: Optional[int] = None
     kv_load_s: Optional[float] = None
+    # Speculative decoding (`cbjax.scheduler.drafts`): drafts verified and accepted in all, and
+    # (proposed, accepted) per decode step (None while speculation is off: `cbjax.spec.trace`).
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: Optional[list[tuple[int, int]]] = None
 
     @property
     def is_finished(self) -> bool:

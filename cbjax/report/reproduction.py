@@ -21,7 +21,12 @@ summaries:
     argmin_in:
       arms: [a, b, c]             the arms compared
       paper_set: [b, c]           pass when the arm with our lowest metric is one of these
-    paper (ordering, argmin_in)   optional text for the table (default: from arms/paper_set)
+    best_of:
+      arm: adaptive               ours = that arm's metric / the lowest of `arms`' metrics
+      arms: [a, b, c]             the arms it is held against (lower is better)
+      tolerance: 0.05             pass when ours <= 1 + tolerance (default 0.15)
+    paper (ordering, argmin_in,   optional text for the table (default: from arms/paper_set)
+           best_of)
 
 Rows of reproduction.json: {figure, setting, metric, paper, ours, tolerance, verdict}, verdict
 "pass" or "fail" (ours None: a missing or undefined metric, which fails).
@@ -37,15 +42,17 @@ from typing import Any, Iterable, Optional
 
 from cbjax.report.tables import format_number, markdown_table, summary_value
 
-KINDS = ("value", "exact", "ordering", "argmin_in")
+KINDS = ("value", "exact", "ordering", "argmin_in", "best_of")
 COMMON_KEYS = ("figure", "setting", "metric", "kind")
 KIND_KEYS = {
     "value": ("arm", "ratio_to", "paper", "tolerance"),
     "exact": ("arm", "ratio_to", "paper"),
     "ordering": ("arms", "paper"),
     "argmin_in": ("arms", "paper_set", "paper"),
+    "best_of": ("arm", "arms", "tolerance", "paper"),
 }
-REQUIRED = {"value": ("arm", "paper"), "exact": ("arm", "paper"), "ordering": ("arms",), "argmin_in": ("arms", "paper_set")}
+REQUIRED = {"value": ("arm", "paper"), "exact": ("arm", "paper"), "ordering": ("arms",), "argmin_in": ("arms", "paper_set"),
+            "best_of": ("arm", "arms")}  # fmt: skip
 ALL_KEYS = set(COMMON_KEYS).union(*KIND_KEYS.values())
 DEFAULT_TOLERANCE = 0.15
 ROW_KEYS = ("figure", "setting", "metric", "paper", "ours", "tolerance", "verdict")
@@ -89,7 +96,7 @@ def check_entries(entries: list[dict[str, Any]], arm_metrics: dict[str, set[str]
             if arm not in arm_metrics:
                 raise ValueError(f"{where}: unknown arm {arm!r}; arms are {list(arm_metrics)}")
         head = str(entry["metric"]).split(".", 1)[0]
-        for arm in entry.get("arms") or arms:
+        for arm in arms if kind == "best_of" else entry.get("arms") or arms:
             if head not in arm_metrics[arm]:
                 raise ValueError(f"{where}.metric: {entry['metric']!r} is not a summary.json key of arm {arm!r}")
 
@@ -144,6 +151,16 @@ def _row(entry: dict[str, Any], summaries: dict[str, dict[str, Any]]) -> dict[st
         else:
             tolerance = None
             ok = ours is not None and abs(ours - paper) <= _half_last_digit(paper) * (1 + 1e-9)
+        return {**row, "paper": paper, "ours": ours, "tolerance": tolerance, "verdict": _verdict(ok)}
+    if kind == "best_of":
+        tolerance = entry.get("tolerance")
+        tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
+        values = [lookup(summaries[arm], metric) for arm in entry["arms"]]
+        ours = lookup(summaries[entry["arm"]], metric)
+        best = min(values) if None not in values else None
+        ours = ours / best if ours is not None and best else None
+        ok = ours is not None and ours <= 1 + tolerance + 1e-12
+        paper = entry.get("paper") or f"{entry['arm']} <= the best of {{{', '.join(entry['arms'])}}}"
         return {**row, "paper": paper, "ours": ours, "tolerance": tolerance, "verdict": _verdict(ok)}
     arms = list(entry["arms"])
     values = {arm: lookup(summaries[arm], metric) for arm in arms}
