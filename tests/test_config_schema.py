@@ -23,6 +23,7 @@ GROUP_SCHEMAS = {
     "model": C.ModelConfig,
     "hardware": C.HardwareConfig,
     "overhead": C.OverheadConfig,
+    "spec": C.SpecConfig,
 }
 
 

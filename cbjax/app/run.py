@@ -12,7 +12,7 @@ from typing import Any, Optional
 from cbjax.config import RunConfig
 from cbjax.app.config_merge import merge_overrides
 from cbjax.engine.offline import serve
-from cbjax.report.metrics import request_row, summarize
+from cbjax.report.metrics import request_row, spec_summary, summarize
 from cbjax.report.files import RequestLog, atomic_write_text
 from cbjax.core.stop import StopFlag
 from cbjax.report.plots import plot_comparison
@@ -20,6 +20,7 @@ from cbjax.report.reproduction import check_entries, evaluate, format_rows, writ
 from cbjax.report.tables import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
 from cbjax.report.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
+from cbjax.sim.pricing import step_pricer
 from cbjax.workload import build_workload
 from cbjax.workload.trace import encode_text_prompts
 
@@ -58,14 +59,16 @@ def build_executor(cfg: RunConfig, devices=None):
         initialize(cfg.distributed)
     if cfg.executor.name == "sim":
         from cbjax.sim import SimExecutor, make_cost_model
+        from cbjax.sim.acceptance import make_acceptance
 
         cost = make_cost_model(
             cfg.executor.cost_model, cfg.model, cfg.hardware,
-            scheduler=cfg.scheduler, cache=cfg.cache, executor=cfg.executor, overhead=cfg.overhead,
+            scheduler=cfg.scheduler, cache=cfg.cache, executor=cfg.executor, overhead=cfg.overhead, spec=cfg.spec,
         )  # fmt: skip
         # the profiled model predicts this engine, which plans a step ahead with async_scheduling
-        pipelined = cfg.executor.cost_model == "profiled" and cfg.executor.async_scheduling
-        return SimExecutor(cost, pipelined=pipelined)
+        # (while speculating, each step waits for the accepted drafts)
+        pipelined = cfg.executor.cost_model == "profiled" and cfg.executor.async_scheduling and not cfg.spec.enabled
+        return SimExecutor(cost, pipelined=pipelined, acceptance=make_acceptance(cfg.spec, cfg.seed))
     if cfg.executor.name == "jax":
         from cbjax.runtime.executor import JaxExecutor
 
@@ -107,6 +110,8 @@ def run_single(
         validate=executor.validate,
         eos_token_id=cfg.model.eos_token_id,
         vocab_size=cfg.model.vocab_size,
+        spec=cfg.spec,
+        step_cost=step_pricer(cfg, executor),
     )
     extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
     live = None
@@ -249,6 +254,8 @@ def build_summary(cfg: RunConfig, result, service_log: ServiceLog, executor) -> 
     """summary.json's fields for a finished (or interrupted) run."""
     summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
     summary["interrupted"] = result.interrupted
+    if cfg.spec.enabled:
+        summary.update(spec_summary(result))
     summary.update(executor.metrics())
     summary.update(service_summary(result, service_log, cfg.metrics, cfg.slo))
     summary.update(

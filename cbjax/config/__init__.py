@@ -18,6 +18,7 @@ from cbjax.config.checks import _class_path, _one_of, _require
 from cbjax.config.cluster import BACKENDS, ClusterConfig
 from cbjax.config.machine import DTYPES, MLP_KINDS, HardwareConfig, ModelConfig
 from cbjax.config.overhead import OverheadConfig
+from cbjax.config.spec import ACCEPTANCE_MODELS, SPEC_METHODS, SPEC_POLICIES, SpecConfig, check_spec_model
 from cbjax.config.reporting import (
     LOGGERS, WANDB_MODES, ExperimentConfig, LoggerConfig, MetricsConfig, ServiceWeights, SLOConfig,
 )  # fmt: skip
@@ -31,7 +32,7 @@ __all__ = [
     "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig",
     "ClientConfig", "WorkloadConfig", "ModelConfig", "HardwareConfig", "OverheadConfig", "ExperimentConfig", "ServiceWeights",
     "MetricsConfig", "SLOConfig", "LoggerConfig", "DistributedConfig", "RunConfig",
-    "ClusterConfig", "BACKENDS",
+    "ClusterConfig", "BACKENDS", "SpecConfig", "SPEC_METHODS", "SPEC_POLICIES", "ACCEPTANCE_MODELS",
 ]  # fmt: skip
 
 PREDICTORS = ("oracle", "mean", "learned")
@@ -279,6 +280,7 @@ class RunConfig:
     optimized_metric: Optional[str] = None
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas, router, P/D (cbjax.cluster)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (cbjax.spec)
 
     def __post_init__(self) -> None:
         _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)
@@ -291,6 +293,12 @@ class RunConfig:
                 "is a simulator charge (executor=sim); the engine runs the unpadded batch, so it cannot be used with executor=jax",
                 self.scheduler.static_padding,
             )
+        if self.spec.enabled:
+            check_spec_model(self.spec, self.model)
+            _require(
+                not self.scheduler.static_padding, "spec.method",
+                "cannot combine with scheduler.static_padding (a padded batch decodes one token a step)", self.spec.method,
+            )  # fmt: skip
         if self.optimized_metric is not None:
             _require(
                 not self.experiment.arms,

@@ -89,6 +89,13 @@ CLUSTER = Group("cluster", "replicas behind a router; prefill/decode disaggregat
     ("cluster.router", "round_robin | least_loaded | least_kv | prefix_affinity | ..."),
     ("cluster.prefill_replicas", "with cluster.decode_replicas: the P/D pools"),
 ))  # fmt: skip
+SPEC = Group("spec", "speculative decoding: drafts verified in the decode's step", (
+    ("spec.method", "none | ngram | draft"),
+    ("spec.num_tokens", "k: the most drafts per request per step"),
+    ("spec.policy", "fixed | batch_size | goodput | module:Class: drafts per step"),
+    ("spec.acceptance", "sim: fixed | per_position | trace (an engine's spec_trace.jsonl)"),
+    ("spec.acceptance_rate", "sim, acceptance=fixed: each draft's chance to be accepted"),
+))  # fmt: skip
 METRICS = Group("metrics", "extra measures in summary.json", (
     ("metrics.window_s", "[start, end]: summarize only that span of the run"),
     ("metrics.service_weights", "the weights of input and output tokens in client_service"),
@@ -145,7 +152,7 @@ PAGES = {
             ("cbjax experiment=static_vs_continuous", "arms compared in one run"),
             ("cbjax -m scheduler=fcfs,sjf,mlfq", "a sweep: one job per value"),
         ),
-        groups=(SCHEDULER, EXECUTOR, WORKLOAD, MODEL, HARDWARE, OVERHEAD, CACHE, CLUSTER, METRICS, EXPERIMENT,
+        groups=(SCHEDULER, EXECUTOR, WORKLOAD, MODEL, HARDWARE, OVERHEAD, CACHE, CLUSTER, SPEC, METRICS, EXPERIMENT,
                 LOGGER, HPARAMS_SEARCH, RUN_KEYS),
         docs=DOCS,
     ),
@@ -160,7 +167,7 @@ PAGES = {
             ("cbjax-serve executor=jax model=hf model.path=DIR", "a real checkpoint"),
             ("cbjax-serve model=tiny executor.cost_model=profiled executor.profile=FILE", "paced, profiled"),
         ),
-        groups=(SERVER, SERVE_EXECUTOR, SCHEDULER, MODEL, HARDWARE, OVERHEAD, CACHE, METRICS, SERVE_KEYS),
+        groups=(SERVER, SERVE_EXECUTOR, SCHEDULER, MODEL, HARDWARE, OVERHEAD, CACHE, SPEC, METRICS, SERVE_KEYS),
         docs="docs/serving.md (cbjax-serve), " + DOCS,
     ),
     "cbjax-bench": Page(

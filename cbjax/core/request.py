@@ -99,6 +99,11 @@ class Request:
     finish_s: Optional[float] = None
     num_preemptions: int = 0
     admit_seq: int = 0  # admission order, for victim choice
+    # Speculative decoding (`cbjax.scheduler.drafts`): drafts verified and accepted in all, and
+    # (proposed, accepted) per decode step (None while speculation is off: `cbjax.spec.trace`).
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: Optional[list[tuple[int, int]]] = None
 
     @property
     def is_finished(self) -> bool:

@@ -60,7 +60,8 @@ class EngineLoop:
         self.scheduler, self.executor = scheduler, executor
         self.clock = make_clock(executor, pace, clock, sleep)
         self.intake = Intake(self.clock)
-        self.pipelined = executor.pipelined and self.clock.pipelines
+        # a speculating scheduler plans from the accepted drafts: each step runs to completion
+        self.pipelined = executor.pipelined and self.clock.pipelines and not scheduler.speculating
         # decode stretches (`run_stretch`): a virtual clock, one step at a time, no token callback
         self.stretches = stretches and not self.pipelined and on_token is None and self.clock.stretches
         self._simulated = False  # the last step's tokens were simulated (None)
@@ -158,7 +159,11 @@ class EngineLoop:
         self._simulated = out.token_ids is None  # a stretch needs tokens that are simulated
         stats.busy_s += busy
         t_post = _perf_counter()
-        done = sched.postprocess(plan, out.token_ids, end, out.errors)
+        if out.num_accepted is None:
+            done = sched.postprocess(plan, out.token_ids, end, out.errors)
+        else:
+            done = sched.postprocess(plan, out.token_ids, end, out.errors, num_accepted=out.num_accepted,
+                                     accepted_ids=out.accepted_ids)  # fmt: skip
         stats.postprocess_s += _perf_counter() - t_post
         self._finished(plan, batched, done, stats.iterations, end, requests)
         return True

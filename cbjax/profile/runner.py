@@ -99,7 +99,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     warmup_s = time.perf_counter() - t0
     shapes = executor.shapes
     say = print if cfg.progress else (lambda *a, **k: None)
-    points = profile_grid(shapes, cfg.model.max_model_len, cfg.grid)
+    points = profile_grid(shapes, cfg.model.max_model_len, cfg.grid, cfg.spec.num_tokens if cfg.spec.enabled else 0)
     say(f"timing {len(points)} grid steps x {cfg.repeats} ...", flush=True)
     native = executor.attention == "native"  # its decode pass is costed per group, not per loop step
     steps = measure_steps(

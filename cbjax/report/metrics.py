@@ -54,6 +54,9 @@ def request_row(req: Request) -> dict[str, Any]:
         "scheduled_s": req.scheduled_s,
     }
     row.update(request_latencies(req))
+    if req.spec_steps is not None:  # the run speculated
+        row["spec_proposed"] = req.spec_proposed
+        row["spec_accepted"] = req.spec_accepted
     for key, value in row.items():
         if isinstance(value, float) and not math.isfinite(value):
             row[key] = None  # JSON has no NaN
@@ -134,6 +137,32 @@ def summarize(
     summary["normalized_latency_s_per_token"] = normalized_latency(served)
     summary.update(result.extra)
     return summary
+
+
+def spec_summary(result: RunResult) -> dict[str, Any]:
+    """summary.json's speculative-decoding fields, over every request of the run: drafts
+    proposed and accepted, the acceptance rate (accepted over proposed), verifications (decode
+    steps that verified a draft), the tokens a verification yields on average (its accepted
+    drafts plus the target's own token: (1 - a^(k+1)) / (1 - a) for k drafts each accepted with
+    probability a), and tokens generated per iteration."""
+    proposed = accepted = verifications = steps = generated = 0
+    for req in result.requests:
+        generated += req.num_generated
+        proposed += req.spec_proposed
+        accepted += req.spec_accepted
+        if req.spec_steps:
+            steps += len(req.spec_steps)
+            verifications += sum(1 for p, _ in req.spec_steps if p)
+    iters = result.stats.iterations
+    return {
+        "spec_proposed_tokens": proposed,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / proposed if proposed else None,
+        "spec_verifications": verifications,
+        "spec_decode_steps": steps,
+        "spec_mean_accepted_per_step": (accepted + verifications) / verifications if verifications else None,
+        "tokens_per_iteration": generated / iters if iters else 0.0,
+    }
 
 
 def kv_shares(result: RunResult) -> dict[str, float]:

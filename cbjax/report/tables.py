@@ -12,6 +12,7 @@ import yaml
 from cbjax.report.metrics import request_row
 from cbjax.report.files import OutputError, atomic_write_text
 from cbjax.core.request import Request
+from cbjax.spec.trace import TRACE_FILE, trace_lines
 
 SUMMARY_ROWS = (
     ("requests (finished / rejected)", lambda s: f"{s['num_requests']} ({s['num_finished']} / {s['num_rejected']})"),
@@ -31,6 +32,19 @@ SUMMARY_ROWS = (
 )
 
 
+# shown when the run speculated (summary.json has its spec fields)
+SPEC_ROWS = (
+    ("drafts accepted / proposed", lambda s: f"{s['spec_accepted_tokens']} / {s['spec_proposed_tokens']} "
+                                             f"({_pct(s['spec_acceptance_rate'])})"),
+    ("tokens per verification", lambda s: _fmt(s["spec_mean_accepted_per_step"])),
+    ("tokens per iteration", lambda s: _fmt(s["tokens_per_iteration"])),
+)  # fmt: skip
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -41,6 +55,8 @@ def _triple(s: dict[str, Any], key: str) -> str:
 
 def format_summary(summary: dict[str, Any], title: str = "run") -> str:
     rows = [(name, fn(summary)) for name, fn in SUMMARY_ROWS]
+    if "spec_acceptance_rate" in summary:
+        rows += [(name, fn(summary)) for name, fn in SPEC_ROWS]
     return markdown_table(["metric", title], rows)
 
 
@@ -91,7 +107,8 @@ def format_number(v: Any) -> str:
 def write_run(out_dir: Path, config: Any, summary: dict[str, Any], requests: list[Request], extra_rows=None) -> None:
     """Write the three files of a run, each to a temporary name renamed into place: the
     resolved config.yaml, requests.jsonl (one row per request, in submission order), and
-    summary.json last, so a summary.json on disk means the other two are complete. A folder
+    summary.json last, so a summary.json on disk means the other two are complete; a run that
+    speculated (`spec.method`) writes spec_trace.jsonl too (`cbjax.spec.trace`). A folder
     that cannot take them raises OutputError naming it."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +117,9 @@ def write_run(out_dir: Path, config: Any, summary: dict[str, Any], requests: lis
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
     atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg, sort_keys=False))
     write_requests(out_dir / "requests.jsonl", requests, extra_rows)
+    spec = getattr(config, "spec", None)
+    if spec is not None and spec.enabled:
+        atomic_write_text(out_dir / TRACE_FILE, "".join(line + "\n" for line in trace_lines(requests)))
     atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2, sort_keys=False) + "\n")
 
 

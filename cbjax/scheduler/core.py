@@ -7,10 +7,11 @@ from typing import Callable, Optional, Sequence
 
 from cbjax.cache import make_allocator
 from cbjax.cache.prefix import PrefixCache
-from cbjax.config import CacheConfig, SchedulerConfig
+from cbjax.config import CacheConfig, SchedulerConfig, SpecConfig
 from cbjax.core.plan import Schedule
 from cbjax.core.request import FinishReason, Request, Status
 from cbjax.core.results import LoadCounts
+from cbjax.scheduler.drafts import Drafts
 from cbjax.scheduler.intake import rejection_reason
 from cbjax.scheduler.output import PlanWriter
 from cbjax.scheduler.planning import Planner
@@ -20,6 +21,7 @@ from cbjax.scheduler.running import RunningSet
 from cbjax.scheduler.stretch import DecodeStretch
 from cbjax.scheduler.view import PolicyView
 from cbjax.scheduler.waiting import WaitingQueue
+from cbjax.spec.policy import make_spec_policy
 
 
 def _delegate(path: str, doc: str, settable: bool = False) -> property:
@@ -51,6 +53,10 @@ class Scheduler:
     Its parts, each given what it reads: `RunningSet` (the slots and the running requests),
     `WaitingQueue` (the policy's queue and the host pages beside it), `Planner` (one
     iteration's plan), `PlanWriter` (plans as data) and `StepResults` (a step's tokens).
+
+    Speculative decoding (`spec`, `cbjax.scheduler.drafts`): a decode may verify drafts in its
+    step and yield several tokens; `step_cost(plan)`, a step's seconds, prices the `goodput`
+    policy's choices. Every step then runs to completion (no pipelining, no decode stretches).
     """
 
     def __init__(
@@ -62,6 +68,8 @@ class Scheduler:
         validate: Optional[Callable[[Request], Optional[str]]] = None,
         eos_token_id: Optional[int] = None,
         vocab_size: Optional[int] = None,
+        spec: Optional[SpecConfig] = None,
+        step_cost: Optional[Callable[[Schedule], float]] = None,
     ):
         self.cfg = cfg
         self.max_num_seqs = cfg.max_num_seqs
@@ -85,12 +93,17 @@ class Scheduler:
         )  # fmt: skip
         self.waiting = WaitingQueue(self.policy, self.allocator, self.reserve_tokens, cache.swap_capacity)
         self.view = PolicyView(self.running_set, self.policy, self.allocator, self.reserve_tokens)
+        self.drafts: Optional[Drafts] = None
+        if spec is not None and spec.enabled:
+            self.drafts = Drafts(spec, make_spec_policy(spec), self.allocator, self.writer, self.running_set,
+                                 self.policy, step_cost, eos_token_id)  # fmt: skip
         self.planner = Planner(
             cfg, self.running_set, self.waiting, self.policy, self.view, self.allocator, self.prefix, self.writer,
-            self.reserve_tokens, self.results,
+            self.reserve_tokens, self.results, self.drafts,
         )  # fmt: skip
-        # static padding charges every plan its batch's padded rows: no stretch writes those
-        self.stretch = None if cfg.static_padding else DecodeStretch(
+        # static padding charges every plan its batch's padded rows, and drafts make each step's
+        # tokens unknown until it ran: no stretch writes those
+        self.stretch = None if cfg.static_padding or self.drafts is not None else DecodeStretch(
             self.running_set, self.writer, self.policy, self.allocator, self.token_budget
         )  # fmt: skip
 
@@ -103,6 +116,11 @@ class Scheduler:
     hold_finished_pages = _delegate(
         "running_set.hold_finished_pages", "Whether a finished request keeps its pages (see `RunningSet`).", settable=True
     )
+
+    @property
+    def speculating(self) -> bool:
+        """Whether decodes may verify drafts (`spec.method` is not none): steps run to completion."""
+        return self.drafts is not None
 
     @property
     def plan_token_ids(self) -> bool:
@@ -156,6 +174,7 @@ class Scheduler:
         """Queue an arrived request, holding `host_pages` pages of K/V in host memory (a
         transferred request), or reject it with a reason."""
         req.max_output_len = max(0, min(req.stop_length(), self.max_model_len - req.prompt_len))
+        self._mark(req)
         reason = self.rejection_reason(req)
         if reason is not None:
             self.reject(req, reason, now)
@@ -178,6 +197,7 @@ class Scheduler:
 
     def reject(self, req: Request, reason: str, now: float) -> None:
         """End a request that never entered the queue, with reason `rejected`."""
+        self._mark(req)
         req.status = Status.FINISHED
         req.finish_reason = FinishReason.REJECTED
         req.reject_reason = reason
@@ -187,10 +207,17 @@ class Scheduler:
     def not_arrived(self, req: Request) -> None:
         """End a request whose arrival time the run never reached (it was stopped first):
         fate `not_arrived`, no finish time."""
+        self._mark(req)
         req.status = Status.FINISHED
         req.finish_reason = FinishReason.NOT_ARRIVED
         req.finish_s = None
         self.finished.append(req)
+
+    def _mark(self, req: Request) -> None:
+        """A request this scheduler saw while speculating has a (maybe empty) list of decode steps,
+        so its row carries the speculation fields."""
+        if self.drafts is not None and req.spec_steps is None:
+            req.spec_steps = []
 
     def abort(
         self, request_id: str, now: float, reason: str = "aborted", finish_reason: FinishReason = FinishReason.ABORTED
@@ -289,15 +316,22 @@ class Scheduler:
     # ---- a step's results (`StepResults`) ----
     def postprocess(
         self, plan: Schedule, token_ids: Optional[Sequence[int]], now: float, errors: Optional[dict[int, str]] = None,
-        ends: Optional[Sequence[float]] = None,
+        ends: Optional[Sequence[float]] = None, num_accepted: Optional[Sequence[int]] = None,
+        accepted_ids: Optional[Sequence[Sequence[int]]] = None,
     ) -> list[Request]:
         """Record one new token per scheduled request; retire the finished. Returns them.
 
         `token_ids` follows `plan.scheduled` order; None means simulated tokens. `errors` maps
         an index into `plan.scheduled` to why its step failed: that request ends with reason
         `error` (its token and this step's K/V are dropped) and the others go on. A decode
-        stretch (`plan.num_steps` > 1) gives each request a token per step, at `ends`."""
+        stretch (`plan.num_steps` > 1) gives each request a token per step, at `ends`. A row
+        that verified drafts yields its `num_accepted` ones (`accepted_ids`, where the executor
+        reads ids) before its token (`Drafts.settle`)."""
         results = self.results
+        if self.drafts is not None:
+            token_ids = self.drafts.settle(
+                plan, self.writer.requests(plan), token_ids, num_accepted, accepted_ids, errors
+            )
         if plan.num_steps > 1:
             done = results.simulated_stretch(plan, ends)
         elif errors or token_ids is not None:  # the two halves of `StepResults`, back to back
@@ -319,6 +353,8 @@ class Scheduler:
         self, plan: Schedule, now: float, errors: Optional[dict[int, str]] = None, *, notify: bool = True
     ) -> None:
         """The token-free half of `postprocess` at a step's launch (`StepResults.advance`)."""
+        if self.drafts is not None:
+            raise RuntimeError("advance: a speculating scheduler runs each step to completion (postprocess)")
         self.results.advance(plan, now, errors, notify=notify)
 
     def commit(

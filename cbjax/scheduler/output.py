@@ -37,6 +37,7 @@ _SCHEDULE_FIELDS = ("num_slots", "scheduled", "preempted", "start_s", "swap_out"
                     "step_id", "padded_rows", "num_steps")  # fmt: skip
 if tuple(f.name for f in fields(Schedule)) != _SCHEDULE_FIELDS:
     raise AssertionError("cbjax.scheduler.output: _SCHEDULE_FIELDS differs from Schedule's fields")
+_NO_DRAFTS = (0, ())
 
 
 class PlanWriter:
@@ -48,6 +49,9 @@ class PlanWriter:
         # Whether plans carry token ids: the engine reads them; the simulator does not, so a
         # length-only trace never materialises its prompts. EngineLoop sets it from the executor.
         self.token_ids = False
+        # speculative decoding: request id -> (drafts, their ids or () when the executor drafts)
+        # of the next plan's decodes (`cbjax.scheduler.drafts`)
+        self.drafts: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._num_plans = 0
         self._plans: dict[int, list[Request]] = {}  # step_id -> its requests, until done
         self._sent_pages: dict[str, int] = {}  # running request -> page-table length last sent
@@ -73,7 +77,10 @@ class PlanWriter:
     def write(self, draft: Draft, now: float) -> Schedule:
         self._num_plans += 1
         scheduled: list[ScheduledRequest] = []
-        self._entries(draft.decodes, True, scheduled)
+        if self.drafts:
+            self._draft_entries(draft.decodes, scheduled)
+        else:
+            self._entries(draft.decodes, True, scheduled)
         if draft.prefills:
             self._entries(draft.prefills, False, scheduled)
         # the draft's own list when it has no prefills: nothing changes it once written
@@ -124,6 +131,23 @@ class PlanWriter:
                 rid, req.slot, lo, n, decode, token_ids, feed, page_table, sampling,
                 lo + n >= req.prompt_len + req.num_generated,  # yields: it reaches req.num_tokens
             ))  # fmt: skip
+
+    def _draft_entries(self, requests: list[Request], out: list[ScheduledRequest]) -> None:
+        """`_entries` of decodes some of which verify drafts (`drafts`, emptied): each row is
+        written for its own token, then widened by its drafts and their ids."""
+        drafts, self.drafts = self.drafts, {}
+        start = len(out)
+        for req in requests:
+            req.num_new_tokens -= drafts.get(req.request_id, _NO_DRAFTS)[0]
+        self._entries(requests, True, out)
+        for i, req in enumerate(requests):
+            d, ids = drafts.get(req.request_id, _NO_DRAFTS)
+            if not d:
+                continue
+            req.num_new_tokens += d
+            row = out[start + i]
+            token_ids = row.token_ids + ids if row.token_ids is not None else None
+            out[start + i] = row._replace(num_new_tokens=row.num_new_tokens + d, token_ids=token_ids, num_drafts=d)
 
     @staticmethod
     def _token_ids(req: Request, lo: int, n: int) -> tuple[Optional[tuple[int, ...]], bool]:

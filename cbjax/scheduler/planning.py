@@ -20,8 +20,8 @@ class Planner:
     budget, hybrid batching, chunked prefill, static padding, swap preemption) and `policy`
     decides (admission, victims; it reads `view`), taking pages from `allocator` (sharing
     cached ones from `prefix`, or None) for `reserve_tokens(req)` tokens a reservation covers.
-    `writer` writes each plan out. A preemption needs the step in flight committed
-    (`results.uncommitted` empty)."""
+    `writer` writes each plan out; `drafts` gives the decodes their drafts. A preemption needs
+    the step in flight committed (`results.uncommitted` empty)."""
 
     def __init__(
         self,
@@ -35,6 +35,7 @@ class Planner:
         writer: PlanWriter,
         reserve_tokens: Callable[[Request], int],
         results: StepResults,
+        drafts=None,
     ):
         self.cfg = cfg
         self.token_budget = cfg.max_num_batched_tokens
@@ -48,6 +49,7 @@ class Planner:
         self.writer = writer
         self.reserve_tokens = reserve_tokens
         self.results = results
+        self.drafts = drafts  # a Drafts, or None: no speculative decoding
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self.num_swapped_out_pages = 0
@@ -117,6 +119,8 @@ class Planner:
             req.num_new_tokens = n
             budget -= n
             planned.append(req)
+        if decoding and self.drafts is not None:
+            budget = self.drafts.extend(planned, budget)
         return budget
 
     def _admit_waiting(self, plan: Draft, budget: int, now: float) -> int:

@@ -18,6 +18,7 @@ from cbjax.core.results import LoadCounts
 from cbjax.engine.online import run_online
 from cbjax.app.run import build_executor, write_outputs
 from cbjax.scheduler.core import Scheduler
+from cbjax.sim.pricing import step_pricer
 from cbjax.serve.config import ServeConfig
 from cbjax.report.service import ServiceLog
 
@@ -44,6 +45,8 @@ class EngineHost:
             validate=self.executor.validate,
             eos_token_id=cfg.model.eos_token_id,
             vocab_size=cfg.model.vocab_size,
+            spec=cfg.spec,
+            step_cost=step_pricer(cfg, self.executor),
         )
         self.service_log = ServiceLog()
         self._on_finish, self._tick = on_finish, tick

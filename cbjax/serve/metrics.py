@@ -66,6 +66,9 @@ class ServerMetrics:
         self.finished = Counter("cbjax:request_success", "Requests ended, by finish reason.", labels + ["finished_reason"], registry=reg)
         self.prompt_tokens = Counter("cbjax:prompt_tokens", "Prompt tokens of served requests.", labels, registry=reg)
         self.generation_tokens = Counter("cbjax:generation_tokens", "Tokens generated.", labels, registry=reg)
+        # speculative decoding, counted as each request ends (0 while speculation is off)
+        self.spec_draft_tokens = Counter("cbjax:spec_draft_tokens", "Draft tokens verified, of requests ended.", labels, registry=reg)
+        self.spec_accepted_tokens = Counter("cbjax:spec_accepted_tokens", "Draft tokens accepted, of requests ended.", labels, registry=reg)
         self.rejected_http = Counter("cbjax:http_rejected", "Requests answered with an error before the engine saw them, by status.", labels + ["status"], registry=reg)
 
     def on_finish(self, req: Request) -> None:
@@ -73,6 +76,9 @@ class ServerMetrics:
         reason = req.finish_reason.value if req.finish_reason else "unknown"
         self.finished.labels(name, reason).inc()
         self.generation_tokens.labels(name).inc(req.num_generated)
+        if req.spec_proposed:
+            self.spec_draft_tokens.labels(name).inc(req.spec_proposed)
+            self.spec_accepted_tokens.labels(name).inc(req.spec_accepted)
         if req.finish_reason not in SERVED:
             return
         self.prompt_tokens.labels(name).inc(req.prompt_len)

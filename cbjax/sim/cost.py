@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterator, NamedTuple, Optional
 
-from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig
+from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig, SpecConfig
 from cbjax.core.plan import Schedule
 from cbjax.core.timing import NO_CONTEXT, StepContext, StepTime
 from cbjax.sim.tp import allreduce_bytes_per_token, ring_bytes_per_device
@@ -27,8 +27,9 @@ class RooflineCost:
     serving stack's host costs (`StackOverhead`: the `overhead` group, 0 under `overhead=none`).
 
     FLOPs: 2 per weight per processed token in the transformer body, the LM head once per
-    sequence (only the last position is sampled), and attention scores and mixing over each
-    token's context. Bytes: all weights once per iteration, plus the K/V each sequence reads
+    sequence (only the last position is sampled; with `verify`, a decode verifying drafts runs
+    it at each of its 1 + d positions), and attention scores and mixing over each token's
+    context. Bytes: all weights once per iteration, plus the K/V each sequence reads
     and writes. One forward serves every prefill and decode of the iteration, as in Orca.
     A prefill after a prefix-cache hit counts only its new tokens (the hit is its context).
     The rows charged are `Schedule.cost_rows`: a padded static batch charges its padding.
@@ -45,8 +46,11 @@ class RooflineCost:
     name = "roofline"
     history = 0
 
-    def __init__(self, model: ModelConfig, hw: HardwareConfig, overhead: Optional[OverheadConfig] = None):
+    def __init__(
+        self, model: ModelConfig, hw: HardwareConfig, overhead: Optional[OverheadConfig] = None, verify: bool = False
+    ):
         n = hw.num_devices
+        self.verify = verify  # speculative decoding: heads at every position of a verifying decode
         self.stack = StackOverhead(model, overhead or OverheadConfig())
         self.flops_per_s = hw.peak_flops * hw.flops_efficiency * n
         self.bytes_per_s = hw.mem_bw * hw.bw_efficiency * n
@@ -85,7 +89,11 @@ class RooflineCost:
                 tokens += n
                 pairs += n * ctx + n * (n + 1) / 2
                 kv_tokens += ctx + n + (1 if decode else 0)
-        flops = tokens * self.body_flops_per_token + num_rows * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
+        heads = num_rows
+        if self.verify and plan.padded_rows is None:
+            for s in plan.scheduled:
+                heads += s.num_drafts
+        flops = tokens * self.body_flops_per_token + heads * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
         bytes_moved = self.weight_bytes + kv_tokens * self.kv_bytes_per_token
         if plan.swap_out or plan.swap_in:
             swap_s = plan.num_swapped_pages * plan.page_size * self.kv_bytes_per_token / self.host_bytes_per_s
@@ -177,6 +185,7 @@ class RunParts(NamedTuple):
     cache: Optional[CacheConfig] = None
     executor: Optional[ExecutorConfig] = None
     overhead: Optional[OverheadConfig] = None  # the serving stack's host costs; None: overhead=none
+    spec: Optional[SpecConfig] = None  # speculative decoding; None: off
 
 
 def _profiled(model: ModelConfig, hw: HardwareConfig, run: RunParts):
@@ -192,7 +201,7 @@ def _profiled(model: ModelConfig, hw: HardwareConfig, run: RunParts):
 # config is checked against (`cbjax.app.choices`).
 COST_MODELS = {
     "unit": lambda model, hw, run: UnitCost(),
-    "roofline": lambda model, hw, run: RooflineCost(model, hw, run.overhead),
+    "roofline": lambda model, hw, run: RooflineCost(model, hw, run.overhead, verify=run.spec is not None and run.spec.enabled),
     "profiled": _profiled,
 }
 
@@ -206,10 +215,30 @@ def make_cost_model(
     cache: Optional[CacheConfig] = None,
     executor: Optional[ExecutorConfig] = None,
     overhead: Optional[OverheadConfig] = None,
+    spec: Optional[SpecConfig] = None,
 ):
     """The cost model `name`; `profiled` also needs the run's scheduler, cache and executor configs
     (the engine's shape plan and the profile path); `overhead` is the serving stack's host costs
-    (None: `overhead=none`), which `roofline` and `profiled` add."""
+    (None: `overhead=none`), which `roofline` and `profiled` add. With `spec` a draft model
+    (`spec.method=draft`), its proposals are charged too (`cbjax.sim.drafting`)."""
     if name not in COST_MODELS:
         raise ValueError(f"executor.cost_model: unknown value {name!r}; choose one of {', '.join(COST_MODELS)}")
-    return COST_MODELS[name](model, hw, RunParts(scheduler, cache, executor, overhead))
+    cost = COST_MODELS[name](model, hw, RunParts(scheduler, cache, executor, overhead, spec))
+    if spec is not None and spec.method == "draft" and name != "unit":
+        cost = _with_draft_model(cost, name, model, hw, spec)
+    return cost
+
+
+def _with_draft_model(cost, name: str, model: ModelConfig, hw: HardwareConfig, spec: SpecConfig):
+    """`cost` (the cost model `name` of the target `model`) with the draft model's proposals
+    charged (`cbjax.sim.drafting`): by the draft's roofline, or by the target's steps scaled by
+    the draft's share of its parameters."""
+    from cbjax.config.spec import draft_model_config
+    from cbjax.sim.drafting import WithDraftModel
+
+    draft = draft_model_config(spec, model)
+    if name == "roofline":
+        roofline = RooflineCost(draft, hw)
+        return WithDraftModel(cost, lambda plan: roofline(plan).device_s)
+    share = draft.num_params / model.num_params
+    return WithDraftModel(cost, lambda plan: share * cost(plan).device_s)

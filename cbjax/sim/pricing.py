@@ -1,0 +1,27 @@
+"""A run's step prices for the scheduler's own choices (the `goodput` speculation policy; no jax)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from cbjax.config import RunConfig
+from cbjax.core.plan import Schedule
+
+
+def step_pricer(cfg: RunConfig, executor) -> Optional[Callable[[Schedule], float]]:
+    """`plan -> seconds` for a run of `cfg` on `executor` while speculating, else None: the
+    simulator's own cost model; for the engine, the profiled model where `executor.profile`
+    names a profile of it, else the roofline of the run's model and hardware (both with the
+    draft model's proposals, `cbjax.sim.drafting`)."""
+    if not cfg.spec.enabled:
+        return None
+    cost = getattr(executor, "cost_model", None) if executor.virtual_clock else None
+    if cost is None:
+        from cbjax.sim.cost import make_cost_model
+
+        name = "profiled" if cfg.executor.profile else "roofline"
+        cost = make_cost_model(
+            name, cfg.model, cfg.hardware, scheduler=cfg.scheduler, cache=cfg.cache, executor=cfg.executor,
+            overhead=cfg.overhead, spec=cfg.spec,
+        )  # fmt: skip
+    return lambda plan: cost(plan).total_s
