@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
 
 from cbjax.runtime.sampling import sample
-from cbjax.runtime.verify import greedy_verify, sample_verify, verify_reference, verify_rows
+from cbjax.runtime.verify import greedy_verify, verify_reference, verify_rows
+from cbjax.runtime.verify import verify_sample_step as sample_verify  # the fused path, jitted as the engine runs it
+
+sample = jax.jit(sample)
 
 
 def _case(seed, num_rows=48, k=3, vocab=12, temperature=1.0, draft_model=False, top_k=0, top_p=1.0):

@@ -97,8 +97,8 @@ class Speculator:
             self.cache = ex.tp.init_cache(*args)
         elif ex.devices is not None:
             self.weights = jax.device_put(self.weights, ex.devices[0])
-            with jax.default_device(ex.devices[0]):
-                self.cache = init_cache(*args)
+            with jax.default_device(ex.devices[0]):  # committed, as the drafter's outputs are: one program
+                self.cache = jax.device_put(init_cache(*args), ex.devices[0])
         else:
             self.cache = init_cache(*args)
         self.swap = HostSwap(ex._swap.widths)

@@ -181,7 +181,7 @@ def verify_reference(logits, drafts, num_drafts, draft_probs, sampling):
             out[r, 0], out[r, 1:] = n, target
             continue
         scaled = logits[r] / temperature[r]
-        filtered = np.asarray(top_k_top_p(jnp.asarray(scaled), jnp.full(k + 1, top_k[r]), jnp.full(k + 1, top_p[r])))
+        filtered = np.asarray(_filter(scaled, np.full(k + 1, top_k[r]), np.full(k + 1, top_p[r])))
         with np.errstate(over="ignore", invalid="ignore"):
             p = np.exp(filtered - filtered.max(axis=-1, keepdims=True))
             p /= p.sum(axis=-1, keepdims=True)
@@ -192,7 +192,7 @@ def verify_reference(logits, drafts, num_drafts, draft_probs, sampling):
         n = 0
         while n < d and finite[n]:
             x = int(drafts[r, n])
-            u = float(jax.random.uniform(token_key(seeds[r], index[r] + n, ACCEPT)))
+            u = float(_uniform(seeds[r], index[r] + n))
             if not u * q(n)[x] < p[n, x]:
                 break
             n += 1
@@ -203,8 +203,15 @@ def verify_reference(logits, drafts, num_drafts, draft_probs, sampling):
                 with np.errstate(divide="ignore"):
                     final_logits = np.where(residual > 0, np.log(residual), -np.inf)
             salt = RESIDUAL
-        noise = np.asarray(jax.random.gumbel(token_key(seeds[r], index[r] + n, salt), (vocab,)))
+        noise = np.asarray(_gumbel(seeds[r], index[r] + n, salt, vocab))
         out[r, 0] = n
         out[r, 1 : 1 + n] = drafts[r, :n]
         out[r, 1 + n] = int(np.argmax(final_logits + noise)) if finite[n] else -1
     return out
+
+
+# The oracle's draws, one scalar key at a time (jitted: eager jax.random dispatches op by op).
+_filter = jax.jit(top_k_top_p)
+_uniform = jax.jit(lambda seed, index: jax.random.uniform(token_key(seed, index, ACCEPT)))
+_gumbel = jax.jit(lambda seed, index, salt, vocab: jax.random.gumbel(token_key(seed, index, salt), (vocab,)),
+                  static_argnums=(2, 3))  # fmt: skip
