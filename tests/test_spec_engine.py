@@ -153,3 +153,26 @@ def test_speculation_refuses_what_it_cannot_run():
     row = ScheduledRequest("7", 0, 0, 5, False, token_ids=(1, 2, 3), page_table=(1, 2), num_drafts=2)
     with pytest.raises(ValueError, match="request 7: drafts with spec.draft_layers need a decode row"):
         ex.packer.pack(Schedule(num_slots=2, scheduled=[row], page_size=4))
+
+
+def test_cbjax_serve_streams_a_speculating_engines_tokens_in_order(tmp_path):
+    """cbjax-serve on the JAX engine with n-gram drafts: a streamed completion's chunks, one per
+    token, spell the unstreamed completion of the same prompt (greedy), drafts accepted."""
+    import openai
+
+    from test_serve import rows, running
+
+    engine = ["executor=jax", "model=tiny", "model.max_model_len=128", "spec=ngram", "scheduler.max_num_seqs=2",
+              "scheduler.max_num_batched_tokens=32", "executor.token_buckets=[8,32]", "cache.num_pages=80"]  # fmt: skip
+    with running(tmp_path, *engine) as (base, _):
+        client = openai.OpenAI(base_url=base, api_key="unused")
+        whole = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=40, temperature=0)
+        chunks = list(client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=40, temperature=0,
+                                                stream=True))  # fmt: skip
+        streamed = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+        assert "".join(streamed) == whole.choices[0].text and len(streamed) > 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["compiles_after_warmup"] == 0
+    served = rows(tmp_path)
+    assert [r["output_len"] for r in served] == [40, 40]
+    assert all(0 < r["spec_accepted"] <= r["spec_proposed"] for r in served)
