@@ -176,3 +176,40 @@ def test_cbjax_serve_streams_a_speculating_engines_tokens_in_order(tmp_path):
     served = rows(tmp_path)
     assert [r["output_len"] for r in served] == [40, 40]
     assert all(0 < r["spec_accepted"] <= r["spec_proposed"] for r in served)
+
+
+def test_cli_engine_run_writes_its_acceptance_trace(tmp_path, env_cpu):
+    from conftest import cbjax_cmd
+
+    trace = tmp_path / "w.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": 0.0, "prompt_token_ids": r.prompt_token_ids, "max_tokens": 20})
+                             + "\n" for r in workload(4)))  # fmt: skip
+    out = tmp_path / "run"
+    cmd = cbjax_cmd() + [
+        "executor=jax", "spec=ngram", "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=32",
+        "model.max_model_len=128", "executor.token_buckets=[8,32]", "workload=trace", f"workload.path={trace}",
+        "progress=false", f"hydra.run.dir={out}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env_cpu, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["request_id"]: r for r in map(json.loads, (out / "requests.jsonl").read_text().splitlines())}
+    steps = {t["request_id"]: t for t in map(json.loads, (out / "spec_trace.jsonl").read_text().splitlines())}
+    assert steps.keys() == rows.keys()
+    for rid, row in rows.items():  # each decode step's accepted drafts, as the engine verified them
+        assert sum(steps[rid]["accepted"]) == row["spec_accepted"] and sum(steps[rid]["proposed"]) == row["spec_proposed"]
+        assert len(row["output_token_ids"]) == 20 == 1 + len(steps[rid]["accepted"]) + row["spec_accepted"]
+    assert sum(r["spec_accepted"] for r in rows.values()) > 0
+    assert json.loads((out / "summary.json").read_text())["compiles_after_warmup"] == 0
+
+
+def test_a_draft_model_named_in_the_config_gets_its_own_weights_and_pool():
+    from cbjax.app.run import build_executor
+    from cbjax.config import RunConfig
+
+    cfg = RunConfig(model=MODEL, executor=ExecutorConfig(name="jax", token_buckets=BUCKETS, compilation_cache_dir=None),
+                    cache=CacheConfig(num_pages=64, page_size=4), spec=SpecConfig(method="draft", draft_model="tiny_draft"),
+                    scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32), progress=False)  # fmt: skip
+    ex = build_executor(cfg)
+    assert ex.spec.separate and ex.spec.model_cfg.num_layers == 1 and ex.spec.cache.k.shape[0] == 1
+    assert ex.spec.cache.k.shape[2:4] == ex.cache.k.shape[2:4]  # the target's pages, on its page tables
+    assert not ex.pipelined

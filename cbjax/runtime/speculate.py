@@ -48,6 +48,8 @@ class Speculator:
         resolved config of `spec.draft_model`, its weights `draft_llama` (default: random, seeded
         `seed + 1`)."""
         target: ModelConfig = executor.model_cfg
+        if jax.process_count() > 1:  # the plan link carries no drafts
+            raise ValueError(f"spec.method={spec.method} is not supported with distributed.num_processes > 1")
         self.k = int(spec.num_tokens)
         if self.k < 1:
             raise ValueError(f"spec.num_tokens must be >= 1 with spec.method={spec.method}, got {spec.num_tokens}")
