@@ -80,9 +80,14 @@ def build_executor(cfg: RunConfig, devices=None):
             from cbjax.model.hf import load_model
 
             llama = load_model(cfg.model)
+        draft = None
+        if cfg.spec.method == "draft" and cfg.spec.draft_model is not None:
+            from cbjax.config.spec import load_draft_model
+
+            draft = load_draft_model(cfg.spec.draft_model)
         return JaxExecutor(
             cfg.model, cfg.cache, cfg.scheduler, cfg.executor, seed=cfg.seed, llama=llama, devices=devices,
-            progress=cfg.progress,
+            progress=cfg.progress, spec=cfg.spec, draft_model=draft,
         )  # fmt: skip
     raise ValueError(f"executor.name: unknown executor {cfg.executor.name!r}")
 

@@ -39,9 +39,10 @@ class LayerOps(Protocol):
       write_kv(product, write_idx, layer_idx, k_pages, v_pages) -> (k_pages, v_pages) with the
         product's k and v rows written at write_idx of layer layer_idx.
       logits(x, norm, lm_head, table) -> f32[..., vocab]: norm(x) @ lm_head, or @ table.T (tied).
-      head(x, logits_idx, norm, lm_head, table) -> (greedy i32[R], logits f32[R, vocab]): each
-        row's logits at its last token and its greedy token (-1 where its logits are not
-        finite); rows past min(R, T) hold zeros.
+      head(x, logits_idx, norm, lm_head, table, live=None) -> (greedy i32[R], logits f32[R, vocab]):
+        the logits at each flat token logits_idx[r] and its greedy token (-1 where its logits are
+        not finite); rows past min(R, T) hold zeros, and so may rows at or past `live` (i32[];
+        None: the step's used rows, the head at each row's last token).
     """
 
     name: str
@@ -58,7 +59,8 @@ class LayerOps(Protocol):
     def write_kv(self, product: jax.Array, write_idx: jax.Array, layer_idx, k_pages: jax.Array,
                  v_pages: jax.Array) -> tuple[jax.Array, jax.Array]: ...  # fmt: skip
     def logits(self, x: jax.Array, norm: Any, lm_head: Any, table: Any) -> jax.Array: ...
-    def head(self, x: jax.Array, logits_idx: jax.Array, norm: Any, lm_head: Any, table: Any) -> tuple[jax.Array, jax.Array]: ...
+    def head(self, x: jax.Array, logits_idx: jax.Array, norm: Any, lm_head: Any, table: Any,
+             live: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]: ...  # fmt: skip
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -165,15 +167,16 @@ class XlaOps:
         w = table[...].T if lm_head is None else lm_head[...]
         return jnp.dot(h, w, preferred_element_type=jnp.float32)
 
-    def head(self, x, logits_idx, norm, lm_head, table):
+    def head(self, x, logits_idx, norm, lm_head, table, live=None):
         # A step of T tokens holds at most T rows, filled first to last: in a bucket smaller
         # than the slot array only the first T rows can have logits, so the LM head runs on
         # those and the outputs are padded with zeros (idle rows, never read).
+        # `live` is a bound the native kernels use; here every row up to min(R, T) is computed.
         num_rows = logits_idx.shape[0]
-        live = min(num_rows, x.shape[0])
-        logits = self.logits(x[logits_idx[:live]], norm, lm_head, table)  # f32[live, vocab_size]
+        cap = min(num_rows, x.shape[0])
+        logits = self.logits(x[logits_idx[:cap]], norm, lm_head, table)  # f32[cap, vocab_size]
         greedy = mark_non_finite(logits, first_argmax(logits))
-        if live < num_rows:
-            logits = jnp.pad(logits, ((0, num_rows - live), (0, 0)))
-            greedy = jnp.pad(greedy, (0, num_rows - live))
+        if cap < num_rows:
+            logits = jnp.pad(logits, ((0, num_rows - cap), (0, 0)))
+            greedy = jnp.pad(greedy, (0, num_rows - cap))
         return greedy, logits

@@ -21,6 +21,7 @@ from cbjax.core.plan import Schedule, ScheduledRequest
 from cbjax.core.request import SamplingParams
 from cbjax.layout.shapes import ShapePlan
 from cbjax.layout.tiles import BLOCK_Q, CHUNK_SINGLE, block_chunk, build_tiles, tile_capacity
+from cbjax.runtime.spec_batch import HostSpec, check_row, pack_spec
 
 
 @dataclass
@@ -41,6 +42,7 @@ class HostBatch:
     tiles: Optional[tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]]  # XLA ragged backend only
     num_rows_used: int
     num_tokens_used: int
+    spec: Optional[HostSpec] = None  # the drafts the step verifies (speculative decoding), else None
 
 
 class SamplingArrays:
@@ -62,9 +64,14 @@ class SamplingArrays:
 class BatchPacker:
     """Packs plans for one executor; keeps the per-slot buffers between steps."""
 
-    def __init__(self, shapes: ShapePlan, *, tiles: bool):
+    def __init__(self, shapes: ShapePlan, *, tiles: bool, num_spec: int = 0, drafts_on_device: bool = False,
+                 one_token_drafts: bool = False):  # fmt: skip
+        """`num_spec`: k, the most drafts per row (0: no speculation); `drafts_on_device`: a
+        drafter on the device proposes them (plans carry no draft ids); `one_token_drafts`: a
+        drafting row must have one token before its drafts (self-speculation)."""
         self.shapes = shapes
         self.with_tiles = tiles
+        self.num_spec, self.drafts_on_device, self.one_token_drafts = num_spec, drafts_on_device, one_token_drafts
         num_slots = shapes.num_rows
         self._slot_table = np.zeros((num_slots, shapes.max_pages), np.int32)  # i32[num_slots, max_pages]
         self._slot_sampling = SamplingArrays(num_slots)
@@ -93,6 +100,8 @@ class BatchPacker:
             if s.feed_previous:  # sampled by the step still running: read from its output on the device
                 chunks.append((0,))
                 fed.append((i, self._prev_row(s.request_id)))
+            elif s.num_drafts or self.num_spec:
+                chunks.append(self._spec_ids(s))
             elif s.token_ids is None or len(s.token_ids) != s.num_new_tokens:
                 raise ValueError(
                     f"pack: request {s.request_id} has no token ids for its {s.num_new_tokens} new tokens "
@@ -104,7 +113,20 @@ class BatchPacker:
             starts.append(s.num_computed)
             counts.append(s.num_new_tokens)
         total = sum(counts)
-        return self._assemble(self.shapes.bucket(max(total, 1)), slots, starts, counts, chunks, fed)
+        return self._assemble(self.shapes.bucket(max(total, 1)), slots, starts, counts, chunks, fed, entries)
+
+    def _spec_ids(self, s: ScheduledRequest) -> tuple[int, ...]:
+        """A row's ids under speculation: as planned, zeros in the draft slots a device drafter fills."""
+        want = check_row(s, self.num_spec, self.drafts_on_device, self.one_token_drafts)
+        if s.token_ids is None or len(s.token_ids) != want:
+            raise ValueError(
+                f"pack: request {s.request_id} has {0 if s.token_ids is None else len(s.token_ids)} token ids, "
+                f"expected {want} of its {s.num_new_tokens} new tokens ({s.num_drafts} drafts"
+                f"{', proposed on the device' if self.drafts_on_device else ''})"
+            )
+        if want < s.num_new_tokens:
+            return (*s.token_ids, *([0] * (s.num_new_tokens - want)))
+        return s.token_ids
 
     def _prev_row(self, request_id: str) -> int:
         row = self.prev_rows.get(request_id)
@@ -115,7 +137,7 @@ class BatchPacker:
             )
         return row
 
-    def _assemble(self, bucket, slots, starts, counts, chunks, fed=()) -> HostBatch:
+    def _assemble(self, bucket, slots, starts, counts, chunks, fed=(), entries=()) -> HostBatch:
         s = self.shapes
         num_rows, page_size = s.num_rows, s.page_size
         used = len(slots)
@@ -161,14 +183,19 @@ class BatchPacker:
                 _rows(sp.seed, slots, num_rows, 0),
             )
             self._last_sampling = (key, knobs)
-        sampling = (*self._last_sampling[1], kv_lens.copy())  # and the index of the token each row generates
+        spec = None
+        if self.num_spec:
+            capacity = self.capacity(num_rows) if self.with_tiles else None
+            spec = pack_spec(entries, chunks, self.num_spec, kv_lens, page_size, capacity)
+        # and the index of the token each row generates (its first, when it verifies drafts)
+        sampling = (*self._last_sampling[1], kv_lens - spec.num_drafts if spec is not None else kv_lens.copy())
         tiles = None
         if self.with_tiles:
             tiles = build_tiles(query_start, kv_lens, bucket, page_size, BLOCK_Q, self.capacity(bucket))
         return HostBatch(
             tokens=tokens, positions=positions, write_idx=write_idx, page_table=page_table, query_start=query_start,
             kv_lens=kv_lens, token_row=token_row, token_pos=token_pos, logits_idx=logits_idx, feed=feed, sampling=sampling,
-            tiles=tiles, num_rows_used=used, num_tokens_used=total,
+            tiles=tiles, num_rows_used=used, num_tokens_used=total, spec=spec,
         )  # fmt: skip
 
     def _sync_slot(self, s: ScheduledRequest) -> None:

@@ -20,22 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
-from cbjax.kernels.metadata import AttentionMetadata
 from cbjax.kernels.registry import GROUPED, resolve_attention, resolve_matmul
-from cbjax.kernels.xla_ragged import RaggedWork, Tiles
 from cbjax.model.llama import Llama
 from cbjax.core.plan import Schedule, StepOutput
 from cbjax.core.request import Request
 from cbjax.runtime.batch import BatchPacker, HostBatch
 from cbjax.runtime import programs
 from cbjax.runtime.compile_cache import enable_compilation_cache
-from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count, thread_cache_hits
+from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count
 from cbjax.runtime.host_memory import retain_freed_memory
 from cbjax.runtime.host_tier import HostPages
 from cbjax.runtime.kv_cache import init_cache
 from cbjax.runtime.memory_check import check_kv_cache_fits
 from cbjax.layout.shapes import plan_shapes
-from cbjax.runtime.step import DeviceBatch, model_step, sample_step, split_model
+from cbjax.runtime.speculate import Speculator, import_draft_kv
+from cbjax.runtime.step import DeviceBatch, model_step, sample_step, split_model, to_device  # noqa: F401  to_device: public here too
 from cbjax.runtime.swap import HostSwap
 
 
@@ -44,33 +43,15 @@ from cbjax.runtime.swap import HostSwap
 _COMPILED: dict[tuple, object] = {}
 
 
-def to_device(batch: HostBatch, prev_tokens=None) -> DeviceBatch:
-    """The step's argument for `batch`; `prev_tokens` (i32[R], default zeros) is the previous
-    step's output, which the batch's `feed` slots read."""
-    if prev_tokens is None:
-        prev_tokens = np.zeros(batch.logits_idx.shape, np.int32)
-    work = None
-    if batch.tiles is not None:
-        single, block = batch.tiles
-        work = RaggedWork(single=Tiles(*single), block=Tiles(*block))
-    md = AttentionMetadata(
-        page_table=batch.page_table, query_start=batch.query_start, kv_lens=batch.kv_lens,
-        token_row=batch.token_row, token_pos=batch.token_pos, work=work,
-    )  # fmt: skip
-    return DeviceBatch(
-        tokens=batch.tokens, positions=batch.positions, write_idx=batch.write_idx, md=md,
-        logits_idx=batch.logits_idx, sampling=batch.sampling, feed=batch.feed, prev_tokens=prev_tokens,
-    )  # fmt: skip
-
-
 @dataclass
 class Launched:
     """A step dispatched by `JaxExecutor.launch`, its tokens still on the device."""
 
     rows: int  # rows used
-    tokens: jax.Array  # i32[R]
+    tokens: jax.Array  # i32[R]; speculating: the packed verification i32[R, k + 2]
     start: float  # perf_counter at launch
     dispatch_s: float  # host seconds in the step call (dispatch)
+    drafted: bool = False  # a row verified drafts
 
 
 class JaxExecutor:
@@ -95,10 +76,15 @@ class JaxExecutor:
         llama: Optional[Llama] = None,
         devices: Optional[Sequence[jax.Device]] = None,
         progress: bool = True,
+        spec=None,
+        draft_model: Optional[ModelConfig] = None,
+        draft_llama: Optional[Llama] = None,
     ):
         """`devices`: the devices this executor owns (a cluster replica's, `cbjax.cluster`), as
         many as `executor.mesh.tensor`; None: the first ones of `jax.devices()`. `progress`: a
-        bar on stderr while warmup compiles."""
+        bar on stderr while warmup compiles. `spec`: the `spec` group (speculative decoding,
+        `cbjax.runtime.speculate`), with `draft_model` the config `spec.draft_model` names and
+        `draft_llama` its weights (default: random)."""
         self.model_cfg = model
         if devices is not None and len(devices) != cfg.mesh.tensor:
             raise ValueError(
@@ -111,6 +97,7 @@ class JaxExecutor:
         self.attention = resolve_attention(cfg.attention)
         sharded = cfg.mesh.tensor > 1 or jax.process_count() > 1
         self.matmul = resolve_matmul(cfg.matmul, model.dtype, sharded)
+        self.matmul_setting = cfg.matmul
         self.shapes = plan_shapes(
             scheduler.max_num_seqs, model.max_model_len, cache.page_size, scheduler.max_num_batched_tokens,
             cfg.token_buckets,
@@ -149,6 +136,12 @@ class JaxExecutor:
             w *= 2
         self._swap = HostSwap(widths + [self.shapes.max_pages])
         self._host_tier = HostPages(self._swap) if cache.host_pages else None  # cache.host_pages' copies
+        self.spec: Optional[Speculator] = None
+        if spec is not None and spec.method != "none":
+            self.spec = Speculator(self, spec, draft_model, draft_llama, seed)
+            self.packer.num_spec, self.packer.drafts_on_device = self.spec.k, self.spec.on_device
+            self.packer.one_token_drafts = self.spec.num_layers is not None
+            self.pipelined = False  # the next plan needs this step's accepted drafts
         # swap copies compiled at warmup: swap preemption, the host tier, or K/V moving between P/D replicas
         self.swap_at_warmup = scheduler.preemption == "swap" or cache.host_pages > 0
         self.progress = progress
@@ -186,6 +179,11 @@ class JaxExecutor:
         """One model step, then the sampler if any row samples; the tokens, still on the device."""
         compiled = self._compiled.get(batch.tokens.shape[0])
         device_batch = self._device_batch(batch)
+        sampled = bool(batch.sampling[0].any())  # a row with temperature > 0
+        if self.spec is not None:  # a drafter's proposals first, when the step needs them
+            drafting = self.spec.num_drafting_steps
+            device_batch, probs = self.spec.draft(self, batch, device_batch, self.sampling or sampled)
+            self.num_step_calls += self.spec.num_drafting_steps - drafting
         if compiled is not None:
             greedy, logits, self.cache = compiled(self.weights, self.cache, device_batch)
         elif self.tp is not None:  # before warmup: compile on first use
@@ -196,42 +194,35 @@ class JaxExecutor:
                 matmul=self.matmul,
             )  # fmt: skip
         self.num_step_calls += 1
-        if batch.sampling[0].any():  # a row with temperature > 0
+        if sampled:
             self.num_sampler_calls += 1
+            if self.spec is not None:
+                return self.spec.sample(logits, device_batch, probs)
             return sample_step(logits, device_batch.sampling)
         return greedy
 
     def _load_or_compile(self, args):
-        """The step for `args` from cbjax's program cache (no tracing), else lowered and compiled
-        (and stored there). The program cache is for single-device weights only."""
-        devices = {d for x in jax.tree.leaves(self.weights) for d in x.devices()}
-        directory = self.cache_dir if len(devices) == 1 else None
-        key = programs.program_key(self.graphdef, self.attention, args, self.matmul) if directory else ""
-        compiled = programs.load(directory, key, next(iter(devices)))
-        if compiled is not None:
+        """The step for `args`, from cbjax's program cache or compiled (`programs.load_or_compile`)."""
+        if self.tp is not None:
+            lower = lambda: self.tp.step(self.graphdef, self.attention).lower(*args)  # noqa: E731
+        else:
+            lower = lambda: model_step.lower(*args, graphdef=self.graphdef, attention=self.attention, matmul=self.matmul)  # noqa: E731
+        compiled, loaded = programs.load_or_compile(self.cache_dir, self.graphdef, self.attention, self.matmul, args, lower)
+        if loaded:
             with self._count_lock:
                 self.programs_loaded += 1
-            return compiled
-        if self.tp is not None:
-            lowered = self.tp.step(self.graphdef, self.attention).lower(*args)
-        else:
-            lowered = model_step.lower(*args, graphdef=self.graphdef, attention=self.attention, matmul=self.matmul)
-        hits = thread_cache_hits()
-        compiled = lowered.compile()
-        # A program jax loaded from its own persistent cache serializes without its kernels on
-        # XLA:CPU (a later process fails to find them), so only fresh compiles are stored.
-        if thread_cache_hits() == hits:
-            programs.store(directory, key, compiled)
         return compiled
 
-    def export_kv(self, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of `pages`' K and V (a prefilled request leaving this replica, P/D)."""
-        return self._swap.gather(self.cache, pages)
+    def export_kv(self, pages: Sequence[int]) -> tuple[np.ndarray, ...]:
+        """Host copies of `pages`' K and V (a prefilled request leaving this replica, P/D), then
+        the draft model's K and V where it has its own pool."""
+        return self._swap.gather(self.cache, pages) + (self.spec.export_kv(pages) if self.spec is not None else ())
 
-    def import_kv(self, request_id: str, kv: tuple[np.ndarray, np.ndarray]) -> None:
+    def import_kv(self, request_id: str, kv: tuple[np.ndarray, ...]) -> None:
         """A request's K and V from another replica (`export_kv`), whatever its mesh: they
         enter this cache when the scheduler swaps the request in."""
-        self._swap.put(request_id, *kv)
+        import_draft_kv(self.spec, request_id, kv)
+        self._swap.put(request_id, *kv[:2])
 
     def host_load_times(self) -> tuple[float, float]:
         """(load_s, prefetch_s): the latest launched step's host-tier loads, measured."""
@@ -293,7 +284,8 @@ class JaxExecutor:
                     bar.update(1)
         for bucket in buckets:  # run each once: first calls allocate, and the cache is donated through them
             jax.block_until_ready(self._step(self.packer.empty(bucket)))
-        if self.sampling:  # random keys and the top-k/top-p sort take seconds to compile on CPU
+        spec_programs = self.spec.warmup(self, self.sampling) if self.spec is not None else 0
+        if self.sampling and self.spec is None:  # random keys and the top-k/top-p sort take seconds to compile on CPU
             empty = self.packer.empty(buckets[0])
             logits = jnp.zeros((self.shapes.num_rows, self.model_cfg.vocab_size))
             if self.tp is None and self.devices is not None:
@@ -308,15 +300,19 @@ class JaxExecutor:
             self.cache = self._swap.warmup(self.cache)
             if self._host_tier is not None:
                 self.cache = self._host_tier.warmup(self.cache)
+            spec_programs += self.spec.warmup_swap() if self.spec is not None else 0
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        self.compiled_programs = len(buckets) + int(self.sampling) + (len(self._swap.widths) * 2 if self.swap_at_warmup else 0)
+        self.compiled_programs = len(buckets) + int(self.sampling and self.spec is None) + spec_programs
+        self.compiled_programs += len(self._swap.widths) * 2 if self.swap_at_warmup else 0
         self._compiles_at_warmup = compile_count()
         self.warmup_compiles = fresh_compile_count() - compiles_before
         self.warmup_cache_hits = cache_hit_count() - hits_before + self.programs_loaded
         self.num_step_calls = self.num_sampler_calls = 0
+        if self.spec is not None:
+            self.spec.num_drafting_steps = 0
         self.warmup_s = time.perf_counter() - t0
 
     def execute(self, plan: Schedule) -> StepOutput:
@@ -326,12 +322,14 @@ class JaxExecutor:
     def launch(self, plan: Schedule) -> Launched:
         """Swap, pack and dispatch the step; its tokens stay on the device until `collect`."""
         t0 = time.perf_counter()
-        if self._host_tier is not None:  # its copies and the swaps, in the order `HostCopies` gives
-            self.cache = self._host_tier.run(self.cache, plan)
-            self.swap_s += time.perf_counter() - t0
-        elif plan.swap_out or plan.swap_in:  # before the step, swap-outs first: they may free swap-in pages
-            self._swap.swap_out(self.cache, plan.swap_out)
-            self.cache = self._swap.swap_in(self.cache, plan.swap_in)
+        if self._host_tier is not None or plan.swap_out or plan.swap_in:  # copies before the step
+            if self._host_tier is not None:  # its copies and the swaps, in the order `HostCopies` gives
+                self.cache = self._host_tier.run(self.cache, plan)
+            else:  # swap-outs first: they may free swap-in pages
+                self._swap.swap_out(self.cache, plan.swap_out)
+                self.cache = self._swap.swap_in(self.cache, plan.swap_in)
+            if self.spec is not None:  # the draft model's own pool moves with the target's
+                self.spec.swap_pages(plan)
             self.swap_s += time.perf_counter() - t0
         t1 = time.perf_counter()
         batch = self.packer.pack(plan)
@@ -339,7 +337,7 @@ class JaxExecutor:
             self.link.send(batch)
         t2 = time.perf_counter()
         out = self._step(batch)
-        if self.tp is None:  # the next step may read these tokens before the host does
+        if self.tp is None and self.spec is None:  # the next step may read these tokens before the host does
             self._prev_tokens = out
             self.packer.prev_rows = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         if plan.decodes and plan.prefills:
@@ -350,7 +348,8 @@ class JaxExecutor:
         self.bucket_calls[bucket] = self.bucket_calls.get(bucket, 0) + 1
         self.num_steps += 1
         self.host_pack_s += t2 - t1
-        return Launched(batch.num_rows_used, out, t0, time.perf_counter() - t2)
+        drafted = batch.spec is not None and bool(batch.spec.num_drafts.any())
+        return Launched(batch.num_rows_used, out, t0, time.perf_counter() - t2, drafted)
 
     def collect(self, launched: Launched) -> StepOutput:
         """Wait for a launched step's tokens: the one device->host copy of the iteration."""
@@ -358,9 +357,11 @@ class JaxExecutor:
         out = launched.tokens
         out = np.asarray(out) if self.tp is None else self.tp.fetch(out)
         t1 = time.perf_counter()
+        self.device_s += launched.dispatch_s + t1 - t0
+        if self.spec is not None:
+            return self.spec.output(out, launched.rows, launched.drafted)
         token_ids = out[: launched.rows].tolist()
         errors = {i: "non-finite logits" for i, t in enumerate(token_ids) if t < 0} or None
-        self.device_s += launched.dispatch_s + t1 - t0
         return StepOutput(token_ids=token_ids, errors=errors)
 
     def metrics(self) -> dict:
@@ -387,6 +388,8 @@ class JaxExecutor:
             "swap_s": self.swap_s,
             "compilation_cache_dir": self.cache_dir,
             "mesh_tensor": 1 if self.tp is None else self.tp.tensor,
+            "spec_method": "none" if self.spec is None else self.spec.method,
+            "spec_drafting_steps": 0 if self.spec is None else self.spec.num_drafting_steps,
         }
 
 

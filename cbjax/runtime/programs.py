@@ -22,6 +22,8 @@ from typing import Optional
 import jax
 from jax.experimental import serialize_executable
 
+from cbjax.runtime.compiles import thread_cache_hits
+
 SUBDIR = "cbjax-programs"
 
 
@@ -89,6 +91,24 @@ def store(directory: Optional[str], key: str, compiled: jax.stages.Compiled) -> 
         return True
     except (OSError, ValueError, NotImplementedError, pickle.PicklingError, TypeError):
         return False
+
+
+def load_or_compile(cache_dir: Optional[str], graphdef, attention: str, matmul: str, args, lower):
+    """(program, loaded): the step for `args` (weights, cache, batch) from this cache when its
+    weights live on one device (no tracing), else `lower()` compiled and stored here."""
+    devices = {d for x in jax.tree.leaves(args[0]) for d in x.devices()}
+    directory = cache_dir if len(devices) == 1 else None  # the cache is for single-device weights only
+    key = program_key(graphdef, attention, args, matmul) if directory else ""
+    compiled = load(directory, key, next(iter(devices)))
+    if compiled is not None:
+        return compiled, True
+    hits = thread_cache_hits()
+    compiled = lower().compile()
+    # A program jax loaded from its own persistent cache serializes without its kernels on
+    # XLA:CPU (a later process fails to find them), so only fresh compiles are stored.
+    if thread_cache_hits() == hits:
+        store(directory, key, compiled)
+    return compiled, False
 
 
 def _version(package: str) -> str:

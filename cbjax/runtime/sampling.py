@@ -21,7 +21,7 @@ def sample(
     def sampled() -> jax.Array:
         temp = jnp.where(temperature > 0, temperature, 1.0)
         scaled = logits / temp[:, None]
-        filtered = jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1), _top_k_top_p, lambda x, *_: x, scaled, top_k, top_p)
+        filtered = jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1), top_k_top_p, lambda x, *_: x, scaled, top_k, top_p)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
         draws = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
         return jnp.where(temperature > 0, draws, greedy)
@@ -30,7 +30,7 @@ def sample(
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
-def _top_k_top_p(
+def top_k_top_p(
     scaled: jax.Array,  # f32[num_slots, vocab_size], temperature applied
     top_k: jax.Array,  # i32[num_slots]
     top_p: jax.Array,  # f32[num_slots]

@@ -24,23 +24,37 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from cbjax.kernels.metadata import AttentionMetadata
 from cbjax.kernels.registry import attention_op, layer_ops
+from cbjax.kernels.xla_ragged import RaggedWork, Tiles
 from cbjax.model.llama import Dense
+from cbjax.runtime.batch import HostBatch
 from cbjax.model.ops import first_argmax, mark_non_finite  # noqa: F401  first_argmax: public here too
 from cbjax.runtime.kv_cache import KVCache
 from cbjax.runtime.sampling import sample
 from cbjax.runtime.shard import constrain_cache, replicate, shard_heads
+from cbjax.runtime.verify import greedy_verify, place_drafts, verify_rows
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["num_drafts", "drafts"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SpecInputs:
+    """The drafts a step verifies (`cbjax.runtime.verify`): row r's last num_drafts[r] tokens."""
+
+    num_drafts: jax.Array  # i32[R]
+    drafts: jax.Array  # i32[R, k]; past num_drafts[r]: anything
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "positions", "write_idx", "md", "logits_idx", "sampling", "feed", "prev_tokens"],
+    data_fields=["tokens", "positions", "write_idx", "md", "logits_idx", "sampling", "feed", "prev_tokens", "spec"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +69,28 @@ class DeviceBatch:
     # whose token the previous step sampled and the host has not read yet), else tokens[t].
     feed: jax.Array  # i32[T]
     prev_tokens: jax.Array  # i32[R]: the previous step's output (its greedy or sampled tokens)
+    # Speculative decoding: the drafts the step verifies; None: no speculation (one token per row).
+    spec: Optional[SpecInputs] = None
+
+
+def to_device(batch: HostBatch, prev_tokens=None) -> DeviceBatch:
+    """The step's argument for `batch`; `prev_tokens` (i32[R], default zeros) is the previous
+    step's output, which the batch's `feed` slots read."""
+    if prev_tokens is None:
+        prev_tokens = np.zeros(batch.logits_idx.shape, np.int32)
+    work = None
+    if batch.tiles is not None:
+        single, block = batch.tiles
+        work = RaggedWork(single=Tiles(*single), block=Tiles(*block))
+    md = AttentionMetadata(
+        page_table=batch.page_table, query_start=batch.query_start, kv_lens=batch.kv_lens,
+        token_row=batch.token_row, token_pos=batch.token_pos, work=work,
+    )  # fmt: skip
+    spec = None if batch.spec is None else SpecInputs(batch.spec.num_drafts, batch.spec.drafts)
+    return DeviceBatch(
+        tokens=batch.tokens, positions=batch.positions, write_idx=batch.write_idx, md=md,
+        logits_idx=batch.logits_idx, sampling=batch.sampling, feed=batch.feed, prev_tokens=prev_tokens, spec=spec,
+    )  # fmt: skip
 
 
 def check_batch(batch: DeviceBatch) -> None:
@@ -64,6 +100,8 @@ def check_batch(batch: DeviceBatch) -> None:
     bad = batch.positions.shape != t or batch.write_idx.shape != t or batch.md.token_pos.shape != t
     bad |= batch.feed.shape != t or batch.prev_tokens.shape != r
     bad |= batch.logits_idx.shape != r or any(a.shape != r for a in batch.sampling)
+    if batch.spec is not None:
+        bad |= batch.spec.num_drafts.shape != r or batch.spec.drafts.ndim != 2 or batch.spec.drafts.shape[0] != r[0]
     if len(t) != 1 or bad:
         raise ValueError(
             f"model_step: inconsistent batch shapes: tokens {t}, positions {batch.positions.shape}, "
@@ -101,11 +139,12 @@ def split_model(model, matmul: str = "xla") -> tuple[tuple, tuple]:
     return (outer_def, layer_def, matmul), (outer_state, stacked)
 
 
-def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str, mesh=None, matmul: str = "xla"):
-    """The step's body, unjitted (`model_step` jits it). `attention`: a resolved attention
-    backend; `matmul`: a resolved `LayerOps` name, the one the weights were split for; `mesh`:
-    a tensor-parallel mesh the weights and cache are placed on, or None (one device)."""
-    check_batch(batch)
+def forward(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str, mesh=None, matmul: str = "xla",
+            num_layers: Optional[int] = None):  # fmt: skip
+    """The decoder over the batch's flat tokens, K/V written for each: (the model without its
+    layers, the ops bound to the batch, the last layer's output x [T, d_model], the new cache).
+    `num_layers`: only the first N layers run (a self-speculative draft); the cache's other
+    layers are left as they are. The rest as `step_fn`."""
     outer_def, layer_def, split_for = graphdef
     outer_state, layer_states = weights
     if split_for != matmul:  # the weights' layout is the ops'
@@ -114,7 +153,7 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
     model = nnx.merge(outer_def, outer_state)
     attn_fn = attention_op(attention)
     ops = layer_ops(matmul).bind(batch)
-    num_layers = cache.k.shape[0]
+    total = cache.k.shape[0]
     whole, layer_states = ops.split_stacked(layer_states)
 
     def attend(product, k_pages, v_pages, md, write_idx, layer_idx):
@@ -138,14 +177,45 @@ def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention:
         x = layer.finish(x, attn, lops)
         return (x, k_pages, v_pages), None
 
+    def first_layers(carry, layer_idx):  # a layer's weights indexed in place: no copy of the first N
+        layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer_idx, keepdims=False), layer_states)
+        return layer_step(carry, (layer_state, layer_idx))
+
     x = ops.embed(model.embed_tokens[...], batch.tokens, batch.feed, batch.prev_tokens)  # [T, d_model]
     carry = (x, cache.k, cache.v)
-    (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, carry, (layer_states, jnp.arange(num_layers)))
-    greedy, logits = ops.head(x, batch.logits_idx, model.norm, model.lm_head, model.embed_tokens)
-    new_cache = KVCache(k=k_pages, v=v_pages)
+    if num_layers is None or num_layers == total:
+        (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, carry, (layer_states, jnp.arange(total)))
+    else:
+        (x, k_pages, v_pages), _ = jax.lax.scan(first_layers, carry, jnp.arange(num_layers))
+    return model, ops, x, KVCache(k=k_pages, v=v_pages)
+
+
+def step_fn(weights, cache: KVCache, batch: DeviceBatch, *, graphdef, attention: str, mesh=None, matmul: str = "xla"):
+    """The step's body, unjitted (`model_step` jits it). `attention`: a resolved attention
+    backend; `matmul`: a resolved `LayerOps` name, the one the weights were split for; `mesh`:
+    a tensor-parallel mesh the weights and cache are placed on, or None (one device).
+
+    With drafts (`batch.spec`): they enter their token slots, the LM head runs at each row's
+    last num_drafts + 1 tokens, and the step returns the greedy verification packed
+    i32[R, k + 2] and the logits f32[R, k + 1, vocab_size] (`cbjax.runtime.verify`)."""
+    check_batch(batch)
+    spec = batch.spec
+    if spec is not None:
+        tokens = place_drafts(batch.tokens, batch.logits_idx, spec.num_drafts, spec.drafts)
+        batch = dataclasses.replace(batch, tokens=tokens)
+    model, ops, x, new_cache = forward(
+        weights, cache, batch, graphdef=graphdef, attention=attention, mesh=mesh, matmul=matmul
+    )
+    if spec is None:
+        greedy, logits = ops.head(x, batch.logits_idx, model.norm, model.lm_head, model.embed_tokens)
+    else:
+        k = spec.drafts.shape[1]
+        entry_idx, gather, live = verify_rows(batch.logits_idx, spec.num_drafts, batch.md.kv_lens, k, x.shape[0])
+        target, logits = ops.head(x, entry_idx, model.norm, model.lm_head, model.embed_tokens, live=live)
+        greedy, logits = greedy_verify(target[gather], spec.drafts, spec.num_drafts), logits[gather]
     if mesh is not None:  # the tokens and logits replicated for the host, the cache as it was placed
         greedy, logits = replicate(greedy, mesh), replicate(logits, mesh)
-        new_cache = KVCache(k=constrain_cache(k_pages, mesh), v=constrain_cache(v_pages, mesh))
+        new_cache = KVCache(k=constrain_cache(new_cache.k, mesh), v=constrain_cache(new_cache.v, mesh))
     return greedy, logits, new_cache
 
 

@@ -94,10 +94,11 @@ class NativeOps:
             return kernels.layer_matmul(x, lm_head[...][None], 0, 1, live=self.num_rows, norm=norm.parts(x))
         return kernels.matmul_nt(norm(x), table[...], live=self.num_rows)  # tied: the table read in place
 
-    def head(self, x, logits_idx, norm, lm_head, table):
-        # all R rows: the kernels write zeros past the used ones themselves
+    def head(self, x, logits_idx, norm, lm_head, table, live=None):
+        # all R rows: the kernels write zeros past the used ones (or `live`) themselves
+        ops = self if live is None else dataclasses.replace(self, num_rows=live)
         num_rows = logits_idx.shape[0]
-        live = min(num_rows, x.shape[0])
-        logits = self.logits(x[logits_idx], norm, lm_head, table).astype(jnp.float32)  # f32[R, vocab_size]
-        greedy = kernels.greedy(logits, jnp.minimum(self.num_rows, live))
+        cap = min(num_rows, x.shape[0])
+        logits = ops.logits(x[logits_idx], norm, lm_head, table).astype(jnp.float32)  # f32[R, vocab_size]
+        greedy = kernels.greedy(logits, jnp.minimum(ops.num_rows, cap))
         return greedy, logits
