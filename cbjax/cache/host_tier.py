@@ -255,6 +255,23 @@ class HostTier:
         for req, n, pf in owners:
             req.kv_load_s = (req.kv_load_s or 0.0) + seconds[pf] * n / pages[pf]
 
+    def stats(self, prompt_tokens_admitted: int) -> dict:
+        """summary.json's host-tier fields: the prompt tokens of first admissions found on the
+        device and in the tier (as tokens and as shares of the prompt tokens admitted), pages
+        copied each way (prefetches among the loaded), pages the tier dropped, and its peak."""
+        admitted = prompt_tokens_admitted
+        return {
+            "prefix_hit_rate_device": self.prompt_tokens_hit_device / admitted if admitted else 0.0,
+            "prefix_hit_rate_host": self.prompt_tokens_hit_host / admitted if admitted else 0.0,
+            "prefix_hit_tokens_device": self.prompt_tokens_hit_device,
+            "prefix_hit_tokens_host": self.prompt_tokens_hit_host,
+            "kv_host_pages_stored": self.num_stored,
+            "kv_host_pages_loaded": self.num_loaded + self.num_prefetched,
+            "kv_host_pages_prefetched": self.num_prefetched,
+            "kv_host_evictions": self.num_dropped,
+            "kv_host_pages_peak": self.peak_used,
+        }
+
     def clear_requests(self) -> None:
         """Forget every request's prefetches (a run cut short); the cached pages stay."""
         self._prefetched.clear()

@@ -302,7 +302,7 @@ class Scheduler:
 
     def cache_stats(self) -> dict:
         """Prefix-cache and swap counters for summary.json (hit rate: `PrefixCache.hit_rate`),
-        and with a host tier its own (`host_tier_stats`)."""
+        and with a host tier its own (`HostTier.stats`)."""
         prefix = self.prefix
         stats = {
             "prefix_cache_hit_rate": prefix.hit_rate if prefix else 0.0,
@@ -312,7 +312,7 @@ class Scheduler:
             "swapped_out_pages": self.planner.num_swapped_out_pages,
         }
         if self.tier is not None:
-            stats.update(host_tier_stats(self.tier, prefix.prompt_tokens_admitted))
+            stats.update(self.tier.stats(prefix.prompt_tokens_admitted))
         return stats
 
     def loaded(self, plan: Schedule, load_s: float, prefetch_s: float) -> None:
@@ -398,20 +398,3 @@ class Scheduler:
             self.finished.extend(done)
         return done
 
-
-def host_tier_stats(tier: HostTier, prompt_tokens_admitted: int) -> dict:
-    """summary.json's host-tier fields: the prompt tokens of first admissions found on the
-    device and in the tier (as tokens and as shares of the prompt tokens admitted), pages
-    copied each way (prefetches among the loaded), pages the tier dropped, and its peak."""
-    admitted = prompt_tokens_admitted
-    return {
-        "prefix_hit_rate_device": tier.prompt_tokens_hit_device / admitted if admitted else 0.0,
-        "prefix_hit_rate_host": tier.prompt_tokens_hit_host / admitted if admitted else 0.0,
-        "prefix_hit_tokens_device": tier.prompt_tokens_hit_device,
-        "prefix_hit_tokens_host": tier.prompt_tokens_hit_host,
-        "kv_host_pages_stored": tier.num_stored,
-        "kv_host_pages_loaded": tier.num_loaded + tier.num_prefetched,
-        "kv_host_pages_prefetched": tier.num_prefetched,
-        "kv_host_evictions": tier.num_dropped,
-        "kv_host_pages_peak": tier.peak_used,
-    }
