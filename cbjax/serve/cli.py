@@ -33,8 +33,9 @@ def _app(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         server = Server(typed_config(cfg, ServeConfig), out_dir)
+        sock = server.bind(listen=False)  # a port in use fails now, not after the warmup
         server.warmup()
-        sock = server.bind()
+        server.listen(sock)
     except (ValueError, OSError) as err:
         print(f"cbjax-serve: error: {err}", file=sys.stderr)
         sys.exit(2)
