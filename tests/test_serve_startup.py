@@ -45,6 +45,12 @@ def test_bound_before_listening_refuses_connections_until_listen():
         sock.close()
 
 
+def test_a_queue_bound_of_0_is_refused():
+    with pytest.raises(ValueError, match=r"server.max_queue must be >= 1 \(null: no bound\), got 0"):
+        serve_config("server.max_queue=0")
+    assert serve_config("server.max_queue=1").server.max_queue == 1
+
+
 def test_the_command_names_the_keys_in_one_line_when_the_port_is_taken(env_cpu, tmp_path):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
