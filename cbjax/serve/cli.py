@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from cbjax.app.cli import CONFIG_PATH, preflight
+from cbjax.app.cli import CONFIG_PATH, preflight, quiet_broken_pipe
 from cbjax.app.config_merge import typed_config
 from cbjax.serve.config import ServeConfig
 from cbjax.serve.process import LISTENING
@@ -61,6 +61,7 @@ def refused_override(args: list[str]) -> Optional[str]:
     return None
 
 
+@quiet_broken_pipe
 def main() -> None:
     why = refused_override(sys.argv[1:])
     if why is not None:
