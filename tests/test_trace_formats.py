@@ -175,3 +175,28 @@ def test_arrivals_going_backwards_are_sorted_with_one_warning_counting_them(tmp_
 def test_an_unknown_header_names_the_closest_format_and_its_missing_columns(tmp_path, header, closest):
     with pytest.raises(ValueError, match=re.escape(f"cannot tell its format from the first line {header!r}; {closest}")):
         _trace(tmp_path, "h.csv", f"{header}\n1,2\n")
+
+
+def test_lines_the_scheduler_refuses_are_named_by_file_and_line(tmp_path):
+    """Problems found at the scheduler (once the model and the cache are known, or by the
+    scheduler's own checks) name the line, as the reader's own do."""
+    lines = [
+        {"arrival_s": 0, "prompt_len": 4, "output_len": 2},
+        {"arrival_s": 0, "prompt_len": 4, "output_len": 2, "temperature": -1},
+        {"arrival_s": 0, "prompt_len": 9000, "output_len": 2},
+        {"arrival_s": 0, "prompt_token_ids": [], "output_len": 2},
+        {"arrival_s": 0, "prompt_len": 4, "output_len": 0},
+        {"arrival_s": 0, "prompt_token_ids": [1, 999999999], "output_len": 2},
+    ]
+    path = _write(tmp_path, "t.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
+    cfg = composed("progress=false", "workload=trace", f"workload.path={path}", "executor.cost_model=unit")
+    run_experiment(cfg, tmp_path / "run", verbose=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    assert [r["reject_reason"] for r in rows] == [
+        None,
+        "t.jsonl line 2: temperature must be >= 0, got -1.0",
+        "t.jsonl line 3: prompt has 9000 tokens, model max_model_len is 8192 (no room to generate)",
+        "t.jsonl line 4: empty prompt",
+        "t.jsonl line 5: max_tokens must be >= 1, got 0",  # (output_len sets max_tokens)
+        "t.jsonl line 6: request 5: prompt token id 999999999 is outside the vocabulary (model.vocab_size=128256)",
+    ]

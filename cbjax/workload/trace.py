@@ -336,6 +336,7 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
                 client_id=row.client_id,
                 input_error=f"{name} line {row.line}: {'; '.join(row.errors)}" if row.errors else None,
                 original_request_id=original if rid != original else None,
+                source=f"{name} line {row.line}",
             )
         )
     return requests
