@@ -112,6 +112,7 @@ def registries() -> dict:
     """Each registry-chosen key's registry, read from the registry's own module."""
     from cbjax.cache.allocator import ALLOCATIONS
     from cbjax.cluster.router import ROUTER_CLASSES
+    from cbjax.cache.eviction import HOST_EVICTIONS
     from cbjax.engine.clock import PACES
     from cbjax.kernels import registry
     from cbjax.scheduler import POLICIES
@@ -121,6 +122,7 @@ def registries() -> dict:
     return {
         "scheduler.name": set(POLICIES),
         "cache.allocation": set(ALLOCATIONS),
+        "cache.host_eviction": set(HOST_EVICTIONS),
         "executor.cost_model": set(COST_MODELS),
         "executor.pace": set(PACES),
         "executor.attention": {"auto", *registry._ATTENTION},
@@ -155,6 +157,7 @@ def test_each_registry_chosen_key_accepts_exactly_its_registry_names():
 def test_a_registered_addition_is_selectable(monkeypatch):
     from cbjax.app.choices import check_choices
     from cbjax.cache import allocator
+    from cbjax.cache.eviction import HOST_EVICTIONS, LruEviction
     from cbjax.cluster.router import ROUTER_CLASSES, RoundRobin
     from cbjax.engine import clock
     from cbjax.kernels import registry
@@ -168,6 +171,7 @@ def test_a_registered_addition_is_selectable(monkeypatch):
     monkeypatch.setitem(registry._ATTENTION, "mine", registry.AttentionBackend("mine", lambda: None))
     monkeypatch.setitem(registry._OPS, "mine", registry.OpsBackend("mine", lambda: None))
     monkeypatch.setitem(ROUTER_CLASSES, "mine", RoundRobin)
+    monkeypatch.setitem(HOST_EVICTIONS, "mine", LruEviction)
     for key in registries():
         group, field = key.split(".")
         assert getattr(getattr(check_choices(with_value(key, "mine")), group), field) == "mine"

@@ -163,7 +163,7 @@ def test_every_trace_format_has_an_example_in_traces_md_that_reads_as_that_forma
     text = (REPO / "docs" / "traces.md").read_text()
     for fmt in TRACE_FORMATS[1:]:  # after auto
         assert f"`{fmt}`" in text or f"workload.format={fmt}" in text, fmt
-    for fmt in ("azure", "burstgpt", "mooncake", "csv", "jsonl"):
+    for fmt in ("azure", "burstgpt", "mooncake", "sharegpt", "csv", "jsonl"):
         heading = re.search(rf"^###[^\n]*`workload\.format={fmt}`[^\n]*$", text, re.M)
         assert heading, fmt
         example = re.search(r"```\w*\n(.*?)```", text[heading.end():], re.S).group(1)

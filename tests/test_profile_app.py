@@ -14,7 +14,7 @@ from cbjax.profile.anchor import anchor_config
 from cbjax.profile.runner import ProfileRunConfig, run_profile
 from cbjax.profile.serving import serving_runs
 from cbjax.sim import make_cost_model
-from cbjax.sim.profiled import LOOP_TERMS, OPTIONAL_TERMS, SERVE_TERMS, STEP_TERMS, SWAP_TERMS
+from cbjax.sim.profiled import LOOP_TERMS, OPTIONAL_TERMS, SERVE_TERMS, STEP_TERMS, SWAP_DIRECTION_TERMS, SWAP_TERMS
 
 
 def test_profile_yaml_composes_into_the_profile_config():
@@ -46,7 +46,7 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
         profile["num_pages"],
     ) == (128, 4, 4, 512)
     coef = profile["coefficients"]
-    terms = STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS + tuple(OPTIONAL_TERMS)
+    terms = STEP_TERMS + SERVE_TERMS + SWAP_TERMS + SWAP_DIRECTION_TERMS + LOOP_TERMS + tuple(OPTIONAL_TERMS)
     # drain_s: the pipelined served runs' last steps are collected with nothing launched behind them
     terms += ("drain_s",)
     assert set(coef) == {"bucket_s", "served_bucket_s", *terms} and set(coef["bucket_s"]) == {"4", "16", "64"}

@@ -32,6 +32,12 @@ def allocation_names() -> list[str]:
     return list(ALLOCATIONS)
 
 
+def host_eviction_names() -> list[str]:
+    from cbjax.cache.eviction import HOST_EVICTIONS
+
+    return list(HOST_EVICTIONS)
+
+
 def pace_names() -> list[str]:
     from cbjax.engine.clock import PACES
 
@@ -60,6 +66,7 @@ def router_names() -> list[str]:
 NAMES: dict[str, Callable[[], list[str]]] = {
     "scheduler.name": policy_names,
     "cache.allocation": allocation_names,
+    "cache.host_eviction": host_eviction_names,
     "executor.cost_model": cost_model_names,
     "executor.pace": pace_names,
     "executor.attention": attention_names,
@@ -73,7 +80,7 @@ def check_choices(cfg: RunConfig) -> RunConfig:
     for key, names in NAMES.items():
         group, field = key.split(".")
         value = getattr(getattr(cfg, group), field)
-        if key == "scheduler.name" and cfg.scheduler.policy_class or key == "cluster.router" and ":" in value:
+        if key == "scheduler.name" and cfg.scheduler.policy_class or key in ("cluster.router", "cache.host_eviction") and ":" in value:
             continue  # a user's class replaces the name; it is checked where it is loaded
         _one_of(key, value, names())
     return cfg

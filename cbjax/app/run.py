@@ -92,12 +92,12 @@ def run_single(
     if cfg.cluster.enabled:
         return run_cluster(cfg, out_dir, verbose=verbose, stop=stop)
     cfg = resolve(cfg)
-    requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
     if cfg.model.path:
         from cbjax.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.path)
+    requests = build_workload(cfg.workload, cfg.seed, tokenizer)
     encode_text_prompts(requests, tokenizer, where=f"model {cfg.model.name!r}")
     executor = build_executor(cfg)
     scheduler = Scheduler(
@@ -147,12 +147,12 @@ def run_cluster(
     (`ClusterEngine`), its replicas' executors each in a process of its own (`cluster.backend`).
     A replica that failed ends the run: the files are written, then its error is raised."""
     cfg = resolve_model(cfg)  # each pool sizes its own KV pool
-    requests = build_workload(cfg.workload, cfg.seed)
     tokenizer = None
     if cfg.model.path:
         from cbjax.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.path)
+    requests = build_workload(cfg.workload, cfg.seed, tokenizer)
     encode_text_prompts(requests, tokenizer, where=f"model {cfg.model.name!r}")
     cluster, shutdown = build_cluster(cfg)
     try:
@@ -249,6 +249,10 @@ def build_summary(cfg: RunConfig, result, service_log: ServiceLog, executor) -> 
     """summary.json's fields for a finished (or interrupted) run."""
     summary = summarize(result, cfg.window_iterations, cfg.slo.ttft_s, cfg.slo.tpot_s)
     summary["interrupted"] = result.interrupted
+    if "kv_host_pages_stored" in summary:  # a host KV tier's pages moved, in bytes each way
+        page_bytes = cfg.cache.page_size * cfg.model.kv_bytes_per_token
+        summary["kv_host_bytes_stored"] = summary["kv_host_pages_stored"] * page_bytes
+        summary["kv_host_bytes_loaded"] = summary["kv_host_pages_loaded"] * page_bytes
     summary.update(executor.metrics())
     summary.update(service_summary(result, service_log, cfg.metrics, cfg.slo))
     summary.update(

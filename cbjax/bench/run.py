@@ -60,6 +60,11 @@ def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool
     `aborted`, and summary.json says `interrupted: true`."""
     stop = stop if stop is not None else StopFlag()
     requests = build_workload(cfg.workload, cfg.seed)
+    if any(r.pause_s is not None for r in requests):
+        raise ValueError(
+            f"workload={cfg.workload.name}: its sessions' later turns arrive when the turn before them ends, and "
+            "cbjax-bench sends every request at a fixed time; serve sessions with cbjax (simulator or engine)"
+        )
     if cfg.bench.prompt == "ids":
         encode_text_prompts(requests, None, where="cbjax-bench (bench.prompt=ids)")
     bar = None

@@ -82,6 +82,8 @@ class PageAllocator:
         self._stored: dict[str, int] = {}
         self.num_stored_tokens = 0
         self.num_evictions = 0
+        # on_evict(page, hash): a cached page is evicted (the host tier keeps it); None: dropped
+        self.on_evict = None
 
     # ---- counters ----
     @property
@@ -146,6 +148,22 @@ class PageAllocator:
                 self._page_of[h] = page
                 self._hash_of[page] = h
         self._num_hashed[request_id] = max(self._num_hashed[request_id], num_pages)
+
+    def cache_pages(self, hashes: Sequence[int]) -> list[int]:
+        """New pages registered under `hashes` (none of them cached now) and left cached,
+        unreferenced and most recently released: where a prefetch loads a waiting request's
+        pages, for its admission to match."""
+        if len(hashes) > self.num_free_pages:
+            raise ValueError(f"cache_pages: {len(hashes)} pages, {self.num_free_pages} free")
+        if any(h in self._page_of for h in hashes):
+            raise ValueError("cache_pages: a hash is cached already")
+        pages = self._take(len(hashes))
+        for page, h in zip(pages, hashes):
+            del self._refs[page]
+            self._page_of[h] = page
+            self._hash_of[page] = h
+            self._cached[page] = None
+        return pages
 
     # ---- admission ----
     def admission_pages(self, num_tokens: int, max_tokens: int) -> int:
@@ -268,8 +286,11 @@ class PageAllocator:
             page = end
         for _ in range(n - len(pages)):
             page, _ = self._cached.popitem(last=False)
-            del self._page_of[self._hash_of.pop(page)]
+            h = self._hash_of.pop(page)
+            del self._page_of[h]
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(page, h)
             pages.append(page)
         if self.prefix_caching:
             self._refs.update(dict.fromkeys(pages, 1))

@@ -31,6 +31,8 @@ class PrefixCache:
         # reads token ids: a prompt built from another request's ids (a session's next turn)
         # must find that request's pages by content.
         self.synthetic_keys = True
+        # The host tier (`cbjax.cache.host_tier.HostTier`) beneath the device pool, or None.
+        self.tier = None
 
     def _chain(self, req: Request) -> list[int]:
         """Chained hashes of the request's full pages whose token ids are known (memoized).
@@ -40,19 +42,24 @@ class PrefixCache:
         prefix, so two such pages hold equal ids exactly when their keys are equal (up to the
         same 64-bit collision odds as content hashes), and a long simulated trace never draws
         its prompts. Later pages chain content hashes from the last synthetic key. Used only
-        while `synthetic_keys` holds (set before the first request arrives)."""
+        while `synthetic_keys` holds (set before the first request arrives).
+
+        A session's turn that another follows (`more_turns`) generates, in the simulator, the
+        continuation of its seeded stream: the next turn's prompt is that stream up to past
+        this turn's output (`cbjax.engine.followups`). Its pages of generated tokens are then
+        known too, and named by the same keys."""
         chain = self._chains.setdefault(req, [])
         synthetic = req.synthetic_prompt
         if req.prompt_token_ids is None and synthetic is None:
             return chain
         ps = self.page_size
-        known = req.prompt_len + len(req.output_token_ids)
+        known = self._known(req)
         if (len(chain) + 1) * ps > known:
             return chain
         lo = len(chain)
         if synthetic is not None and self.synthetic_keys:
             seed, vocab = synthetic
-            inside = req.prompt_len // ps
+            inside = (known if req.more_turns else req.prompt_len) // ps
             chain.extend(hash((_SYNTHETIC, seed, vocab, ps, i)) for i in range(lo, inside))
             lo = max(lo, inside)
         hi = known // ps
@@ -68,6 +75,36 @@ class PrefixCache:
         token: that token is always prefilled, so the prefill yields the next one."""
         return self.allocator.match(self._chain(req)[: (req.num_tokens - 1) // self.page_size])
 
+    def match_host(self, req: Request, num_device: int) -> list[int]:
+        """Host pages of the tier continuing the request's `num_device` cached device pages
+        (`match`), short of the page of its last token as `match` is."""
+        return self.tier.match(self._chain(req)[: (req.num_tokens - 1) // self.page_size], num_device)
+
+    def loaded(self, req: Request, device: list[int], hosts: list[int], table: list[int]) -> None:
+        """`req`, just allocated `table` on its `device` pages, loads `hosts` (pinned) into the
+        pages after them, which hold its chain's next pages from now on."""
+        k, n = len(device), len(hosts)
+        if n:
+            self.tier.load(req, hosts, table[k : k + n])
+            self.allocator.register(req.request_id, self._chain(req), k + n)
+        self.tier.admitted(req, device, n)
+
+    def prefetch(self, req: Request, room: int) -> int:
+        """Start loading the waiting request's host pages into new cached device pages (at most
+        `room`; all or none); how many. A page its chain has on the device ends the run."""
+        device = self.match(req)
+        hosts = self.match_host(req, len(device))
+        if not hosts:
+            return 0
+        hashes = self._chain(req)[len(device) : len(device) + len(hosts)]
+        on_device = next((i for i, h in enumerate(hashes) if self.allocator.match([h])), len(hashes))
+        hosts, hashes = hosts[:on_device], hashes[:on_device]
+        if not hosts or len(hosts) > room:
+            return 0
+        self.tier.pin(hosts)
+        self.tier.load(req, hosts, self.allocator.cache_pages(hashes), prefetch=True)
+        return len(hosts)
+
     def admitted(self, req: Request, num_hit: int) -> None:
         """Count an admission that reuses `num_hit` cached tokens. Call before it is scheduled."""
         self.tokens_hit += num_hit
@@ -82,15 +119,27 @@ class PrefixCache:
         token ids are unknown), the loop's host time per row."""
         offered = self.allocator.num_hashed(req.request_id)
         full = req.num_computed // self.page_size
-        if full <= offered or (req.prompt_len + len(req.output_token_ids)) // self.page_size <= offered:
+        if full <= offered or self._known(req) // self.page_size <= offered:
             return
         self.allocator.register(req.request_id, self._chain(req), full)
+        if self.tier is not None:
+            self.tier.tag(self.allocator.page_tables[req.request_id][offered:full], req.session_id)
+
+    def _known(self, req: Request) -> int:
+        """Leading tokens of the request whose ids are known (see `_chain`)."""
+        if req.more_turns and self.synthetic_keys and req.synthetic_prompt is not None:
+            return req.prompt_len + req.num_generated
+        return req.prompt_len + len(req.output_token_ids)
 
     def forget(self, req: Request) -> None:
         self._chains.pop(req, None)
+        if self.tier is not None:
+            self.tier.turn_ended(req)
 
     def clear(self) -> None:
         self._chains.clear()
+        if self.tier is not None:
+            self.tier.clear_requests()
 
     @property
     def hit_rate(self) -> float:

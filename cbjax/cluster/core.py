@@ -225,6 +225,9 @@ class ClusterBase:
                 admitted += prefix.prompt_tokens_admitted
                 hit += prefix.prompt_tokens_hit
         out["prefix_cache_hit_rate"] = hit / admitted if admitted else 0.0
+        if "prefix_hit_rate_host" in out:  # host tiers: the rates over the cluster's admissions too
+            for tier in ("device", "host"):
+                out[f"prefix_hit_rate_{tier}"] = out[f"prefix_hit_tokens_{tier}"] / admitted if admitted else 0.0
         return out
 
     def summary_fields(self, result: RunResult) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
 from typing import Any, Callable, Optional
 
 from cbjax.cluster.core import ClusterBase, ClusterServiceLog, Handoff, first_token_reason
@@ -34,6 +33,7 @@ from cbjax.report.metrics import SERVED
 from cbjax.core.results import RunResult
 from cbjax.core.stop import StopFlag
 from cbjax.engine.drive import Events, drive
+from cbjax.engine.followups import arrivals
 from cbjax.engine.loop import EngineLoop
 
 __all__ = ["ClusterServiceLog", "ClusterSim", "check_supported", "first_token_reason"]
@@ -99,16 +99,17 @@ class ClusterSim(ClusterBase):
         on_finish: Optional[Callable[[Request], None]] = None,
     ) -> RunResult:
         """Serve `requests` (any order), each at its `arrival_s`; every request ends with a fate
-        (as `cbjax.engine.offline.serve`, `stop` included). The result covers the whole cluster."""
+        (as `cbjax.engine.offline.serve`, `stop` and sessions included). The result covers the
+        whole cluster."""
         wall0 = time.perf_counter()
-        self._on_finish = on_finish
-        pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        pending, followups, self._on_finish = arrivals(requests, on_finish)
         loops = [replica.loop for replica in self.replicas]
-        # P/D's events are the only way one replica's steps reach another's
+        # P/D's events and sessions' later turns are the only ways one replica's steps reach another's
         events = self._events if self.cfg.cluster.disaggregated else None
-        interrupted = drive(loops, pending, self._arrive, events=events, stop=stop)
-        if interrupted:
-            self._stop(list(pending))
+        interrupted = drive(loops, pending, self._arrive, events=events, stop=stop, released=followups is not None)
+        unreleased = followups.close() if followups is not None else []
+        if interrupted or unreleased:
+            self._stop(list(pending) + unreleased)
         return self._result(list(requests), interrupted, time.perf_counter() - wall0)
 
     def _stop(self, pending: list[Request]) -> None:

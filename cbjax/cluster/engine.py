@@ -24,7 +24,6 @@ and `failure` holds the one-line error for the caller to raise once the outputs 
 from __future__ import annotations
 
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -35,6 +34,7 @@ from cbjax.config import RunConfig
 from cbjax.core.results import RunResult
 from cbjax.core.stop import StopFlag
 from cbjax.engine.drive import drive
+from cbjax.engine.followups import arrivals
 from cbjax.core.request import FinishReason, Request
 
 
@@ -112,9 +112,9 @@ class ClusterEngine(ClusterBase):
         on_finish: Optional[Callable[[Request], None]] = None,
     ) -> RunResult:
         """Warm every replica up, then serve `requests` (any order), each at its `arrival_s` on
-        the wall clock; every request ends with a fate (as `cbjax.engine.offline.serve`)."""
-        self._on_finish = on_finish
-        pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        the wall clock; every request ends with a fate (as `cbjax.engine.offline.serve`,
+        sessions included)."""
+        pending, followups, self._on_finish = arrivals(requests, on_finish)
         warmup_s, interrupted = 0.0, False
         try:
             warmup_s = self.warmup(any(r.sampling.temperature > 0 for r in requests))
@@ -127,9 +127,10 @@ class ClusterEngine(ClusterBase):
             self.failure = self.failure or err
         interrupted = interrupted or self.failure is not None
         self._stopping = True
+        unreleased = followups.close() if followups is not None else []
         for replica in self.replicas:
             self._end_replica(replica)
-        for req in pending:
+        for req in list(pending) + unreleased:
             self._end(req, FinishReason.NOT_ARRIVED, None)
         for replica in self.replicas:
             try:

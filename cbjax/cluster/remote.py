@@ -151,6 +151,10 @@ class RemoteExecutor:
     def import_kv(self, request_id: str, kv: Any) -> None:
         self.transport.call("import_kv", request_id, kv)
 
+    def host_load_times(self) -> tuple[float, float]:
+        """Not measured across the process boundary: a request's `kv_load_s` stays 0 here."""
+        return 0.0, 0.0
+
     def metrics(self) -> dict[str, Any]:
         """The replica's executor metrics; once it failed, the last ones read, with
         `compiles_after_warmup` unknown (None)."""

@@ -23,8 +23,8 @@ class Replica:
         self.executor = executor
         self.loop = loop
         # The router's approximate record of this replica's cache: prompts routed here, as
-        # many pages as the replica's pool holds.
-        self.prefix = PrefixIndex(scheduler.allocator.num_usable_pages)
+        # many pages as the replica's pool holds, and its host tier's.
+        self.prefix = PrefixIndex(scheduler.allocator.num_usable_pages, cfg.cache.host_pages)
         self.num_routed = 0  # requests routed (or, decode replicas, transferred) here
         # requests whose K/V is on its way here, and their pages: counted as waiting and held
         self.num_incoming = 0
@@ -53,6 +53,9 @@ class Replica:
 
     def cached_pages(self, page_hashes: Sequence[int]) -> int:
         return self.prefix.match(page_hashes)
+
+    def cached_pages_by_tier(self, page_hashes: Sequence[int]) -> tuple[int, int]:
+        return self.prefix.match_tiers(page_hashes)
 
     # ---- summary.json ----
     def summary(self, makespan_s: float) -> dict[str, Any]:

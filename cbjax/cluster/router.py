@@ -51,6 +51,9 @@ class ReplicaState(Protocol):
     def cached_pages(self, page_hashes: Sequence[int]) -> int:
         """Leading pages of `page_hashes` the replica's prefix index holds."""
 
+    def cached_pages_by_tier(self, page_hashes: Sequence[int]) -> tuple[int, int]:
+        """Those leading pages by tier: (on the device, in host memory, `cache.host_pages`)."""
+
 
 @dataclass(frozen=True)
 class ReplicaSnapshot:
@@ -61,18 +64,25 @@ class ReplicaSnapshot:
     num_free_pages: int = 0
     num_usable_pages: int = 0
     cached: frozenset[int] = frozenset()  # page hashes in the replica's prefix index
+    host_cached: frozenset[int] = frozenset()  # page hashes it holds in its host tier
 
     @property
     def num_indexed_pages(self) -> int:
-        return len(self.cached)
+        return len(self.cached) + len(self.host_cached)
 
     def cached_pages(self, page_hashes: Sequence[int]) -> int:
-        n = 0
+        return sum(self.cached_pages_by_tier(page_hashes))
+
+    def cached_pages_by_tier(self, page_hashes: Sequence[int]) -> tuple[int, int]:
+        n = m = 0
         for h in page_hashes:
-            if h not in self.cached:
+            if h in self.cached:
+                n += 1
+            elif h in self.host_cached:
+                m += 1
+            else:
                 break
-            n += 1
-        return n
+        return n, m
 
 
 def outstanding(replica: ReplicaState) -> int:
@@ -154,15 +164,22 @@ class PrefixAffinity(Router):
     index (the most room for a new prefix, as SGLang's router sends an unmatched prompt to its
     smallest tree), then the lowest position. A hot prefix thus stays on one replica until
     that replica runs `max_imbalance` requests ahead, and new prefixes spread out.
+
+    A page the index holds in a replica's host tier counts `host_weight` of a device page: it
+    saves its prefill's compute but costs a copy back over the host link (the default, 1/2,
+    values that copy at half the page's recompute; `cluster.router_args.host_weight`).
     """
 
     name = "prefix_affinity"
     uses_prefix = True
 
-    def __init__(self, max_imbalance: int = 8) -> None:
+    def __init__(self, max_imbalance: int = 8, host_weight: float = 0.5) -> None:
         if max_imbalance < 0:
             raise ValueError(f"cluster.router_args.max_imbalance must be >= 0, got {max_imbalance}")
+        if not 0 <= host_weight <= 1:
+            raise ValueError(f"cluster.router_args.host_weight must be in [0, 1], got {host_weight}")
         self.max_imbalance = max_imbalance
+        self.host_weight = host_weight
 
     def route(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
         loads = [outstanding(r) for r in replicas]
@@ -171,7 +188,8 @@ class PrefixAffinity(Router):
         for i, replica in enumerate(replicas):
             if loads[i] > bound:
                 continue
-            key = (-replica.cached_pages(req.page_hashes), loads[i], replica.num_indexed_pages, i)
+            device, host = replica.cached_pages_by_tier(req.page_hashes)
+            key = (-(device + self.host_weight * host if host else device), loads[i], replica.num_indexed_pages, i)
             if best_key is None or key < best_key:
                 best, best_key = i, key
         return best

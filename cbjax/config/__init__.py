@@ -22,13 +22,14 @@ from cbjax.config.reporting import (
     LOGGERS, WANDB_MODES, ExperimentConfig, LoggerConfig, MetricsConfig, ServiceWeights, SLOConfig,
 )  # fmt: skip
 from cbjax.config.workload import (
-    ARRIVALS, LENGTH_DISTS, TRUNCATIONS, WORKLOADS, ClientConfig, LengthConfig, WorkloadConfig, check_fits_model,
+    ARRIVALS, LENGTH_DISTS, TRUNCATIONS, WORKLOADS, ClientConfig, LengthConfig, PauseConfig, WorkloadConfig,
+    check_fits_model,
 )  # fmt: skip
 
 __all__ = [
     "PREDICTORS", "PREEMPTION_MODES", "EXECUTORS", "ARRIVALS", "LENGTH_DISTS", "TRUNCATIONS",
     "WORKLOADS", "DTYPES", "MLP_KINDS", "LOGGERS", "WANDB_MODES",
-    "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig",
+    "SchedulerConfig", "CacheConfig", "MeshConfig", "ExecutorConfig", "LengthConfig", "PauseConfig",
     "ClientConfig", "WorkloadConfig", "ModelConfig", "HardwareConfig", "OverheadConfig", "ExperimentConfig", "ServiceWeights",
     "MetricsConfig", "SLOConfig", "LoggerConfig", "DistributedConfig", "RunConfig",
     "ClusterConfig", "BACKENDS",
@@ -37,8 +38,8 @@ __all__ = [
 PREDICTORS = ("oracle", "mean", "learned")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("sim", "jax")
-# A value chosen from a registry (scheduler.name, cache.allocation, executor.cost_model,
-# executor.pace, executor.attention, executor.matmul, cluster.router) is checked against it
+# A value chosen from a registry (scheduler.name, cache.allocation, cache.host_eviction,
+# executor.cost_model, executor.pace, executor.attention, executor.matmul, cluster.router) is checked against it
 # where a config enters a run (`cbjax.app.choices`): the registries' packages import this one.
 
 
@@ -127,8 +128,18 @@ class CacheConfig:
     # cached (evicted LRU once the free list is empty) for later requests. On by default, as in
     # vLLM v1 and SGLang; a reproduction of a system without it sets it false.
     prefix_caching: bool = True
-    # Host pages for scheduler.preemption=swap. None: as many as num_pages.
+    # Host pages for scheduler.preemption=swap. None: as many as num_pages (with a host tier:
+    # as many as host_pages, whose pool swap shares).
     num_swap_pages: Optional[int] = None
+    # The host-memory tier of the prefix cache (cbjax.cache.host_tier): pages of host memory
+    # that keep full pages evicted from the device pool for later requests to load back. 0: no
+    # tier. Swap preemption shares the pool and takes precedence (it evicts tier pages).
+    host_pages: int = 0
+    # Which host page goes when the tier is full: lru, session (keep the pages of sessions whose
+    # next turn is expected), or "package.module:ClassName" (a cbjax.cache.eviction.HostEviction).
+    host_eviction: str = "lru"
+    # Load a waiting request's host pages while it waits, beside other requests' steps.
+    host_prefetch: bool = False
 
     def __post_init__(self) -> None:
         _one_of("cache.reservation_fit", self.reservation_fit, ("first_fit", "buddy"))
@@ -151,12 +162,27 @@ class CacheConfig:
             )
         if self.num_swap_pages is not None:
             _require(self.num_swap_pages >= 0, "cache.num_swap_pages", "must be >= 0", self.num_swap_pages)
+        self._check_host_tier()
+
+    def _check_host_tier(self) -> None:
+        _require(
+            isinstance(self.host_pages, int) and not isinstance(self.host_pages, bool) and self.host_pages >= 0,
+            "cache.host_pages", "must be an int >= 0 (0: no host tier)", self.host_pages,
+        )  # fmt: skip
+        if ":" in self.host_eviction:  # a built-in name is checked against its registry (cbjax.app.choices)
+            _class_path("cache.host_eviction", self.host_eviction, 'must be a built-in policy or "package.module:ClassName"')
+        if self.host_prefetch:
+            _require(self.host_pages > 0, "cache.host_prefetch", "needs a host tier (cache.host_pages > 0)", True)
+        if self.host_pages:
+            _require(self.prefix_caching, "cache.host_pages", "needs cache.prefix_caching=true", self.host_pages)
 
     @property
     def swap_capacity(self) -> int:
-        """Host pages available to swap preemption."""
+        """Host pages available to swap preemption (with a host tier, within its pool)."""
         if self.num_pages == "auto" and self.num_swap_pages is None:
             raise ValueError("cache.num_pages=auto must be resolved (cbjax.app.run.resolve) before use")
+        if self.host_pages:
+            return self.host_pages if self.num_swap_pages is None else min(self.num_swap_pages, self.host_pages)
         return self.num_pages if self.num_swap_pages is None else self.num_swap_pages
 
 
@@ -312,4 +338,10 @@ class RunConfig:
                 "scheduler.preemption",
                 f"swap is not supported with distributed.num_processes={n}; use recompute",
                 self.scheduler.preemption,
+            )
+            _require(
+                not self.cache.host_pages,
+                "cache.host_pages",
+                f"(a host tier) is not supported with distributed.num_processes={n}",
+                self.cache.host_pages,
             )

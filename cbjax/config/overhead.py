@@ -31,8 +31,9 @@ class OverheadConfig:
     # paged attention's fixed cost per KV page a sequence reads in an iteration, all layers
     # together (a page's loop step, table lookup and partial-result merge)
     page_s: float = 0.0
-    # fixed cost of one host<->device copy call; swapping copies each page's K and V per layer
-    # separately (vLLM's per-block cudaMemcpyAsync), so small pages pay it often
+    # fixed cost of one host<->device copy call; swapping, and the host KV tier's stores and
+    # loads, copy each page's K and V per layer separately (vLLM's per-block cudaMemcpyAsync),
+    # so small pages pay it often
     copy_latency_s: float = 0.0
     # provenance, shown beside the figures it produced
     fitted_on: str = ""  # the rows or runs the values were chosen or fitted on ("" for none)

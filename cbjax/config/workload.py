@@ -1,4 +1,4 @@
-"""The workload group: length distributions, clients and the synthetic or trace workload."""
+"""The workload group: length distributions, clients, sessions and the synthetic or trace workload."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from cbjax.config.checks import _one_of, _require
 ARRIVALS = ("all_at_once", "poisson", "gamma", "uniform")
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
 TRUNCATIONS = ("clip", "resample")
-WORKLOADS = ("synthetic", "trace", "shared_prefix")
-TRACE_FORMATS = ("auto", "azure", "azure2024", "burstgpt", "mooncake", "csv", "jsonl")
+WORKLOADS = ("synthetic", "trace", "shared_prefix", "sessions")
+TRACE_FORMATS = ("auto", "azure", "azure2024", "burstgpt", "mooncake", "sharegpt", "csv", "jsonl")
+PAUSE_DISTS = ("fixed", "exponential", "lognormal", "pareto")
 
 
 @dataclass
@@ -51,6 +52,31 @@ class LengthConfig:
             _require(self.mean > 0, f"{key}.mean", "must be > 0", self.mean)
         if self.dist == "lognormal":
             _require(self.sigma >= 0, f"{key}.sigma", "must be >= 0", self.sigma)
+
+
+@dataclass
+class PauseConfig:
+    """Seconds between a session's turn ending and its next turn arriving (`workload=sessions`,
+    ShareGPT conversations): fixed (`value`), exponential (a person's think time, `mean`),
+    lognormal (`mean` and `sigma` of the underlying normal) or pareto (a tool call's heavy
+    tail: shape `alpha` > 1, scaled to `mean`); draws above `max` are clipped to it."""
+
+    dist: str = "exponential"
+    value: float = 1.0  # fixed
+    mean: float = 5.0  # exponential, lognormal and pareto
+    sigma: float = 1.0  # lognormal
+    alpha: float = 1.5  # pareto
+    max: Optional[float] = None
+
+    def check(self, key: str) -> None:
+        _one_of(f"{key}.dist", self.dist, PAUSE_DISTS)
+        _require(self.value >= 0 and math.isfinite(self.value), f"{key}.value", "must be >= 0", self.value)
+        _require(self.mean > 0 and math.isfinite(self.mean), f"{key}.mean", "must be > 0", self.mean)
+        _require(self.sigma >= 0 and math.isfinite(self.sigma), f"{key}.sigma", "must be >= 0", self.sigma)
+        if self.dist == "pareto":
+            _require(self.alpha > 1 and math.isfinite(self.alpha), f"{key}.alpha", "must be > 1 (a finite mean)", self.alpha)
+        if self.max is not None:
+            _require(self.max >= 0, f"{key}.max", "must be >= 0", self.max)
 
 
 @dataclass
@@ -120,6 +146,13 @@ class WorkloadConfig:
     # would zero its latencies in float64 and make the real engine wait for it. 1e7 s: ~116 days.
     max_arrival_s: float = 1e7
     shared_prefix: SharedPrefixConfig = field(default_factory=SharedPrefixConfig)
+    # workload=sessions (cbjax.workload.sessions): num_sessions conversations, each of `turns`
+    # turns; a turn's new input is a prompt_len draw, its output an output_len draw, and the
+    # next turn arrives a `pause` draw after it ends. Sessions' first turns arrive by
+    # `arrival` at `rate`. ShareGPT files take `pause` and the first turns' arrivals too.
+    num_sessions: int = 64
+    turns: LengthConfig = field(default_factory=lambda: LengthConfig(dist="fixed", value=4, max=64))
+    pause: PauseConfig = field(default_factory=PauseConfig)
 
     def __post_init__(self) -> None:
         _one_of("workload.name", self.name, WORKLOADS)
@@ -140,6 +173,9 @@ class WorkloadConfig:
             _require(bool(self.path), "workload.path", "is required for workload=trace", self.path)
         self.prompt_len.check("workload.prompt_len")
         self.output_len.check("workload.output_len")
+        _require(self.num_sessions >= 1, "workload.num_sessions", "must be >= 1", self.num_sessions)
+        self.turns.check("workload.turns")
+        self.pause.check("workload.pause")
         if self.duration_s is not None:
             _require(self.duration_s > 0, "workload.duration_s", "must be > 0", self.duration_s)
             _require(bool(self.clients), "workload.duration_s", "applies only with workload.clients", self.duration_s)

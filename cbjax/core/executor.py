@@ -64,6 +64,10 @@ class Executor(Protocol):
     def metrics(self) -> dict[str, Any]:
         """The executor's counters for summary.json (may be empty)."""
 
+    def host_load_times(self) -> tuple[float, float]:
+        """(load_s, prefetch_s): the seconds the host KV tier's loads and prefetches of the step
+        launched last took, as measured here ((0.0, 0.0) where nothing measures them)."""
+
     def close(self) -> None:
         """Release what the executor holds (other processes of a multi-host run stop stepping)."""
 
@@ -116,6 +120,9 @@ class SyncExecutor:
 
     def metrics(self) -> dict[str, Any]:
         return {}
+
+    def host_load_times(self) -> tuple[float, float]:
+        return 0.0, 0.0
 
     def close(self) -> None:
         """Nothing held."""

@@ -44,6 +44,32 @@ class ScheduledRequest(NamedTuple):
     num_drafts: int = 0
 
 
+class HostCopies(NamedTuple):
+    """A step's copies of the host KV tier (`cache.host_pages`), run before the step with its
+    swaps: every device->host copy (the swap-outs, then `store` in order, a later store to a
+    host page replacing an earlier one) before every host->device one (the swap-ins, then
+    `load` and `prefetch`). A load may read a host page a store of the same step wrote; no
+    store of a step overwrites a host page a load of that step reads. Pages are numbers in the
+    device pool; host pages, numbers in the host tier's pool."""
+
+    # (device page, host page): a full page evicted from the device pool, kept in host memory
+    store: tuple[tuple[int, int], ...] = ()
+    # (request id, host pages, device pages): a request admitted in this step, whose cached
+    # prefix continues in host memory, gets those pages back before its prefill
+    load: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+    # as `load`, for a request still waiting (`cache.host_prefetch`): no row of this step reads
+    # those device pages, so the copy may run beside it
+    prefetch: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    @property
+    def num_loaded(self) -> int:
+        return sum(len(pages) for _, _, pages in self.load)
+
+    @property
+    def num_prefetched(self) -> int:
+        return sum(len(pages) for _, _, pages in self.prefetch)
+
+
 @dataclass
 class Schedule:
     """One iteration's plan over the fixed array of `num_slots` slots.
@@ -60,6 +86,8 @@ class Schedule:
     the same decodes, each a token further: step j processes every row's token at
     `num_computed + j`, and is plan `step_id + j`. Nothing arrives, finishes before the last
     step, or takes a page between them (`cbjax.scheduler.stretch`).
+
+    `host_copies`: the host KV tier's copies (`HostCopies`); None when there are none.
     """
 
     num_slots: int
@@ -75,6 +103,7 @@ class Schedule:
     # the batch's padded length, finished rows included. None: exactly `scheduled`.
     padded_rows: Optional[list[tuple[int, int, bool]]] = None
     num_steps: int = 1
+    host_copies: Optional[HostCopies] = None
 
     def cost_rows(self) -> list[tuple[int, int, bool]]:
         """(num_new_tokens, num_context_tokens, is_decode) per row the step computes, for cost

@@ -83,6 +83,11 @@ class Request:
     session_id: Optional[str] = None
     turn: int = 0
     more_turns: bool = False
+    # A later turn that arrives `pause_s` seconds after the turn before it ends (None: at
+    # `arrival_s`). Until then (`cbjax.engine.followups`) its `arrival_s` is inf and its
+    # `prompt_len` counts its new input alone; at release its prompt becomes the conversation
+    # so far (that turn's prompt and output) followed by that new input.
+    pause_s: Optional[float] = None
 
     # ---- scheduler-owned state ----
     status: Status = Status.WAITING
@@ -101,6 +106,12 @@ class Request:
     finish_s: Optional[float] = None
     num_preemptions: int = 0
     admit_seq: int = 0  # admission order, for victim choice
+    # With a host KV tier (`cache.host_pages`; None without): prompt tokens its first admission
+    # found cached on the device and in host memory, and the seconds of the copies that loaded
+    # its host pages (its share, by pages, of each step's loads)
+    prefix_hit_tokens_device: Optional[int] = None
+    prefix_hit_tokens_host: Optional[int] = None
+    kv_load_s: Optional[float] = None
 
     @property
     def is_finished(self) -> bool:

@@ -38,6 +38,13 @@ class LoadCounts(NamedTuple):
     pages_used: int  # KV pages held (the null page excluded)
     pages_total: int  # usable KV pages
     preemptions: int  # since start
+    # the host KV tier (cache.host_pages; all 0 without one): host pages it holds, of how many;
+    # prompt tokens admissions found there; pages copied to it and back, since start
+    host_pages_used: int = 0
+    host_pages_total: int = 0
+    host_hit_tokens: int = 0
+    host_pages_stored: int = 0
+    host_pages_loaded: int = 0
 
 
 @dataclass

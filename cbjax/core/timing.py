@@ -38,13 +38,20 @@ class StepTime(NamedTuple):
     the serving stack's host time around it. A pipelined loop also needs `launch_s`, its host
     time from collecting the step before to launching this one (the step in flight ends no
     earlier), and `drain_s`, the step's share when it is collected with nothing launched
-    behind it (None: its whole `total_s`)."""
+    behind it (None: its whole `total_s`).
+
+    The host KV tier's copies (`Schedule.host_copies`): its stores and loads are in `copy_s`,
+    the loads' share also in `load_s`; its prefetches take `prefetch_s`, beside the step on the
+    copy engine and not in `total_s` (the timeline keeps a prefetched page from being read
+    before its copy ends)."""
 
     device_s: float
     host_s: float = 0.0
     copy_s: float = 0.0
     launch_s: float = 0.0
     drain_s: Optional[float] = None
+    load_s: float = 0.0
+    prefetch_s: float = 0.0
 
     @property
     def total_s(self) -> float:

@@ -66,6 +66,11 @@ class Clock:
     def collect(self, executor: Executor, handle: Any, covered: bool) -> tuple[StepOutput, float, float]:
         raise NotImplementedError(f"{type(self).__name__} runs each step to completion")
 
+    def load_times(self, executor: Executor) -> tuple[float, float]:
+        """(load_s, prefetch_s): the seconds the host-tier loads and prefetches of the step just
+        run or launched took, as the executor measured them (`Executor.host_load_times`)."""
+        return executor.host_load_times()
+
 
 class WallClock(Clock):
     pipelines = True
@@ -116,6 +121,10 @@ class VirtualClock(Clock):
         duration, end = self.timeline.run(plan, start)
         self._now = self.last_end = end
         return out, duration, end
+
+    def load_times(self, executor: Executor) -> tuple[float, float]:
+        """As the timeline priced them."""
+        return self.timeline.load_times()
 
     @property
     def stretches(self) -> bool:

@@ -6,7 +6,9 @@ On a virtual clock it jumps from event to event: the next thing to happen is the
 an arrival, a cluster event and a busy loop's next iteration (which starts where its last one
 ended); at equal times a cluster event comes first, then an arrival, then an iteration, so an
 iteration starting at t sees everything that arrived by t. A loop whose next iteration still
-comes first after it ran goes on at once.
+comes first after it ran goes on at once. An arrival may join `pending` while the loop runs
+(a session's next turn, released as the turn before it ends: `cbjax.engine.followups`); it
+is met in time order, as the others.
 
 On the wall clock (the engine, or a paced simulator) it runs in turns: each turn admits the
 arrivals due by now, then steps every loop with work once; idle, it naps until the next arrival.
@@ -59,18 +61,20 @@ def drive(
     events: Optional[Events] = None,
     stop: Optional[StopFlag] = None,
     max_iterations: Optional[int] = None,
+    released: bool = False,
 ) -> bool:
     """Serve `pending` (sorted by `arrival_s`) through `loops` until nothing is left to do;
     `admit(req, t)` hands an arrival to a loop (returning it, or None). True when `stop` ended
     the run early (`max_iterations`, a cap on the first loop's iterations, ends it too, as
-    finished)."""
+    finished). `released`: arrivals may join `pending` as requests end (sessions' later
+    turns), so one loop's steps may reach another's, as a cluster's events do."""
     with _cyclic_gc_paused():
         if loops[0].clock.virtual:
-            return _drive_virtual(loops, pending, admit, events, stop, max_iterations)
+            return _drive_virtual(loops, pending, admit, events, stop, max_iterations, released)
         return _drive_wall(loops, pending, admit, stop, max_iterations)
 
 
-def _drive_virtual(loops, pending, admit, events, stop, max_iterations) -> bool:
+def _drive_virtual(loops, pending, admit, events, stop, max_iterations, released) -> bool:
     first = loops[0].stats
     order = {id(loop): i for i, loop in enumerate(loops)}
     # the loops with work, by their next iteration's time (then replica order); an entry is
@@ -120,9 +124,9 @@ def _drive_virtual(loops, pending, admit, events, stop, max_iterations) -> bool:
         t_other = ready[0][0] if ready else _INF
         # run the loop's iterations while each starts before every other event; a decode stretch
         # may run past the other loops' next steps when nothing they do reaches this one (no
-        # cluster events), but never past an arrival or an event
+        # cluster events, no released arrivals), but never past an arrival or an event
         t_next = min(t_event, t_arrival, t_other)
-        until = t_next if events is not None else min(t_event, t_arrival)
+        until = t_next if events is not None or released else min(t_event, t_arrival)
         while True:
             max_steps = None
             if max_iterations is not None:
@@ -133,6 +137,8 @@ def _drive_virtual(loops, pending, admit, events, stop, max_iterations) -> bool:
             loop.boundary()
             if not loop.has_work() or loop.clock.now() >= t_next or (stop is not None and stop.is_set()):
                 break
+            if pending and pending[0].arrival_s < t_arrival:
+                break  # a released turn arrives first
         enqueue(loop)
 
 

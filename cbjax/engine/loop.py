@@ -147,6 +147,8 @@ class EngineLoop:
         batched = self.recorder.planned(plan)
         if self.pipelined:
             handle = self.clock.launch(self.executor, plan, start)
+            if plan.host_copies is not None:
+                sched.loaded(plan, *self.clock.load_times(self.executor))
             if self._inflight is not None:
                 self._land(covered=True)
             t_post = _perf_counter()
@@ -155,6 +157,8 @@ class EngineLoop:
             self._inflight = (plan, handle, batched, stats.iterations, requests)
             return True
         out, busy, end = self.clock.run(self.executor, plan, start)
+        if plan.host_copies is not None:
+            sched.loaded(plan, *self.clock.load_times(self.executor))
         self._simulated = out.token_ids is None  # a stretch needs tokens that are simulated
         stats.busy_s += busy
         t_post = _perf_counter()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Callable, Optional
 
 from cbjax.core.executor import Executor
@@ -12,6 +11,7 @@ from cbjax.core.request import Request
 from cbjax.core.results import RunResult
 from cbjax.core.stop import StopFlag
 from cbjax.engine.drive import drive
+from cbjax.engine.followups import arrivals
 from cbjax.engine.loop import EngineLoop
 from cbjax.scheduler.core import Scheduler
 
@@ -37,12 +37,13 @@ def serve(
     ends, what had arrived and is unfinished is aborted, and what had not arrived ends as
     `not_arrived`. `max_iterations` caps the run the same way. `stretches=False` plans (and
     hands the executor) every step of a decode stretch on its own (`cbjax.engine.loop.run_stretch`):
-    the same results, more slowly."""
+    the same results, more slowly. A session's later turns (`pause_s` set) arrive as the turns
+    before them end (`cbjax.engine.followups`)."""
+    pending, followups, on_finish = arrivals(requests, on_finish)
     loop = EngineLoop(
         scheduler, executor, pace=pace, on_step=on_step, on_finish=on_finish, tick=tick,
         progress=progress, total=len(requests), clock=clock, sleep=sleep, stretches=stretches,
     )  # fmt: skip
-    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     loop.clock.restart()
 
     def admit(req: Request, now: float) -> EngineLoop:
@@ -51,7 +52,7 @@ def serve(
         return loop
 
     interrupted = drive([loop], pending, admit, stop=stop, max_iterations=max_iterations)
-    loop.abort_all(list(pending))
+    loop.abort_all(list(pending) + (followups.close() if followups is not None else []))
     result = loop.result(interrupted)
     loop.close()
     # offline, requests come back in the caller's order

@@ -26,7 +26,7 @@ from cbjax.profile.served_fit import HOST_STALL, fit_drain, fit_launch, fit_loop
 from cbjax.layout.shapes import ShapePlan
 from cbjax.profile.fit import fit_costs
 from cbjax.sim.profiled import (
-    STEP_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, drain_share, launch_cost, predict, profile_key,
+    STEP_TERMS, SWAP_DIRECTION_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, drain_share, launch_cost, predict, profile_key,
     step_features, wake_cost,
 )  # fmt: skip
 
@@ -118,6 +118,21 @@ def engine_empty_step(executor) -> Callable[[int], float]:
     return run
 
 
+def fit_swaps(swaps: list[dict]) -> dict[str, float]:
+    """The swap terms (fixed, per page) over every timed copy, and each direction's own: the
+    host KV tier's stores are swap-outs' copies, its loads swap-ins'. None timed: all 0."""
+
+    def fit(rows: list[dict]) -> list[float]:
+        if not rows:
+            return [0.0, 0.0]
+        return [float(c) for c in fit_costs([[1.0, s["pages"]] for s in rows], [s["measured_s"] for s in rows])]
+
+    out = dict(zip(SWAP_TERMS, fit(swaps)))
+    out.update(zip(SWAP_DIRECTION_TERMS[:2], fit([s for s in swaps if s["direction"] == "out"])))
+    out.update(zip(SWAP_DIRECTION_TERMS[2:], fit([s for s in swaps if s["direction"] == "in"])))
+    return out
+
+
 def fit_profile(
     steps: list[dict],
     swaps: list[dict],
@@ -154,8 +169,7 @@ def fit_profile(
     coefficients.update(fit_served(served, bucket_s, grid, fit_cold, served_terms, served_weighting, launch))
     coefficients.update(launch)
     coefficients.update(fit_drain(served, launch, served_weighting))
-    swap_coef = fit_costs([[1.0, s["pages"]] for s in swaps], [s["measured_s"] for s in swaps]) if swaps else [0.0, 0.0]
-    coefficients.update({k: float(c) for k, c in zip(SWAP_TERMS, swap_coef)})
+    coefficients.update(fit_swaps(swaps))
     coefficients.update(fit_loop(gaps or []))
     coefficients["wake_s"] = float(wake["wake_s"]) if wake else 0.0
     coefficients["wake_ramp_s"] = float(wake["wake_ramp_s"]) if wake else 1.0

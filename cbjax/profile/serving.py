@@ -83,6 +83,9 @@ class TimedExecutor:
     def import_kv(self, request_id: str, kv) -> None:
         self.inner.import_kv(request_id, kv)
 
+    def host_load_times(self) -> tuple[float, float]:
+        return self.inner.host_load_times()
+
     def execute(self, plan: Schedule) -> StepOutput:
         return self.collect(self.launch(plan))
 

@@ -52,8 +52,14 @@ def request_row(req: Request) -> dict[str, Any]:
         "priority": req.priority,
         "client_id": req.client_id,
         "scheduled_s": req.scheduled_s,
+        "session_id": req.session_id,
+        "turn": req.turn,
     }
     row.update(request_latencies(req))
+    if req.prefix_hit_tokens_host is not None:  # a run with a host KV tier
+        row["prefix_hit_tokens_device"] = req.prefix_hit_tokens_device
+        row["prefix_hit_tokens_host"] = req.prefix_hit_tokens_host
+        row["kv_load_s"] = req.kv_load_s
     for key, value in row.items():
         if isinstance(value, float) and not math.isfinite(value):
             row[key] = None  # JSON has no NaN
@@ -110,6 +116,7 @@ def summarize(
     # time between tokens: every gap between consecutive tokens of a request (a decode stalled
     # by a prefill or a preemption shows here; tpot averages it away)
     _percentiles("tbt_s", result.tbt_s, summary)
+    summary.update(ttft_by_turn(reqs, served))
     good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in reqs)
     summary.update(
         {
@@ -134,6 +141,26 @@ def summarize(
     summary["normalized_latency_s_per_token"] = normalized_latency(served)
     summary.update(result.extra)
     return summary
+
+
+def ttft_by_turn(reqs: list[Request], served: list[Request]) -> dict[str, Optional[list]]:
+    """TTFT of served requests by their turn in a session, when any request is a session's:
+    `ttft_s_p50_by_turn`, `ttft_s_p99_by_turn` and `ttft_s_mean_by_turn`, lists indexed by
+    turn (0 first), up to the last turn any request has, each entry None where no request of
+    that turn was served; `served_by_turn` counts them. All None for a run without sessions."""
+    keys = ("ttft_s_p50_by_turn", "ttft_s_p99_by_turn", "ttft_s_mean_by_turn", "served_by_turn")
+    if not any(r.session_id is not None for r in reqs):
+        return dict.fromkeys(keys)
+    by_turn: list[list[float]] = [[] for _ in range(max(r.turn for r in reqs) + 1)]
+    for r in served:
+        ttft = request_latencies(r)["ttft_s"]
+        if ttft is not None:
+            by_turn[r.turn].append(ttft)
+    out: dict[str, Optional[list]] = {}
+    for key, stat in zip(keys, (lambda a: np.percentile(a, 50), lambda a: np.percentile(a, 99), np.mean)):
+        out[key] = [float(stat(np.asarray(v))) if v else None for v in by_turn]
+    out["served_by_turn"] = [len(v) for v in by_turn]
+    return out
 
 
 def kv_shares(result: RunResult) -> dict[str, float]:

@@ -68,14 +68,18 @@ def comparison_table(title: str, arms: list[str], metrics: list[str], summaries:
 
 
 def summary_value(summary: dict[str, Any], key: str) -> Any:
-    """summary[key]; a dotted key reads nested mappings (client_service.<client_id>)."""
+    """summary[key]; a dotted key reads nested mappings (client_service.<client_id>) and lists
+    by index (ttft_s_p50_by_turn.2: turn 2's)."""
     if key in summary:
         return summary[key]
     value: Any = summary
     for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
+        if isinstance(value, list) and part.isdigit():
+            value = value[int(part)] if int(part) < len(value) else None
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
             return None
-        value = value[part]
     return value
 
 

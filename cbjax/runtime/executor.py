@@ -31,6 +31,7 @@ from cbjax.runtime import programs
 from cbjax.runtime.compile_cache import enable_compilation_cache
 from cbjax.runtime.compiles import cache_hit_count, compile_count, fresh_compile_count, thread_cache_hits
 from cbjax.runtime.host_memory import retain_freed_memory
+from cbjax.runtime.host_tier import HostPages
 from cbjax.runtime.kv_cache import init_cache
 from cbjax.runtime.memory_check import check_kv_cache_fits
 from cbjax.layout.shapes import plan_shapes
@@ -147,8 +148,9 @@ class JaxExecutor:
             widths.append(w)
             w *= 2
         self._swap = HostSwap(widths + [self.shapes.max_pages])
-        # swap copies compiled at warmup: swap preemption, or K/V moving between P/D replicas
-        self.swap_at_warmup = scheduler.preemption == "swap"
+        self._host_tier = HostPages(self._swap) if cache.host_pages else None  # cache.host_pages' copies
+        # swap copies compiled at warmup: swap preemption, the host tier, or K/V moving between P/D replicas
+        self.swap_at_warmup = scheduler.preemption == "swap" or cache.host_pages > 0
         self.progress = progress
         # False when no request will sample (all greedy): warmup skips compiling the sampler.
         self.sampling = True
@@ -231,6 +233,10 @@ class JaxExecutor:
         enter this cache when the scheduler swaps the request in."""
         self._swap.put(request_id, *kv)
 
+    def host_load_times(self) -> tuple[float, float]:
+        """(load_s, prefetch_s): the latest launched step's host-tier loads, measured."""
+        return self._host_tier.times() if self._host_tier is not None else (0.0, 0.0)
+
     def restart_compile_count(self) -> None:
         """Count compiles after warmup from now (a cluster, once every replica is warm)."""
         self._compiles_at_warmup = compile_count()
@@ -300,6 +306,8 @@ class JaxExecutor:
             bar.update(1)
         if self.swap_at_warmup:
             self.cache = self._swap.warmup(self.cache)
+            if self._host_tier is not None:
+                self.cache = self._host_tier.warmup(self.cache)
             if bar is not None:
                 bar.update(1)
         if bar is not None:
@@ -318,7 +326,10 @@ class JaxExecutor:
     def launch(self, plan: Schedule) -> Launched:
         """Swap, pack and dispatch the step; its tokens stay on the device until `collect`."""
         t0 = time.perf_counter()
-        if plan.swap_out or plan.swap_in:  # before the step, swap-outs first: they may free swap-in pages
+        if self._host_tier is not None:  # its copies and the swaps, in the order `HostCopies` gives
+            self.cache = self._host_tier.run(self.cache, plan)
+            self.swap_s += time.perf_counter() - t0
+        elif plan.swap_out or plan.swap_in:  # before the step, swap-outs first: they may free swap-in pages
             self._swap.swap_out(self.cache, plan.swap_out)
             self.cache = self._swap.swap_in(self.cache, plan.swap_in)
             self.swap_s += time.perf_counter() - t0

@@ -103,10 +103,16 @@ class HostSwap:
                 raise ValueError(f"request {request_id}: swaps in {len(dst)} pages, {k.shape[2]} were swapped out")
         k = np.concatenate([c[0] for c in copies], axis=2)
         v = np.concatenate([c[1] for c in copies], axis=2)
+        cache = self.scatter(cache, pages, k, v)
+        self.num_in_pages += len(pages)
+        return cache
+
+    def scatter(self, cache: KVCache, pages: Sequence[int], k: np.ndarray, v: np.ndarray) -> KVCache:
+        """Write host K and V, each [num_layers, num_kv_heads, len(pages), page_size, head_dim],
+        into `pages`; returns the updated cache."""
         lo = 0
-        for idx, n in self._calls(pages):
+        for idx, n in self._calls(list(pages)):
             pad = [(0, 0), (0, 0), (0, len(idx) - n), (0, 0), (0, 0)]
             cache = _SCATTER(cache, idx, np.pad(k[:, :, lo : lo + n], pad), np.pad(v[:, :, lo : lo + n], pad))
             lo += n
-        self.num_in_pages += len(pages)
         return cache

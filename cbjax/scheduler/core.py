@@ -6,6 +6,7 @@ import operator
 from typing import Callable, Optional, Sequence
 
 from cbjax.cache import make_allocator
+from cbjax.cache.host_tier import HostTier
 from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.core.plan import Schedule
@@ -48,6 +49,10 @@ class Scheduler:
     A victim with nothing computed, or whose pages exceed the free host pages
     (`cache.num_swap_pages`), is recomputed instead.
 
+    Host tier (`cache.host_pages`, `cbjax.cache.host_tier`): full pages the device pool evicts
+    go to host memory, and an admission whose cached prefix continues there loads those pages
+    back (`Schedule.host_copies`) and computes only the rest. Swap-outs share its host pool.
+
     Its parts, each given what it reads: `RunningSet` (the slots and the running requests),
     `WaitingQueue` (the policy's queue and the host pages beside it), `Planner` (one
     iteration's plan), `PlanWriter` (plans as data) and `StepResults` (a step's tokens).
@@ -84,7 +89,16 @@ class Scheduler:
             token_budget=self.token_budget, max_model_len=max_model_len, eos_token_id=eos_token_id,
         )  # fmt: skip
         self.waiting = WaitingQueue(self.policy, self.allocator, self.reserve_tokens, cache.swap_capacity)
-        self.view = PolicyView(self.running_set, self.policy, self.allocator, self.reserve_tokens)
+        self.tier = None
+        if cache.host_pages:
+            waiting = self.waiting
+            self.tier = HostTier(
+                cache.host_pages, cache.page_size, cache.host_eviction, cache.host_prefetch,
+                swap_used=lambda: waiting.swap_used,
+            )  # fmt: skip
+            self.prefix.tier = self.tier
+            self.allocator.on_evict = self.tier.stored
+        self.view = PolicyView(self.running_set, self.policy, self.allocator, self.reserve_tokens, self.prefix)
         self.planner = Planner(
             cfg, self.running_set, self.waiting, self.policy, self.view, self.allocator, self.prefix, self.writer,
             self.reserve_tokens, self.results,
@@ -137,9 +151,15 @@ class Scheduler:
     def load(self) -> LoadCounts:
         """The load now (from another thread: a racy read of list lengths and counters, which
         may see an iteration half done but never a torn number)."""
-        alloc = self.allocator
-        return LoadCounts(len(self.running_set.running), len(self.policy), alloc.num_used_pages,
-                          alloc.num_usable_pages, self.planner.num_preemptions)  # fmt: skip
+        alloc, tier = self.allocator, self.tier
+        counts = LoadCounts(len(self.running_set.running), len(self.policy), alloc.num_used_pages,
+                            alloc.num_usable_pages, self.planner.num_preemptions)  # fmt: skip
+        if tier is None:
+            return counts
+        return counts._replace(
+            host_pages_used=tier.num_used, host_pages_total=tier.num_pages, host_hit_tokens=tier.tokens_hit_host,
+            host_pages_stored=tier.num_stored, host_pages_loaded=tier.num_loaded + tier.num_prefetched,
+        )  # fmt: skip
 
     def kv_breakdown(self) -> tuple[int, int, int, int, int]:
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
@@ -211,6 +231,8 @@ class Scheduler:
             if req is None:
                 return False
             self.waiting.remove(req)
+            if self.prefix is not None:
+                self.prefix.forget(req)
         req.num_new_tokens = 0
         req.status = Status.FINISHED
         req.finish_reason = finish_reason
@@ -252,15 +274,25 @@ class Scheduler:
         return plan
 
     def cache_stats(self) -> dict:
-        """Prefix-cache and swap counters for summary.json (hit rate: `PrefixCache.hit_rate`)."""
+        """Prefix-cache and swap counters for summary.json (hit rate: `PrefixCache.hit_rate`),
+        and with a host tier its own (`host_tier_stats`)."""
         prefix = self.prefix
-        return {
+        stats = {
             "prefix_cache_hit_rate": prefix.hit_rate if prefix else 0.0,
             "prefix_cache_hit_tokens": prefix.tokens_hit if prefix else 0,
             "prefix_cache_evictions": self.allocator.num_evictions,
             "swap_preemptions": self.planner.num_swap_preemptions,
             "swapped_out_pages": self.planner.num_swapped_out_pages,
         }
+        if self.tier is not None:
+            stats.update(host_tier_stats(self.tier, prefix.prompt_tokens_admitted))
+        return stats
+
+    def loaded(self, plan: Schedule, load_s: float, prefetch_s: float) -> None:
+        """The seconds `plan`'s host-tier loads and prefetches took: each request's share goes
+        to its `kv_load_s` (`HostTier.charge`)."""
+        if self.tier is not None:
+            self.tier.charge(plan.step_id, load_s, prefetch_s)
 
     def held_pages(self, request_id: str) -> list[int]:
         """The pages a finished request holds (`hold_finished_pages`), in token order."""
@@ -329,3 +361,21 @@ class Scheduler:
         if done:
             self.finished.extend(done)
         return done
+
+
+def host_tier_stats(tier: HostTier, prompt_tokens_admitted: int) -> dict:
+    """summary.json's host-tier fields: the prompt tokens of first admissions found on the
+    device and in the tier (as tokens and as shares of the prompt tokens admitted), pages
+    copied each way (prefetches among the loaded), pages the tier dropped, and its peak."""
+    admitted = prompt_tokens_admitted
+    return {
+        "prefix_hit_rate_device": tier.prompt_tokens_hit_device / admitted if admitted else 0.0,
+        "prefix_hit_rate_host": tier.prompt_tokens_hit_host / admitted if admitted else 0.0,
+        "prefix_hit_tokens_device": tier.prompt_tokens_hit_device,
+        "prefix_hit_tokens_host": tier.prompt_tokens_hit_host,
+        "kv_host_pages_stored": tier.num_stored,
+        "kv_host_pages_loaded": tier.num_loaded + tier.num_prefetched,
+        "kv_host_pages_prefetched": tier.num_prefetched,
+        "kv_host_evictions": tier.num_dropped,
+        "kv_host_pages_peak": tier.peak_used,
+    }

@@ -48,6 +48,7 @@ class Planner:
         self.writer = writer
         self.reserve_tokens = reserve_tokens
         self.results = results
+        self.tier = prefix.tier if prefix is not None else None  # the host tier, or None
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self.num_swapped_out_pages = 0
@@ -81,7 +82,13 @@ class Planner:
         self._prefilled_last = bool(plan.prefills)
         if self.cfg.static_padding:
             self._pad(plan, new_batch)
-        return self.writer.write(plan, now)
+        if self.tier is None:
+            return self.writer.write(plan, now)
+        if self.tier.prefetch and (plan.decodes or plan.prefills):  # an empty plan is never run
+            self._prefetch(plan)
+        schedule = self.writer.write(plan, now)
+        self.tier.flush(schedule)
+        return schedule
 
     def continued(self) -> None:
         """A plan written without planning (a decode stretch's): it holds no prefill."""
@@ -132,7 +139,8 @@ class Planner:
                 break
             swapped = self.waiting.host_pages(req)
             cached = [] if swapped or self.prefix is None else self.prefix.match(req)
-            done = req.num_computed if swapped else len(cached) * alloc.page_size
+            hosts = self.prefix.match_host(req, len(cached)) if self.tier is not None and not swapped else ()
+            done = req.num_computed if swapped else (len(cached) + len(hosts)) * alloc.page_size
             n = req.num_tokens - done
             if n > budget:
                 # Chunked prefill (Sarathi-Serve) fills the budget's remainder with the
@@ -149,6 +157,8 @@ class Planner:
                 budget += self._preempt(victim, plan)
                 continue
             self.waiting.take(req)
+            if hosts:
+                self.tier.pin(hosts)  # before the allocation's evictions may drop them
             table = alloc.allocate(req.request_id, done + n, self.reserve_tokens(req), cached)
             budget -= n
             if swapped:
@@ -156,11 +166,24 @@ class Planner:
             else:
                 if self.prefix is not None:
                     self.prefix.admitted(req, done)
+                    if self.tier is not None:
+                        self.prefix.loaded(req, cached, hosts, table)
                 req.num_computed = done
             self.running_set.admit(req, now)
             req.num_new_tokens = n
             plan.prefills.append(req)
         return budget
+
+    def _prefetch(self, plan: Draft) -> None:
+        """`cache.host_prefetch`: start loading the host pages of the first waiting requests (as
+        many as there are slots), in queue order, into free device pages, leaving one page per
+        running request for its next token."""
+        room = self.allocator.num_free_pages - len(self.running_set.running)
+        for i, req in enumerate(self.policy):
+            if i >= self.cfg.max_num_seqs or room <= 0:
+                break
+            if req not in plan.preempted and not self.waiting.host_pages(req):
+                room -= self.prefix.prefetch(req, room)
 
     def _pad(self, plan: Draft, new_batch: bool) -> None:
         """`scheduler.static_padding`: charge the plan as a padded `generate` batch runs. The
@@ -192,6 +215,8 @@ class Planner:
         swap_in = next((entry for entry in plan.swap_in if entry[0] is req), None)
         if swap_in is not None:
             plan.swap_in.remove(swap_in)  # swapped in by this plan: its host copy is still there
+        elif self.tier is not None and self.tier.loading(req.request_id):
+            pages = 0  # its pages are loaded only when the plan runs: nothing to swap out yet
         elif self.swap and 0 < pages <= self.waiting.swap_room():
             plan.swap_out.append((req, self.allocator.page_tables[req.request_id][:pages]))
             self.num_swap_preemptions += 1

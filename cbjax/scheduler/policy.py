@@ -35,6 +35,13 @@ class SchedulerView(Protocol):
     def admission_pages(self, req: Request) -> int:
         """Pages `req` needs to be admitted with its current tokens."""
 
+    def cached_pages(self, req: Request) -> tuple[int, int]:
+        """Leading pages of `req` cached (on the device, in the host tier, `cache.host_pages`)."""
+
+    @property
+    def num_host_pages_free(self) -> int:
+        """Free pages of the host tier's pool (0 without one)."""
+
 
 class PolicyContract(Protocol):
     """Every call the scheduler makes on a policy. `Policy` implements it; a plug-in may

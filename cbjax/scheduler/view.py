@@ -10,18 +10,21 @@ from cbjax.scheduler.running import RunningSet
 
 
 class PolicyView:
-    """A read-only view of a scheduler's running set, waiting queue and page pool.
-    `reserve_tokens(req)`: the tokens an admission of `req` reserves pages for."""
+    """A read-only view of a scheduler's running set, waiting queue and page pool, and of its
+    prefix cache's tiers (`prefix`, or None). `reserve_tokens(req)`: the tokens an admission
+    of `req` reserves pages for."""
 
-    __slots__ = ("_running_set", "_policy", "_allocator", "_reserve_tokens")
+    __slots__ = ("_running_set", "_policy", "_allocator", "_reserve_tokens", "_prefix")
 
     def __init__(
-        self, running_set: RunningSet, policy: PolicyContract, allocator, reserve_tokens: Callable[[Request], int]
-    ):
+        self, running_set: RunningSet, policy: PolicyContract, allocator, reserve_tokens: Callable[[Request], int],
+        prefix=None,
+    ):  # fmt: skip
         self._running_set = running_set
         self._policy = policy
         self._allocator = allocator
         self._reserve_tokens = reserve_tokens
+        self._prefix = prefix
 
     @property
     def running(self) -> Sequence[Request]:
@@ -45,3 +48,18 @@ class PolicyView:
     def admission_pages(self, req: Request) -> int:
         """Pages `req` needs to be admitted with its current tokens."""
         return self._allocator.admission_pages(req.num_tokens, self._reserve_tokens(req))
+
+    def cached_pages(self, req: Request) -> tuple[int, int]:
+        """(on the device, in the host tier): the leading pages of `req`'s tokens an admission
+        now would find cached in each tier ((0, 0) without prefix caching)."""
+        prefix = self._prefix
+        if prefix is None:
+            return 0, 0
+        device = len(prefix.match(req))
+        return device, len(prefix.match_host(req, device)) if prefix.tier is not None else 0
+
+    @property
+    def num_host_pages_free(self) -> int:
+        """Host pages of the tier's pool neither the tier nor swapped-out requests hold (0 without a tier)."""
+        tier = self._prefix.tier if self._prefix is not None else None
+        return max(0, tier.num_pages - tier.num_used - tier.swap_used()) if tier is not None else 0

@@ -23,11 +23,13 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class EngineCollector:
-    """The scheduler's state at scrape time."""
+    """The scheduler's state at scrape time; with a host KV tier (`cache.host_pages`), its pages,
+    hits and bytes moved (`page_bytes`: the K/V bytes of one page)."""
 
-    def __init__(self, engine: EngineClient, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str, page_bytes: int = 0):
         self.engine = engine
         self.labels = {"model_name": model_name}
+        self.page_bytes = page_bytes
 
     def collect(self) -> Iterator[Metric]:
         load = self.engine.counts()
@@ -48,14 +50,26 @@ class EngineCollector:
         c = CounterMetricFamily("cbjax:num_preemptions", "Preemptions since start.", labels=names)
         c.add_metric(values, load.preemptions)
         yield c
+        if load.host_pages_total:
+            yield gauge("kv_host_pages_used", "Host KV pages the host tier holds.", load.host_pages_used)
+            hits = CounterMetricFamily("cbjax:kv_host_hits", "Prompt tokens admissions found in the host tier.", labels=names)
+            hits.add_metric(values, load.host_hit_tokens)
+            yield hits
+            moved = CounterMetricFamily(
+                "cbjax:kv_host_bytes", "K/V bytes copied to the host tier (stored) and back (loaded).",
+                labels=names + ["direction"],
+            )  # fmt: skip
+            moved.add_metric(values + ["stored"], load.host_pages_stored * self.page_bytes)
+            moved.add_metric(values + ["loaded"], load.host_pages_loaded * self.page_bytes)
+            yield moved
 
 
 class ServerMetrics:
     """The server's registry (one per app, so tests may build many)."""
 
-    def __init__(self, engine: EngineClient, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str, page_bytes: int = 0):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(engine, model_name, page_bytes))
         labels = ["model_name"]
         self.model_name = model_name
         reg = self.registry

@@ -50,7 +50,7 @@ class Server:
         self.engine: EngineClient = connect(cfg, out_dir, self.bridge)
         self.bridge.engine = self.engine
         name = cfg.server.served_model_name or cfg.model.name
-        self.metrics = ServerMetrics(self.engine, name)
+        self.metrics = ServerMetrics(self.engine, name, cfg.cache.page_size * cfg.model.kv_bytes_per_token)
         self.bridge.listeners.append(self.metrics.on_finish)
         self.state = ServeState(
             engine=self.engine,

@@ -39,7 +39,10 @@ class RooflineCost:
     device over `hardware.interconnect_bw`.
 
     Swap preemption adds the swapped pages' K/V bytes over `hardware.host_bw` (each device
-    its shard over its own link); the stack's copy calls are `StackOverhead`'s.
+    its shard over its own link); the stack's copy calls are `StackOverhead`'s. The host KV
+    tier's stores and loads (`Schedule.host_copies`) cost the same bytes over the same link
+    and the same copy calls (`StackOverhead.tier_copy_s`), before the step; its prefetches,
+    priced alike, run beside it (`StepTime.prefetch_s`).
     """
 
     name = "roofline"
@@ -93,7 +96,16 @@ class RooflineCost:
             swap_s = 0.0
         compute_s = max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
         host_s = self.stack.host_s(plan) if self.stack.active else 0.0
+        if plan.host_copies is not None:
+            store_s, load_s, prefetch_s = host_copy_times(plan, self.host_page_s)
+            return StepTime(compute_s + tokens * self.allreduce_s_per_token, host_s, swap_s + store_s + load_s,
+                            0.0, None, load_s, prefetch_s)  # fmt: skip
         return StepTime(compute_s + tokens * self.allreduce_s_per_token, host_s, swap_s)
+
+    def host_page_s(self, num_pages: int, page_size: int) -> float:
+        """Seconds to copy `num_pages` pages' K/V between device and host memory, the stack's
+        copy calls included."""
+        return num_pages * page_size * self.kv_bytes_per_token / self.host_bytes_per_s + self.stack.tier_copy_s(num_pages)
 
 
     def stretch_s(self, plan: Schedule, ctx: StepContext) -> Optional[Iterator[float]]:
@@ -127,6 +139,13 @@ class RooflineCost:
             yield (compute_s + allreduce_s) + 0.0 + host_s  # StepTime(device, host, 0.0).total_s
 
 
+def host_copy_times(plan: Schedule, pages_s) -> tuple[float, float, float]:
+    """(store, load, prefetch) seconds of `plan`'s host-tier copies, `pages_s(num_pages,
+    page_size)` for each kind's pages."""
+    copies, ps = plan.host_copies, plan.page_size
+    return pages_s(len(copies.store), ps), pages_s(copies.num_loaded, ps), pages_s(copies.num_prefetched, ps)
+
+
 class StackOverhead:
     """A serving stack's host costs around a step (`cbjax.config.overhead`): `step_s` per
     iteration, `seq_s` per scheduled sequence, `page_s` per KV page each row reads (its context
@@ -137,6 +156,11 @@ class StackOverhead:
         self.config = overhead
         self.active = not overhead.is_none  # host_s is 0.0 otherwise
         self.copy_s_per_page = 2 * model.num_layers * overhead.copy_latency_s
+
+    def tier_copy_s(self, num_pages: int) -> float:
+        """The copy calls of `num_pages` pages of the host KV tier (as a swap's: per page,
+        layer and K or V); the roofline and `WithOverhead` put them with the tier's copies."""
+        return num_pages * self.copy_s_per_page
 
     def host_s(self, plan: Schedule, rows=None) -> float:
         """Seconds the stack adds to `plan`'s step; `rows`: `plan.cost_rows()` if already built."""
@@ -166,7 +190,11 @@ class WithOverhead:
         t = self.cost(plan, ctx)
         host = self.stack.host_s(plan)
         drain = t.drain_s + host if t.drain_s is not None else None
-        return StepTime(t.device_s, t.host_s + host, t.copy_s, t.launch_s, drain)
+        copy, load, prefetch = t.copy_s, t.load_s, t.prefetch_s
+        if plan.host_copies is not None:  # the stack's calls for the host tier's copies
+            store_s, load_s, prefetch_s = host_copy_times(plan, lambda n, ps: self.stack.tier_copy_s(n))
+            copy, load, prefetch = copy + store_s + load_s, load + load_s, prefetch + prefetch_s
+        return StepTime(t.device_s, t.host_s + host, copy, t.launch_s, drain, load, prefetch)
 
 
 class RunParts(NamedTuple):

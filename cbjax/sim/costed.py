@@ -58,5 +58,8 @@ class CostTimed:
     def metrics(self) -> dict[str, Any]:
         return self.engine.metrics()
 
+    def host_load_times(self) -> tuple[float, float]:
+        return self.engine.host_load_times()
+
     def close(self) -> None:
         self.engine.close()

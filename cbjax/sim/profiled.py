@@ -15,6 +15,10 @@ the native decode pass is charged per group), plus its swap copies:
                     on an all-padding batch, scaled to the served steps)
     time = step
            + (swap_iter_s + swap_page_s * pages) if the plan swaps
+           + (swap_out_iter_s + swap_out_page_s * pages) if it stores host-tier pages, and
+             (swap_in_iter_s + swap_in_page_s * pages) if it loads some (each direction's own
+             fit of the swap copies, which the host tier's copies are; the swap terms where a
+             profile lacks them); its prefetches are priced as loads, beside the step
            + loop_s + loop_seq_s * requests  (the serving loop's own host time around the step:
              scheduling, postprocess, stats; it grows with the requests the iteration serves)
            + wake_s * min(1, idle / wake_ramp_s)  on the first step after the loop idled for
@@ -77,6 +81,8 @@ STEP_TERMS = (
     "single_page_s", "block_page_s", "token_s",
 )  # fmt: skip
 SWAP_TERMS = ("swap_iter_s", "swap_page_s")
+# The swap copies fitted one direction at a time: the host tier's stores (out) and loads (in).
+SWAP_DIRECTION_TERMS = ("swap_out_iter_s", "swap_out_page_s", "swap_in_iter_s", "swap_in_page_s")
 SERVE_TERMS = ("bucket_scale",)
 # The cold terms: what the 1st .. 4th step after the last step of a larger bucket pays more.
 COLD_TERMS = ("cold_s", "cold2_s", "cold3_s", "cold4_s")
@@ -215,6 +221,7 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
         coef["bucket_s"] = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
         served = profile["coefficients"].get("served_bucket_s", {})  # absent from earlier profiles
         coef["served_bucket_s"] = {int(b): float(v) for b, v in served.items()}
+        coef.update({k: float(profile["coefficients"][k]) for k in SWAP_DIRECTION_TERMS if k in profile["coefficients"]})
         if "drain_s" in profile["coefficients"]:  # absent from earlier profiles: `ProfiledCost.drain_s`
             coef["drain_s"] = float(profile["coefficients"]["drain_s"])
         if not coef["bucket_s"]:
@@ -246,6 +253,10 @@ class ProfiledCost:
         self.prefix_caching = prefix_caching  # the run's cache.prefix_caching (`launch_cached_seq_s`)
         self.swap_iter_s = coefficients["swap_iter_s"]
         self.swap_page_s = coefficients["swap_page_s"]
+        # the host tier's stores and loads: (fixed, per page) seconds, the swap terms if unfitted
+        out_iter, out_page, in_iter, in_page = SWAP_DIRECTION_TERMS
+        self.store_terms = (coefficients.get(out_iter, self.swap_iter_s), coefficients.get(out_page, self.swap_page_s))
+        self.load_terms = (coefficients.get(in_iter, self.swap_iter_s), coefficients.get(in_page, self.swap_page_s))
         self.loop_s = coefficients["loop_s"]
         self.loop_seq_s = coefficients["loop_seq_s"]
         self.shapes = shapes
@@ -276,10 +287,21 @@ class ProfiledCost:
             carried += context > 0
         left = max(0, ctx.in_flight_rows - carried)
         launch = launch_cost(coef, len(rows), prefills, tokens, self.prefix_caching, left)
-        time = StepTime(device, host, copy, launch)
+        load = prefetch = 0.0
+        if plan.host_copies is not None:
+            copies = plan.host_copies
+            load = _copy_s(self.load_terms, copies.num_loaded)
+            prefetch = _copy_s(self.load_terms, copies.num_prefetched)
+            copy += _copy_s(self.store_terms, len(copies.store)) + load
+        time = StepTime(device, host, copy, launch, None, load, prefetch)
         if self.drain is None:
             return time
-        return StepTime(device, host, copy, launch, drain_share(self.drain, time.total_s))
+        return StepTime(device, host, copy, launch, drain_share(self.drain, time.total_s), load, prefetch)
+
+
+def _copy_s(terms: tuple[float, float], num_pages: int) -> float:
+    """A batched copy of `num_pages` pages under (fixed, per page) `terms`; 0 for no page."""
+    return terms[0] + terms[1] * num_pages if num_pages else 0.0
 
 
 def make_profiled_cost(

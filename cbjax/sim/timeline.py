@@ -12,6 +12,11 @@ collected no earlier than that launch returns, so a launch that outlasts it dela
 A step collected with nothing launched behind it (the loop goes idle, the run ends, or the
 next plan needs its tokens) ends at its `drain_s` share: the host time the next launch would
 otherwise hide is not there.
+
+A host-tier prefetch (`HostCopies.prefetch`, priced as `StepTime.prefetch_s`) runs on the copy
+engine beside the steps, from its step's begin and after the copy engine's previous prefetch;
+a later step whose rows read one of its pages (a row sent with its page table) begins no
+earlier than that copy ends.
 """
 
 from __future__ import annotations
@@ -53,6 +58,34 @@ class Timeline:
         # decode stretches price their steps one by one from the first's context, which holds
         # for a cost model that reads no earlier steps
         self.stretches = not history
+        self._copies_free = 0.0  # where the copy engine is free of prefetches
+        self._loading: dict[int, float] = {}  # device page -> when its prefetch ends
+        self._load_times = (0.0, 0.0)  # the latest priced plan with host copies: (load_s, prefetch_s)
+
+    def load_times(self) -> tuple[float, float]:
+        """(load_s, prefetch_s) of the latest plan priced with host-tier copies."""
+        return self._load_times
+
+    def _copies(self, plan: Schedule, time: StepTime, begin: float) -> float:
+        """Where a step planned to begin at `begin` begins, once the prefetches its rows read
+        have ended; starts its own prefetch there."""
+        loading = self._loading
+        if loading:
+            for s in plan.scheduled:
+                if s.page_table is not None:
+                    for page in s.page_table:
+                        end = loading.get(page)
+                        if end is not None and end > begin:
+                            begin = end
+            self._loading = {p: e for p, e in loading.items() if e > begin}
+        if plan.host_copies is not None:
+            self._load_times = (time.load_s, time.prefetch_s)
+            if time.prefetch_s:
+                start = begin if begin > self._copies_free else self._copies_free
+                end = self._copies_free = start + time.prefetch_s
+                for _, _, pages in plan.host_copies.prefetch:
+                    self._loading.update(dict.fromkeys(pages, end))
+        return begin
 
     def _context(self, plan: Schedule, start: float, in_flight_rows: int) -> StepContext:
         last = self._last_end
@@ -68,7 +101,10 @@ class Timeline:
 
     def run(self, plan: Schedule, start: float) -> tuple[float, float]:
         """A step run to completion from `start`: its (duration, end)."""
-        duration = self.cost(plan, self._context(plan, start, 0)).total_s
+        time = self.cost(plan, self._context(plan, start, 0))
+        duration = time.total_s
+        if self._loading or plan.host_copies is not None:
+            start = self._copies(plan, time, start)
         end = start + duration
         self._last_end = self._free = end
         return duration, end
@@ -109,6 +145,8 @@ class Timeline:
             if launched > self._free:
                 self._free = launched
         begin = launched if launched > self._free else self._free
+        if self._loading or plan.host_copies is not None:
+            begin = self._copies(plan, time, begin)
         rows = len(plan.padded_rows) if plan.padded_rows is not None else len(plan.scheduled)
         step = self._in_flight = VirtualStep(time, begin, begin + time.total_s, rows)
         self._free = step.end

@@ -31,6 +31,12 @@ class _Row:
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     client_id: str = "default"
+    # a turn of a session: `cbjax.core.request.Request`'s fields of the same names; a later
+    # turn with `pause_s` set has no arrival of its own (None) and `prompt_len` new tokens
+    session_id: Optional[str] = None
+    turn: int = 0
+    more_turns: bool = False
+    pause_s: Optional[float] = None
 
 
 def _json_object(row: _Row, text: str) -> Optional[dict]:
@@ -104,3 +110,13 @@ def _json_ids(key: str, value: Any) -> list[int]:
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
             raise LineError(f"{key}[{i}] {tok!r} is not a token id (an integer >= 0)")
     return value
+
+
+def _split(n: int, text: str, order: list[str]) -> tuple[_Row, dict[str, str]]:
+    """A CSV line's row and its fields by column (none, with the error, on a wrong count)."""
+    row = _Row(line=n)
+    fields = text.split(",")
+    if len(fields) != len(order):
+        row.errors.append(f"expected {len(order)} fields ({','.join(order)}), got {len(fields)}")
+        return row, {}
+    return row, dict(zip(order, fields))

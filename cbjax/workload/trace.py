@@ -17,17 +17,17 @@ import importlib.resources
 import json
 import logging
 import math
-import re
-from datetime import date
 from pathlib import Path
 from typing import Any, Optional
 
 from cbjax.config import WorkloadConfig
 from cbjax.core.request import Request, SamplingParams
 from cbjax.workload.rows import (
-    LineError, _attempt, _json_bool, _json_float, _json_ids, _json_int, _json_object, _json_str, _Row, _text_float, _text_int,
+    _attempt, _json_bool, _json_float, _json_ids, _json_int, _json_object, _json_str, _Row, _split, _text_float, _text_int,
 )  # fmt: skip
-from cbjax.workload.formats import BURSTGPT_COLUMNS, MOONCAKE_KEYS, burstgpt_rows, mooncake_rows
+from cbjax.workload.formats import BURSTGPT_COLUMNS, MOONCAKE_KEYS, azure_rows, burstgpt_rows, mooncake_rows
+from cbjax.workload.formats import parse_timestamp  # noqa: F401  (read here by callers)
+from cbjax.workload.sharegpt import sharegpt_rows
 from cbjax.workload.synthetic import rng_streams, sampling_seeds, prompt_seeds
 
 log = logging.getLogger("cbjax")
@@ -39,14 +39,11 @@ JSONL_KEYS = (
     "temperature", "top_k", "top_p", "seed", "ignore_eos", "priority", "client_id", "stop_token_ids",
     "prompt",
 )  # fmt: skip
-# 2023-11-16 18:17:03.9799600: up to 9 fractional digits (datetime takes 6), optional UTC offset.
-_TIMESTAMP = re.compile(
-    r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?\s*(Z|[+-]\d{2}:?\d{2})?"
-)
 
 
-def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
-    """The requests of `cfg.path` in file order; arrival times are divided by `cfg.time_scale`."""
+def load_trace(cfg: WorkloadConfig, seed: int, tokenizer: Optional[Any] = None) -> list[Request]:
+    """The requests of `cfg.path` in file order; arrival times and sessions' pauses are divided
+    by `cfg.time_scale`. `tokenizer` counts a ShareGPT file's message tokens."""
     path = resolve_path(cfg.path) if cfg.path else None
     if path is None or not path.is_file():
         where = f" (resolved to {path.resolve()})" if path is not None else ""
@@ -60,7 +57,9 @@ def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
         raise ValueError(f"trace file {path} is empty")
     fmt = cfg.format if cfg.format != "auto" else detect_format(path, numbered[0][1])
     fmt = "azure" if fmt == "azure2024" else fmt  # the 2024 release keeps the 2023 schema
-    if fmt == "jsonl":
+    if fmt == "sharegpt":
+        rows = sharegpt_rows(path, lines, cfg, seed, tokenizer)
+    elif fmt == "jsonl":
         rows = [_jsonl_row(n, text) for n, text in numbered[: cfg.limit]]
     elif fmt == "mooncake":
         rows = mooncake_rows(numbered[: cfg.limit], cfg.hash_block_size, cfg.vocab_size, seed)
@@ -71,7 +70,7 @@ def load_trace(cfg: WorkloadConfig, seed: int) -> list[Request]:
         columns = AZURE_COLUMNS if fmt == "azure" else CSV_COLUMNS
         order = _csv_header(path, fmt, numbered[0][1], columns)
         body = numbered[1:][: cfg.limit]
-        rows = (_azure_rows if fmt == "azure" else _csv_rows)(body, order)
+        rows = (azure_rows if fmt == "azure" else _csv_rows)(body, order)
     if not rows:
         raise ValueError(f"trace file {path} holds no requests")
     if fmt in ("jsonl", "mooncake") and all(row.errors[:1] and row.errors[0].startswith("invalid JSON") for row in rows):
@@ -96,13 +95,17 @@ def resolve_path(path: str) -> Path:
 
 def detect_format(path: Path, first_line: str) -> str:
     """'jsonl', 'mooncake', 'azure', 'burstgpt' or 'csv', from the first non-blank line of `path`:
-    a JSON object with Mooncake's `hash_ids` or `input_length` is Mooncake's, any other JSONL;
-    a CSV by its header's columns."""
+    a JSON object with Mooncake's `hash_ids` or `input_length` is Mooncake's, one with
+    `conversations` (or a JSON array) ShareGPT's, any other JSONL; a CSV by its header's columns."""
+    if first_line.startswith("["):
+        return "sharegpt"
     if first_line.startswith("{"):
         try:
             keys = set(json.loads(first_line))
         except (json.JSONDecodeError, TypeError):
             keys = set()
+        if "conversations" in keys:
+            return "sharegpt"
         return "mooncake" if keys & {"hash_ids", "input_length"} else "jsonl"
     columns = {c.strip() for c in first_line.split(",")}
     for fmt, expected in (("azure", AZURE_COLUMNS), ("csv", CSV_COLUMNS)):
@@ -132,26 +135,6 @@ def _closest_csv(columns: set[str]) -> str:
     parts = [f"missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)}"] if missing else []
     parts += [f"unexpected column{'s' if len(extra) > 1 else ''} {', '.join(extra)}"] if extra else []
     return f"closest is {fmt} ({' and '.join(parts)}); "
-
-
-def parse_timestamp(text: str) -> tuple[int, float]:
-    """Whole seconds since 0001-01-01 UTC and the fraction, kept apart so no digit is lost."""
-    m = _TIMESTAMP.fullmatch(text.strip())
-    if m is None:
-        raise LineError(f"TIMESTAMP {text!r} is not a timestamp like 2023-11-16 18:17:03.9799600")
-    day, hh, mm, ss, frac, tz = m.groups()
-    hours, minutes, secs = int(hh), int(mm), int(ss)
-    try:
-        days = date.fromisoformat(day).toordinal()
-    except ValueError:
-        days = -1
-    if days < 0 or hours > 23 or minutes > 59 or secs > 59:
-        raise LineError(f"TIMESTAMP {text!r} is not a valid date and time")
-    whole = days * 86400 + hours * 3600 + minutes * 60 + secs
-    if tz and tz != "Z":
-        sign = -1 if tz[0] == "-" else 1
-        whole -= sign * (int(tz[1:3]) * 3600 + int(tz[-2:]) * 60)
-    return whole, (int(frac) / 10 ** len(frac) if frac else 0.0)
 
 
 def _csv_header(path: Path, fmt: str, header: str, expected: tuple[str, ...]) -> list[str]:
@@ -188,15 +171,6 @@ def _warn_backwards(rows: list[_Row], path: Path) -> None:
         )
 
 
-def _split(n: int, text: str, order: list[str]) -> tuple[_Row, dict[str, str]]:
-    row = _Row(line=n)
-    fields = text.split(",")
-    if len(fields) != len(order):
-        row.errors.append(f"expected {len(order)} fields ({','.join(order)}), got {len(fields)}")
-        return row, {}
-    return row, dict(zip(order, fields))
-
-
 def _csv_rows(body: list[tuple[int, str]], order: list[str]) -> list[_Row]:
     rows = []
     for n, text in body:
@@ -206,27 +180,6 @@ def _csv_rows(body: list[tuple[int, str]], order: list[str]) -> list[_Row]:
             row.prompt_len = _attempt(row, _text_int, "prompt_len", f["prompt_len"])
             row.output_len = _attempt(row, _text_int, "output_len", f["output_len"])
         rows.append(row)
-    return rows
-
-
-def _azure_rows(body: list[tuple[int, str]], order: list[str]) -> list[_Row]:
-    rows, stamps = [], []
-    for n, text in body:
-        row, f = _split(n, text, order)
-        stamp = None
-        if f:
-            stamp = _attempt(row, parse_timestamp, f["TIMESTAMP"])
-            row.prompt_len = _attempt(row, _text_int, "ContextTokens", f["ContextTokens"])
-            row.output_len = _attempt(row, _text_int, "GeneratedTokens", f["GeneratedTokens"])
-        rows.append(row)
-        stamps.append(stamp)
-    # Seconds since the earliest timestamp: the first row's, since the trace is time-sorted.
-    valid = [s for s in stamps if s is not None]
-    if valid:
-        first_whole, first_frac = min(valid)
-        for row, stamp in zip(rows, stamps):
-            if stamp is not None:
-                row.arrival_s = (stamp[0] - first_whole) + (stamp[1] - first_frac)
     return rows
 
 
@@ -301,9 +254,14 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
     explicit = {row.request_id for row in rows if row.request_id is not None}
     given_ids = explicit | {str(i) for i, row in enumerate(rows) if row.request_id is None}
     requests, seen, prev_arrival = [], {}, 0.0
+    session_seeds: dict[str, int] = {}  # a session's turns share its first turn's prompt stream
     for index, (row, default_seed, pseed) in enumerate(zip(rows, seeds, pseeds)):
         arrival = prev_arrival
-        if row.arrival_s is not None:
+        if row.session_id is not None:
+            pseed = session_seeds.setdefault(row.session_id, pseed)
+        if row.pause_s is not None:
+            arrival = math.inf  # it arrives as the turn before it ends
+        elif row.arrival_s is not None:
             if math.isfinite(row.arrival_s) and row.arrival_s >= 0:
                 arrival = prev_arrival = row.arrival_s / cfg.time_scale
             else:
@@ -337,6 +295,10 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
                 input_error=f"{name} line {row.line}: {'; '.join(row.errors)}" if row.errors else None,
                 original_request_id=original if rid != original else None,
                 source=f"{name} line {row.line}",
+                session_id=row.session_id,
+                turn=row.turn,
+                more_turns=row.more_turns,
+                pause_s=None if row.pause_s is None else row.pause_s / cfg.time_scale,
             )
         )
     return requests
