@@ -13,6 +13,7 @@ from cbjax.bench.config import BenchConfig
 from cbjax.bench.stream import Timing
 from cbjax.core.results import IterationStats, RunResult
 from cbjax.report.metrics import summarize
+from cbjax.report.reasons import format_reasons
 from cbjax.core.stop import StopFlag
 from cbjax.report.tables import markdown_table, write_run
 from cbjax.core.request import FinishReason, Request
@@ -88,7 +89,8 @@ def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool
         extra = lambda r: {"itl_s": itls(timings[r]) if r in timings else [], "http_status": timings[r].status if r in timings else None}  # noqa: E731
         write_run(out_dir, cfg, summary, rows, extra_rows=extra)
     if verbose:
-        log.info(format_client_summary(summary))
+        reasons = format_reasons(rows)
+        log.info(format_client_summary(summary) + (f"\n\n{reasons}" if reasons else ""))
     return summary
 
 
