@@ -77,10 +77,12 @@ def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool
     for req in bad:  # the workload's own errors (a bad trace line): not sent, rejected by name
         req.finish_reason, req.reject_reason, req.finish_s = FinishReason.REJECTED, req.input_error, req.arrival_s
     good = [r for r in requests if r.input_error is None]
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        timings, wall = runner.run(run_load(cfg.bench, good, progress=bar.update if bar else None, stop=stop))
-    if bar is not None:
-        bar.close()
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            timings, wall = runner.run(run_load(cfg.bench, good, progress=bar.update if bar else None, stop=stop))
+    finally:  # an error's line then starts on a line of its own
+        if bar is not None:
+            bar.close()
     for req, timing in timings.items():
         apply(req, timing)
     rows = [r for r in requests if r in timings or r.input_error is not None]  # not sent (bench.duration_s): no row
