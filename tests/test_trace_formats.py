@@ -105,6 +105,15 @@ def test_mooncake_format_forced_and_a_misspelled_key_named(tmp_path):
     assert "input_length is missing" in r[0].input_error
 
 
+def test_a_negative_length_is_named_by_the_files_own_column(tmp_path):
+    azure = _trace(tmp_path, "a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:07,-5,8\n")
+    assert azure[0].input_error == "a.csv line 2: ContextTokens must be >= 0, got -5"
+    lines = [{"timestamp": 0, "input_length": 8, "output_length": -2, "hash_ids": [0]}]
+    assert _mooncake(tmp_path, lines)[0].input_error == "mooncake.jsonl line 1: output_length must be >= 0, got -2"
+    plain = _trace(tmp_path, "p.csv", "arrival_s,prompt_len,output_len\n0,-1,1\n")
+    assert plain[0].input_error == "p.csv line 2: prompt_len must be >= 0, got -1"
+
+
 def test_a_mooncake_line_with_a_bad_length_names_that_field_alone(tmp_path):
     lines = [{"timestamp": 0, "input_length": "8", "output_length": 1, "hash_ids": [0]},
              {"timestamp": 1, "input_length": 8, "output_length": 1, "hash_ids": "0"}]  # fmt: skip
