@@ -32,18 +32,20 @@ def console(caplog) -> str:
 def test_reasons_differing_only_in_numbers_are_grouped_most_common_first():
     reqs = [ended(i, FinishReason.REJECTED, f"t.jsonl line {i}: needs {i + 30} KV pages, the cache has 9") for i in range(5)]
     reqs += [ended(5, FinishReason.REJECTED, "t.jsonl line 6: invalid JSON"), ended(6, FinishReason.REJECTED, "empty prompt"),
-             ended(7, FinishReason.REJECTED, "ids out of vocabulary")]  # fmt: skip
+             ended(7, FinishReason.REJECTED, "ids out of vocabulary"), ended(10, FinishReason.REJECTED, "too long")]  # fmt: skip
     reqs += [ended(8, FinishReason.ERROR, "HTTP 404: model: 'nope' does not exist")]
     reqs += [ended(9, FinishReason.EOS, "")]
     assert format_reasons(reqs, top=3).splitlines() == [
-        "8 requests rejected; the most common reasons (each request's is in requests.jsonl):",
+        "9 requests rejected; the most common reasons (each request's is in requests.jsonl):",
         "  5 x t.jsonl line 0: needs 30 KV pages, the cache has 9",
         "  1 x t.jsonl line 6: invalid JSON",
         "  1 x empty prompt",
-        "  1 x 1 other reason",
+        "  2 x 2 other reasons",
         "1 request failed; the most common reasons (each request's is in requests.jsonl):",
         "  1 x HTTP 404: model: 'nope' does not exist",
     ]
+    four = format_reasons(reqs[:8], top=3).splitlines()  # a fourth reason alone is shown, not counted
+    assert four[0].startswith("8 requests rejected") and four[4] == "  1 x ids out of vocabulary"
     assert format_reasons([ended(0, FinishReason.LENGTH, "")]) == ""
     assert format_reasons([ended(0, FinishReason.REJECTED, "x" * 50)], width=10).endswith("  1 x xxxxxxx...")
 

@@ -38,7 +38,7 @@ def _grouped(verb: str, reasons: list[str], top: int, width: int) -> list[str]:
     n = len(reasons)
     head = f"{n} request{'s' if n != 1 else ''} {verb}"
     lines = [f"{head}; the most common reasons (each request's is in requests.jsonl):"]
-    shown = counts.most_common(top)
+    shown = counts.most_common(top if len(counts) > top + 1 else top + 1)  # one left over: shown too
     pad = len(str(shown[0][1]))
     for key, count in shown:
         lines.append(f"  {count:>{pad}} x {_cut(first[key], width)}")
