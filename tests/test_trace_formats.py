@@ -11,7 +11,7 @@ import pytest
 from cbjax.config import WorkloadConfig
 from cbjax.app.run import run_experiment
 from cbjax.workload import build_workload
-from cbjax.workload.trace import load_trace
+from cbjax.workload.trace import encode_text_prompts, load_trace
 from test_config_schema import composed
 from test_workload import _trace, _write
 
@@ -112,6 +112,12 @@ def test_a_negative_length_is_named_by_the_files_own_column(tmp_path):
     assert _mooncake(tmp_path, lines)[0].input_error == "mooncake.jsonl line 1: output_length must be >= 0, got -2"
     plain = _trace(tmp_path, "p.csv", "arrival_s,prompt_len,output_len\n0,-1,1\n")
     assert plain[0].input_error == "p.csv line 2: prompt_len must be >= 0, got -1"
+
+
+def test_a_text_prompt_without_a_tokenizer_is_named_by_file_and_line(tmp_path):
+    reqs = _trace(tmp_path, "t.jsonl", '{"arrival_s": 0, "prompt_len": 4, "output_len": 1}\n{"arrival_s": 0, "prompt": "hi", "output_len": 1}\n')
+    encode_text_prompts(reqs, None, where="model 'm'")
+    assert reqs[1].input_error.startswith("t.jsonl line 2: prompt is text, but model 'm' has no tokenizer")
 
 
 def test_a_mooncake_line_with_a_bad_length_names_that_field_alone(tmp_path):

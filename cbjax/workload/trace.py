@@ -328,7 +328,7 @@ def encode_text_prompts(requests: list[Request], tokenizer: Optional[Any], where
             continue
         if tokenizer is None:
             req.input_error = (
-                f"request {req.request_id}: prompt is text, but {where} has no tokenizer; "
+                f"{req.source or f'request {req.request_id}'}: prompt is text, but {where} has no tokenizer; "
                 "set model.path to a Hugging Face directory with tokenizer.json"
             )
             continue
