@@ -40,7 +40,7 @@ def test_reasons_differing_only_in_numbers_are_grouped_most_common_first():
         "  5 x t.jsonl line 0: needs 30 KV pages, the cache has 9",
         "  1 x t.jsonl line 6: invalid JSON",
         "  1 x empty prompt",
-        "  2 x 2 other reasons",
+        "  2 x other reasons (2 different)",
         "1 request failed; the most common reasons (each request's is in requests.jsonl):",
         "  1 x HTTP 404: model: 'nope' does not exist",
     ]

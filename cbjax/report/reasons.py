@@ -39,13 +39,13 @@ def _grouped(verb: str, reasons: list[str], top: int, width: int) -> list[str]:
     head = f"{n} request{'s' if n != 1 else ''} {verb}"
     lines = [f"{head}; the most common reasons (each request's is in requests.jsonl):"]
     shown = counts.most_common(top if len(counts) > top + 1 else top + 1)  # one left over: shown too
-    pad = len(str(shown[0][1]))
+    rest = n - sum(c for _, c in shown)
+    pad = len(str(max(shown[0][1], rest)))
     for key, count in shown:
         lines.append(f"  {count:>{pad}} x {_cut(first[key], width)}")
-    rest = n - sum(c for _, c in shown)
     if rest:
-        others = len(counts) - len(shown)
-        lines.append(f"  {rest:>{pad}} x {others} other reason{'s' if others != 1 else ''}")
+        others = len(counts) - len(shown)  # at least 2: a lone one is shown
+        lines.append(f"  {rest:>{pad}} x other reasons ({others} different)")
     return lines
 
 
