@@ -43,6 +43,9 @@ def test_bench_config_checks_its_keys():
         bench_config("bench.endpoint=chat")
     with pytest.raises(ValueError, match="bench.url must be an http"):
         bench_config("bench.url=localhost:8000")
+    for url in ("http://127.0.0.1:99999/v1", "http:///v1", "http://127.0.0.1:0/v1", "http://h:x/v1"):
+        with pytest.raises(ValueError, match="bench.url needs a host, and a port from 1 to 65535"):
+            bench_config(f"bench.url={url}")
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])
@@ -117,6 +120,16 @@ def test_a_url_nobody_listens_at_is_one_line_naming_bench_url(tmp_path, env_cpu)
     proc = bench_cmd(tmp_path, env_cpu, f"bench.url={url}", "bench.model=m")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and err.splitlines() == [f"cbjax-bench: error: bench.url={url}: connection refused"]
+
+
+def test_an_error_before_the_load_clears_the_progress_bar_first(capsys):
+    with socket.socket() as sock:  # a port nothing listens at once it is closed
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    with pytest.raises(ValueError, match="connection refused"):
+        run_bench(bench_config(f"bench.url={url}", "bench.model=m", "progress=true"), None, verbose=False)
+    err = capsys.readouterr().err
+    assert "bench" in err and err.split("\r")[-1].strip() == ""  # the bar drew, then left its line blank
 
 
 def test_https_to_a_plain_http_server_is_one_line_naming_bench_url(tmp_path, env_cpu):

@@ -301,9 +301,10 @@ def test_under_uvloop_too():
     assert timing.error is None and len(timing.token_s) == 3
 
 
-def check(answers, **cfg_kw) -> str:
+def check(answers, base: str = "/v1", **cfg_kw) -> str:
     async def run():
         server, url, _ = await scripted_server(answers, close_after=frozenset({0}))
+        url = url.removesuffix("/v1") + base
         try:
             async with open_session(BenchClientConfig(url=url, **cfg_kw)) as session:
                 return await check_server(session, BenchClientConfig(url=url, **cfg_kw))
@@ -318,6 +319,9 @@ def test_the_server_check_picks_the_model_or_names_why_not():
     assert check([sized(404, b"<html>\n<body>Not Found</body>\n</html>")], model="m") == "m"  # bench.model set: a 404 is fine
     with pytest.raises(ValueError, match=r"^bench.model: unset, and GET http://127.0.0.1:\d+/v1/models answered 404: <html> <body>Not Found"):
         check([sized(404, b"<html>\n<body>Not Found</body>\n</html>")])
+    assert "usually ends" not in str(pytest.raises(ValueError, check, [sized(404, b"")]).value)
+    with pytest.raises(ValueError, match=r"^bench.model: unset, and GET http://127.0.0.1:\d+/models answered 404: .*; an OpenAI base URL usually ends in /v1$"):
+        check([sized(404, b"")], base="")
     with pytest.raises(ValueError, match=r"lists no model"):
         check([sized(200, b'{"data": []}')])
     with pytest.raises(ValueError, match=r"answered no model list: 'nope'"):

@@ -65,8 +65,8 @@ def test_every_request_appears_with_its_fate(tmp_path):
     rows = {r["request_id"]: r for r in map(json.loads, (tmp_path / "out/requests.jsonl").read_text().splitlines())}
     assert len(rows) == 6 and summary["num_requests"] == 6
     assert rows["0"]["finish_reason"] == "length"
-    assert rows["1"]["reject_reason"] == "empty prompt"
-    assert "max_tokens must be >= 1" in rows["2"]["reject_reason"]
+    assert rows["1"]["reject_reason"] == "t.jsonl line 2: empty prompt"  # the scheduler's reason, named by line
+    assert rows["2"]["reject_reason"].startswith("t.jsonl line 3: max_tokens must be >= 1")
     assert "arrival_s" in rows["3"]["reject_reason"] and "line 4" in rows["3"]["reject_reason"]
     assert "max_model_len is 1024" in rows["4"]["reject_reason"]
     assert "line 6" in rows["5"]["reject_reason"]

@@ -2,6 +2,7 @@
 key it names is in the command's schema, every group it lists composes with the command)."""
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -105,3 +106,16 @@ def test_a_group_the_command_lacks_fails_to_compose():
         composed("cbjax", "server=default")
     with pytest.raises(Exception, match="scheduler"):
         composed("cbjax-bench", "scheduler=sjf")
+
+
+@pytest.mark.parametrize("prog", sorted(MODULES))
+def test_help_into_a_closed_pipe_ends_without_a_traceback(prog, env_cpu):
+    """`cbjax --help | head -2`: the reader leaves before the page is written."""
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe now fails (EPIPE)
+    try:
+        proc = subprocess.run([sys.executable, "-m", MODULES[prog], "--help"], stdout=write, stderr=subprocess.PIPE,
+                              env=env_cpu, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(write)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr[-2000:]

@@ -1,8 +1,11 @@
 """An output folder that cannot be written fails in one line; the console still shows the summary."""
 
+import os
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO, cbjax_cmd
 from cbjax.report.files import RequestLog, unwritable
@@ -76,11 +79,37 @@ def test_the_check_and_the_live_log_tolerate_a_lost_folder(tmp_path):
 
 
 def test_write_run_names_the_folder_it_cannot_write(tmp_path):
-    import pytest
-
     from cbjax.report.files import OutputError
     from cbjax.report.tables import write_run
 
     out = blocked(tmp_path)
     with pytest.raises(OutputError, match=f"^cannot write the output folder {out}: Not a directory$"):
         write_run(out, {"seed": 0}, {"num_requests": 0}, [])
+
+
+@pytest.mark.parametrize("prog", ["cbjax-serve", "cbjax-bench"])
+def test_the_server_and_the_client_fail_in_one_line_on_an_unwritable_folder(tmp_path, env_cpu, prog):
+    out = blocked(tmp_path)
+    module = {"cbjax-serve": "cbjax.serve", "cbjax-bench": "cbjax.bench"}[prog]
+    proc = subprocess.run([sys.executable, "-m", module, "server.port=0" if prog == "cbjax-serve" else "progress=false",
+                           f"hydra.run.dir={out}"], cwd=REPO, env=env_cpu, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"{prog}: error: cannot write the output folder {out}: Not a directory; "
+        "choose another with hydra.run.dir (or hydra.sweep.dir)"
+    ]
+
+
+@pytest.mark.parametrize("config", ["serve", "bench"])
+def test_server_and_client_runs_get_folders_of_their_own(config):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import cbjax.app.cli  # noqa: F401  registers ${cbjax.run_id:}
+    import cbjax.bench.cli  # noqa: F401  the configs' schemas
+    import cbjax.serve.cli  # noqa: F401
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose(config_name=config, return_hydra_config=True)
+    run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"]
+    assert run_dir.startswith(f"outputs/{config}/") and f"_{os.getpid()}-" in run_dir  # as cbjax's run_id

@@ -91,3 +91,27 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     sim = ExecutorConfig(cost_model="profiled", profile=str(tmp_path / "profile.json"), token_buckets=[4, 16, 64])
     cost = make_cost_model("profiled", cfg.model, None, scheduler=cfg.scheduler, cache=cfg.cache, executor=sim)
     assert cost.shapes.token_buckets == (4, 16, 64)
+
+
+def test_the_command_it_prints_simulates_the_model_it_profiled():
+    """The profile matches one model, page size and slot count; the simulator's default model is
+    another, so the printed command names them as the profile was made."""
+    from pathlib import Path
+
+    import cbjax.app.cli  # noqa: F401  registers the base config
+    from cbjax.app.config_merge import to_run_config
+    from cbjax.profile.__main__ import use_command
+    from cbjax.sim.profiled import profile_key
+
+    made_with = ["grid=small", "model.max_model_len=128", "cache.page_size=4", "scheduler.max_num_seqs=4", "repeats=2"]
+    command = use_command("tiny", made_with, Path("out/profile.json"))
+    assert command == (
+        "cbjax model=tiny model.max_model_len=128 cache.page_size=4 scheduler.max_num_seqs=4 executor=sim "
+        "executor.cost_model=profiled executor.profile=out/profile.json"
+    )
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        made = OmegaConf.to_object(compose("profile", overrides=made_with))
+        run = to_run_config(compose("config", overrides=command.split()[1:]))
+    key = lambda c: profile_key(c.model, c.cache.page_size, c.scheduler.max_num_seqs)  # noqa: E731
+    assert key(run) == key(made)
+    assert use_command("hf", ["model=hf", "model.path=/m"], Path("p.json")).startswith("cbjax model=hf model.path=/m executor=sim ")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -399,6 +400,10 @@ def test_a_profile_for_another_model_page_size_or_slot_count_is_refused(tmp_path
     for path, message in cases:
         with pytest.raises(ValueError, match=f"executor.profile: {message}"):
             make_cost_model("profiled", MODEL, None, **configs(path))
+    named = json.loads(Path(cases[0][0]).read_text()) | {"model": "big"}  # the profile says which model it timed
+    Path(cases[0][0]).write_text(json.dumps(named))
+    with pytest.raises(ValueError, match=r"made for model.d_model=256, this run has 64 \(.*\); it profiled model 'big'$"):
+        make_cost_model("profiled", MODEL, None, **configs(cases[0][0]))
 
 
 def test_a_profile_made_with_another_page_pool_is_accepted(tmp_path):

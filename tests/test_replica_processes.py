@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import json
 import os
+import signal
+import time
 
 import pytest
 
@@ -71,6 +73,23 @@ def test_replica_processes_serve_as_inline_replicas_through_the_executor_contrac
     else:
         assert {"launch", "collect"} <= seen and [r.num_routed for r in engine.replicas] == [3, 3]
 
+
+def test_replica_processes_leave_sigterm_to_the_driver():
+    """A SIGTERM to the run's whole process group (`timeout`, systemd, Slurm) reaches the
+    children too; the driver stops the run, so they serve on (and are still closed by it)."""
+    cfg = fake_replica.config("processes", replicas=2)
+    replicas = ProcessReplicas(fake_replica.build, cfg)
+    try:
+        engine = ClusterEngine(cfg, replicas)  # children started and warmed up
+        for transport in replicas.transports:
+            os.kill(transport.process.pid, signal.SIGTERM)
+        time.sleep(0.5)  # what a delivered SIGTERM would have done by now
+        assert all(t.process.is_alive() for t in replicas.transports)
+        result = engine.serve(fake_replica.workload())
+    finally:
+        replicas.shutdown()
+    assert {r.finish_reason for r in result.requests} == {FinishReason.LENGTH}
+    assert not any(t.process.is_alive() for t in replicas.transports)
 
 def _failing_run(monkeypatch, tmp_path, how):
     """`run_cluster` on 2 fake replicas in processes, replica 1 failing at request 3's step."""

@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import signal
+import time
 
 import httpx
 import openai
@@ -77,3 +78,18 @@ def test_a_killed_engine_process_fails_its_requests_and_health_says_how(tmp_path
     assert (served["finish_reason"], served["output_len"], len(served["output_token_ids"])) == ("length", 3, 3)
     assert lost["finish_reason"] == "error" and lost["error"] == "the engine process was killed by SIGKILL"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["requests.jsonl"]  # no live log left beside it
+
+
+def test_a_sigterm_to_the_engine_process_is_left_to_the_server(tmp_path):
+    """A SIGTERM to the server's whole process group (`timeout`, systemd, Slurm) reaches the engine
+    process too: it serves on, and the server's drain still ends with the engine's summary."""
+    with running(tmp_path, *SMALL, "server.engine_process=true") as (base, srv):
+        (engine,) = [p for p in multiprocessing.active_children() if p.name == "cbjax-engine"]
+        os.kill(engine.pid, signal.SIGTERM)
+        time.sleep(0.5)  # what a delivered SIGTERM would have done by now
+        assert engine.is_alive()
+        body = {"prompt": "a", "max_tokens": 3}
+        assert httpx.post(f"{base}/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 3
+        assert httpx.get(base.removesuffix("/v1") + "/health").status_code == 200
+    assert srv.summary is not None and srv.summary["num_requests"] == 1
+    assert json.loads((tmp_path / "summary.json").read_text())["num_finished"] == 1

@@ -1,6 +1,6 @@
 """cbjax-serve's request validation beyond the schema's ranges: strict types, lone surrogates,
-null as the default, stream_options without a stream, the body-size bound, and reused
-X-Request-IDs (in-process, on the paced simulator)."""
+null as the default, stream_options without a stream, a body not UTF-8 or not sent as JSON,
+the body-size bound, and reused X-Request-IDs (in-process, on the paced simulator)."""
 
 from __future__ import annotations
 
@@ -100,6 +100,23 @@ def test_loose_types_are_400_naming_the_field_and_exact_types_are_served(tmp_pat
             ok = http.post("/chat/completions", json={"messages": CHAT, "temperature": 1, "presence_penalty": 0, "max_tokens": 3})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     assert [r["output_len"] for r in rows(tmp_path)] == [2, 3]  # no loose request reached the engine
+
+
+def test_a_body_not_utf8_or_not_sent_as_json_is_a_400_saying_so(tmp_path):
+    with running(tmp_path, NOW) as (base, srv):
+        with httpx.Client(base_url=base, timeout=30) as http:
+            resp = http.post("/completions", content=b'{"prompt": "\xff\xfe"}', headers={"content-type": "application/json"})
+            assert_openai_error(resp, 400, "body", "not UTF-8")
+            assert "not UTF-8" in resp.json()["error"]["message"]
+            resp = http.post("/completions", content=b'{"prompt": "a", "max_tokens": 1}', headers={"content-type": "text/plain"})
+            assert_openai_error(resp, 400, "body", "text/plain")
+            assert "Content-Type is 'text/plain'" in resp.json()["error"]["message"]
+            resp = http.post("/completions", content=b'{"prompt": "a", "max_tokens": 1}')
+            assert_openai_error(resp, 400, "body", "no content-type")
+            assert "no Content-Type" in resp.json()["error"]["message"]
+            # sent as JSON, a field's own error still names the field
+            resp = http.post("/completions", content=b'{"prompt": "a", "max_tokens": "1"}', headers={"content-type": "application/json; charset=utf-8"})
+            assert_openai_error(resp, 400, "max_tokens", "json")
 
 
 def test_a_lone_surrogate_is_a_400_naming_where_it_is(tmp_path):

@@ -215,6 +215,21 @@ def _compose_with_hydra(*overrides):
     return to_run_config(cfg), hydra_cfg
 
 
+def test_the_mlfq_search_has_something_to_find():
+    """Its setting is over capacity on a real accelerator's shape: trials differ in goodput,
+    and the latencies are milliseconds, not a toy model's nanoseconds."""
+    from cbjax.app.run import run_single
+
+    base, _ = _compose_with_hydra("hparams_search=mlfq_goodput")
+    summaries = [
+        run_single(with_overrides(base, {"scheduler": {"mlfq_base_quantum": q, "mlfq_num_queues": n, "mlfq_preempt": p}}),
+                   verbose=False)  # fmt: skip
+        for q, n, p in [(4, 1, False), (8, 8, True)]  # one queue, no preemption: FCFS; short quanta, preempting
+    ]
+    fcfs, mlfq = (s["goodput_req_s"] for s in summaries)
+    assert mlfq > 1.5 * fcfs
+    assert all(s["tpot_s_p50"] > 1e-3 and s["ttft_s_p99"] > 0.1 for s in summaries)
+
 def test_launcher_search_and_logger_configs_compose():
     _, hydra_cfg = _compose_with_hydra("hydra/launcher=joblib")
     assert hydra_cfg.launcher._target_.endswith("JoblibLauncher")

@@ -11,7 +11,7 @@ import pytest
 from cbjax.config import WorkloadConfig
 from cbjax.app.run import run_experiment
 from cbjax.workload import build_workload
-from cbjax.workload.trace import load_trace
+from cbjax.workload.trace import encode_text_prompts, load_trace
 from test_config_schema import composed
 from test_workload import _trace, _write
 
@@ -105,6 +105,29 @@ def test_mooncake_format_forced_and_a_misspelled_key_named(tmp_path):
     assert "input_length is missing" in r[0].input_error
 
 
+def test_a_negative_length_is_named_by_the_files_own_column(tmp_path):
+    azure = _trace(tmp_path, "a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:07,-5,8\n")
+    assert azure[0].input_error == "a.csv line 2: ContextTokens must be >= 0, got -5"
+    lines = [{"timestamp": 0, "input_length": 8, "output_length": -2, "hash_ids": [0]}]
+    assert _mooncake(tmp_path, lines)[0].input_error == "mooncake.jsonl line 1: output_length must be >= 0, got -2"
+    plain = _trace(tmp_path, "p.csv", "arrival_s,prompt_len,output_len\n0,-1,1\n")
+    assert plain[0].input_error == "p.csv line 2: prompt_len must be >= 0, got -1"
+
+
+def test_a_text_prompt_without_a_tokenizer_is_named_by_file_and_line(tmp_path):
+    reqs = _trace(tmp_path, "t.jsonl", '{"arrival_s": 0, "prompt_len": 4, "output_len": 1}\n{"arrival_s": 0, "prompt": "hi", "output_len": 1}\n')
+    encode_text_prompts(reqs, None, where="model 'm'")
+    assert reqs[1].input_error.startswith("t.jsonl line 2: prompt is text, but model 'm' has no tokenizer")
+
+
+def test_a_mooncake_line_with_a_bad_length_names_that_field_alone(tmp_path):
+    lines = [{"timestamp": 0, "input_length": "8", "output_length": 1, "hash_ids": [0]},
+             {"timestamp": 1, "input_length": 8, "output_length": 1, "hash_ids": "0"}]  # fmt: skip
+    r = _mooncake(tmp_path, lines, format="mooncake")
+    assert r[0].input_error == "mooncake.jsonl line 1: input_length '8' is not an integer"
+    assert r[1].input_error == "mooncake.jsonl line 2: hash_ids must be a list of integers, got str"
+
+
 def test_mooncake_prefix_cache_hits_only_on_shared_hash_ids(tmp_path):
     def hit_rate(lines):
         path = _write(tmp_path, "m.jsonl", "\n".join(json.dumps(x) for x in lines))
@@ -175,3 +198,28 @@ def test_arrivals_going_backwards_are_sorted_with_one_warning_counting_them(tmp_
 def test_an_unknown_header_names_the_closest_format_and_its_missing_columns(tmp_path, header, closest):
     with pytest.raises(ValueError, match=re.escape(f"cannot tell its format from the first line {header!r}; {closest}")):
         _trace(tmp_path, "h.csv", f"{header}\n1,2\n")
+
+
+def test_lines_the_scheduler_refuses_are_named_by_file_and_line(tmp_path):
+    """Problems found at the scheduler (once the model and the cache are known, or by the
+    scheduler's own checks) name the line, as the reader's own do."""
+    lines = [
+        {"arrival_s": 0, "prompt_len": 4, "output_len": 2},
+        {"arrival_s": 0, "prompt_len": 4, "output_len": 2, "temperature": -1},
+        {"arrival_s": 0, "prompt_len": 9000, "output_len": 2},
+        {"arrival_s": 0, "prompt_token_ids": [], "output_len": 2},
+        {"arrival_s": 0, "prompt_len": 4, "output_len": 0},
+        {"arrival_s": 0, "prompt_token_ids": [1, 999999999], "output_len": 2},
+    ]
+    path = _write(tmp_path, "t.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
+    cfg = composed("progress=false", "workload=trace", f"workload.path={path}", "executor.cost_model=unit")
+    run_experiment(cfg, tmp_path / "run", verbose=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    assert [r["reject_reason"] for r in rows] == [
+        None,
+        "t.jsonl line 2: temperature must be >= 0, got -1.0",
+        "t.jsonl line 3: prompt has 9000 tokens, model max_model_len is 8192 (no room to generate)",
+        "t.jsonl line 4: empty prompt",
+        "t.jsonl line 5: max_tokens must be >= 1, got 0",  # (output_len sets max_tokens)
+        "t.jsonl line 6: request 5: prompt token id 999999999 is outside the vocabulary (model.vocab_size=128256)",
+    ]

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -120,6 +120,24 @@ def preflight(prog: str, config_name: str, schema: type) -> None:
     check_group_overrides(sys.argv[1:], schema, prog)
 
 
+def quiet_broken_pipe(main: Callable[[], None]) -> Callable[[], None]:
+    """`main`, ending quietly (status 1) when the reader of its stdout leaves early
+    (`cbjax --help | head`) rather than with a BrokenPipeError traceback."""
+
+    @functools.wraps(main)
+    def wrapped() -> None:
+        try:
+            main()
+            sys.stdout.flush()  # here, where the error can still be caught
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would fail again
+            sys.exit(1)
+
+    return wrapped
+
+
+@quiet_broken_pipe
 def main() -> None:
     preflight("cbjax", "config", RunConfig)
     try:

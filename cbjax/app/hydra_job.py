@@ -105,17 +105,20 @@ class ResumeCallback(Callback):
 
 class OutputDirCallback(Callback):
     """Fails in one line, before Hydra makes the run's folder (its own error is a traceback)
-    and before any work, when the run or sweep folder cannot be created or written."""
+    and before any work, when the run or sweep folder cannot be created or written. `prog`:
+    the command that says so (cbjax, cbjax-serve, cbjax-bench)."""
+
+    def __init__(self, prog: str = "cbjax"):
+        self.prog = prog
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _require_writable(Path(config.hydra.run.dir))
+        self._require_writable(Path(config.hydra.run.dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _require_writable(Path(config.hydra.sweep.dir))
+        self._require_writable(Path(config.hydra.sweep.dir))
 
-
-def _require_writable(directory: Path) -> None:
-    problem = unwritable(directory)
-    if problem is not None:
-        print(f"cbjax: error: {problem}; choose another with hydra.run.dir (or hydra.sweep.dir)", file=sys.stderr)
-        sys.exit(1)
+    def _require_writable(self, directory: Path) -> None:
+        problem = unwritable(directory)
+        if problem is not None:
+            print(f"{self.prog}: error: {problem}; choose another with hydra.run.dir (or hydra.sweep.dir)", file=sys.stderr)
+            sys.exit(1)

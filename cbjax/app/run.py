@@ -17,6 +17,7 @@ from cbjax.report.files import RequestLog, atomic_write_text
 from cbjax.core.stop import StopFlag
 from cbjax.report.plots import plot_comparison
 from cbjax.report.reproduction import check_entries, evaluate, format_rows, write_reproduction
+from cbjax.report.reasons import format_reasons
 from cbjax.report.tables import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
 from cbjax.report.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
@@ -144,7 +145,7 @@ def run_single(
         executor.close()  # multi-host: the other processes stop stepping
     summary = build_summary(cfg, result, service_log, executor)
     if verbose:  # before the files: the console keeps the summary when the folder can't take them
-        log.info(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"))
+        log.info(_with_reasons(format_summary(summary, title=f"{summary['scheduler']} ({cfg.executor.name})"), result))
     write_outputs(cfg, out_dir, result, service_log, executor, extra_rows=extra, summary=summary)
     if live is not None:
         live.close()
@@ -188,7 +189,7 @@ def _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop) ->
     summary.update(cluster.summary_fields(result))
     if verbose:  # before the files, as run_single
         title = f"{summary['scheduler']} ({cfg.executor.name}, {len(cluster.replicas)} replicas)"
-        log.info(format_summary(summary, title=title))
+        log.info(_with_reasons(format_summary(summary, title=title), result))
     write_outputs(
         cfg, out_dir, result, cluster.service_log, cluster.replicas[0].executor, extra_rows=rows,
         summary=summary,
@@ -198,6 +199,12 @@ def _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop) ->
     if cluster.failure is not None:
         raise cluster.failure
     return summary
+
+
+def _with_reasons(table: str, result) -> str:
+    """The run's table, and under it why requests were rejected or failed, if any were."""
+    reasons = format_reasons(result.requests)
+    return f"{table}\n\n{reasons}" if reasons else table
 
 
 def build_cluster(cfg: RunConfig):

@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from cbjax.bench.config import BenchConfig
-from cbjax.app.cli import CONFIG_PATH, preflight
+from cbjax.app.cli import CONFIG_PATH, preflight, quiet_broken_pipe
 from cbjax.app.config_merge import typed_config
 from cbjax.core.stop import StopFlag
 
@@ -40,6 +40,7 @@ def _app(cfg: DictConfig) -> None:
     print(f"\noutputs: {out_dir}")
 
 
+@quiet_broken_pipe
 def main() -> None:
     preflight("cbjax-bench", "bench", BenchConfig)
     try:

@@ -84,7 +84,8 @@ async def check_server(session: aiohttp.ClientSession, cfg: BenchClientConfig) -
         return cfg.model
     where = f"GET {url}"
     if status != 200:
-        raise ValueError(f"bench.model: unset, and {where} answered {status}: {error_message(text)}")
+        hint = "; an OpenAI base URL usually ends in /v1" if status == 404 and not cfg.url.rstrip("/").endswith("/v1") else ""
+        raise ValueError(f"bench.model: unset, and {where} answered {status}: {error_message(text)}{hint}")
     try:
         data = json.loads(text).get("data") or []
     except (ValueError, AttributeError):

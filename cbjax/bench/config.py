@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+from urllib.parse import urlsplit
 
 from cbjax.config import SLOConfig, WorkloadConfig
 from cbjax.config.checks import _one_of, _require
@@ -35,6 +36,7 @@ class BenchClientConfig:
 
     def __post_init__(self) -> None:
         _require(self.url.startswith(("http://", "https://")), "bench.url", "must be an http(s) URL ending in /v1", self.url)
+        _require(_address_ok(self.url), "bench.url", "needs a host, and a port from 1 to 65535 if it names one", self.url)
         if self.concurrency is not None:
             _require(self.concurrency >= 1, "bench.concurrency", "must be >= 1 (null: open loop)", self.concurrency)
         _one_of("bench.endpoint", self.endpoint, ENDPOINTS)
@@ -45,6 +47,16 @@ class BenchClientConfig:
         _require(self.timeout_s > 0, "bench.timeout_s", "must be > 0", self.timeout_s)
         if self.duration_s is not None:
             _require(self.duration_s > 0, "bench.duration_s", "must be > 0", self.duration_s)
+
+
+def _address_ok(url: str) -> bool:
+    """The URL names a host, and its port, if any, is one a socket can take."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError outside 0..65535 or when not a number
+    except ValueError:
+        return False
+    return bool(parts.hostname) and port != 0
 
 
 @dataclass

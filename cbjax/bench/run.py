@@ -13,6 +13,7 @@ from cbjax.bench.config import BenchConfig
 from cbjax.bench.stream import Timing
 from cbjax.core.results import IterationStats, RunResult
 from cbjax.report.metrics import summarize
+from cbjax.report.reasons import format_reasons
 from cbjax.core.stop import StopFlag
 from cbjax.report.tables import markdown_table, write_run
 from cbjax.core.request import FinishReason, Request
@@ -76,10 +77,12 @@ def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool
     for req in bad:  # the workload's own errors (a bad trace line): not sent, rejected by name
         req.finish_reason, req.reject_reason, req.finish_s = FinishReason.REJECTED, req.input_error, req.arrival_s
     good = [r for r in requests if r.input_error is None]
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        timings, wall = runner.run(run_load(cfg.bench, good, progress=bar.update if bar else None, stop=stop))
-    if bar is not None:
-        bar.close()
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            timings, wall = runner.run(run_load(cfg.bench, good, progress=bar.update if bar else None, stop=stop))
+    finally:  # an error's line then starts on a line of its own
+        if bar is not None:
+            bar.close()
     for req, timing in timings.items():
         apply(req, timing)
     rows = [r for r in requests if r in timings or r.input_error is not None]  # not sent (bench.duration_s): no row
@@ -88,7 +91,8 @@ def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool
         extra = lambda r: {"itl_s": itls(timings[r]) if r in timings else [], "http_status": timings[r].status if r in timings else None}  # noqa: E731
         write_run(out_dir, cfg, summary, rows, extra_rows=extra)
     if verbose:
-        log.info(format_client_summary(summary))
+        reasons = format_reasons(rows)
+        log.info(format_client_summary(summary) + (f"\n\n{reasons}" if reasons else ""))
     return summary
 
 

@@ -7,7 +7,8 @@ with its own devices in its environment (`cbjax.cluster.devices`) and one pipe t
 A child builds its executor (`cbjax.cluster.executor_host.ExecutorHost`), then answers the
 driver's calls in the order sent: plans in, tokens out, and under P/D the K/V of a prefilled
 request as numpy arrays, from the prefill child through the driver to the decode child.
-Children ignore SIGINT: a Ctrl-C reaches the driver, which stops the run and closes them.
+Children ignore SIGINT and SIGTERM: a Ctrl-C, or a SIGTERM to the whole process group
+(`timeout`, systemd, Slurm), reaches the driver, which stops the run and closes them.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from cbjax.cluster.pools import replica_configs
 from cbjax.cluster.remote import Pending, RemoteExecutor, ReplicaFailed, Transport
 from cbjax.config import RunConfig
 
-# A child still running this long after its pipe closed is terminated.
+# A child still running this long after its pipe closed is killed.
 JOIN_TIMEOUT_S = 10.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # the driver's to handle: children ignore them
 _START_LOCK = threading.Lock()  # the environment is the process's: one child starts at a time
 
 
 def replica_main(conn, build: Callable[[RunConfig], Any], cfg: RunConfig, cpu: Optional[int] = None) -> None:
     """A replica process: pinned to `cpu` if given, build the executor, then answer calls until
     `close` or until the driver is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     if cpu is not None:  # before jax starts its threads, which inherit it
         os.sched_setaffinity(0, [cpu])
     host = ExecutorHost(build, cfg)
@@ -111,10 +114,7 @@ class PipeTransport(Transport):
         with contextlib.suppress(OSError):
             self.conn.close()
         self.process.join(timeout=JOIN_TIMEOUT_S)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=JOIN_TIMEOUT_S)
-        if self.process.is_alive():
+        if self.process.is_alive():  # (it ignores SIGTERM)
             self.process.kill()
             self.process.join()
 
@@ -164,12 +164,12 @@ class ProcessReplicas:
 @contextlib.contextmanager
 def _environment(env: Mapping[str, str]) -> Iterator[None]:
     """`env` set in this process's environment while a child starts (a spawned child inherits
-    it), and SIGINT ignored from its first instruction where this is the main thread."""
+    it), and SIGINT and SIGTERM ignored from its first instruction where this is the main thread."""
     with _START_LOCK:
         saved = {key: os.environ.get(key) for key in env}
-        handler = None
+        handlers = {}
         if threading.current_thread() is threading.main_thread():
-            handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
         try:
             os.environ.update(env)
             yield
@@ -179,5 +179,5 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-            if handler is not None:
-                signal.signal(signal.SIGINT, handler)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)

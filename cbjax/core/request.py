@@ -76,6 +76,8 @@ class Request:
     prompt_text: Optional[str] = None
     # The id the input gave, when it had to be renamed (a duplicate): request_id is then unique.
     original_request_id: Optional[str] = None
+    # Where the request was read ("trace.jsonl line 12"): a rejection's reason names it.
+    source: Optional[str] = None
     # A turn of a multi-turn session (`workload=sessions`, conversation traces): its session,
     # its index there (0 first), and whether a later turn of the session follows it.
     session_id: Optional[str] = None

@@ -85,7 +85,23 @@ def _app(cfg: DictConfig) -> None:
         print(f"loop host time before a collect, by the launched plan ({launch['steps']}): " + "; ".join(parts))
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
-    print(f"use it: cbjax executor=sim executor.cost_model=profiled executor.profile={out_dir / 'profile.json'}")
+    hydra_cfg = HydraConfig.get()
+    print("use it: " + use_command(hydra_cfg.runtime.choices["model"], list(hydra_cfg.overrides.task), out_dir / "profile.json"))
+
+
+# The keys a profile must match (`cbjax.sim.profiled.profile_key`), as command-line overrides
+MATCHED = ("model", "cache.page_size", "scheduler.max_num_seqs")
+
+
+def use_command(model: str, overrides: list[str], profile: Path) -> str:
+    """The `cbjax` command that simulates with this profile: the model option and the overrides
+    of the keys the profile must match, as the profile was made with them (the simulator's own
+    default model is another one)."""
+    given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".")[0] == "model"
+             or o.lstrip("+~").split("=", 1)[0] in MATCHED[1:]]  # fmt: skip
+    if not any(o.lstrip("+~").startswith("model=") for o in given):
+        given.insert(0, f"model={model}")
+    return " ".join(["cbjax", *given, "executor=sim", "executor.cost_model=profiled", f"executor.profile={profile}"])
 
 
 if __name__ == "__main__":

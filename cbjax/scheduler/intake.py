@@ -23,7 +23,15 @@ class Limits(Protocol):
 def rejection_reason(sched: Limits, req: Request) -> Optional[str]:
     """Why the request can never run on `sched`, or None: input errors, sampling parameters,
     lengths against the model, the step budget and the page pool, prompt ids against the
-    vocabulary, then the executor's own check (`sched.validate`)."""
+    vocabulary, then the executor's own check (`sched.validate`). A reason found here for a
+    request read from a file starts with its `source`, as the reader's own errors do."""
+    reason = _reason(sched, req)
+    if reason is not None and req.source is not None and not req.input_error:
+        return f"{req.source}: {reason}"
+    return reason
+
+
+def _reason(sched: Limits, req: Request) -> Optional[str]:
     if req.input_error:
         return req.input_error
     if req.prompt_len < 1:

@@ -27,10 +27,13 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: HTTPRequest, err: RequestValidationError) -> JSONResponse:
-        return await _api_error(request, validation_error(err))
+        return await _api_error(request, body_error(request) or validation_error(err))
 
     @app.exception_handler(HTTPException)
     async def _http(request: HTTPRequest, err: HTTPException) -> JSONResponse:
+        if err.status_code == 400 and isinstance(err.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            bad = err.__cause__
+            return await _api_error(request, APIError(400, f"body: not UTF-8 ({bad.reason} at byte {bad.start})", "body"))
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return await _api_error(request, APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", None, kind))
 
@@ -165,6 +168,17 @@ def _replay(messages: list[dict], receive):
         return pending.pop(0) if pending else await receive()
 
     return replayed
+
+
+def body_error(request: HTTPRequest):
+    """A 400 naming the Content-Type of a body sent as other than JSON (FastAPI then reads it
+    as no object at all, and pydantic's complaint would be about its type), or None."""
+    kind = request.headers.get("content-type", "")
+    media = kind.split(";")[0].strip().lower()
+    if media == "application/json" or media.endswith("+json"):  # FastAPI reads these as JSON
+        return None
+    sent = f"Content-Type is {kind!r}" if kind else "no Content-Type"
+    return APIError(400, f"body: {sent}; send the JSON body as application/json", "body")
 
 
 def validation_error(err: RequestValidationError) -> APIError:

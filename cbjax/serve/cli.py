@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from cbjax.app.cli import CONFIG_PATH, preflight
+from cbjax.app.cli import CONFIG_PATH, preflight, quiet_broken_pipe
 from cbjax.app.config_merge import typed_config
 from cbjax.serve.config import ServeConfig
 from cbjax.serve.process import LISTENING
@@ -33,8 +33,9 @@ def _app(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         server = Server(typed_config(cfg, ServeConfig), out_dir)
+        sock = server.bind(listen=False)  # a port in use fails now, not after the warmup
         server.warmup()
-        sock = server.bind()
+        server.listen(sock)
     except (ValueError, OSError) as err:
         print(f"cbjax-serve: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -60,6 +61,7 @@ def refused_override(args: list[str]) -> Optional[str]:
     return None
 
 
+@quiet_broken_pipe
 def main() -> None:
     why = refused_override(sys.argv[1:])
     if why is not None:

@@ -44,7 +44,8 @@ class ServerConfig:
         _require(bool(self.host), "server.host", "must be non-empty", self.host)
         _require(0 <= self.port <= 65535, "server.port", "must be in [0, 65535] (0: any free port)", self.port)
         if self.max_queue is not None:
-            _require(self.max_queue >= 0, "server.max_queue", "must be >= 0", self.max_queue)
+            # 0 would turn every request away, a slot free or not
+            _require(self.max_queue >= 1, "server.max_queue", "must be >= 1 (null: no bound)", self.max_queue)
         if self.api_key is not None:
             _require(bool(self.api_key), "server.api_key", "must be non-empty (null: no key)", self.api_key)
         _require(self.drain_s >= 0 and math.isfinite(self.drain_s), "server.drain_s", "must be >= 0", self.drain_s)

@@ -17,8 +17,9 @@ starts no JAX runtime of its own, and a forked JAX runtime would not be safe):
   `error` (the exception's type, message and traceback), at any point.
 
 The engine process writes requests.jsonl (live, as requests end) and the outputs, as a server
-that runs the engine on a thread does. It ignores SIGINT: the server drains on Ctrl-C and then
-tells it to finish; if the server process dies, the pipe closes and the engine process stops.
+that runs the engine on a thread does. It ignores SIGINT and SIGTERM: the server drains on
+either and then tells it to finish; if the server process dies, the pipe closes and the engine
+process stops.
 If the engine process dies, `health` says how (its exit code, or the signal that killed it),
 every request ends in error, and `finish` writes requests.jsonl from the server's copies."""
 
@@ -272,7 +273,10 @@ def _engine_main(cfg: ServeConfig, out_dir: Optional[Path], conn) -> None:
     server's commands between its turns; at the end, write the outputs."""
     from cbjax.serve.host import EngineHost  # here: the server process needs no executor
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on Ctrl-C, then says finish
+    # The server drains on Ctrl-C or SIGTERM, then says finish; a signal to the whole process
+    # group (Ctrl-C, `timeout`, systemd, Slurm) reaches this process too, and is the server's.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         forward = _Forward(conn)
         host = EngineHost(cfg, out_dir, forward.on_token, forward.on_finish, forward.tick)

@@ -74,9 +74,11 @@ class Server:
         """Compile before listening (in the engine process, wait until it has)."""
         self.engine.warmup()
 
-    def bind(self) -> socket.socket:
-        """The server's socket, bound and listening (connections wait in its backlog until
-        `run` accepts them)."""
+    def bind(self, listen: bool = True) -> socket.socket:
+        """The server's socket, bound to server.host:server.port and, unless `listen` is false,
+        listening (connections wait in its backlog until `run` accepts them). An address it
+        cannot take is an OSError naming both keys. cbjax-serve binds before the warmup, so a
+        port in use fails at once, and listens (`listen`) after it."""
         cfg = self.cfg.server
         self.uvicorn = _Uvicorn(
             uvicorn.Config(
@@ -92,12 +94,16 @@ class Server:
             on_signal=self.begin_drain,
             on_startup=self.engine.start,  # arrivals count from here, after warmup
         )
-        sock = self.uvicorn.config.bind_socket()
-        # uvicorn listens only once its loop has started: a client that connects as soon as
-        # `bind` returns (when cbjax-serve says it is listening) would be refused until then.
-        # Listening here queues such connections in the backlog instead.
-        sock.listen(self.uvicorn.config.backlog)
+        sock = bound_socket(cfg.host, cfg.port)
+        if listen:
+            self.listen(sock)
         return sock
+
+    def listen(self, sock: socket.socket) -> None:
+        """uvicorn listens only once its loop has started: a client that connects as soon as
+        cbjax-serve says it is listening would be refused until then. Listening here queues
+        such connections in the backlog instead."""
+        sock.listen(self.uvicorn.config.backlog)
 
     def run(self, sock: Optional[socket.socket] = None) -> Optional[dict[str, Any]]:
         """Serve on `sock` (from `bind`; default: bind now) until told to stop; then write
@@ -135,6 +141,21 @@ class Server:
             log.error("cbjax-serve: %s; requests.jsonl written without the engine's summary", self.engine.health().reason)
         if self._drain_timer is not None:
             self._drain_timer.cancel()
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), as uvicorn binds one; an OSError naming server.host
+    and server.port when it cannot be (uvicorn's own bind logs the bare OS error and exits)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # a taken port, an address of no interface here, a name that does not resolve
+        sock.close()
+        raise OSError(f"server.host={host} server.port={port}: cannot listen there: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class _Uvicorn(uvicorn.Server):

@@ -231,7 +231,8 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
     for key, ours in profile_key(model, page_size, num_slots).items():
         theirs = made_for.get(key)
         if theirs != ours:
-            raise ValueError(f"executor.profile: made for {key}={theirs}, this run has {ours} ({p})")
+            hint = f"; it profiled model {profile['model']!r}" if key.startswith("model.") and profile.get("model") else ""
+            raise ValueError(f"executor.profile: made for {key}={theirs}, this run has {ours} ({p}){hint}")
     profile["coefficients"] = coef
     return profile
 

@@ -182,7 +182,7 @@ def mooncake_rows(body: list[tuple[int, str]], block_size: int, vocab_size: int,
                 ids = _attempt(row, _hash_ids, hash_ids, row.prompt_len, block_size)
                 if ids is not None:
                     row.prompt_token_ids = prompt_from_blocks(ids, row.prompt_len, block_size, vocab_size, seed, blocks)
-            elif "hash_ids" in obj:
+            elif "hash_ids" in obj and not isinstance(hash_ids, list):
                 row.errors.append(f"hash_ids must be a list of integers, got {type(hash_ids).__name__}")
         rows.append(row)
     last: dict[str, _Row] = {}  # a session's turns, in file order, at their own timestamps

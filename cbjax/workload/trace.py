@@ -34,6 +34,9 @@ log = logging.getLogger("cbjax")
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 CSV_COLUMNS = ("arrival_s", "prompt_len", "output_len")
+# each format's names for the prompt and output lengths, for a reason naming one
+LENGTH_NAMES = {"azure": AZURE_COLUMNS[1:], "burstgpt": ("Request tokens", "Response tokens"),
+                "mooncake": ("input_length", "output_length")}  # fmt: skip
 JSONL_KEYS = (
     "arrival_s", "prompt_token_ids", "prompt_len", "max_tokens", "output_len", "request_id",
     "temperature", "top_k", "top_p", "seed", "ignore_eos", "priority", "client_id", "stop_token_ids",
@@ -77,7 +80,7 @@ def load_trace(cfg: WorkloadConfig, seed: int, tokenizer: Optional[Any] = None) 
         first = rows[0]
         raise ValueError(f"trace file {path}: no line is valid JSON (line {first.line}: {first.errors[0]})")
     _warn_backwards(rows, path)
-    return _to_requests(rows, path.name, cfg, seed)
+    return _to_requests(rows, path.name, cfg, seed, LENGTH_NAMES.get(fmt, ("prompt_len", "output_len")))
 
 
 def resolve_path(path: str) -> Path:
@@ -239,14 +242,15 @@ def _jsonl_row(n: int, text: str) -> _Row:
     return row
 
 
-def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) -> list[Request]:
+def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int, lengths: tuple[str, str]) -> list[Request]:
+    """The rows as requests; `lengths` are the file's names for the prompt and output lengths."""
     rngs = rng_streams(seed)
     for row in rows:
         if row.prompt_len is not None and row.prompt_len < 0:
-            row.errors.append(f"prompt_len must be >= 0, got {row.prompt_len}")
+            row.errors.append(f"{lengths[0]} must be >= 0, got {row.prompt_len}")
             row.prompt_len = None
         if row.output_len is not None and row.output_len < 0:
-            row.errors.append(f"output_len must be >= 0, got {row.output_len}")
+            row.errors.append(f"{lengths[1]} must be >= 0, got {row.output_len}")
             row.output_len = None
     pseeds = prompt_seeds(len(rows), rngs["token_ids"])
     seeds = sampling_seeds(len(rows), rngs["sampling_seed"])
@@ -294,6 +298,7 @@ def _to_requests(rows: list[_Row], name: str, cfg: WorkloadConfig, seed: int) ->
                 client_id=row.client_id,
                 input_error=f"{name} line {row.line}: {'; '.join(row.errors)}" if row.errors else None,
                 original_request_id=original if rid != original else None,
+                source=f"{name} line {row.line}",
                 session_id=row.session_id,
                 turn=row.turn,
                 more_turns=row.more_turns,
@@ -323,7 +328,7 @@ def encode_text_prompts(requests: list[Request], tokenizer: Optional[Any], where
             continue
         if tokenizer is None:
             req.input_error = (
-                f"request {req.request_id}: prompt is text, but {where} has no tokenizer; "
+                f"{req.source or f'request {req.request_id}'}: prompt is text, but {where} has no tokenizer; "
                 "set model.path to a Hugging Face directory with tokenizer.json"
             )
             continue
