@@ -33,7 +33,8 @@ from cbjax.cluster import ClusterSim  # noqa: E402
 from cbjax.config import CacheConfig, ClusterConfig, ExecutorConfig, RunConfig, SchedulerConfig, WorkloadConfig  # noqa: E402
 from cbjax.engine.offline import serve  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
-from cbjax.app.run import build_executor, from_dict  # noqa: E402
+from cbjax.app.config_merge import from_dict  # noqa: E402
+from cbjax.app.run import build_executor  # noqa: E402
 from cbjax.scheduler import Scheduler  # noqa: E402
 from cbjax.report.service import ServiceLog  # noqa: E402
 from cbjax.workload import build_workload  # noqa: E402

@@ -16,7 +16,8 @@ from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, RunConfig,
 from cbjax.engine.offline import serve
 from cbjax.report.metrics import summarize
 from cbjax.report.tables import markdown_table
-from cbjax.app.run import build_executor, from_dict
+from cbjax.app.config_merge import from_dict
+from cbjax.app.run import build_executor
 from cbjax.scheduler import Scheduler
 from cbjax.workload import build_workload
 

@@ -119,3 +119,18 @@ def _nest(patch: dict[str, Any]) -> dict[str, Any]:
         else:
             out[head] = value
     return out
+
+
+def from_dict(cls, data: dict[str, Any]):
+    """Build a (nested) config dataclass from plain dicts."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        ftype = hints[f.name]
+        if dataclasses.is_dataclass(ftype) and isinstance(value, dict):
+            value = from_dict(ftype, value)
+        kwargs[f.name] = value
+    return cls(**kwargs)

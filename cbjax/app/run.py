@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import typing
 from pathlib import Path
 from typing import Any, Optional
 
@@ -390,17 +389,3 @@ def with_overrides(cfg: RunConfig, overrides: dict[str, Any], where: str = "over
     """A copy of `cfg` with a nested partial config typed-merged in (see `merge_overrides`)."""
     return merge_overrides(cfg, overrides, where)
 
-
-def from_dict(cls, data: dict[str, Any]):
-    """Build a (nested) config dataclass from plain dicts."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
-            continue
-        value = data[f.name]
-        ftype = hints[f.name]
-        if dataclasses.is_dataclass(ftype) and isinstance(value, dict):
-            value = from_dict(ftype, value)
-        kwargs[f.name] = value
-    return cls(**kwargs)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from cbjax.config import RunConfig, SchedulerConfig, WorkloadConfig
-from cbjax.app.run import from_dict
+from cbjax.app.config_merge import from_dict
 
 # served back to back per anchor timing; the timing is their median (one burst of a tiny model
 # lasts ~0.1 s and spreads ~10% run to run on a steady machine)
