@@ -93,6 +93,9 @@ def test_each_later_turn_arrives_its_pause_after_the_turn_before_ends_by_hand():
     assert summary["ttft_s_p99_by_turn"] == [pytest.approx(1.49), pytest.approx(1.49), 1.0]
     assert summary["ttft_s_mean_by_turn"] == [3.5 / 3, 3.5 / 3, 1.0]
     assert summary["served_by_turn"] == [3, 3, 1]
+    # prompt tokens over summed TTFT: turn 0 (4 + 5 + 3) / 3.5, turn 1 (9 + 10 + 6) / 3.5, turn 2 12 / 1
+    assert summary["prefill_tok_s_by_turn"] == [12 / 3.5, 25 / 3.5, 12.0]
+    assert summary["prefill_tok_s"] == (12 + 25 + 12) / 8.0
     assert summary_value(summary, "ttft_s_p50_by_turn.2") == 1.0  # comparison tables read a turn's
     assert summary_value(summary, "ttft_s_p50_by_turn.3") is None
 
@@ -138,6 +141,7 @@ def test_a_run_without_sessions_has_no_ttft_by_turn():
     ]
     summary = summarize(serve(reqs, scheduler(), SimExecutor(UnitCost())))
     assert summary["ttft_s_p50_by_turn"] is None and summary["served_by_turn"] is None
+    assert summary["prefill_tok_s_by_turn"] is None and summary["prefill_tok_s"] is None
     assert request_row(reqs[0])["session_id"] is None and request_row(reqs[0])["turn"] == 0
 
 

@@ -146,23 +146,31 @@ def summarize(
     return summary
 
 
-def ttft_by_turn(reqs: list[Request], served: list[Request]) -> dict[str, Optional[list]]:
+def ttft_by_turn(reqs: list[Request], served: list[Request]) -> dict[str, Any]:
     """TTFT of served requests by their turn in a session, when any request is a session's:
     `ttft_s_p50_by_turn`, `ttft_s_p99_by_turn` and `ttft_s_mean_by_turn`, lists indexed by
     turn (0 first), up to the last turn any request has, each entry None where no request of
-    that turn was served; `served_by_turn` counts them. All None for a run without sessions."""
+    that turn was served; `served_by_turn` counts them. `prefill_tok_s_by_turn` is a turn's
+    prefill throughput: its served requests' prompt tokens, the conversation so far included,
+    over their summed TTFT (CachedAttention's prompt prefilling throughput, queueing included);
+    `prefill_tok_s` the same over every turn. All None for a run without sessions."""
     keys = ("ttft_s_p50_by_turn", "ttft_s_p99_by_turn", "ttft_s_mean_by_turn", "served_by_turn")
     if not any(r.session_id is not None for r in reqs):
-        return dict.fromkeys(keys)
+        return dict.fromkeys(keys + ("prefill_tok_s_by_turn", "prefill_tok_s"))
     by_turn: list[list[float]] = [[] for _ in range(max(r.turn for r in reqs) + 1)]
+    prompt_tokens = [0] * len(by_turn)
     for r in served:
         ttft = request_latencies(r)["ttft_s"]
         if ttft is not None:
             by_turn[r.turn].append(ttft)
-    out: dict[str, Optional[list]] = {}
+            prompt_tokens[r.turn] += r.prompt_len
+    out: dict[str, Any] = {}
     for key, stat in zip(keys, (lambda a: np.percentile(a, 50), lambda a: np.percentile(a, 99), np.mean)):
         out[key] = [float(stat(np.asarray(v))) if v else None for v in by_turn]
     out["served_by_turn"] = [len(v) for v in by_turn]
+    out["prefill_tok_s_by_turn"] = [n / sum(v) if v and sum(v) > 0 else None for n, v in zip(prompt_tokens, by_turn)]
+    total_s = sum(sum(v) for v in by_turn)
+    out["prefill_tok_s"] = sum(prompt_tokens) / total_s if total_s > 0 else None
     return out
 def spec_summary(result: RunResult) -> dict[str, Any]:
     """summary.json's speculative-decoding fields, over every request of the run: drafts

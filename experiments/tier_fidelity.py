@@ -1,0 +1,167 @@
+"""The simulator against the engine on multi-turn sessions with the host KV tier on.
+
+    python -m cbjax.profile cores=1 hydra.run.dir=outputs/fidelity/profile_tiny_16   # once, quiet machine
+    python experiments/tier_fidelity.py --profile outputs/fidelity/profile_tiny_16/profile.json [--runs 5]
+
+Two cells, one per pause distribution between a session's turns: a person's think time
+(exponential) and a tool call's heavy tail (Pareto). Each is a `workload=sessions` run with the
+prefix cache and a host tier beneath a device pool too small for the sessions in flight, so
+later turns load their history back from host memory. The runs take the profile's shapes
+(`experiments/calibrate.py`'s `base_config`); the engine is pinned as the profile was (or to
+`--cores`), before jax starts.
+
+The simulator (the profile's `profiled` cost model, deterministic) runs each cell once; the
+engine runs it `--runs` times, in rounds over the cells, so that a slow spell of the machine
+falls on every cell alike. Per cell and figure the table gives the engine's median and range,
+the simulator's figure and its signed error against that median, and whether it is within the
+target: TTFT p50 within 10%, throughput within 5%. The host tier's copies are priced by the
+profile's swap-out and swap-in terms (`swap_out_*`, `swap_in_*`); a profile without them
+prices them with its shared swap terms, and the script says so.
+
+Prints one table per cell, and writes the runs and the verdicts as JSON to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from calibrate import base_config, sim_config  # noqa: E402
+from cbjax.app.run import run_single  # noqa: E402
+from cbjax.config import LengthConfig, PauseConfig, RunConfig  # noqa: E402
+from cbjax.report.tables import markdown_table  # noqa: E402
+from cbjax.sim.profiled import SWAP_DIRECTION_TERMS, SWAP_TERMS  # noqa: E402
+
+# summary key -> (label, |signed error| % the simulator may carry against the engine's median)
+TARGETS = {"ttft_s_p50": ("TTFT p50", 10.0), "throughput_tok_s": ("throughput", 5.0)}
+# reported beside the judged figures: whether the tier was used as the cell means it to be
+REPORTED = ("prefix_hit_rate_device", "prefix_hit_rate_host", "kv_host_pages_loaded", "kv_host_pages_stored", "num_rejected")
+PAUSES = {
+    "think time (exponential)": PauseConfig(dist="exponential", mean=0.5, max=5.0),
+    "tool calls (Pareto, shape 1.3)": PauseConfig(dist="pareto", mean=0.5, alpha=1.3, max=5.0),
+}
+
+
+def cells(base: RunConfig, sessions: int, rate: float, device_pages: int, host_pages: int) -> dict[str, RunConfig]:
+    """cell name -> engine config: `sessions` sessions of 3-5 turns, each turn adding 16 to
+    max_model_len / 16 tokens and generating up to 32, on `device_pages` device pages and
+    `host_pages` host pages."""
+    ctx = base.model.max_model_len
+    turn_in = LengthConfig(dist="uniform", low=16, high=max(16, ctx // 16))
+    turn_out = LengthConfig(dist="uniform", low=4, high=min(32, max(4, ctx // 16)))
+    cache = dataclasses.replace(base.cache, prefix_caching=True, num_pages=device_pages, host_pages=host_pages)
+    out = {}
+    for name, pause in PAUSES.items():
+        workload = dataclasses.replace(
+            base.workload, name="sessions", num_sessions=sessions, arrival="poisson", rate=rate,
+            turns=LengthConfig(dist="uniform", low=3, high=5, max=5), prompt_len=turn_in, output_len=turn_out,
+            pause=pause,
+        )  # fmt: skip
+        out[name] = dataclasses.replace(base, cache=cache, workload=workload)
+    return out
+
+
+def figures(summary: dict) -> dict:
+    return {key: summary.get(key) for key in (*TARGETS, *REPORTED)}
+
+
+def copy_terms_note(profile: dict) -> str:
+    """How the profile prices the host tier's copies."""
+    coef = profile.get("coefficients", {})
+    if all(k in coef for k in SWAP_DIRECTION_TERMS):
+        return "host-tier copies priced by the profile's swap_out_* and swap_in_* terms"
+    if all(k in coef for k in SWAP_TERMS):
+        return ("the profile lacks swap_out_* / swap_in_* (made before they existed): host-tier copies "
+                "priced by its shared swap terms, swap_iter_s and swap_page_s")  # fmt: skip
+    return "the profile has no swap terms: host-tier copies are priced at 0 (take a new profile)"
+
+
+def judge(sim: dict, runs: list[dict]) -> dict:
+    """Per judged figure: the engine's median and range, the simulator's figure, its signed
+    error in % against the median, and whether it is within the target."""
+    out = {}
+    for key, (_, target) in TARGETS.items():
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if not values or sim.get(key) is None:
+            out[key] = {"engine_median": None, "engine_range": None, "simulator": sim.get(key), "error_pct": None,
+                        "target_pct": target, "pass": False}  # fmt: skip
+            continue
+        median = statistics.median(values)
+        error = 100.0 * (sim[key] / median - 1.0) if median else None
+        out[key] = {"engine_median": median, "engine_range": [min(values), max(values)], "simulator": sim[key],
+                    "error_pct": error, "target_pct": target, "pass": error is not None and abs(error) <= target}  # fmt: skip
+    return out
+
+
+def cell_table(name: str, verdict: dict, runs: int) -> str:
+    rows = []
+    for key, (label, target) in TARGETS.items():
+        v = verdict[key]
+        engine = "-" if v["engine_median"] is None else (
+            f"{v['engine_median']:.4g} [{v['engine_range'][0]:.4g}, {v['engine_range'][1]:.4g}]")  # fmt: skip
+        sim = "-" if v["simulator"] is None else f"{v['simulator']:.4g}"
+        error = "-" if v["error_pct"] is None else f"{v['error_pct']:+.1f}%"
+        rows.append([label, engine, sim, error, f"{target:.0f}%", "pass" if v["pass"] else "FAIL"])
+    header = ["figure", f"engine, median of {runs} [range]", "simulator", "error", "target", "verdict"]
+    return f"### {name}\n\n" + markdown_table(header, rows)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", required=True, help="profile.json of a lone replica (python -m cbjax.profile cores=1)")
+    ap.add_argument("--runs", type=int, default=5, help="engine runs per cell (at least 5 for a verdict)")
+    ap.add_argument("--sessions", type=int, default=24, help="sessions per run")
+    ap.add_argument("--rate", type=float, default=4.0, help="sessions' first turns per second (Poisson)")
+    ap.add_argument("--device-pages", type=int, default=None,
+                    help="device pool pages (default: two contexts' worth, 2 x max_model_len / page_size)")  # fmt: skip
+    ap.add_argument("--host-pages", type=int, default=512)
+    ap.add_argument("--cores", type=int, default=None, help="pin the engine to the first N CPUs (default: as the profile)")
+    ap.add_argument("--out", default=str(REPO / "outputs" / "tier_fidelity.json"))
+    args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error(f"--runs must be >= 1, got {args.runs}")
+    profile = json.loads(Path(args.profile).read_text())
+    cores = args.cores if args.cores is not None else (profile.get("pinning") or {}).get("cores")
+    if cores:  # before jax starts: the engine runs as its profile ran
+        from cbjax.profile.pinning import pin
+
+        pinning = pin(cores, key="--cores")
+        print(f"engine runs pinned to CPUs {pinning['cpus']}" if pinning else "engine runs unpinned", flush=True)
+    note = copy_terms_note(profile)
+    print(note, flush=True)
+    base = base_config(profile, 1)
+    device_pages = args.device_pages or 2 * -(-base.model.max_model_len // base.cache.page_size)
+    engine_cfgs = cells(base, args.sessions, args.rate, device_pages, args.host_pages)
+    sim = {name: figures(run_single(sim_config(cfg, args.profile), verbose=False)) for name, cfg in engine_cfgs.items()}
+    runs: dict[str, list[dict]] = {name: [] for name in engine_cfgs}
+    for i in range(args.runs):  # rounds over the cells
+        for name, cfg in engine_cfgs.items():
+            t0 = time.perf_counter()
+            runs[name].append(figures(run_single(cfg, verbose=False)))
+            print(f"{name}: run {i + 1}/{args.runs} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    report = {"profile": args.profile, "runs": args.runs, "copy_terms": note, "device_pages": device_pages,
+              "host_pages": args.host_pages, "sessions": args.sessions, "rate": args.rate, "cells": {}}  # fmt: skip
+    for name in engine_cfgs:
+        verdict = judge(sim[name], runs[name])
+        report["cells"][name] = {"simulator": sim[name], "engine": runs[name], "verdict": verdict}
+        print(cell_table(name, verdict, args.runs))
+        for who, figs in (("simulator", sim[name]), ("engine, first run", runs[name][0])):
+            print(f"\n{who}: " + ", ".join(f"{k} {figs.get(k)}" for k in REPORTED))
+        print()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
