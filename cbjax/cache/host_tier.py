@@ -32,7 +32,8 @@ class HostTierView:
         return self._tier.num_used
 
     def session_of(self, page: int) -> Optional[str]:
-        """The session of the request that last registered, shared or loaded the page's contents."""
+        """The session of the request that last registered, shared or loaded the page's contents
+        before it entered the tier; fixed until the page leaves."""
         return self._tier._session_of.get(page)
 
     def expected(self, session_id: str) -> bool:
@@ -191,14 +192,17 @@ class HostTier:
                 req.kv_load_s = 0.0
         self.tokens_hit_host += from_host * ps
         if req.session_id is not None:
-            self._expected.discard(req.session_id)
+            if req.session_id in self._expected:
+                self._expected.discard(req.session_id)
+                self.eviction.expected_changed(req.session_id)
             self.tag(device, req.session_id)
 
     def turn_ended(self, req: Request) -> None:
         """`req` ended (or left its slot for good): expect its session's next turn if it has one."""
         self._prefetched.pop(req.request_id, None)
-        if req.session_id is not None and req.more_turns:
+        if req.session_id is not None and req.more_turns and req.session_id not in self._expected:
             self._expected.add(req.session_id)
+            self.eviction.expected_changed(req.session_id)
 
     # ---- the pool ----
     def _make_room(self) -> bool:
