@@ -3,17 +3,25 @@ per-client service over time where the figure is about client service."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
 # A row's setting names its knob after this marker; plots print "(calibrated)" instead.
 KNOB_MARKER = ", with the modelling-difference knob"
+LABEL_CHARS = 44  # a value row's label wraps at this width, beside a panel of LABEL_WIDTH_IN
+LABEL_WIDTH_IN = 3.0
+TITLE_CHARS = 56  # a panel's title wraps to fit its 4.6-inch width
 
 
 def short_label(setting: str) -> str:
     """The setting without its knob's details, which would overflow a plot's labels."""
     head, knob, _ = setting.partition(KNOB_MARKER)
     return head + (" (calibrated)" if knob else "")
+
+
+def _wrap(text: str, width: int) -> str:
+    return "\n".join(textwrap.wrap(text, width)) or text
 
 
 def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict[str, dict[str, list]]) -> Path:
@@ -27,7 +35,10 @@ def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict
     ranked = [r for r in rows if r["kind"] in ("ordering", "argmin_in", "best_of")]
     show_series = bool(series) and any(r["metric"].startswith("client_service.") for r in rows)
     panels = (1 if values else 0) + len(ranked) + (len(series) if show_series else 0)
-    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8), squeeze=False)
+    # the value rows' labels get their own width, so long settings do not squeeze the panels
+    width = 4.6 * panels + (LABEL_WIDTH_IN if values else 0.0)
+    height = max(3.8, 1.8 + 0.55 * len(values))
+    fig, axes = plt.subplots(1, panels, figsize=(width, height), squeeze=False, layout="constrained")
     axes = list(axes[0])
     if values:
         _agreement(axes.pop(0), values)
@@ -37,7 +48,6 @@ def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict
         for arm, clients in series.items():
             _series(axes.pop(0), arm, clients)
     fig.suptitle(title)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -46,7 +56,7 @@ def plot_figure(path: Path, title: str, rows: list[dict[str, Any]], series: dict
 
 def _agreement(ax, rows: list[dict[str, Any]]) -> None:
     """Ours / paper per setting, with the tolerance band around 1."""
-    labels = [short_label(r["setting"]) or r["metric"] for r in rows]
+    labels = [_wrap(short_label(r["setting"]) or r["metric"], LABEL_CHARS) for r in rows]
     ratios = [r["ours"] / r["paper"] if r["ours"] is not None and r["paper"] else 0.0 for r in rows]
     colors = ["tab:green" if r["verdict"] == "pass" else "tab:red" for r in rows]
     y = range(len(rows))
@@ -70,7 +80,7 @@ def _arms(ax, row: dict[str, Any]) -> None:
     if row["kind"] == "argmin_in":
         colors = ["tab:green" if a in str(row["paper"]) else "tab:blue" for a in arms]
     ax.bar(arms, vals, color=colors)
-    ax.set_title(f"{short_label(row['setting'])}: {row['verdict']}", fontsize=9)
+    ax.set_title(_wrap(f"{short_label(row['setting'])}: {row['verdict']}", TITLE_CHARS), fontsize=9)
     ax.set_ylabel(row["metric"], fontsize=8)
     ax.tick_params(axis="x", labelrotation=30, labelsize=7)
 
