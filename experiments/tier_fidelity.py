@@ -122,7 +122,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sessions", type=int, default=24, help="sessions per run")
     ap.add_argument("--rate", type=float, default=4.0, help="sessions' first turns per second (Poisson)")
     ap.add_argument("--device-pages", type=int, default=None,
-                    help="device pool pages (default: two contexts' worth, 2 x max_model_len / page_size)")  # fmt: skip
+                    help="device pool pages (default: half a context and 4 pages, max_model_len / page_size / 2 + 4)")  # fmt: skip
     ap.add_argument("--host-pages", type=int, default=512)
     ap.add_argument("--cores", type=int, default=None, help="pin the engine to the first N CPUs (default: as the profile)")
     ap.add_argument("--out", default=str(REPO / "outputs" / "tier_fidelity.json"))
@@ -139,7 +139,9 @@ def main(argv=None) -> None:
     note = copy_terms_note(profile)
     print(note, flush=True)
     base = base_config(profile, 1)
-    device_pages = args.device_pages or 2 * -(-base.model.max_model_len // base.cache.page_size)
+    # half a context (and 4 pages): sessions in flight outgrow the pool, so a later turn's
+    # history is often back from the host, while the longest conversation still fits
+    device_pages = args.device_pages or -(-base.model.max_model_len // base.cache.page_size) // 2 + 4
     engine_cfgs = cells(base, args.sessions, args.rate, device_pages, args.host_pages)
     sim = {name: figures(run_single(sim_config(cfg, args.profile), verbose=False)) for name, cfg in engine_cfgs.items()}
     runs: dict[str, list[dict]] = {name: [] for name in engine_cfgs}
