@@ -41,7 +41,8 @@ def test_aiperf_profile_agrees_with_the_servers_requests_jsonl(tmp_path, env_cpu
     write_hf_tokenizer(hub / "snapshots" / "0")
     (hub / "refs").mkdir()
     (hub / "refs" / "main").write_text("0")
-    proc, base = start_server(tmp_path, env_cpu, f"overhead.step_s={ITERATION_S}", "scheduler.max_num_seqs=4")
+    # the tiny model: the name AIPerf asks for, and the byte tokenizer both sides count with
+    proc, base = start_server(tmp_path, env_cpu, "model=tiny", f"overhead.step_s={ITERATION_S}", "scheduler.max_num_seqs=4")
     out = tmp_path / "aiperf"
     env = {**env_cpu, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     cmd = [AIPERF, "profile", "--model", "tiny", "--url", base.removesuffix("/v1"), "--endpoint-type", "completions",
