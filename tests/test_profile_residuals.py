@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from cbjax.profile.measure import launch_residuals
 from cbjax.profile.residuals import format_table, regime_of, regime_residuals, round_speeds
 
 
@@ -97,3 +98,29 @@ def test_machine_speed_by_round_by_hand():
     steady = [dict(step("static", 4, 1.0, 1.0 + 0.01 * r), round=r) for r in range(4)]
     assert round_speeds(steady)["spread"] == pytest.approx(1.03 - 1) and round_speeds(steady)["drifted"] is False
     assert round_speeds([step("static", 4, 1.0, 1.0)]) == {"rounds": {}, "spread": None, "drifted": False}
+
+
+def launch_point(regime, next_prefill_rows, host, predicted, held_out=True):
+    return {"regime": regime, "next_prefill_rows": next_prefill_rows, "host_s": host, "launch_predicted_s": predicted,
+            "held_out": held_out, "idle": False}  # fmt: skip
+
+
+def test_prefill_launches_are_judged_per_regime_where_a_pooled_figure_cancels():
+    # light: 2 prefill launches predicted 40% short; burst: 4 predicted 20% long. Pooled, the
+    # prefill launches' mean signed error is (2 x -0.4 + 4 x 0.2) / 6 = 0: per regime -40% and
+    # +20%. A stall (host time over HOST_STALL x its prediction) and a fitted round's point are
+    # left out; decodes alone are apart.
+    served = (
+        [launch_point("light", 1, 1.0, 0.6) for _ in range(2)]
+        + [launch_point("burst", 1, 1.0, 1.2) for _ in range(4)]
+        + [launch_point("light", 1, 10.0, 1.0), launch_point("medium", 1, 1.0, 0.1, held_out=False)]
+        + [launch_point("light", 0, 1.0, 1.1) for _ in range(3)]
+    )
+    r = launch_residuals(served)
+    assert r["steps"] == "held-out"
+    assert r["prefill"]["num_steps"] == 6 and r["prefill"]["mean_signed_error"] == pytest.approx(0.0, abs=1e-12)
+    by_regime = r["prefill_by_regime"]
+    assert sorted(by_regime) == ["burst", "light"]
+    assert by_regime["light"]["num_steps"] == 2 and by_regime["light"]["mean_signed_error"] == pytest.approx(-0.4)
+    assert by_regime["burst"]["num_steps"] == 4 and by_regime["burst"]["mean_signed_error"] == pytest.approx(0.2)
+    assert r["decode"]["num_steps"] == 3 and r["decode"]["mean_signed_error"] == pytest.approx(0.1)

@@ -83,6 +83,10 @@ def _app(cfg: DictConfig) -> None:
     ]  # fmt: skip
     if parts:
         print(f"loop host time before a collect, by the launched plan ({launch['steps']}): " + "; ".join(parts))
+    by_regime = [f"{r} {x['num_steps']} steps, mean signed {x['mean_signed_error']:+.1%}"
+                 for r, x in (launch.get("prefill_by_regime") or {}).items() if x["num_steps"]]  # fmt: skip
+    if by_regime:
+        print("  with a prefill, by regime (a new request's first token waits behind one): " + "; ".join(by_regime))
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
     hydra_cfg = HydraConfig.get()
