@@ -1,6 +1,6 @@
 """Speculative decoding on the engine: tokens/s with and without it, side by side in one run.
 
-    python benchmarks/spec_speed.py [--repeats 3] [--batches 1 8] [--k 3] [--draft-layers 8] [--cores 1]
+    python benchmarks/spec_speed.py [--repeats 3] [--batches 1 8] [--k 3] [--draft-layers 15] [--cores 1]
 
 The JAX engine at SmolLM-135M's shape (configs/model/smollm_135m.yaml, random weights), pinned to
 `--cores` CPUs (default 1, as `taskset -c 0` does) before jax starts. For each batch size B
