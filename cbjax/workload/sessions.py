@@ -22,8 +22,10 @@ import math
 import numpy as np
 
 from cbjax.config import PauseConfig, WorkloadConfig
-from cbjax.core.request import Request, SamplingParams
-from cbjax.workload.synthetic import arrival_times, prompt_seeds, rng_streams, sample_lengths, sampling_seeds
+from cbjax.core.request import Request
+from cbjax.workload.synthetic import (
+    arrival_times, prompt_seeds, rng_streams, sample_lengths, sampling_seeds, synthetic_request,
+)  # fmt: skip
 
 _SESSION_TAG = 0x73657373696F6E  # "session": keeps the turns' and pauses' streams apart
 
@@ -69,23 +71,12 @@ def build_sessions(cfg: WorkloadConfig, seed: int) -> list[Request]:
     requests, j = [], 0
     for s in range(num):
         for k in range(turns[s]):
+            arrival = arrivals[s] if k == 0 else math.inf
             requests.append(
-                Request(
-                    request_id=f"{s}.{k}",
-                    arrival_s=arrivals[s] if k == 0 else math.inf,
-                    prompt_len=new_lens[j],
-                    synthetic_prompt=(session_seeds[s], cfg.vocab_size),
-                    sampling=SamplingParams(
-                        max_tokens=cfg.max_tokens if cfg.max_tokens is not None else output_lens[j],
-                        ignore_eos=True,
-                        seed=seeds[j],
-                    ),
-                    target_output_len=output_lens[j],
-                    session_id=str(s),
-                    turn=k,
-                    more_turns=k < turns[s] - 1,
-                    pause_s=None if k == 0 else pauses[j],
-                )
+                synthetic_request(
+                    cfg, f"{s}.{k}", arrival, new_lens[j], session_seeds[s], output_lens[j], seeds[j],
+                    session_id=str(s), turn=k, more_turns=k < turns[s] - 1, pause_s=None if k == 0 else pauses[j],
+                )  # fmt: skip
             )
             j += 1
     return requests

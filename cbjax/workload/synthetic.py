@@ -120,22 +120,30 @@ def _requests(cfg: WorkloadConfig, arrivals, prompt_cfg, output_cfg, rngs, clien
     pseeds = prompt_seeds(num, rngs["token_ids"])
     seeds = sampling_seeds(num, rngs["sampling_seed"])
     return [
-        Request(
-            request_id=str(first_id + i),
-            arrival_s=arrivals[i],
-            prompt_len=prompt_lens[i],
-            synthetic_prompt=(pseeds[i], cfg.vocab_size),
-            # Above cfg.max_tokens the target stays as drawn: the request stops on length.
-            sampling=SamplingParams(
-                max_tokens=cfg.max_tokens if cfg.max_tokens is not None else output_lens[i],
-                ignore_eos=True,
-                seed=seeds[i],
-            ),
-            target_output_len=output_lens[i],
-            client_id=client_id,
-        )
+        synthetic_request(cfg, str(first_id + i), arrivals[i], prompt_lens[i], pseeds[i], output_lens[i], seeds[i],
+                          client_id=client_id)  # fmt: skip
         for i in range(num)
     ]
+
+
+def synthetic_request(
+    cfg: WorkloadConfig, request_id: str, arrival_s: float, prompt_len: int, prompt_seed: int, output_len: int,
+    seed: int, **fields,
+) -> Request:
+    """A request of `prompt_len` synthetic token ids (drawn from `prompt_seed`) that means to
+    generate `output_len` tokens, sampled with `seed`; `fields` are further `Request` fields.
+    Above `cfg.max_tokens` the target stays as drawn: the request stops on length."""
+    return Request(
+        request_id=request_id,
+        arrival_s=arrival_s,
+        prompt_len=prompt_len,
+        synthetic_prompt=(prompt_seed, cfg.vocab_size),
+        sampling=SamplingParams(
+            max_tokens=cfg.max_tokens if cfg.max_tokens is not None else output_len, ignore_eos=True, seed=seed
+        ),
+        target_output_len=output_len,
+        **fields,
+    )
 
 
 def _build_clients(cfg: WorkloadConfig, seed: int) -> list[Request]:
