@@ -68,20 +68,41 @@ def everything(requests, result, log: ServiceLog) -> dict:
     }
 
 
-def run_single(cfg: RunConfig, stretches: bool, counter: list):
+def pages_taken(sched: Scheduler) -> list[int]:
+    """Every page the scheduler's allocator hands out, in order, from now on."""
+    alloc, taken = sched.allocator, []
+    real = alloc._take
+
+    def take(n, after=None):
+        pages = real(n, after)
+        taken.extend(pages)
+        return pages
+
+    alloc._take = take
+    return taken
+
+
+def run_single(cfg: RunConfig, stretches: bool, counter: list, grown: list | None = None):
+    """One run; `stretches` False: every plan comes from the planner (no stretch writes any)."""
     requests = build_workload(cfg.workload, cfg.seed)
     sched = Scheduler(cfg.scheduler, cfg.cache, cfg.model.max_model_len)
+    if not stretches:
+        sched.stretch = None
     real = sched.schedule_stretch
 
     def counted(now, num_steps):
         counter.append(num_steps)
-        return real(now, num_steps)
+        plan = real(now, num_steps)
+        if grown is not None:
+            grown.extend(g for g in sched.stretch.growth if g[0] > 0)  # pages an inner step took
+        return plan
 
     sched.schedule_stretch = counted
+    taken = pages_taken(sched)
     cost = make_cost_model(cfg.executor.cost_model, cfg.model, cfg.hardware, overhead=cfg.overhead)
     log = ServiceLog()
     result = serve(requests, sched, SimExecutor(cost), on_step=log.on_step, stretches=stretches)
-    return everything(requests, result, log)
+    return {**everything(requests, result, log), "pages": taken}
 
 
 CASES = {
@@ -119,6 +140,16 @@ def test_a_stretch_gives_the_results_of_its_steps_one_by_one(case):
     assert not single and stretched and max(stretched) > 2, case  # stretches ran, and only where asked
 
 
+@pytest.mark.parametrize("num_pages", [400, 90])
+def test_a_stretch_takes_new_pages_as_its_steps_one_by_one_would(num_pages):
+    """Stretches run across page boundaries, the same pages taken in the same order; with a
+    small pool, also up to the step whose page the pool lacks."""
+    cfg = config(cache=cache(page_size=4, num_pages=num_pages))
+    stretched, grown = [], []
+    assert run_single(cfg, True, stretched, grown) == run_single(cfg, False, [])
+    assert grown and max(stretched) > 4  # inner steps of stretches took pages
+
+
 @pytest.mark.parametrize("cluster", [dict(replicas=3, router="least_loaded"),
                                      dict(prefill_replicas=1, decode_replicas=2)])  # fmt: skip
 def test_a_clusters_stretches_give_the_results_of_their_steps_one_by_one(cluster):
@@ -130,6 +161,8 @@ def test_a_clusters_stretches_give_the_results_of_their_steps_one_by_one(cluster
         # the same cluster, its loops told to run their steps one at a time or not
         for replica in sim.replicas:
             replica.loop.stretches = stretches and replica.loop.stretches
+            if not stretches:
+                replica.loop.scheduler.stretch = None
         requests = build_workload(cfg.workload, cfg.seed)
         result = sim.serve(requests)
         out[stretches] = everything(requests, result, sim.service_log)

@@ -52,8 +52,10 @@ class StatsRecorder:
 
     def _planned_stretch(self, plan: Schedule) -> int:
         """A decode stretch's steps, counted as `planned` counts each step when it leaves the
-        scheduler. The stretch's plan stores all its steps' tokens at once; before step j of n,
-        (n - 1 - j) tokens a row less were stored, and nothing else of the pool moves."""
+        scheduler. The stretch's plan stores all its steps' tokens at once, and takes the pages
+        of all its steps (`DecodeStretch.growth`): before step j of n, (n - 1 - j) tokens a row
+        less were stored, the pages later steps took were free, and the slots they filled were
+        not; nothing else of the pool moves."""
         stats, sched = self.stats, self.scheduler
         alloc = sched.allocator
         rows = len(plan.scheduled)
@@ -61,20 +63,34 @@ class StatsRecorder:
         used = alloc.num_used_pages
         token, reserved, internal, external, free = sched.kv_breakdown()
         stored = alloc.num_stored_tokens
-        capacity = used * alloc.page_size
+        ps = alloc.page_size
         sums, pool = stats.kv_share_sums, self._pool_slots
+        growth = sched.stretch.growth if sched.stretch is not None else ()
+        # pages and filled slots the steps after step j took: walked back from the last step
+        later_pages = [0] * n
+        later_filled = [0] * n
+        pages = filled = 0
+        g = len(growth) - 1
+        for j in range(n - 1, -1, -1):
+            later_pages[j], later_filled[j] = pages, filled
+            while g >= 0 and growth[g][0] == j:
+                pages += growth[g][1]
+                filled += growth[g][2]
+                g -= 1
         for j in range(n):
             behind = (n - 1 - j) * rows
+            step_used = used - later_pages[j]
+            step_filled = later_filled[j]
             stats.iterations += 1
             stats.occupied_slot_iterations += rows
             stats.batched_tokens += rows
-            stats.pages_used_sum += used
-            stats.kv_util_sum += (stored - behind) / capacity if used else 1.0
+            stats.pages_used_sum += step_used
+            stats.kv_util_sum += (stored - behind) / (step_used * ps) if step_used else 1.0
             sums[0] += (token - behind) / pool
-            sums[1] += (reserved + behind) / pool
-            sums[2] += internal / pool
+            sums[1] += (reserved + behind - step_filled) / pool
+            sums[2] += (internal - later_pages[j] * ps + step_filled) / pool
             sums[3] += external / pool
-            sums[4] += free / pool
+            sums[4] += (free + later_pages[j] * ps) / pool
         if used > stats.pages_used_peak:
             stats.pages_used_peak = used
         if rows > stats.batch_peak:

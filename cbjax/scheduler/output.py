@@ -66,6 +66,10 @@ class PlanWriter:
         self._sent_pages.pop(request_id, None)
         self._fresh.discard(request_id)
 
+    def sent_pages(self, request_id: str, num_pages: int) -> None:
+        """The request's slot was told a page table of `num_pages` pages (a decode stretch's)."""
+        self._sent_pages[request_id] = num_pages
+
     def requests(self, plan: Schedule) -> list[Request]:
         """The plan's scheduled requests in plan order, until `done`."""
         return self._plans[plan.step_id]

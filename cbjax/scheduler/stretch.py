@@ -1,13 +1,18 @@
 """Decode stretches (no jax): runs of plans the scheduler can write without planning.
 
-Once every running request is decoding, nothing waits and no request needs a new page within
-the next k steps, each of those steps is exactly the one before with every context one token
-longer: same requests, same order, same slots, no page-table change. `DecodeStretch` counts
-such a stretch once, then writes its plans directly, as `Planner.plan` would have written them,
-field for field: one step at a time (`next_plan`), or several steps as one plan
-(`Schedule.num_steps`, `write`) when the loop knows how many of them start before anything
-else happens. A request that finishes or leaves changes the running list, and the next plan
-counts again. Plans carrying token ids (the engine's) are always planned.
+Once every running request is decoding and nothing waits, each of the next steps is exactly
+the one before with every context one token longer: same requests, same order, same slots.
+`DecodeStretch` counts such a stretch once, then writes its plans directly, as `Planner.plan`
+would have written them, field for field: one step at a time (`next_plan`), or several steps
+as one plan (`Schedule.num_steps`, `write`) when the loop knows how many of them start before
+anything else happens. A request that finishes or leaves changes the running list, and the
+next plan counts again. Plans carrying token ids (the engine's) are always planned.
+
+A request whose pages fill during a stretch takes its next page at the step that needs it, as
+the planner's `try_append` would, when the pool is paged, caches no prefix, and holds free
+pages for every such step of the stretch (`grows`): then no step can preempt or evict, and
+the pages are taken in the planner's order (step by step, each in running order), so every
+request gets the same pages. Otherwise a stretch ends before any request outgrows its pages.
 """
 
 from __future__ import annotations
@@ -25,12 +30,19 @@ class DecodeStretch:
     """Counts and writes a stretch over `running_set`; `policy`'s queue must stay empty and
     the running list unchanged while it lasts (checked at each plan)."""
 
-    def __init__(self, running_set: RunningSet, writer: PlanWriter, policy: PolicyContract, allocator, token_budget: int):
+    def __init__(
+        self, running_set: RunningSet, writer: PlanWriter, policy: PolicyContract, allocator, token_budget: int,
+        grows: bool = False,
+    ):  # fmt: skip
         self.running_set = running_set
         self.writer = writer
         self.policy = policy
         self.allocator = allocator
         self.token_budget = token_budget
+        self.grows = grows  # stretches take new pages (see the module)
+        # the last written stretch's page growth, per step that took pages: (step, pages taken,
+        # growth of the pool's filled slots), for the loop's per-step counters
+        self.growth: list[tuple[int, int, int]] = []
         self._left = 0  # single-step plans the current stretch still holds
         self._running: Optional[list[Request]] = None  # the running list it was counted on
         self._size = 0
@@ -54,7 +66,8 @@ class DecodeStretch:
     def steps(self, now: float) -> tuple[Optional[Schedule], int]:
         """(a one-step plan of the stretch's next step, without writing it: for pricing, and the
         steps the stretch holds from it), or (None, 0) when the next plan needs planning. Steps
-        end before a request would outgrow its pages and at the latest at its last token."""
+        end at the latest at a request's last token, and, unless the stretch `grows`, before a
+        request would outgrow its pages."""
         if self._current() <= 0:
             return None, 0
         running = self.running_set.running
@@ -88,15 +101,32 @@ class DecodeStretch:
             n = len(tables[req.request_id]) * ps - computed
             if left is None or n < left:
                 left = n
-                if left <= 0:
-                    return 0
-        return left
+        if not self.grows:
+            return left if left > 0 else 0
+        return self._growing_count(running)
+
+    def _growing_count(self, running: list[Request]) -> int:
+        """`_count` for a stretch that takes pages (`grows`): the steps, up to the first request's
+        last token, whose new pages the free pool holds."""
+        tables, ps = self.allocator.page_tables, self.allocator.page_size
+        horizon = min(r.max_output_len - r.num_generated for r in running)
+        free = self.allocator.num_free_pages
+        # step k (from 0) stores num_computed + k + 1 tokens: a request takes a page at each
+        # step k >= first with (k - first) % ps == 0
+        firsts = [len(tables[r.request_id]) * ps - r.num_computed for r in running]
+        need = sum(1 + (horizon - 1 - f) // ps for f in firsts if f < horizon)
+        if need <= free:
+            return horizon
+        steps = sorted(k for f in firsts for k in range(f, horizon, ps))
+        return steps[free]  # the step that would take the first page the pool lacks
 
     def _write(self, now: float, num_steps: int, tokens: int) -> Schedule:
         """The plan `Planner.plan` writes for the stretch's next step(s), with its side effects:
         each decode's tokens are stored in its pages, the writer counts the plans."""
         alloc = self.allocator
         running = self.running_set.running
+        if self.grows:
+            self._grow(running, num_steps)
         scheduled = []
         for req in running:
             computed = req.num_computed
@@ -104,3 +134,33 @@ class DecodeStretch:
             req.num_new_tokens = 1  # per step; the stretch stores its later steps' tokens too
             scheduled.append(ScheduledRequest(req.request_id, req.slot, computed, 1, True, None, False, None, None, True))
         return self.writer.write_continuation(running, scheduled, now, num_steps)
+
+    def _grow(self, running: list[Request], num_steps: int) -> None:
+        """Take the pages the next `num_steps` steps need, in the planner's order (step by step,
+        each in running order), and note the growth per step (`growth`)."""
+        alloc, writer = self.allocator, self.writer
+        tables, ps = alloc.page_tables, alloc.page_size
+        finals = self.running_set.final_tokens
+        takes = []
+        for i, req in enumerate(running):
+            table = tables[req.request_id]
+            for k in range(len(table) * ps - req.num_computed, num_steps, ps):
+                takes.append((k, i, req))
+        self.growth = growth = []
+        if not takes:
+            return
+        takes.sort(key=lambda t: (t[0], t[1]))
+        for k, _, req in takes:
+            rid = req.request_id
+            table = tables[rid]
+            final = finals[rid]
+            before = len(table) * ps
+            alloc.try_append(rid, req.num_computed + k + 1)
+            after = len(table) * ps
+            # the pool's filled slots (`PageAllocator.slot_breakdown`): min(c, f) per request
+            filled = (after if final >= after else final) - (before if final >= before else final)
+            if growth and growth[-1][0] == k:
+                growth[-1] = (k, growth[-1][1] + (after - before) // ps, growth[-1][2] + filled)
+            else:
+                growth.append((k, (after - before) // ps, filled))
+            writer.sent_pages(rid, len(table))
