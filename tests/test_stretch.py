@@ -150,7 +150,8 @@ def test_a_stretch_takes_new_pages_as_its_steps_one_by_one_would(num_pages):
     assert grown and max(stretched) > 4  # inner steps of stretches took pages
 
 
-@pytest.mark.parametrize("cluster", [dict(replicas=3, router="least_loaded"),
+# least_kv reads each replica's free pages, which steps priced ahead take as they begin
+@pytest.mark.parametrize("cluster", [dict(replicas=3, router="least_loaded"), dict(replicas=3, router="least_kv"),
                                      dict(prefill_replicas=1, decode_replicas=2)])  # fmt: skip
 def test_a_clusters_stretches_give_the_results_of_their_steps_one_by_one(cluster):
     cfg = config(cluster=ClusterConfig(**cluster), workload=dataclasses.replace(config().workload, rate=12.0))

@@ -96,6 +96,8 @@ class ClusterBase:
     def _admit(self, req: Request, t: float) -> Replica:
         """Route an arrival and hand it (or, under P/D, its prefill copy) to its replica."""
         router = self.router
+        for replica in self.front:
+            replica.view_s = t
         hashes = prompt_page_hashes(req, self.cfg.cache.page_size) if router.uses_prefix else ()
         route = RouteRequest(req.request_id, req.prompt_len, hashes, req.client_id, req.priority)
         replica = self.front[self._check(router.route(route, self.front), len(self.front), "route")]

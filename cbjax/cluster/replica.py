@@ -29,6 +29,8 @@ class Replica:
         # requests whose K/V is on its way here, and their pages: counted as waiting and held
         self.num_incoming = 0
         self.incoming_pages = 0
+        # when the router looks: pages the loop's steps priced ahead take by then count as taken
+        self.view_s = 0.0
 
     # ---- ReplicaState, read by routers ----
     @property
@@ -41,7 +43,8 @@ class Replica:
 
     @property
     def num_free_pages(self) -> int:
-        return max(0, self.scheduler.allocator.num_free_pages - self.incoming_pages)
+        ahead = self.loop.pages_ahead(self.view_s) if self.loop.ahead is not None else 0
+        return max(0, self.scheduler.allocator.num_free_pages - ahead - self.incoming_pages)
 
     @property
     def num_usable_pages(self) -> int:

@@ -82,9 +82,13 @@ def _drive_virtual(loops, pending, admit, events, stop, max_iterations, released
     ready: list[tuple[float, int, EngineLoop]] = []
     queued: dict[int, float] = {}
 
+    # a colocated cluster's loops price their stretches ahead (`cbjax.engine.stretch`): a loop
+    # then waits until its stretch's last step or an arrival routed to it, not every arrival
+    ahead = len(loops) > 1 and events is None and not released and max_iterations is None
+
     def enqueue(loop: EngineLoop) -> None:
         if loop.has_work():
-            t = loop.clock.now()
+            t = loop.next_time()
             if queued.get(id(loop)) != t:
                 queued[id(loop)] = t
                 heapq.heappush(ready, (t, order[id(loop)], loop))
@@ -133,9 +137,11 @@ def _drive_virtual(loops, pending, admit, events, stop, max_iterations, released
                 if first.iterations >= max_iterations:
                     return False
                 max_steps = max_iterations - first.iterations if loop is loops[0] else None
-            loop.step(until, max_steps)
+            loop.step(until, max_steps, ahead)
             loop.boundary()
-            if not loop.has_work() or loop.clock.now() >= t_next or (stop is not None and stop.is_set()):
+            if loop.ahead is not None or not loop.has_work() or loop.clock.now() >= t_next:
+                break
+            if stop is not None and stop.is_set():
                 break
             if pending and pending[0].arrival_s < t_arrival:
                 break  # a released turn arrives first

@@ -7,8 +7,7 @@ runs one iteration per `step`. Drivers feed it: the offline `serve`, the cluster
 one's tokens are read: `Scheduler.advance` at launch, `Scheduler.commit` when the tokens come.
 
 On a virtual clock, the steps of a decode stretch that start before the next event run as
-one plan (`run_stretch`): several steps of the same decodes, each a token further, priced,
-run and recorded step by step, with the results of the same steps run one at a time.
+one plan (`cbjax.engine.stretch`), with the results of the same steps run one at a time.
 
 Callbacks run on the loop's thread:
 - `on_step(plan, end_s, num_batched_tokens, requests)`: after each iteration's postprocess,
@@ -32,6 +31,7 @@ from cbjax.core.results import RunResult
 from cbjax.engine.clock import make_clock
 from cbjax.engine.intake import Intake
 from cbjax.engine.stats import ProgressBar, StatsRecorder, TokenReporter
+from cbjax.engine.stretch import Ahead, run_stretch
 from cbjax.scheduler.core import Scheduler
 
 _perf_counter = time.perf_counter
@@ -74,6 +74,7 @@ class EngineLoop:
         self._bar = ProgressBar(total) if progress else None
         self._num_seen = 0  # scheduler.finished[:_num_seen] went to on_finish
         self._inflight = None  # pipelined: (plan, clock handle, batched tokens, iteration, requests)
+        self.ahead: Optional[Ahead] = None  # a stretch's steps priced, not run (`cbjax.engine.stretch`)
 
     # ---- time ----
     def now(self) -> float:
@@ -83,10 +84,25 @@ class EngineLoop:
     def last_end(self) -> float:
         return self.clock.last_end
 
+    def next_time(self) -> float:
+        """When the loop next changes what it holds: now, or where the last step of a stretch
+        priced ahead begins."""
+        return self.ahead.last_start() if self.ahead is not None else self.clock.now()
+
+    def pages_ahead(self, t: float) -> int:
+        """Pages that the steps priced ahead beginning before `t` take (0 without any)."""
+        if self.ahead is None:
+            return 0
+        return self.scheduler.stretch.pages_for_steps(self.ahead.steps_before(t))
+
     # ---- intake ----
     def add(self, req: Request, now: Optional[float] = None) -> None:
         """Hand an arrived request to the scheduler (on the loop's thread)."""
         now = self.clock.now() if now is None else now
+        while self.ahead is not None:  # what began before the arrival runs first
+            self.ahead = None if self.ahead.start >= now else self.ahead
+            if self.ahead is not None:
+                self.step(now, ahead=True)
         self.requests.append(req)
         if not self.intake.open:
             self.scheduler.reject(req, "server is shutting down", now)
@@ -98,6 +114,7 @@ class EngineLoop:
         intake = self.intake
         intake.take(self.add, self.has_work())
         while intake.cancels:
+            self.ahead = None  # priced on what the cancellation changes
             request_id, reason, finish_reason = intake.cancels.popleft()
             if self._inflight is not None:
                 self._land()  # the step in flight holds the request's slot
@@ -120,10 +137,11 @@ class EngineLoop:
     def has_work(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
 
-    def step(self, until: float = _INF, max_steps: Optional[int] = None) -> bool:
+    def step(self, until: float = _INF, max_steps: Optional[int] = None, ahead: bool = False) -> bool:
         """Run one iteration (or land the step in flight); False when there is nothing to do.
         On a virtual clock with no token callback, the steps of a decode stretch that start
-        before `until` (at most `max_steps`) run as one (`run_stretch`)."""
+        before `until` (at most `max_steps`) run as one (`run_stretch`; `ahead`: pricing the
+        rest of the stretch for later)."""
         sched, stats = self.scheduler, self.stats
         if self._inflight is not None and (not sched.has_work() or sched.needs_sync()):
             self._land()  # nothing to overlap with, or the next plan may preempt: tokens first
@@ -131,8 +149,9 @@ class EngineLoop:
         if not sched.has_work():
             return False
         start = self.clock.now()
-        if self.stretches and self._simulated and until > start and run_stretch(self, start, until, max_steps):
+        if self.stretches and self._simulated and until > start and run_stretch(self, start, until, max_steps, ahead):
             return True
+        self.ahead = None
         t_sched = _perf_counter()
         plan = sched.schedule(start)
         stats.schedule_s += _perf_counter() - t_sched
@@ -209,6 +228,7 @@ class EngineLoop:
     def abort_all(self, pending: Optional[list[Request]] = None, error: Optional[str] = None) -> None:
         """End everything unfinished (aborted, with `error` as its reason if given); `pending`
         requests that had not arrived end as `not_arrived`, with no finish time."""
+        self.ahead = None  # steps priced ahead never ran
         if self._inflight is not None:
             self._land()
         self._end_all(FinishReason.ABORTED, error)
@@ -220,7 +240,7 @@ class EngineLoop:
     def fail_all(self, error: str) -> None:
         """The executor is lost (a step raised, its process died): drop the step in flight
         unread and end everything unfinished with fate `error`, `error` its reason."""
-        self._inflight = None
+        self._inflight = self.ahead = None
         self._end_all(FinishReason.ERROR, error)
         self._report_finished()
 
@@ -247,30 +267,3 @@ class EngineLoop:
             self._bar.close()
             self._bar = None
 
-
-def run_stretch(loop: EngineLoop, start: float, until: float, max_steps: Optional[int]) -> bool:
-    """Run the next steps of `loop` as a decode stretch if two or more start before `until`
-    (at most `max_steps`); False, having changed nothing, otherwise."""
-    sched, stats = loop.scheduler, loop.stats
-    first, num_steps = sched.stretch_steps(start)
-    if max_steps is not None and num_steps > max_steps:
-        num_steps = max_steps
-    if num_steps < 2:
-        return False
-    durations = loop.clock.timeline.price_stretch(first, start, until, num_steps)
-    if len(durations) < 2:
-        return False
-    t_sched = _perf_counter()
-    plan = sched.schedule_stretch(start, len(durations))
-    stats.schedule_s += _perf_counter() - t_sched
-    requests = sched.requests_of(plan)
-    batched = loop.recorder.planned(plan)
-    out = loop.executor.execute(plan)
-    ends = loop.clock.run_stretch(start, durations)
-    for d in durations:
-        stats.busy_s += d
-    t_post = _perf_counter()
-    done = sched.postprocess(plan, out.token_ids, ends[-1], out.errors, ends=ends)
-    stats.postprocess_s += _perf_counter() - t_post
-    loop.finished_steps(plan, batched, done, tuple(ends), requests)
-    return True

@@ -77,20 +77,25 @@ class StatsRecorder:
                 pages += growth[g][1]
                 filled += growth[g][2]
                 g -= 1
+        # whole numbers add up exactly in any order; the shares are float sums, added step by step
+        stats.iterations += n
+        stats.occupied_slot_iterations += rows * n
+        stats.batched_tokens += rows * n
+        stats.pages_used_sum += used * n - sum(later_pages)
+        util, s0, s1, s2, s3, s4 = stats.kv_util_sum, sums[0], sums[1], sums[2], sums[3], sums[4]
         for j in range(n):
             behind = (n - 1 - j) * rows
-            step_used = used - later_pages[j]
+            later = later_pages[j]
+            step_used = used - later
             step_filled = later_filled[j]
-            stats.iterations += 1
-            stats.occupied_slot_iterations += rows
-            stats.batched_tokens += rows
-            stats.pages_used_sum += step_used
-            stats.kv_util_sum += (stored - behind) / (step_used * ps) if step_used else 1.0
-            sums[0] += (token - behind) / pool
-            sums[1] += (reserved + behind - step_filled) / pool
-            sums[2] += (internal - later_pages[j] * ps + step_filled) / pool
-            sums[3] += external / pool
-            sums[4] += (free + later_pages[j] * ps) / pool
+            util += (stored - behind) / (step_used * ps) if step_used else 1.0
+            s0 += (token - behind) / pool
+            s1 += (reserved + behind - step_filled) / pool
+            s2 += (internal - later * ps + step_filled) / pool
+            s3 += external / pool
+            s4 += (free + later * ps) / pool
+        stats.kv_util_sum = util
+        sums[0], sums[1], sums[2], sums[3], sums[4] = s0, s1, s2, s3, s4
         if used > stats.pages_used_peak:
             stats.pages_used_peak = used
         if rows > stats.batch_peak:

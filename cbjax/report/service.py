@@ -65,13 +65,13 @@ class ServiceLog:
         counts: dict[str, int] = {}  # client -> its requests, in order of first appearance
         for req in requests:
             counts[req.client_id] = counts.get(req.client_id, 0) + 1
-        for end in ends[:-1]:
-            it = len(self.end_s)
-            self.end_s.append(end)
-            self.batch.append(rows)
-            self.batched_tokens.append(num_batched_tokens)
-            for client, n in counts.items():
-                self.events.append((it, client, 0, n))
+        inner = len(ends) - 1
+        first = len(self.end_s)
+        self.end_s.extend(ends[:-1])
+        self.batch.extend([rows] * inner)
+        self.batched_tokens.extend([num_batched_tokens] * inner)
+        served = list(counts.items())
+        self.events.extend([(it, client, 0, n) for it in range(first, first + inner) for client, n in served])
         generated = self._generated
         for req in requests:
             generated[req] = req.num_generated - 1

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from cbjax.core.plan import Schedule
 from cbjax.core.request import FinishReason, Request, Status
 from cbjax.scheduler.output import PlanWriter
-from cbjax.scheduler.policy import PolicyContract
+from cbjax.scheduler.policy import Policy, PolicyContract
 from cbjax.scheduler.running import RunningSet
 
 
@@ -50,6 +50,8 @@ class StepResults:
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.tbt_s: list[float] = []  # every gap between a request's consecutive tokens
+        # the policy has an `on_step` of its own (the base one does nothing)
+        self._step_hook = not (isinstance(policy, Policy) and type(policy).on_step is Policy.on_step)
         # pipelined serving: (plan, its requests that yield a token) between advance and commit
         self.uncommitted: Optional[tuple[Schedule, list]] = None
 
@@ -77,14 +79,30 @@ class StepResults:
         requests = writer.requests(plan)
         writer.done(plan)
         tbt = self.tbt_s
-        on_step = self.policy.on_step
-        for end in ends[:-1]:
+        if self._step_hook:  # the policy reads each step's requests: step by step
+            on_step = self.policy.on_step
+            for end in ends[:-1]:
+                for req in requests:
+                    req.num_computed += 1
+                    req.num_generated += 1
+                    tbt.append(end - req.last_token_s)
+                    req.last_token_s = end
+                on_step(requests, end)
+            return self._simulated_tokens(requests, ends[-1])
+        # the same gaps in the same order: after the first step's, every request's gap in a
+        # step is that step's length
+        inner = len(ends) - 1
+        if inner:
+            prev = ends[0]
+            tbt.extend([prev - req.last_token_s for req in requests])
+            rows = len(requests)
+            for end in ends[1:-1]:
+                tbt.extend([end - prev] * rows)
+                prev = end
             for req in requests:
-                req.num_computed += 1
-                req.num_generated += 1
-                tbt.append(end - req.last_token_s)
-                req.last_token_s = end
-            on_step(requests, end)
+                req.num_computed += inner
+                req.num_generated += inner
+                req.last_token_s = prev
         return self._simulated_tokens(requests, ends[-1])
 
     def _simulated_tokens(self, requests: list[Request], now: float) -> list[Request]:

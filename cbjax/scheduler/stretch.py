@@ -84,6 +84,18 @@ class DecodeStretch:
         self._left -= num_steps
         return self._write(now, num_steps, num_steps)
 
+    def pages_for_steps(self, num_steps: int) -> int:
+        """The new pages the stretch's next `num_steps` steps take (0 unless it `grows`)."""
+        if not self.grows or num_steps <= 0:
+            return 0
+        tables, ps = self.allocator.page_tables, self.allocator.page_size
+        need = 0
+        for r in self.running_set.running:
+            first = len(tables[r.request_id]) * ps - r.num_computed
+            if first < num_steps:
+                need += 1 + (num_steps - 1 - first) // ps
+        return need
+
     def _count(self, running: list[Request]) -> int:
         """How many plans from the next one are pure continuations (0: the next is not)."""
         if not running or len(self.policy) or self.writer.token_ids or len(running) > self.token_budget:
@@ -125,19 +137,21 @@ class DecodeStretch:
         each decode's tokens are stored in its pages, the writer counts the plans."""
         alloc = self.allocator
         running = self.running_set.running
-        if self.grows:
-            self._grow(running, num_steps)
+        grew = self._grow(running, num_steps) if self.grows else ()
         scheduled = []
         for req in running:
             computed = req.num_computed
             alloc.try_append(req.request_id, computed + tokens)  # within its pages (counted)
             req.num_new_tokens = 1  # per step; the stretch stores its later steps' tokens too
-            scheduled.append(ScheduledRequest(req.request_id, req.slot, computed, 1, True, None, False, None, None, True))
+            # a row whose pages grew carries its page table, as the planner's would
+            table = tuple(alloc.page_tables[req.request_id]) if req in grew else None
+            scheduled.append(ScheduledRequest(req.request_id, req.slot, computed, 1, True, None, False, table, None, True))
         return self.writer.write_continuation(running, scheduled, now, num_steps)
 
-    def _grow(self, running: list[Request], num_steps: int) -> None:
+    def _grow(self, running: list[Request], num_steps: int) -> set[Request]:
         """Take the pages the next `num_steps` steps need, in the planner's order (step by step,
-        each in running order), and note the growth per step (`growth`)."""
+        each in running order), and note the growth per step (`growth`). Returns the requests
+        that took pages."""
         alloc, writer = self.allocator, self.writer
         tables, ps = alloc.page_tables, alloc.page_size
         finals = self.running_set.final_tokens
@@ -148,7 +162,7 @@ class DecodeStretch:
                 takes.append((k, i, req))
         self.growth = growth = []
         if not takes:
-            return
+            return set()
         takes.sort(key=lambda t: (t[0], t[1]))
         for k, _, req in takes:
             rid = req.request_id
@@ -164,3 +178,4 @@ class DecodeStretch:
             else:
                 growth.append((k, (after - before) // ps, filled))
             writer.sent_pages(rid, len(table))
+        return {req for _, _, req in takes}
