@@ -13,7 +13,7 @@ from cbjax.core.timing import StepTime
 from cbjax.engine.clock import PACE_SLACK_S
 from cbjax.engine.loop import EngineLoop
 from cbjax.engine.online import run_online
-from cbjax.engine.offline import serve
+from cbjax.engine.offline import run_result, serve
 from cbjax.core.executor import Executor
 from cbjax.core.request import FinishReason, Request, SamplingParams
 from cbjax.scheduler import Scheduler
@@ -84,7 +84,7 @@ def test_closed_admission_rejects_later_submissions_with_a_reason():
     loop.intake.submit(r)
     loop.boundary()
     assert r.finish_reason is FinishReason.REJECTED and "shutting down" in r.reject_reason
-    assert loop.result().requests == [r]
+    assert run_result(loop).requests == [r]
 
 
 def test_run_on_a_thread_serves_submissions_and_reports_every_token():
@@ -114,7 +114,7 @@ def test_run_on_a_thread_serves_submissions_and_reports_every_token():
     thread.join(30)
     assert tokens == {str(i): i + 1 for i in range(5)}
     assert all(r.finish_reason is FinishReason.LENGTH for r in reqs)
-    assert len(loop.result().requests) == 5
+    assert len(run_result(loop).requests) == 5
 
 
 def turn(loop) -> bool:

@@ -206,7 +206,7 @@ class ClusterBase:
             requests=requests,
             stats=stats,
             num_slots=self.cfg.scheduler.max_num_seqs,
-            makespan_s=max(r.loop.last_end for r in self.replicas),
+            makespan_s=max(r.loop.clock.last_end for r in self.replicas),
             preemptions=sum(r.scheduler.num_preemptions for r in self.replicas),
             wall_s=wall_s,
             warmup_s=warmup_s,

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from cbjax.cluster.prefix_index import PrefixIndex
 from cbjax.config import RunConfig
 from cbjax.engine.loop import EngineLoop
+from cbjax.engine.stretch import pages_ahead
 from cbjax.scheduler.core import Scheduler
 
 
@@ -43,7 +44,7 @@ class Replica:
 
     @property
     def num_free_pages(self) -> int:
-        ahead = self.loop.pages_ahead(self.view_s) if self.loop.ahead is not None else 0
+        ahead = pages_ahead(self.loop, self.view_s) if self.loop.ahead is not None else 0
         return max(0, self.scheduler.allocator.num_free_pages - ahead - self.incoming_pages)
 
     @property

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 from cbjax.core.request import Request
 from cbjax.core.stop import StopFlag
 from cbjax.engine.loop import EngineLoop
+from cbjax.engine.stretch import next_time
 
 _INF = float("inf")
 # an idle wall-clock driver naps at most this long, so a stop request is not kept waiting
@@ -88,7 +89,7 @@ def _drive_virtual(loops, pending, admit, events, stop, max_iterations, released
 
     def enqueue(loop: EngineLoop) -> None:
         if loop.has_work():
-            t = loop.next_time()
+            t = next_time(loop)
             if queued.get(id(loop)) != t:
                 queued[id(loop)] = t
                 heapq.heappush(ready, (t, order[id(loop)], loop))

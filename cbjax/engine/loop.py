@@ -27,11 +27,10 @@ from typing import Callable, Optional
 from cbjax.core.executor import Executor
 from cbjax.core.plan import Schedule
 from cbjax.core.request import FinishReason, Request
-from cbjax.core.results import RunResult
 from cbjax.engine.clock import make_clock
 from cbjax.engine.intake import Intake
 from cbjax.engine.stats import ProgressBar, StatsRecorder, TokenReporter
-from cbjax.engine.stretch import Ahead, run_stretch
+from cbjax.engine.stretch import Ahead, catch_up, run_stretch
 from cbjax.scheduler.core import Scheduler
 
 _perf_counter = time.perf_counter
@@ -76,33 +75,15 @@ class EngineLoop:
         self._inflight = None  # pipelined: (plan, clock handle, batched tokens, iteration, requests)
         self.ahead: Optional[Ahead] = None  # a stretch's steps priced, not run (`cbjax.engine.stretch`)
 
-    # ---- time ----
     def now(self) -> float:
         return self.clock.now()
-
-    @property
-    def last_end(self) -> float:
-        return self.clock.last_end
-
-    def next_time(self) -> float:
-        """When the loop next changes what it holds: now, or where the last step of a stretch
-        priced ahead begins."""
-        return self.ahead.last_start() if self.ahead is not None else self.clock.now()
-
-    def pages_ahead(self, t: float) -> int:
-        """Pages that the steps priced ahead beginning before `t` take (0 without any)."""
-        if self.ahead is None:
-            return 0
-        return self.scheduler.stretch.pages_for_steps(self.ahead.steps_before(t))
 
     # ---- intake ----
     def add(self, req: Request, now: Optional[float] = None) -> None:
         """Hand an arrived request to the scheduler (on the loop's thread)."""
         now = self.clock.now() if now is None else now
-        while self.ahead is not None:  # what began before the arrival runs first
-            self.ahead = None if self.ahead.start >= now else self.ahead
-            if self.ahead is not None:
-                self.step(now, ahead=True)
+        if self.ahead is not None:
+            catch_up(self, now)  # what began before the arrival runs first
         self.requests.append(req)
         if not self.intake.open:
             self.scheduler.reject(req, "server is shutting down", now)
@@ -114,10 +95,10 @@ class EngineLoop:
         intake = self.intake
         intake.take(self.add, self.has_work())
         while intake.cancels:
-            self.ahead = None  # priced on what the cancellation changes
             request_id, reason, finish_reason = intake.cancels.popleft()
             if self._inflight is not None:
                 self._land()  # the step in flight holds the request's slot
+            self.ahead = None  # priced on what the abort changes
             self.scheduler.abort(request_id, self.clock.now(), reason, finish_reason)
         self._report_finished()
         if self.tick is not None:
@@ -140,8 +121,7 @@ class EngineLoop:
     def step(self, until: float = _INF, max_steps: Optional[int] = None, ahead: bool = False) -> bool:
         """Run one iteration (or land the step in flight); False when there is nothing to do.
         On a virtual clock with no token callback, the steps of a decode stretch that start
-        before `until` (at most `max_steps`) run as one (`run_stretch`; `ahead`: pricing the
-        rest of the stretch for later)."""
+        before `until` (at most `max_steps`) run as one (`run_stretch`, with `ahead`)."""
         sched, stats = self.scheduler, self.stats
         if self._inflight is not None and (not sched.has_work() or sched.needs_sync()):
             self._land()  # nothing to overlap with, or the next plan may preempt: tokens first
@@ -228,7 +208,6 @@ class EngineLoop:
     def abort_all(self, pending: Optional[list[Request]] = None, error: Optional[str] = None) -> None:
         """End everything unfinished (aborted, with `error` as its reason if given); `pending`
         requests that had not arrived end as `not_arrived`, with no finish time."""
-        self.ahead = None  # steps priced ahead never ran
         if self._inflight is not None:
             self._land()
         self._end_all(FinishReason.ABORTED, error)
@@ -240,26 +219,17 @@ class EngineLoop:
     def fail_all(self, error: str) -> None:
         """The executor is lost (a step raised, its process died): drop the step in flight
         unread and end everything unfinished with fate `error`, `error` its reason."""
-        self._inflight = self.ahead = None
+        self._inflight = None
         self._end_all(FinishReason.ERROR, error)
         self._report_finished()
 
     def _end_all(self, reason: FinishReason, error: Optional[str]) -> None:
+        self.ahead = None  # steps priced ahead never ran
         now = max(self.clock.now(), self.clock.stamp())  # paced: past every arrival stamped so far
         while self.intake.inbox:
             self.add(self.intake.inbox.popleft(), now)
         if self.scheduler.has_work():
             self.scheduler.abort_all(now, reason, error)
-
-    def result(self, interrupted: bool = False) -> RunResult:
-        """The run so far, for summary.json and requests.jsonl."""
-        sched = self.scheduler
-        return RunResult(
-            requests=list(self.requests), stats=self.stats, num_slots=sched.max_num_seqs,
-            makespan_s=self.clock.last_end, preemptions=sched.num_preemptions,
-            wall_s=self.clock.clock() - self.clock.wall0, extra=sched.cache_stats(), tbt_s=sched.tbt_s,
-            interrupted=interrupted,
-        )  # fmt: skip
 
     def close(self) -> None:
         if self._bar is not None:

@@ -53,8 +53,19 @@ def serve(
 
     interrupted = drive([loop], pending, admit, stop=stop, max_iterations=max_iterations)
     loop.abort_all(list(pending) + (followups.close() if followups is not None else []))
-    result = loop.result(interrupted)
+    result = run_result(loop, interrupted)
     loop.close()
     # offline, requests come back in the caller's order
     result.requests = list(requests)
     return result
+
+
+def run_result(loop: EngineLoop, interrupted: bool = False) -> RunResult:
+    """The loop's run so far, for summary.json and requests.jsonl."""
+    sched, clock = loop.scheduler, loop.clock
+    return RunResult(
+        requests=list(loop.requests), stats=loop.stats, num_slots=sched.max_num_seqs,
+        makespan_s=clock.last_end, preemptions=sched.num_preemptions,
+        wall_s=clock.clock() - clock.wall0, extra=sched.cache_stats(), tbt_s=sched.tbt_s,
+        interrupted=interrupted,
+    )  # fmt: skip

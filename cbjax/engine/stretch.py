@@ -1,5 +1,7 @@
 """Decode stretches on a virtual clock: the steps of a decode stretch run as one plan.
 
+The functions here take an `EngineLoop` (`cbjax.engine.loop`, which imports this module).
+
 `run_stretch` runs the steps of a decode stretch (`cbjax.scheduler.stretch`) that start before
 the loop's next event as one plan: several steps of the same decodes, each a token further,
 priced, run and recorded step by step, with the results of the same steps run one at a time.
@@ -16,10 +18,7 @@ before it). Its pages are counted as taken by then (`pages_ahead`) for a router 
 from __future__ import annotations
 
 from time import perf_counter
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from cbjax.engine.loop import EngineLoop
+from typing import Optional
 
 _INF = float("inf")
 
@@ -50,7 +49,7 @@ class Ahead:
         return n
 
 
-def run_stretch(loop: EngineLoop, start: float, until: float, max_steps: Optional[int], ahead: bool = False) -> bool:
+def run_stretch(loop, start: float, until: float, max_steps: Optional[int], ahead: bool = False) -> bool:
     """Run the next steps of `loop` as a decode stretch if two or more start before `until`
     (at most `max_steps`); False, having run nothing, otherwise. `ahead`: price the whole
     stretch and keep the steps from `until` on as `loop.ahead`."""
@@ -88,3 +87,25 @@ def run_stretch(loop: EngineLoop, start: float, until: float, max_steps: Optiona
     if rest is not None:
         loop.ahead = Ahead(ends[-1], rest)
     return True
+
+
+def next_time(loop) -> float:
+    """When `loop` next changes what it holds: now, or where the last step of its stretch
+    priced ahead begins."""
+    return loop.ahead.last_start() if loop.ahead is not None else loop.clock.now()
+
+
+def pages_ahead(loop, t: float) -> int:
+    """Pages that the steps `loop` priced ahead beginning before `t` take (0 without any)."""
+    if loop.ahead is None:
+        return 0
+    return loop.scheduler.stretch.pages_for_steps(loop.ahead.steps_before(t))
+
+
+def catch_up(loop, t: float) -> None:
+    """Run the steps `loop` priced ahead that begin before `t`; the rest are priced again."""
+    while loop.ahead is not None:
+        if loop.ahead.start >= t:
+            loop.ahead = None
+        else:
+            loop.step(t, ahead=True)

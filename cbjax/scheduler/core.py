@@ -117,11 +117,9 @@ class Scheduler:
         )  # fmt: skip
         # static padding charges every plan its batch's padded rows, and drafts make each step's
         # tokens unknown until it ran: no stretch writes those
-        # a stretch takes new pages where no step can evict a cached page (`DecodeStretch`)
-        grows = self.prefix is None and not self.allocator.prefix_caching and not self.allocator.reserve
         self.stretch = None if cfg.static_padding or self.drafts is not None else DecodeStretch(
-            self.running_set, self.writer, self.policy, self.allocator, self.token_budget, grows
-        )  # fmt: skip
+            self.running_set, self.writer, self.policy, self.allocator, self.token_budget,
+            grows=self.prefix is None and not self.allocator.reserve)  # fmt: skip
 
     # what the parts hold, read (and where settable, written) as the scheduler's own
     running = _delegate("running_set.running", "The running requests, in admission order.")
