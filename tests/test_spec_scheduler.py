@@ -176,7 +176,7 @@ def test_a_running_requests_draft_pages_show_in_kv_cache_pages_used():
         sched = scheduler(spec, page_size=4)
         [req] = make_requests([8], prompt_lens=[7])
         watch = PoolWatch(sched, SeededAcceptance([0.0]) if spec else None)
-        serve([req], sched, watch)
+        serve([req], sched, watch, stretches=False)  # a plan per step: the pool as each step runs
         return [u for u, _ in watch.used]
 
     # prompt 7 in 2 pages of 4; its first decode processes position 7, still in page 2; with 5

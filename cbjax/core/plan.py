@@ -84,8 +84,9 @@ class Schedule:
 
     A decode stretch (`num_steps` > 1, simulated tokens only) is that many steps in a row of
     the same decodes, each a token further: step j processes every row's token at
-    `num_computed + j`, and is plan `step_id + j`. Nothing arrives, finishes before the last
-    step, or takes a page between them (`cbjax.scheduler.stretch`).
+    `num_computed + j`, and is plan `step_id + j`. Nothing arrives or finishes before the last
+    step. The pool holds the pages of all its steps while it runs: a row whose pages grow
+    carries its whole page table (`cbjax.scheduler.stretch`).
 
     `host_copies`: the host KV tier's copies (`HostCopies`); None when there are none.
     """

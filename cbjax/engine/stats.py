@@ -66,36 +66,34 @@ class StatsRecorder:
         ps = alloc.page_size
         sums, pool = stats.kv_share_sums, self._pool_slots
         growth = sched.stretch.growth if sched.stretch is not None else ()
-        # pages and filled slots the steps after step j took: walked back from the last step
-        later_pages = [0] * n
-        later_filled = [0] * n
-        pages = filled = 0
-        g = len(growth) - 1
-        for j in range(n - 1, -1, -1):
-            later_pages[j], later_filled[j] = pages, filled
-            while g >= 0 and growth[g][0] == j:
-                pages += growth[g][1]
-                filled += growth[g][2]
-                g -= 1
-        # whole numbers add up exactly in any order; the shares are float sums, added step by step
-        stats.iterations += n
-        stats.occupied_slot_iterations += rows * n
-        stats.batched_tokens += rows * n
-        stats.pages_used_sum += used * n - sum(later_pages)
+        # the pages and filled slots that steps after step j took: all of them, less those taken
+        # by step j and before
+        later = sum(g[1] for g in growth)
+        later_filled = sum(g[2] for g in growth)
+        g, num_growth, later_sum = 0, len(growth), 0
+        ext = external / pool
         util, s0, s1, s2, s3, s4 = stats.kv_util_sum, sums[0], sums[1], sums[2], sums[3], sums[4]
         for j in range(n):
+            while g < num_growth and growth[g][0] == j:
+                later -= growth[g][1]
+                later_filled -= growth[g][2]
+                g += 1
             behind = (n - 1 - j) * rows
-            later = later_pages[j]
             step_used = used - later
-            step_filled = later_filled[j]
+            later_sum += later
+            # the shares are float sums: added step by step, as `planned` adds them
             util += (stored - behind) / (step_used * ps) if step_used else 1.0
             s0 += (token - behind) / pool
-            s1 += (reserved + behind - step_filled) / pool
-            s2 += (internal - later * ps + step_filled) / pool
-            s3 += external / pool
+            s1 += (reserved + behind - later_filled) / pool
+            s2 += (internal - later * ps + later_filled) / pool
+            s3 += ext
             s4 += (free + later * ps) / pool
         stats.kv_util_sum = util
         sums[0], sums[1], sums[2], sums[3], sums[4] = s0, s1, s2, s3, s4
+        stats.iterations += n
+        stats.occupied_slot_iterations += rows * n
+        stats.batched_tokens += rows * n
+        stats.pages_used_sum += used * n - later_sum
         if used > stats.pages_used_peak:
             stats.pages_used_peak = used
         if rows > stats.batch_peak:

@@ -15,6 +15,7 @@ from cbjax.report.metrics import request_row
 from cbjax.report.files import RequestLog
 from cbjax.core.request import FinishReason, Request
 from cbjax.core.results import LoadCounts
+from cbjax.engine.offline import run_result
 from cbjax.engine.online import run_online
 from cbjax.app.run import build_executor, write_outputs
 from cbjax.scheduler.core import Scheduler
@@ -116,7 +117,7 @@ class EngineHost:
         config.yaml, and release the executor; returns the summary."""
         self.engine.abort_all()
         self.tick()
-        result = self.engine.result()
+        result = run_result(self.engine)
         summary = write_outputs(self.cfg, self.out_dir, result, self.service_log, self.executor, extra_rows=self.extra_rows)
         if self.live is not None:
             self.live.close()
