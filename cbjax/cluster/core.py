@@ -23,8 +23,7 @@ from cbjax.engine.loop import EngineLoop
 from cbjax.core.results import IterationStats, RunResult
 from cbjax.report.metrics import SERVED
 from cbjax.core.request import FinishReason, Request, Status
-from cbjax.scheduler.core import Scheduler
-from cbjax.sim.pricing import step_pricer
+from cbjax.sim.pricing import build_scheduler
 from cbjax.report.service import ServiceLog
 
 
@@ -70,11 +69,7 @@ class ClusterBase:
         self.replicas: list[Replica] = []
         for i, (role, rcfg) in enumerate(replica_configs(cfg)):
             executor = make_executor(rcfg)
-            scheduler = Scheduler(
-                rcfg.scheduler, rcfg.cache, rcfg.model.max_model_len, validate=executor.validate,
-                eos_token_id=rcfg.model.eos_token_id, vocab_size=rcfg.model.vocab_size, spec=rcfg.spec,
-                step_cost=step_pricer(rcfg, executor),
-            )  # fmt: skip
+            scheduler = build_scheduler(rcfg, executor)
             on_finish = self._prefilled_event if role == "prefill" else self._done
             if role == "prefill" and self.holds_prefill_pages:
                 scheduler.hold_finished_pages = True
