@@ -10,6 +10,7 @@ decode replica.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -19,6 +20,8 @@ from cbjax.cluster.prefix_index import prompt_page_hashes
 from cbjax.cluster.replica import Replica
 from cbjax.cluster.router import RouteRequest, make_router
 from cbjax.config import RunConfig
+from cbjax.core.stop import StopFlag
+from cbjax.engine.followups import Followups, arrivals
 from cbjax.engine.loop import EngineLoop
 from cbjax.core.results import IterationStats, RunResult
 from cbjax.report.metrics import SERVED
@@ -49,7 +52,8 @@ class Handoff:
 
 
 class ClusterBase:
-    """Replicas behind a router; subclasses drive them in time (`serve`)."""
+    """Replicas behind a router; `serve` runs a list of requests, which subclasses drive in
+    time (`_drive`)."""
 
     # True: a prefill replica keeps a finished prefill's pages until the driver releases them
     # (`Scheduler.hold_finished_pages`), so their K/V can be copied out first.
@@ -86,6 +90,27 @@ class ClusterBase:
         # The error that ended the run early (a replica's executor failed), raised by the
         # caller once the outputs are written; None when the run ended by itself or by `stop`.
         self.failure: Optional[Exception] = None
+
+    # ---- the run ----
+    def serve(
+        self,
+        requests: list[Request],
+        *,
+        stop: Optional[StopFlag] = None,
+        on_finish: Optional[Callable[[Request], None]] = None,
+    ) -> RunResult:
+        """Serve `requests` (any order), each at its `arrival_s`; every request ends with a fate
+        (as `cbjax.engine.offline.serve`, `stop` and sessions included). The result covers the
+        whole cluster."""
+        pending, followups, self._on_finish = arrivals(requests, on_finish)
+        return self._drive(requests, pending, followups, stop)
+
+    def _drive(
+        self, requests: list[Request], pending: deque[Request], followups: Optional[Followups], stop: Optional[StopFlag]
+    ) -> RunResult:
+        """Run the replicas over the `pending` arrivals and the sessions' later turns
+        (`followups`, None without sessions) until every request has ended."""
+        raise NotImplementedError
 
     # ---- routing ----
     def _admit(self, req: Request, t: float) -> Replica:
