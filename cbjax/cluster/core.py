@@ -211,14 +211,7 @@ class ClusterBase:
         stats = IterationStats()
         tbt: list[float] = []
         for replica in self.replicas:
-            s = replica.loop.stats
-            for key in ("iterations", "busy_s", "occupied_slot_iterations", "batched_tokens", "pages_used_sum",
-                        "kv_util_sum", "schedule_s", "postprocess_s"):  # fmt: skip
-                setattr(stats, key, getattr(stats, key) + getattr(s, key))
-            stats.pages_used_peak = max(stats.pages_used_peak, s.pages_used_peak)
-            stats.batch_peak = max(stats.batch_peak, s.batch_peak)
-            stats.kv_share_sums = [a + b for a, b in zip(stats.kv_share_sums, s.kv_share_sums)]
-            stats.finish_iteration.update(s.finish_iteration)
+            stats.merge(replica.loop.stats)
             tbt.extend(replica.scheduler.tbt_s)
         return RunResult(
             requests=requests,
