@@ -20,7 +20,7 @@ from cbjax.report.reasons import format_reasons
 from cbjax.report.tables import comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
 from cbjax.report.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
-from cbjax.sim.pricing import step_pricer
+from cbjax.sim.pricing import build_scheduler
 from cbjax.workload import build_workload
 from cbjax.workload.trace import encode_text_prompts
 
@@ -111,16 +111,7 @@ def run_single(
     requests = build_workload(cfg.workload, cfg.seed, tokenizer)
     encode_text_prompts(requests, tokenizer, where=f"model {cfg.model.name!r}")
     executor = build_executor(cfg)
-    scheduler = Scheduler(
-        cfg.scheduler,
-        cfg.cache,
-        cfg.model.max_model_len,
-        validate=executor.validate,
-        eos_token_id=cfg.model.eos_token_id,
-        vocab_size=cfg.model.vocab_size,
-        spec=cfg.spec,
-        step_cost=step_pricer(cfg, executor),
-    )
+    scheduler = build_scheduler(cfg, executor)
     extra = None if executor.virtual_clock else (lambda r: _output_row(r, tokenizer))
     live = None
     if out_dir is not None:

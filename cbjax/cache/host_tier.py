@@ -5,6 +5,7 @@ loads them back before its prefill instead of recomputing them."""
 from __future__ import annotations
 
 import heapq
+from operator import attrgetter
 from typing import Callable, Optional, Sequence
 
 from cbjax.cache.eviction import make_host_eviction
@@ -20,16 +21,11 @@ class HostTierView:
 
     __slots__ = ("_tier",)
 
+    num_pages = property(attrgetter("_tier.num_pages"), doc="The tier's host pages.")
+    num_used = property(attrgetter("_tier.num_used"), doc="Host pages the tier holds now.")
+
     def __init__(self, tier: "HostTier"):
         self._tier = tier
-
-    @property
-    def num_pages(self) -> int:
-        return self._tier.num_pages
-
-    @property
-    def num_used(self) -> int:
-        return self._tier.num_used
 
     def session_of(self, page: int) -> Optional[str]:
         """The session of the request that last registered, shared or loaded the page's contents

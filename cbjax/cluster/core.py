@@ -10,6 +10,7 @@ decode replica.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -19,12 +20,13 @@ from cbjax.cluster.prefix_index import prompt_page_hashes
 from cbjax.cluster.replica import Replica
 from cbjax.cluster.router import RouteRequest, make_router
 from cbjax.config import RunConfig
+from cbjax.core.stop import StopFlag
+from cbjax.engine.followups import Followups, arrivals
 from cbjax.engine.loop import EngineLoop
 from cbjax.core.results import IterationStats, RunResult
 from cbjax.report.metrics import SERVED
 from cbjax.core.request import FinishReason, Request, Status
-from cbjax.scheduler.core import Scheduler
-from cbjax.sim.pricing import step_pricer
+from cbjax.sim.pricing import build_scheduler
 from cbjax.report.service import ServiceLog
 
 
@@ -50,7 +52,8 @@ class Handoff:
 
 
 class ClusterBase:
-    """Replicas behind a router; subclasses drive them in time (`serve`)."""
+    """Replicas behind a router; `serve` runs a list of requests, which subclasses drive in
+    time (`_drive`)."""
 
     # True: a prefill replica keeps a finished prefill's pages until the driver releases them
     # (`Scheduler.hold_finished_pages`), so their K/V can be copied out first.
@@ -70,11 +73,7 @@ class ClusterBase:
         self.replicas: list[Replica] = []
         for i, (role, rcfg) in enumerate(replica_configs(cfg)):
             executor = make_executor(rcfg)
-            scheduler = Scheduler(
-                rcfg.scheduler, rcfg.cache, rcfg.model.max_model_len, validate=executor.validate,
-                eos_token_id=rcfg.model.eos_token_id, vocab_size=rcfg.model.vocab_size, spec=rcfg.spec,
-                step_cost=step_pricer(rcfg, executor),
-            )  # fmt: skip
+            scheduler = build_scheduler(rcfg, executor)
             on_finish = self._prefilled_event if role == "prefill" else self._done
             if role == "prefill" and self.holds_prefill_pages:
                 scheduler.hold_finished_pages = True
@@ -91,6 +90,27 @@ class ClusterBase:
         # The error that ended the run early (a replica's executor failed), raised by the
         # caller once the outputs are written; None when the run ended by itself or by `stop`.
         self.failure: Optional[Exception] = None
+
+    # ---- the run ----
+    def serve(
+        self,
+        requests: list[Request],
+        *,
+        stop: Optional[StopFlag] = None,
+        on_finish: Optional[Callable[[Request], None]] = None,
+    ) -> RunResult:
+        """Serve `requests` (any order), each at its `arrival_s`; every request ends with a fate
+        (as `cbjax.engine.offline.serve`, `stop` and sessions included). The result covers the
+        whole cluster."""
+        pending, followups, self._on_finish = arrivals(requests, on_finish)
+        return self._drive(requests, pending, followups, stop)
+
+    def _drive(
+        self, requests: list[Request], pending: deque[Request], followups: Optional[Followups], stop: Optional[StopFlag]
+    ) -> RunResult:
+        """Run the replicas over the `pending` arrivals and the sessions' later turns
+        (`followups`, None without sessions) until every request has ended."""
+        raise NotImplementedError
 
     # ---- routing ----
     def _admit(self, req: Request, t: float) -> Replica:
@@ -193,14 +213,7 @@ class ClusterBase:
         stats = IterationStats()
         tbt: list[float] = []
         for replica in self.replicas:
-            s = replica.loop.stats
-            for key in ("iterations", "busy_s", "occupied_slot_iterations", "batched_tokens", "pages_used_sum",
-                        "kv_util_sum", "schedule_s", "postprocess_s"):  # fmt: skip
-                setattr(stats, key, getattr(stats, key) + getattr(s, key))
-            stats.pages_used_peak = max(stats.pages_used_peak, s.pages_used_peak)
-            stats.batch_peak = max(stats.batch_peak, s.batch_peak)
-            stats.kv_share_sums = [a + b for a, b in zip(stats.kv_share_sums, s.kv_share_sums)]
-            stats.finish_iteration.update(s.finish_iteration)
+            stats.merge(replica.loop.stats)
             tbt.extend(replica.scheduler.tbt_s)
         return RunResult(
             requests=requests,

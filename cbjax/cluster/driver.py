@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import deque
 from typing import Any, Callable, Optional
 
 from cbjax.cluster.core import ClusterBase, ClusterServiceLog, Handoff, first_token_reason
@@ -33,7 +34,7 @@ from cbjax.report.metrics import SERVED
 from cbjax.core.results import RunResult
 from cbjax.core.stop import StopFlag
 from cbjax.engine.drive import Events, drive
-from cbjax.engine.followups import arrivals
+from cbjax.engine.followups import Followups
 from cbjax.engine.loop import EngineLoop
 
 __all__ = ["ClusterServiceLog", "ClusterSim", "check_supported", "first_token_reason"]
@@ -91,18 +92,11 @@ class ClusterSim(ClusterBase):
         self._transferred(h, t)
         return h.dst.loop
 
-    def serve(
-        self,
-        requests: list[Request],
-        *,
-        stop: Optional[StopFlag] = None,
-        on_finish: Optional[Callable[[Request], None]] = None,
+    def _drive(
+        self, requests: list[Request], pending: deque[Request], followups: Optional[Followups], stop: Optional[StopFlag]
     ) -> RunResult:
-        """Serve `requests` (any order), each at its `arrival_s`; every request ends with a fate
-        (as `cbjax.engine.offline.serve`, `stop` and sessions included). The result covers the
-        whole cluster."""
+        """The replicas in time order on the virtual clock, with the P/D events between them."""
         wall0 = time.perf_counter()
-        pending, followups, self._on_finish = arrivals(requests, on_finish)
         loops = [replica.loop for replica in self.replicas]
         # P/D's events and sessions' later turns are the only ways one replica's steps reach another's
         events = self._events if self.cfg.cluster.disaggregated else None

@@ -24,6 +24,7 @@ and `failure` holds the one-line error for the caller to raise once the outputs 
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -34,7 +35,7 @@ from cbjax.config import RunConfig
 from cbjax.core.results import RunResult
 from cbjax.core.stop import StopFlag
 from cbjax.engine.drive import drive
-from cbjax.engine.followups import arrivals
+from cbjax.engine.followups import Followups
 from cbjax.core.request import FinishReason, Request
 
 
@@ -104,17 +105,11 @@ class ClusterEngine(ClusterBase):
             self._transferred(h, self.now())
 
     # ---- the run ----
-    def serve(
-        self,
-        requests: list[Request],
-        *,
-        stop: Optional[StopFlag] = None,
-        on_finish: Optional[Callable[[Request], None]] = None,
+    def _drive(
+        self, requests: list[Request], pending: deque[Request], followups: Optional[Followups], stop: Optional[StopFlag]
     ) -> RunResult:
-        """Warm every replica up, then serve `requests` (any order), each at its `arrival_s` on
-        the wall clock; every request ends with a fate (as `cbjax.engine.offline.serve`,
-        sessions included)."""
-        pending, followups, self._on_finish = arrivals(requests, on_finish)
+        """Warm every replica up, then serve the arrivals on the wall clock; a replica's failure
+        ends the run (the module docstring)."""
         warmup_s, interrupted = 0.0, False
         try:
             warmup_s = self.warmup(any(r.sampling.temperature > 0 for r in requests))

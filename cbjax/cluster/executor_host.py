@@ -9,16 +9,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from cbjax.config import RunConfig
 from cbjax.core.plan import Schedule, StepOutput
 
-# The calls a driver may make (RemoteExecutor's); anything else is refused.
-CALLS = frozenset({
-    "ready", "warmup", "restart_compile_count", "launch", "collect", "execute", "export_kv", "import_kv",
-    "metrics", "close",
-})  # fmt: skip
+# The calls a driver may make (RemoteExecutor's); anything else is refused. The FORWARDED ones
+# are the executor's own calls with the driver's arguments; the host's methods answer the others.
+FORWARDED: dict[str, Callable[..., Any]] = {
+    "restart_compile_count": lambda ex: ex.restart_compile_count(),
+    "execute": lambda ex, plan: ex.execute(plan),
+    "export_kv": lambda ex, pages: ex.export_kv(pages),
+    "import_kv": lambda ex, request_id, kv: ex.import_kv(request_id, kv),
+    "metrics": lambda ex: ex.metrics(),
+    "close": lambda ex: ex.close(),
+}
+CALLS = frozenset({"ready", "warmup", "launch", "collect", *FORWARDED})
 
 
 class ReplicaError(Exception):
@@ -61,8 +67,9 @@ class ExecutorHost:
             raise self._broken
         if name not in CALLS:
             raise ReplicaError(f"unknown call {name!r}")
+        forward = FORWARDED.get(name)
         try:
-            return getattr(self, name)(*args)
+            return forward(self.executor, *args) if forward is not None else getattr(self, name)(*args)
         except Exception as err:
             raise ReplicaError(describe(err)) from None
 
@@ -73,7 +80,7 @@ class ExecutorHost:
         except ReplicaError as err:
             return "error", str(err)
 
-    # ---- the calls ----
+    # ---- the calls the host answers itself ----
     def ready(self) -> dict[str, Any]:
         ex = self.executor
         if ex.virtual_clock:
@@ -86,26 +93,8 @@ class ExecutorHost:
     def warmup(self, sampling: bool, kv_transfer: bool) -> None:
         self.executor.warmup(sampling=sampling, kv_transfer=kv_transfer)
 
-    def restart_compile_count(self) -> None:
-        self.executor.restart_compile_count()
-
     def launch(self, step: int, plan: Schedule) -> None:
         self._launched[step] = self.executor.launch(plan)
 
     def collect(self, step: int) -> StepOutput:
         return self.executor.collect(self._launched.pop(step))
-
-    def execute(self, plan: Schedule) -> StepOutput:
-        return self.executor.execute(plan)
-
-    def export_kv(self, pages: Sequence[int]) -> Any:
-        return self.executor.export_kv(pages)
-
-    def import_kv(self, request_id: str, kv: Any) -> None:
-        self.executor.import_kv(request_id, kv)
-
-    def metrics(self) -> dict[str, Any]:
-        return self.executor.metrics()
-
-    def close(self) -> None:
-        self.executor.close()

@@ -33,16 +33,21 @@ class ReplicaState(Protocol):
     """One replica as a router sees it, read-only."""
 
     @property
-    def num_waiting(self) -> int: ...
+    def num_waiting(self) -> int:
+        """Requests waiting for a slot, preempted ones and those whose K/V is on its way here included."""
 
     @property
-    def num_running(self) -> int: ...
+    def num_running(self) -> int:
+        """Requests holding a slot."""
 
     @property
-    def num_free_pages(self) -> int: ...
+    def num_free_pages(self) -> int:
+        """KV pages that can be handed out (free, or cached and unreferenced), less those held
+        for K/V on its way here."""
 
     @property
-    def num_usable_pages(self) -> int: ...
+    def num_usable_pages(self) -> int:
+        """KV pages in the replica's pool (the null page excluded)."""
 
     @property
     def num_indexed_pages(self) -> int:

@@ -10,6 +10,7 @@ holds the pages to both, so a renamed key or a dropped group fails there.
 from __future__ import annotations
 
 import textwrap
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,10 @@ class Group:
     meaning: str
     keys: tuple[tuple[str, str], ...]  # (dotted key, its meaning in one line)
 
+    def with_keys(self, *keys: tuple[str, str]) -> Group:
+        """This group with `keys` listed after its own."""
+        return dataclasses.replace(self, keys=self.keys + keys)
+
 
 @dataclass(frozen=True)
 class Page:
@@ -41,89 +46,94 @@ class Page:
     docs: str
 
 
-SCHEDULER = Group("scheduler", "the batching policy and its limits", (
-    ("scheduler.max_num_seqs", "requests running at once (the batch's slots)"),
-    ("scheduler.max_num_batched_tokens", "tokens one iteration may process"),
-    ("scheduler.chunked_prefill", "true: long prompts in chunks, mixed with decodes"),
-    ("scheduler.preemption", "recompute | swap: what a preempted request's KV becomes"),
-    ("scheduler.policy_class", "your own policy class, as module:Class"),
-))  # fmt: skip
-EXECUTOR = Group("executor", "what runs each step: sim, the simulator; jax, the real JAX engine", (
-    ("executor.cost_model", "sim: a step's time: roofline | profiled | unit"),
-    ("executor.profile", "sim, cost_model=profiled: the profile.json to read"),
-    ("executor.attention", "jax: the attention kernel (auto picks one per platform)"),
-    ("executor.token_buckets", "jax: the token counts the step is compiled for"),
-))  # fmt: skip
-SERVE_EXECUTOR = Group(EXECUTOR.name, EXECUTOR.meaning, EXECUTOR.keys + (
+# The config groups the pages list, by name (GROUP=OPTION on the command line).
+GROUPS = {group.name: group for group in (
+    Group("scheduler", "the batching policy and its limits", (
+        ("scheduler.max_num_seqs", "requests running at once (the batch's slots)"),
+        ("scheduler.max_num_batched_tokens", "tokens one iteration may process"),
+        ("scheduler.chunked_prefill", "true: long prompts in chunks, mixed with decodes"),
+        ("scheduler.preemption", "recompute | swap: what a preempted request's KV becomes"),
+        ("scheduler.policy_class", "your own policy class, as module:Class"),
+    )),
+    Group("executor", "what runs each step: sim, the simulator; jax, the real JAX engine", (
+        ("executor.cost_model", "sim: a step's time: roofline | profiled | unit"),
+        ("executor.profile", "sim, cost_model=profiled: the profile.json to read"),
+        ("executor.attention", "jax: the attention kernel (auto picks one per platform)"),
+        ("executor.token_buckets", "jax: the token counts the step is compiled for"),
+    )),
+    Group("workload", "the requests: arrivals and lengths, synthetic or a replayed trace", (
+        ("workload.num_requests", "how many requests"),
+        ("workload.arrival", "all_at_once | poisson | gamma | uniform"),
+        ("workload.rate", "requests per second (poisson, gamma, uniform)"),
+        ("workload.prompt_len", "a length distribution: .dist, .value, .low, .high, .mean"),
+        ("workload.output_len", "the same, for the output"),
+        ("workload.path", "workload=trace: the trace file to replay"),
+    )),
+    Group("model", "the decoder the engine runs and the cost model charges for", (
+        ("model.max_model_len", "the longest prompt plus output a request may have"),
+        ("model.path", "model=hf: a local Hugging Face model directory"),
+        ("model.dtype", "float32 | bfloat16"),
+    )),
+    Group("hardware", "the accelerator the roofline cost model charges for", (
+        ("hardware.num_devices", "tensor-parallel devices (the figures are per device)"),
+        ("hardware.mem_bytes", "device memory in bytes (sizes cache.num_pages=auto)"),
+    )),
+    Group("overhead", "a serving stack's host costs, added to each simulated step", (
+        ("overhead.step_s", "host seconds per iteration"),
+        ("overhead.seq_s", "host seconds per scheduled sequence per iteration"),
+    )),
+    Group("cache", "the paged KV cache", (
+        ("cache.num_pages", "KV pages: an int, or auto (what memory leaves; sim's default)"),
+        ("cache.page_size", "tokens per page"),
+        ("cache.prefix_caching", "true (default): requests share the pages of a common prefix"),
+        ("cache.allocation", "paged | reserve_max | reserve_pow2 | reserve_oracle"),
+    )),
+    Group("cluster", "replicas behind a router; prefill/decode disaggregation", (
+        ("cluster.replicas", "replicas behind the router"),
+        ("cluster.router", "round_robin | least_loaded | least_kv | prefix_affinity | ..."),
+        ("cluster.prefill_replicas", "with cluster.decode_replicas: the P/D pools"),
+    )),
+    Group("spec", "speculative decoding: drafts verified in the decode's step", (
+        ("spec.method", "none | ngram | draft"),
+        ("spec.num_tokens", "k: the most drafts per request per step"),
+        ("spec.policy", "fixed | batch_size | goodput | module:Class: drafts per step"),
+        ("spec.acceptance", "sim: fixed | per_position | trace (an engine's spec_trace.jsonl)"),
+        ("spec.acceptance_rate", "sim, acceptance=fixed: each draft's chance to be accepted"),
+    )),
+    Group("metrics", "extra measures in summary.json", (
+        ("metrics.window_s", "[start, end]: summarize only that span of the run"),
+        ("metrics.service_weights", "the weights of input and output tokens in client_service"),
+    )),
+    Group("experiment", "arms (named sets of overrides) run one after another and compared", (
+        ("experiment.arms", "the arms; each writes a folder, tables compare them"),
+    )),
+    Group("logger", "experiment tracking", (
+        ("logger.experiment_name", "the MLflow experiment or W&B project"),
+        ("logger.tracking_uri", "mlflow: the server (null: a file store beside the run)"),
+    )),
+    Group("hparams_search", "a Hydra sweeper over policy knobs (a multirun)", (
+        ("optimized_metric", "the summary.json key the sweeper optimizes"),
+    )),
+    Group("server", "where the OpenAI-compatible server listens, how it treats clients", (
+        ("server.host", "the address to listen on"),
+        ("server.port", "the port (0: a free one, named in the listening line)"),
+        ("server.api_key", "clients must send it as a bearer token (null: none)"),
+        ("server.max_queue", "waiting requests beyond which a new one gets 429"),
+        ("server.engine_process", "true: the JAX engine in a process of its own (executor=jax)"),
+    )),
+    Group("bench", "where the load goes and how each request is sent", (
+        ("bench.url", "the server's OpenAI base URL, ending in /v1"),
+        ("bench.concurrency", "null: open loop at arrival times; N: N requests in flight"),
+        ("bench.endpoint", "completions | chat"),
+        ("bench.prompt", "ids (token ids, exact lengths) | text"),
+        ("bench.duration_s", "stop sending after this many seconds"),
+    )),
+)}  # fmt: skip
+
+# cbjax-serve's executor group: paced to the wall clock, too
+SERVE_EXECUTOR = GROUPS["executor"].with_keys(
     ("executor.pace", "sim: realtime (default) keeps to the wall clock; none: at once"),
-))  # fmt: skip
-WORKLOAD = Group("workload", "the requests: arrivals and lengths, synthetic or a replayed trace", (
-    ("workload.num_requests", "how many requests"),
-    ("workload.arrival", "all_at_once | poisson | gamma | uniform"),
-    ("workload.rate", "requests per second (poisson, gamma, uniform)"),
-    ("workload.prompt_len", "a length distribution: .dist, .value, .low, .high, .mean"),
-    ("workload.output_len", "the same, for the output"),
-    ("workload.path", "workload=trace: the trace file to replay"),
-))  # fmt: skip
-MODEL = Group("model", "the decoder the engine runs and the cost model charges for", (
-    ("model.max_model_len", "the longest prompt plus output a request may have"),
-    ("model.path", "model=hf: a local Hugging Face model directory"),
-    ("model.dtype", "float32 | bfloat16"),
-))  # fmt: skip
-HARDWARE = Group("hardware", "the accelerator the roofline cost model charges for", (
-    ("hardware.num_devices", "tensor-parallel devices (the figures are per device)"),
-    ("hardware.mem_bytes", "device memory in bytes (sizes cache.num_pages=auto)"),
-))  # fmt: skip
-OVERHEAD = Group("overhead", "a serving stack's host costs, added to each simulated step", (
-    ("overhead.step_s", "host seconds per iteration"),
-    ("overhead.seq_s", "host seconds per scheduled sequence per iteration"),
-))  # fmt: skip
-CACHE = Group("cache", "the paged KV cache", (
-    ("cache.num_pages", "KV pages: an int, or auto (what memory leaves; sim's default)"),
-    ("cache.page_size", "tokens per page"),
-    ("cache.prefix_caching", "true (default): requests share the pages of a common prefix"),
-    ("cache.allocation", "paged | reserve_max | reserve_pow2 | reserve_oracle"),
-))  # fmt: skip
-CLUSTER = Group("cluster", "replicas behind a router; prefill/decode disaggregation", (
-    ("cluster.replicas", "replicas behind the router"),
-    ("cluster.router", "round_robin | least_loaded | least_kv | prefix_affinity | ..."),
-    ("cluster.prefill_replicas", "with cluster.decode_replicas: the P/D pools"),
-))  # fmt: skip
-SPEC = Group("spec", "speculative decoding: drafts verified in the decode's step", (
-    ("spec.method", "none | ngram | draft"),
-    ("spec.num_tokens", "k: the most drafts per request per step"),
-    ("spec.policy", "fixed | batch_size | goodput | module:Class: drafts per step"),
-    ("spec.acceptance", "sim: fixed | per_position | trace (an engine's spec_trace.jsonl)"),
-    ("spec.acceptance_rate", "sim, acceptance=fixed: each draft's chance to be accepted"),
-))  # fmt: skip
-METRICS = Group("metrics", "extra measures in summary.json", (
-    ("metrics.window_s", "[start, end]: summarize only that span of the run"),
-    ("metrics.service_weights", "the weights of input and output tokens in client_service"),
-))  # fmt: skip
-EXPERIMENT = Group("experiment", "arms (named sets of overrides) run one after another and compared", (
-    ("experiment.arms", "the arms; each writes a folder, tables compare them"),
-))  # fmt: skip
-LOGGER = Group("logger", "experiment tracking", (
-    ("logger.experiment_name", "the MLflow experiment or W&B project"),
-    ("logger.tracking_uri", "mlflow: the server (null: a file store beside the run)"),
-))  # fmt: skip
-HPARAMS_SEARCH = Group("hparams_search", "a Hydra sweeper over policy knobs (a multirun)", (
-    ("optimized_metric", "the summary.json key the sweeper optimizes"),
-))  # fmt: skip
-SERVER = Group("server", "where the OpenAI-compatible server listens, how it treats clients", (
-    ("server.host", "the address to listen on"),
-    ("server.port", "the port (0: a free one, named in the listening line)"),
-    ("server.api_key", "clients must send it as a bearer token (null: none)"),
-    ("server.max_queue", "waiting requests beyond which a new one gets 429"),
-    ("server.engine_process", "true: the JAX engine in a process of its own (executor=jax)"),
-))  # fmt: skip
-BENCH = Group("bench", "where the load goes and how each request is sent", (
-    ("bench.url", "the server's OpenAI base URL, ending in /v1"),
-    ("bench.concurrency", "null: open loop at arrival times; N: N requests in flight"),
-    ("bench.endpoint", "completions | chat"),
-    ("bench.prompt", "ids (token ids, exact lengths) | text"),
-    ("bench.duration_s", "stop sending after this many seconds"),
-))  # fmt: skip
+)
 
 # keys outside any group
 SLO_KEYS = (
@@ -137,6 +147,11 @@ RUN_KEYS = Group(None, "", (
 ))  # fmt: skip
 SERVE_KEYS = Group(None, "", (("seed", "seeds the engine's random weights"), *SLO_KEYS))
 BENCH_KEYS = Group(None, "", (("seed", "seeds the workload"), *SLO_KEYS))
+
+
+def _groups(*names: str) -> tuple[Group, ...]:
+    return tuple(GROUPS[name] for name in names)
+
 
 DOCS = "README.md (quickstart), docs/usage.md (configs, workloads, outputs, sweeps)"
 PAGES = {
@@ -152,8 +167,8 @@ PAGES = {
             ("cbjax experiment=static_vs_continuous", "arms compared in one run"),
             ("cbjax -m scheduler=fcfs,sjf,mlfq", "a sweep: one job per value"),
         ),
-        groups=(SCHEDULER, EXECUTOR, WORKLOAD, MODEL, HARDWARE, OVERHEAD, CACHE, CLUSTER, SPEC, METRICS, EXPERIMENT,
-                LOGGER, HPARAMS_SEARCH, RUN_KEYS),
+        groups=(*_groups("scheduler", "executor", "workload", "model", "hardware", "overhead", "cache", "cluster",
+                         "spec", "metrics", "experiment", "logger", "hparams_search"), RUN_KEYS),
         docs=DOCS,
     ),
     "cbjax-serve": Page(
@@ -167,7 +182,8 @@ PAGES = {
             ("cbjax-serve executor=jax model=hf model.path=DIR", "a real checkpoint"),
             ("cbjax-serve model=tiny executor.cost_model=profiled executor.profile=FILE", "paced, profiled"),
         ),
-        groups=(SERVER, SERVE_EXECUTOR, SCHEDULER, MODEL, HARDWARE, OVERHEAD, CACHE, SPEC, METRICS, SERVE_KEYS),
+        groups=(GROUPS["server"], SERVE_EXECUTOR,
+                *_groups("scheduler", "model", "hardware", "overhead", "cache", "spec", "metrics"), SERVE_KEYS),
         docs="docs/serving.md (cbjax-serve), " + DOCS,
     ),
     "cbjax-bench": Page(
@@ -181,7 +197,7 @@ PAGES = {
             ("cbjax-bench bench.url=http://HOST:8000/v1 workload=sharegpt_like", "open loop"),
             ("cbjax-bench bench.concurrency=8 workload.num_requests=200", "closed loop"),
         ),
-        groups=(BENCH, WORKLOAD, BENCH_KEYS),
+        groups=(*_groups("bench", "workload"), BENCH_KEYS),
         docs="docs/serving.md (cbjax-bench), " + DOCS,
     ),
 }

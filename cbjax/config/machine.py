@@ -9,7 +9,9 @@ from typing import Optional
 from cbjax.config.checks import _one_of, _require
 
 DTYPES = ("float32", "bfloat16")
-MLP_KINDS = ("gated", "plain")
+# Each MLP kind's weight matrices per layer: gated (SwiGLU, Llama) gate, up and down; plain (OPT) up and down.
+MLP_MATRICES = {"gated": 3, "plain": 2}
+MLP_KINDS = tuple(MLP_MATRICES)
 
 
 @dataclass
@@ -67,7 +69,7 @@ class ModelConfig:
         """Parameter count, embeddings and LM head included."""
         d, hd = self.d_model, self.head_dim
         attn = d * self.num_heads * hd * 2 + d * self.num_kv_heads * hd * 2
-        mlp = d * self.ffn_dim * (3 if self.mlp == "gated" else 2)
+        mlp = d * self.ffn_dim * MLP_MATRICES[self.mlp]
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * (attn + mlp + 2 * d) + embed + d
 

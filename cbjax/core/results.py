@@ -10,24 +10,39 @@ from cbjax.core.request import Request
 
 @dataclass
 class IterationStats:
-    """Running sums over iterations; per-iteration lists would cost memory on long traces."""
+    """Running sums and peaks over iterations; per-iteration lists would cost memory on long
+    traces. The fields are grouped by how `merge` combines two loops' stats."""
 
+    # sums over iterations
     iterations: int = 0
-    busy_s: float = 0.0
     occupied_slot_iterations: int = 0
     batched_tokens: int = 0
     pages_used_sum: int = 0
-    pages_used_peak: int = 0
     kv_util_sum: float = 0.0
     # per-iteration shares of the KV pool (Scheduler.kv_breakdown), summed: token states,
     # reserved, internal fragmentation, external fragmentation, free
     kv_share_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    batch_peak: int = 0
-    # host wall time of the scheduler's two calls, summed over iterations
+    # seconds summed over iterations: the steps' busy time, and the host wall time of the
+    # scheduler's two calls
+    busy_s: float = 0.0
     schedule_s: float = 0.0
     postprocess_s: float = 0.0
+    # peaks over iterations
+    pages_used_peak: int = 0
+    batch_peak: int = 0
     # iteration index at which each finished request ended (1-based), for "done in N iterations"
     finish_iteration: dict[str, int] = field(default_factory=dict)
+
+    def merge(self, other: IterationStats) -> None:
+        """Add another loop's stats to these (a cluster's replicas): sums add up (the KV shares
+        part by part), peaks take the larger, finish iterations join."""
+        for key in ("iterations", "occupied_slot_iterations", "batched_tokens", "pages_used_sum", "kv_util_sum",
+                    "busy_s", "schedule_s", "postprocess_s"):  # fmt: skip
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        self.kv_share_sums = [a + b for a, b in zip(self.kv_share_sums, other.kv_share_sums)]
+        self.pages_used_peak = max(self.pages_used_peak, other.pages_used_peak)
+        self.batch_peak = max(self.batch_peak, other.batch_peak)
+        self.finish_iteration.update(other.finish_iteration)
 
 
 class LoadCounts(NamedTuple):

@@ -58,14 +58,6 @@ class AttentionMetadata:
     # Backend-specific precomputed work lists (the XLA `ragged` backend's tiles); None otherwise.
     work: Optional[Any] = None
 
-    @property
-    def num_rows(self) -> int:
-        return self.kv_lens.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_pos.shape[0]
-
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,17 @@ _TRITON_MIN_DOT_ROWS = 16
 _NAME = "ragged_paged_attention"
 
 
+class _Static(NamedTuple):
+    """The kernels' compile-time parameters, bound by `_ragged_call`."""
+
+    block_q: int  # tokens per work item
+    table_width: int  # page-table entries per row, padded to whole steps
+    scale: float
+    pages_per_block: int  # pages per step of the online softmax
+    num_kv_heads: int
+    num_pages: int  # pages per layer and kv head
+
+
 def _item_span(item_row_ref, item_qblock_ref, kv_lens_ref, query_start_ref, *, block_q: int):
     """The program's row, the position of its first token, its real token count, its last position."""
     item = pl.program_id(1)
@@ -54,12 +65,12 @@ def _item_span(item_row_ref, item_qblock_ref, kv_lens_ref, query_start_ref, *, b
     return row, first_pos, num_valid, first_pos + num_valid - 1
 
 
-def _attend(q, first_pos, num_valid, last_pos, num_steps, load_step, o_ref, *, block_q, page_size, scale,
-            pages_per_block):  # fmt: skip
-    """Online softmax of the tile `q` over `num_steps` steps of `pages_per_block` pages each.
+def _attend(q, first_pos, num_valid, last_pos, num_steps, load_step, o_ref, static: _Static, page_size: int):
+    """Online softmax of the tile `q` over `num_steps` steps of `static.pages_per_block` pages each.
 
     `load_step(step)` returns the step's pages as [(k, v)], each [page_size, head_dim].
     """
+    block_q, scale, pages_per_block = static.block_q, static.scale, static.pages_per_block
     rows, head_dim = q.shape
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     token = jnp.bitwise_and(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), block_q - 1)
@@ -122,18 +133,14 @@ def _gpu_kernel(
     v_pages_ref,  # [num_layers * num_kv_heads * num_pages, page_size, head_dim]
     o_ref,  # [rows, head_dim]
     *,
-    block_q: int,
-    table_width: int,
-    scale: float,
-    pages_per_block: int,
-    num_kv_heads: int,
-    num_pages: int,
+    static: _Static,
 ):
     row, first_pos, num_valid, last_pos = _item_span(
-        item_row_ref, item_qblock_ref, kv_lens_ref, query_start_ref, block_q=block_q
+        item_row_ref, item_qblock_ref, kv_lens_ref, query_start_ref, block_q=static.block_q
     )
     page_size = k_pages_ref.shape[1]
-    base = (layer_ref[0] * num_kv_heads + pl.program_id(0)) * num_pages  # this layer's and kv head's page 0
+    pages_per_block, table_width = static.pages_per_block, static.table_width
+    base = (layer_ref[0] * static.num_kv_heads + pl.program_id(0)) * static.num_pages  # this layer's and kv head's page 0
 
     def load_step(step):
         pages = []
@@ -145,8 +152,7 @@ def _gpu_kernel(
         return pages
 
     num_steps = _num_steps(num_valid, last_pos, pages_per_block * page_size)
-    _attend(q_ref[...], first_pos, num_valid, last_pos, num_steps, load_step, o_ref,
-            block_q=block_q, page_size=page_size, scale=scale, pages_per_block=pages_per_block)  # fmt: skip
+    _attend(q_ref[...], first_pos, num_valid, last_pos, num_steps, load_step, o_ref, static, page_size)
 
 
 def _tpu_kernel(
@@ -164,19 +170,15 @@ def _tpu_kernel(
     v_buf,  # [2, pages_per_block, page_size, head_dim], VMEM double buffer
     sems,  # DMA semaphores [2]: one per buffer half
     *,
-    block_q: int,
-    table_width: int,
-    scale: float,
-    pages_per_block: int,
-    num_kv_heads: int,
-    num_pages: int,
+    static: _Static,
 ):
     kv_head = pl.program_id(0)
     layer = layer_ref[0]
     row, first_pos, num_valid, last_pos = _item_span(
-        item_row_ref, item_qblock_ref, kv_lens_ref, query_start_ref, block_q=block_q
+        item_row_ref, item_qblock_ref, kv_lens_ref, query_start_ref, block_q=static.block_q
     )
     page_size = k_buf.shape[2]
+    pages_per_block, table_width = static.pages_per_block, static.table_width
 
     def copies(step, half, page_of):
         out = []
@@ -212,8 +214,7 @@ def _tpu_kernel(
             c.wait()
         return [(k_buf[half, j], v_buf[half, j]) for j in range(pages_per_block)]
 
-    _attend(q_ref[...], first_pos, num_valid, last_pos, num_steps, load_step, o_ref,
-            block_q=block_q, page_size=page_size, scale=scale, pages_per_block=pages_per_block)  # fmt: skip
+    _attend(q_ref[...], first_pos, num_valid, last_pos, num_steps, load_step, o_ref, static, page_size)
 
 
 def _ragged_call(
@@ -231,8 +232,8 @@ def _ragged_call(
 ) -> jax.Array:  # [num_kv_heads, num_items, rows, head_dim]
     num_kv_heads, num_items, rows, head_dim = q_items.shape
     num_layers, _, num_pages, page_size, _ = k_pages.shape
-    static = dict(block_q=block_q, table_width=table_width, scale=scale, pages_per_block=pages_per_block,
-                  num_kv_heads=num_kv_heads, num_pages=num_pages)  # fmt: skip
+    static = _Static(block_q=block_q, table_width=table_width, scale=scale, pages_per_block=pages_per_block,
+                     num_kv_heads=num_kv_heads, num_pages=num_pages)  # fmt: skip
     out_shape = jax.ShapeDtypeStruct(q_items.shape, q_items.dtype)
     tile = (None, None, rows, head_dim)
     grid = (num_kv_heads, num_items)
@@ -243,7 +244,7 @@ def _ragged_call(
         v_pages = v_pages.reshape(-1, page_size, head_dim)
         pages_block = k_pages.shape
         call = pl.pallas_call(
-            functools.partial(_gpu_kernel, **static),
+            functools.partial(_gpu_kernel, static=static),
             out_shape=out_shape,
             grid=grid,
             in_specs=[pl.BlockSpec(x.shape, lambda h, w: (0,)) for x in scalars]
@@ -271,7 +272,7 @@ def _ragged_call(
             scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2,))],
         )
         call = pl.pallas_call(
-            functools.partial(_tpu_kernel, **static),
+            functools.partial(_tpu_kernel, static=static),
             out_shape=out_shape,
             grid_spec=grid_spec,
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),

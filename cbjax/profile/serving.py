@@ -186,17 +186,12 @@ def serve_timed(executor, cfg: RunConfig) -> TimedExecutor:
     """Serve `cfg`'s workload on the warm `executor` with the loop `run_single` runs (its
     service log included); returns the recorder."""
     from cbjax.engine.offline import serve
-    from cbjax.scheduler import Scheduler
     from cbjax.report.service import ServiceLog
-    from cbjax.sim.pricing import step_pricer
+    from cbjax.sim.pricing import build_scheduler
     from cbjax.workload import build_workload
 
     timed = TimedExecutor(executor)
-    scheduler = Scheduler(
-        cfg.scheduler, cfg.cache, cfg.model.max_model_len, validate=timed.validate,
-        eos_token_id=cfg.model.eos_token_id, vocab_size=cfg.model.vocab_size, spec=cfg.spec,
-        step_cost=step_pricer(cfg, timed),
-    )  # fmt: skip
+    scheduler = build_scheduler(cfg, timed)
     serve(build_workload(cfg.workload, cfg.seed), scheduler, timed, on_step=ServiceLog().on_step, tick=timed.tick)
     return timed
 

@@ -38,13 +38,9 @@ class Drafts:
 
     def __init__(self, spec: SpecConfig, policy: SpecPolicy, allocator, writer, running_set, queue,
                  step_cost: Optional[Callable[[Schedule], float]], eos_token_id: Optional[int]):  # fmt: skip
-        self.spec = spec
-        self.policy = policy
-        self.allocator = allocator
-        self.writer = writer
-        self.running_set = running_set
-        self.queue = queue
-        self.step_cost = step_cost
+        self.spec, self.policy, self.step_cost = spec, policy, step_cost
+        self.allocator, self.writer = allocator, writer  # where drafts go: pages, plan rows
+        self.running_set, self.queue = running_set, queue  # the load the policy's view reports
         self.eos_token_id = eos_token_id
         self.max_drafts = spec.num_tokens
         self.ngram = spec.method == "ngram"

@@ -1,4 +1,5 @@
-"""A run's step prices for the scheduler's own choices (the `goodput` speculation policy; no jax)."""
+"""A run's step prices for the scheduler's own choices (the `goodput` speculation policy), and
+the run's scheduler built with them (no jax)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,17 @@ from typing import Callable, Optional
 
 from cbjax.config import RunConfig
 from cbjax.core.plan import Schedule
+from cbjax.scheduler.core import Scheduler
+
+
+def build_scheduler(cfg: RunConfig, executor) -> Scheduler:
+    """The scheduler of a run of `cfg` on `executor`: requests checked by `executor.validate`,
+    ended by the model's stop token, drafting as `cfg.spec` says, priced by `step_pricer`."""
+    return Scheduler(
+        cfg.scheduler, cfg.cache, cfg.model.max_model_len, validate=executor.validate,
+        eos_token_id=cfg.model.eos_token_id, vocab_size=cfg.model.vocab_size, spec=cfg.spec,
+        step_cost=step_pricer(cfg, executor),
+    )  # fmt: skip
 
 
 def step_pricer(cfg: RunConfig, executor) -> Optional[Callable[[Schedule], float]]:

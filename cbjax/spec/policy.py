@@ -41,12 +41,8 @@ class SpecView:
         acceptance_rate: Optional[float],
         step_s: Optional[Callable[[int], float]],
     ):
-        self.decodes = decodes
-        self.num_running = num_running
-        self.num_waiting = num_waiting
-        self.max_drafts = max_drafts
-        self.acceptance_rate = acceptance_rate
-        self._step_s = step_s
+        self.decodes, self.num_running, self.num_waiting = decodes, num_running, num_waiting
+        self.max_drafts, self.acceptance_rate, self._step_s = max_drafts, acceptance_rate, step_s
 
     @property
     def num_decodes(self) -> int:

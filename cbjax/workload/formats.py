@@ -40,7 +40,7 @@ from typing import Any, Optional
 import numpy as np
 
 from cbjax.workload.rows import (
-    LineError, _attempt, _json_float, _json_int, _json_object, _Row, _split, _text_float, _text_int,
+    LineError, _attempt, _json_float, _json_id, _json_int, _json_object, _Row, _split, _text_float, _text_int,
 )
 
 BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
@@ -215,11 +215,7 @@ def _mooncake_fields(row: _Row, obj: dict[str, Any]) -> None:
             f"and optionally {', '.join(MOONCAKE_OPTIONAL_KEYS)}"
         )
     if "session_id" in obj:
-        sid = obj["session_id"]
-        if isinstance(sid, str) or (isinstance(sid, int) and not isinstance(sid, bool)):
-            row.session_id = str(sid)
-        else:
-            row.errors.append(f"session_id must be a string or an integer, got {sid!r}")
+        row.session_id = _attempt(row, _json_id, "session_id", obj["session_id"])
     for key in MOONCAKE_KEYS:
         if key not in obj:
             row.errors.append(f"{key} is missing")

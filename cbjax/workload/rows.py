@@ -103,6 +103,13 @@ def _json_str(key: str, value: Any) -> str:
     return value
 
 
+def _json_id(key: str, value: Any) -> str:
+    """An id given as a string or an integer, as a string."""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return str(value)
+    raise LineError(f"{key} must be a string or an integer, got {value!r}")
+
+
 def _json_ids(key: str, value: Any) -> list[int]:
     if not isinstance(value, list):
         raise LineError(f"{key} must be a list of token ids, got {type(value).__name__}")

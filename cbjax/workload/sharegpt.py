@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cbjax.config import WorkloadConfig
-from cbjax.workload.rows import LineError, _json_int, _Row
+from cbjax.workload.rows import LineError, _json_id, _json_int, _Row
 from cbjax.workload.sessions import sample_pauses, session_streams
 from cbjax.workload.synthetic import arrival_times, rng_streams
 
@@ -128,12 +128,12 @@ def _entries(path: Path, text: str) -> list[tuple[int, Any]]:
 def _session_id(obj: Any, index: int, line: int, seen: dict[str, int]) -> tuple[str, Optional[str]]:
     """The conversation's session id, and why it is rejected (a bad or duplicate id), or None."""
     given = obj.get("id") if isinstance(obj, dict) else None
-    if given is None:
-        sid, problem = str(index), None
-    elif isinstance(given, str) or (isinstance(given, int) and not isinstance(given, bool)):
-        sid, problem = str(given), None
-    else:
-        sid, problem = str(index), f"id must be a string or an integer, got {given!r}"
+    sid, problem = str(index), None
+    if given is not None:
+        try:
+            sid = _json_id("id", given)
+        except LineError as e:
+            problem = str(e)
     if sid in seen:
         problem = f"duplicate id {sid!r} (first on line {seen[sid]})"
         sid = f"{sid}@line{line}"

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from cbjax.config import WorkloadConfig
 from cbjax.core.request import Request, SamplingParams
 from cbjax.workload.rows import (
-    _attempt, _json_bool, _json_float, _json_ids, _json_int, _json_object, _json_str, _Row, _split, _text_float, _text_int,
+    _attempt, _json_bool, _json_float, _json_id, _json_ids, _json_int, _json_object, _json_str, _Row, _split, _text_float, _text_int,
 )  # fmt: skip
 from cbjax.workload.formats import BURSTGPT_COLUMNS, MOONCAKE_KEYS, azure_rows, burstgpt_rows, mooncake_rows
 from cbjax.workload.formats import parse_timestamp  # noqa: F401  (read here by callers)
@@ -223,11 +223,7 @@ def _jsonl_row(n: int, text: str) -> _Row:
     if "output_len" not in obj and "max_tokens" not in obj:
         row.errors.append("needs max_tokens or output_len")
     if "request_id" in obj:
-        rid = obj["request_id"]
-        if isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool)):
-            row.request_id = str(rid)
-        else:
-            row.errors.append(f"request_id must be a string or an integer, got {rid!r}")
+        row.request_id = _attempt(row, _json_id, "request_id", obj["request_id"])
     optional = {"priority": _json_int, "client_id": _json_str, "temperature": _json_float,
                 "top_k": _json_int, "top_p": _json_float, "seed": _json_int,
                 "ignore_eos": _json_bool, "stop_token_ids": _json_ids}  # fmt: skip

@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -275,16 +276,24 @@ const float* NormedRows(ffi::ThreadPool& pool, const float* x, int64_t rows, int
 
 // The product x @ w[layer] (layer clipped to w's) over x's live rows: Args for a [k, n] matrix
 // of w [layers, panels, k, P], y's rows `y_cols` wide, its rows past the live ones zeroed. With
-// `norm`, x's live rows are normed first (factor [rows], scale [k]).
-Args LayerArgs(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w,
-               const ffi::Buffer<ffi::S32>& layer, const ffi::Buffer<ffi::S32>& live, int64_t y_cols, float* y,
-               NormArgs norm = NormArgs::kNone, const float* factor = nullptr, const float* scale = nullptr) {
+// the norm operands given (factor [rows], scale [k]), x's live rows are normed first; operands of
+// other sizes, unless both are empty, are an error naming `kernel`, returned before y is written.
+ffi::ErrorOr<Args> LayerArgs(const char* kernel, ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
+                             const ffi::Buffer<ffi::F32>& w, const ffi::Buffer<ffi::S32>& layer,
+                             const ffi::Buffer<ffi::S32>& live, const ffi::Buffer<ffi::F32>& factor,
+                             const ffi::Buffer<ffi::F32>& scale, int64_t y_cols, float* y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
+  const NormArgs norm = CheckNorm(factor, scale, xd[0], xd[1]);
+  if (norm == NormArgs::kBad) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string(kernel) + ": the norm's factor must be [rows] and scale [k], or both empty"));
+  }
   const int64_t index = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
   const int64_t rows = LiveRows(live, xd[0], y_cols, y);
-  const float* rows_x = norm == NormArgs::kGiven ? NormedRows(pool, x.typed_data(), rows, xd[1], factor, scale)
-                                                 : x.typed_data();
+  const float* rows_x = norm == NormArgs::kGiven
+                            ? NormedRows(pool, x.typed_data(), rows, xd[1], factor.typed_data(), scale.typed_data())
+                            : x.typed_data();
   return Args{rows_x, w.typed_data() + index * wd[1] * wd[2] * wd[3], y, rows, xd[1], wd[1] * wd[3], wd[3]};
 }
 
@@ -300,13 +309,13 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (wd[1] > 1 && wd[3] % kWide != 0) {
     return ffi::Error::InvalidArgument("cbjax_layer_matmul: a panel width must be a multiple of the column tile");
   }
-  const NormArgs norm = CheckNorm(factor, scale, xd[0], xd[1]);
   const int64_t n = wd[1] * wd[3];
-  if (norm == NormArgs::kBad || (residual.element_count() != 0 && residual.element_count() != xd[0] * n)) {
-    return ffi::Error::InvalidArgument(
-        "cbjax_layer_matmul: the norm's factor must be [rows] and scale [k] (or both empty), residual [rows, n] or empty");
+  if (residual.element_count() != 0 && residual.element_count() != xd[0] * n) {
+    return ffi::Error::InvalidArgument("cbjax_layer_matmul: residual must be [rows, n] or empty");
   }
-  Args a = LayerArgs(pool, x, w, layer, live, n, y->typed_data(), norm, factor.typed_data(), scale.typed_data());
+  ffi::ErrorOr<Args> args = LayerArgs("cbjax_layer_matmul", pool, x, w, layer, live, factor, scale, n, y->typed_data());
+  if (args.has_error()) return args.error();
+  Args a = *args;
   if (residual.element_count() != 0) {
     a.residual = residual.typed_data();
     // the rows past the live ones: the residual plus the product's zeros
@@ -329,12 +338,10 @@ ffi::Error LayerMatmulGluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
         "cbjax_layer_matmul_glu: x must be [rows, k] and w [layers, panels, k, P], the gate's panels then "
         "the up's, each half a multiple of the column tile wide");
   }
-  const NormArgs norm = CheckNorm(factor, scale, xd[0], xd[1]);
-  if (norm == NormArgs::kBad) {
-    return ffi::Error::InvalidArgument("cbjax_layer_matmul_glu: the norm's factor must be [rows] and scale [k], or both empty");
-  }
-  const Args a = LayerArgs(pool, x, w, layer, live, wd[1] * wd[3] / 2, y->typed_data(), norm, factor.typed_data(),
-                           scale.typed_data());
+  const ffi::ErrorOr<Args> args =
+      LayerArgs("cbjax_layer_matmul_glu", pool, x, w, layer, live, factor, scale, wd[1] * wd[3] / 2, y->typed_data());
+  if (args.has_error()) return args.error();
+  const Args a = *args;
   const int64_t tiles = a.n / 2 / kWide;
   RunBlocks(pool, a, tiles, [a, tiles](int64_t c, int64_t chunks, int64_t r0, int64_t r1) {
     Columns<4, true>(a, tiles * c / chunks * kWide, tiles * (c + 1) / chunks * kWide, r0, r1);
@@ -361,12 +368,10 @@ ffi::Error LayerMatmulRopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
         "cbjax_layer_matmul_rope: x must be [rows, k], w [layers, panels, k, P] in whole column tiles, cos and sin "
         "[rows, head_dim] with head_dim even and dividing the column tile, period >= 1");
   }
-  const NormArgs norm = CheckNorm(factor, scale, xd[0], xd[1]);
-  if (norm == NormArgs::kBad) {
-    return ffi::Error::InvalidArgument("cbjax_layer_matmul_rope: the norm's factor must be [rows] and scale [k], or both empty");
-  }
-  const Args a = LayerArgs(pool, x, w, layer, live, wd[1] * wd[3], y->typed_data(), norm, factor.typed_data(),
-                           scale.typed_data());
+  const ffi::ErrorOr<Args> args =
+      LayerArgs("cbjax_layer_matmul_rope", pool, x, w, layer, live, factor, scale, wd[1] * wd[3], y->typed_data());
+  if (args.has_error()) return args.error();
+  const Args a = *args;
   const Rope ro{cos.typed_data(), sin.typed_data(), D, period};
   const int64_t tiles = a.n / kWide;
   RunBlocks(pool, a, tiles, [a, ro, tiles](int64_t c, int64_t chunks, int64_t r0, int64_t r1) {
