@@ -34,11 +34,8 @@ class DecodeStretch:
         self, running_set: RunningSet, writer: PlanWriter, policy: PolicyContract, allocator, token_budget: int,
         grows: bool = False,
     ):  # fmt: skip
-        self.running_set = running_set
-        self.writer = writer
-        self.policy = policy
-        self.allocator = allocator
-        self.token_budget = token_budget
+        self.running_set, self.writer, self.policy = running_set, writer, policy
+        self.allocator, self.token_budget = allocator, token_budget
         self.grows = grows  # stretches take new pages (see the module)
         # the last written stretch's page growth, per step that took pages: (step, pages taken,
         # growth of the pool's filled slots), for the loop's per-step counters
