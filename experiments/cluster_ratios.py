@@ -37,6 +37,7 @@ from calibrate import base_config, sim_config  # noqa: E402
 from cbjax.app.run import run_single  # noqa: E402
 from cbjax.config import CacheConfig, ClusterConfig, LengthConfig, RunConfig  # noqa: E402
 from cbjax.config.workload import SharedPrefixConfig  # noqa: E402
+from cbjax.report.files import write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 
 FIGURES = (("ttft_s_p50", "TTFT p50"), ("throughput_tok_s", "throughput"))
@@ -103,8 +104,7 @@ def main(argv=None) -> None:
     print(markdown_table(["comparison (A / B)", "figure", f"engine, median of {args.pairs} pairs [range]",
                           "simulator", "error", f"within {100 * TOLERANCE:.0f}%"], rows))  # fmt: skip
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     print(f"wrote {out}")
 
 

@@ -34,6 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from cbjax.report.files import write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 
 CONFIG_DIR = REPO / "configs"
@@ -151,9 +152,8 @@ def main(argv: list[str] | None = None) -> None:
           f"(+{100 * summary['spread']:.0f}%); {summary['near_median']} of {summary['runs']} within "
           f"{100 * NEAR:.0f}% of their median {1e3 * summary['median_s']:.2f} ms")  # fmt: skip
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"overrides": args.overrides, "run": args.run, "shape": {"rows": shape[0], "bucket": shape[1]},
-                               "pinning": pinning, "runs": rows, "summary": summary}, indent=2) + "\n")  # fmt: skip
+    write_json(out, {"overrides": args.overrides, "run": args.run, "shape": {"rows": shape[0], "bucket": shape[1]},
+                     "pinning": pinning, "runs": rows, "summary": summary})  # fmt: skip
     print(f"wrote {out}")
 
 
@@ -180,8 +180,7 @@ def side_by_side(args: argparse.Namespace) -> None:
     print(f"{args.run}: each run's median of its most common decode step (ms)")
     print(markdown_table(["setting", "runs", "median", "fastest", "slowest", "spread", f"within {100 * NEAR:.0f}%"], rows))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results)
     print(f"wrote {out}")
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrate import base_config, sim_config  # noqa: E402
 from cbjax.app.run import run_single  # noqa: E402
 from cbjax.config import LengthConfig, PauseConfig, RunConfig  # noqa: E402
+from cbjax.report.files import write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 from cbjax.sim.profiled import SWAP_DIRECTION_TERMS, SWAP_TERMS  # noqa: E402
 
@@ -160,8 +161,7 @@ def main(argv=None) -> None:
             print(f"\n{who}: " + ", ".join(f"{k} {figs.get(k)}" for k in REPORTED))
         print()
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     print(f"wrote {out}")
 
 

@@ -44,7 +44,7 @@ class Replica:
 
     @property
     def num_free_pages(self) -> int:
-        ahead = pages_ahead(self.loop, self.view_s) if self.loop.ahead is not None else 0
+        ahead = pages_ahead(self.loop, self.view_s)
         return max(0, self.scheduler.allocator.num_free_pages - ahead - self.incoming_pages)
 
     @property

@@ -26,27 +26,25 @@ _INF = float("inf")
 class Ahead:
     """Priced steps of a decode stretch not run yet: the first begins at `start`."""
 
-    __slots__ = ("start", "durations")
+    __slots__ = ("start", "durations", "last_start")
 
     def __init__(self, start: float, durations: list[float]):
         self.start, self.durations = start, durations
+        t = start
+        for d in durations[:-1]:
+            t = t + d  # as the clock sums the steps' ends
+        self.last_start = t  # when the last step begins
 
-    def last_start(self) -> float:
-        """When the last step begins (its ends summed as the clock sums them)."""
-        t = self.start
-        for d in self.durations[:-1]:
-            t = t + d
-        return t
 
-    def steps_before(self, t: float) -> int:
-        """How many of the steps begin before `t`."""
-        n, start = 0, self.start
-        for d in self.durations:
-            if start >= t:
-                break
-            n += 1
-            start = start + d
-        return n
+def steps_before(start: float, durations: list[float], t: float) -> int:
+    """How many steps of `durations`, the first beginning at `start`, begin before `t`."""
+    n = 0
+    for d in durations:
+        if start >= t:
+            break
+        n += 1
+        start = start + d
+    return n
 
 
 def run_stretch(loop, start: float, until: float, max_steps: Optional[int], ahead: bool = False) -> bool:
@@ -64,7 +62,7 @@ def run_stretch(loop, start: float, until: float, max_steps: Optional[int], ahea
         if num_steps < 2:
             return False
         durations = loop.clock.timeline.price_stretch(first, start, _INF if ahead else until, num_steps)
-    num_run = Ahead(start, durations).steps_before(until) if ahead else len(durations)
+    num_run = steps_before(start, durations, until) if ahead else len(durations)
     if num_run < 2:
         return False
     if num_run < len(durations):
@@ -92,14 +90,15 @@ def run_stretch(loop, start: float, until: float, max_steps: Optional[int], ahea
 def next_time(loop) -> float:
     """When `loop` next changes what it holds: now, or where the last step of its stretch
     priced ahead begins."""
-    return loop.ahead.last_start() if loop.ahead is not None else loop.clock.now()
+    return loop.ahead.last_start if loop.ahead is not None else loop.clock.now()
 
 
 def pages_ahead(loop, t: float) -> int:
     """Pages that the steps `loop` priced ahead beginning before `t` take (0 without any)."""
     if loop.ahead is None:
         return 0
-    return loop.scheduler.stretch.pages_for_steps(loop.ahead.steps_before(t))
+    ahead = loop.ahead
+    return loop.scheduler.stretch.pages_for_steps(steps_before(ahead.start, ahead.durations, t))
 
 
 def catch_up(loop, t: float) -> None:

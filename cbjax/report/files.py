@@ -28,6 +28,12 @@ def unwritable(directory: Path) -> Optional[str]:
     return None
 
 
+def write_json(path: Path, obj: Any) -> None:
+    """Write `obj` as indented JSON to `path` (its folder made if missing), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
 class OutputError(OSError):
     """A run file that could not be written; its message is one line naming the file."""
 

@@ -85,46 +85,37 @@ class DecodeStretch:
         """The new pages the stretch's next `num_steps` steps take (0 unless it `grows`)."""
         if not self.grows or num_steps <= 0:
             return 0
+        return _takes_before(self._first_takes(self.running_set.running), num_steps, self.allocator.page_size)
+
+    def _first_takes(self, running: list[Request]) -> list[int]:
+        """Per running request, the step (from 0) whose token outgrows its pages: step k stores
+        num_computed + k + 1 tokens, so it takes a page at that step and every page_size after."""
         tables, ps = self.allocator.page_tables, self.allocator.page_size
-        need = 0
-        for r in self.running_set.running:
-            first = len(tables[r.request_id]) * ps - r.num_computed
-            if first < num_steps:
-                need += 1 + (num_steps - 1 - first) // ps
-        return need
+        return [len(tables[r.request_id]) * ps - r.num_computed for r in running]
 
     def _count(self, running: list[Request]) -> int:
         """How many plans from the next one are pure continuations (0: the next is not)."""
         if not running or len(self.policy) or self.writer.token_ids or len(running) > self.token_budget:
             return 0
-        tables, ps = self.allocator.page_tables, self.allocator.page_size
         status = Status.RUNNING
-        left = None
         for req in running:
-            computed = req.num_computed
-            if req.status is not status or req.num_new_tokens or req.prompt_len + req.num_generated - computed != 1:
+            if req.status is not status or req.num_new_tokens or req.prompt_len + req.num_generated - req.num_computed != 1:
                 return 0
             if not req.num_generated:  # its prefill's last token: the step yields its first token
                 return 0
-            # steps until its pages are full: the one after needs a new page
-            n = len(tables[req.request_id]) * ps - computed
-            if left is None or n < left:
-                left = n
-        if not self.grows:
-            return left if left > 0 else 0
-        return self._growing_count(running)
+        firsts = self._first_takes(running)
+        if self.grows:
+            return self._growing_count(running, firsts)
+        left = min(firsts)  # the steps before a request needs a new page
+        return left if left > 0 else 0
 
-    def _growing_count(self, running: list[Request]) -> int:
+    def _growing_count(self, running: list[Request], firsts: list[int]) -> int:
         """`_count` for a stretch that takes pages (`grows`): the steps, up to the first request's
         last token, whose new pages the free pool holds."""
-        tables, ps = self.allocator.page_tables, self.allocator.page_size
+        ps = self.allocator.page_size
         horizon = min(r.max_output_len - r.num_generated for r in running)
         free = self.allocator.num_free_pages
-        # step k (from 0) stores num_computed + k + 1 tokens: a request takes a page at each
-        # step k >= first with (k - first) % ps == 0
-        firsts = [len(tables[r.request_id]) * ps - r.num_computed for r in running]
-        need = sum(1 + (horizon - 1 - f) // ps for f in firsts if f < horizon)
-        if need <= free:
+        if _takes_before(firsts, horizon, ps) <= free:
             return horizon
         steps = sorted(k for f in firsts for k in range(f, horizon, ps))
         return steps[free]  # the step that would take the first page the pool lacks
@@ -140,8 +131,10 @@ class DecodeStretch:
             computed = req.num_computed
             alloc.try_append(req.request_id, computed + tokens)  # within its pages (counted)
             req.num_new_tokens = 1  # per step; the stretch stores its later steps' tokens too
-            # a row whose pages grew carries its page table, as the planner's would
-            table = tuple(alloc.page_tables[req.request_id]) if req in grew else None
+            table = None
+            if req in grew:  # its row carries its page table, as the planner's would
+                table = tuple(alloc.page_tables[req.request_id])
+                self.writer.sent_pages(req.request_id, len(table))
             scheduled.append(ScheduledRequest(req.request_id, req.slot, computed, 1, True, None, False, table, None, True))
         return self.writer.write_continuation(running, scheduled, now, num_steps)
 
@@ -149,14 +142,11 @@ class DecodeStretch:
         """Take the pages the next `num_steps` steps need, in the planner's order (step by step,
         each in running order), and note the growth per step (`growth`). Returns the requests
         that took pages."""
-        alloc, writer = self.allocator, self.writer
+        alloc = self.allocator
         tables, ps = alloc.page_tables, alloc.page_size
         finals = self.running_set.final_tokens
-        takes = []
-        for i, req in enumerate(running):
-            table = tables[req.request_id]
-            for k in range(len(table) * ps - req.num_computed, num_steps, ps):
-                takes.append((k, i, req))
+        takes = [(k, i, req) for i, (req, first) in enumerate(zip(running, self._first_takes(running)))
+                 for k in range(first, num_steps, ps)]  # fmt: skip
         self.growth = growth = []
         if not takes:
             return set()
@@ -174,5 +164,10 @@ class DecodeStretch:
                 growth[-1] = (k, growth[-1][1] + (after - before) // ps, growth[-1][2] + filled)
             else:
                 growth.append((k, (after - before) // ps, filled))
-            writer.sent_pages(rid, len(table))
         return {req for _, _, req in takes}
+
+
+def _takes_before(firsts: list[int], num_steps: int, page_size: int) -> int:
+    """The pages requests whose first takes are `firsts` (`DecodeStretch._first_takes`) take in
+    steps 0 .. num_steps - 1."""
+    return sum(1 + (num_steps - 1 - f) // page_size for f in firsts if f < num_steps)
