@@ -1,7 +1,7 @@
 """The profiled simulator against the engine under speculative decoding, fed the engine's own acceptance.
 
     python -m cbjax.profile cores=1 spec=ngram spec.num_tokens=3 progress=false hydra.run.dir=outputs/spec_fidelity/profile
-    python experiments/spec_fidelity.py --profile outputs/spec_fidelity/profile/profile.json [--runs 5] [--out outputs/spec_fidelity]
+    python experiments/spec_fidelity.py --profile outputs/spec_fidelity/profile/profile.json [--runs 5] [--max-rounds 20] [--out outputs/spec_fidelity]
 
 The profile must be taken with speculation on, at the k judged here: its grid then times verify
 steps (decodes of 1 + k tokens), and its served runs go through the loop a speculating engine
@@ -20,8 +20,13 @@ when it lies below MIN_ACCEPTANCE):
 - poisson_50: Poisson arrivals at half capacity, the capacity being the request rate the
   engine's first burst run served (its `throughput_req_s`), measured here, with speculation on.
 
-Each cell runs `--runs` times on the engine, the cells interleaved round by round (burst, then
-Poisson), each run writing its `spec_trace.jsonl`. The simulator (`executor.cost_model=profiled`)
+Each cell runs on the engine, the cells interleaved round by round (burst, then Poisson), each
+run writing its `spec_trace.jsonl`, until each has `--runs` runs made at the profile's machine
+speed: the profile's anchor (`cbjax.profile.anchor`) is timed before the first run and after
+each, and a run counts only when both timings around it lie within 5% of the profile's
+(`calibrate.engine_rounds`, as the calibration judges its runs). This machine's speed drifts by
+more than the targets within minutes; a run in another spell measures another machine. Runs off
+speed are kept and reported beside the judged ones, not judged. The simulator (`executor.cost_model=profiled`)
 replays each run's trace (`spec.acceptance=trace`); greedy n-gram drafts depend on the tokens
 alone, but how many a step verifies depends on the token budget and pages left, so a Poisson
 run's batches, and its trace, may differ from run to run: identical traces are simulated once.
@@ -49,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate import base_config, sim_config  # noqa: E402
+from calibrate import base_config, engine_rounds, profile_anchor, sim_config  # noqa: E402
 from cbjax.config import LengthConfig, RunConfig, SpecConfig  # noqa: E402
 from cbjax.profile.acceptance import signed_error_pct  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
@@ -154,6 +159,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--profile", required=True, help=f"profile.json made with spec=ngram spec.num_tokens={K} (cores=1)")
     ap.add_argument("--runs", type=int, default=MIN_RUNS, help=f"engine runs per cell (evidence: at least {MIN_RUNS})")
     ap.add_argument("--requests", type=int, default=256, help="requests per run")
+    ap.add_argument("--max-rounds", type=int, default=None,
+                    help="rounds over the cells at most, looking for runs at the profile's speed (default 4 x --runs)")
     ap.add_argument("--out", default=str(REPO / "outputs" / "spec_fidelity"))
     ap.add_argument("--cores", type=int, default=None, help="pin to the first N CPUs (default: as the profile was pinned)")
     args = ap.parse_args(argv)
@@ -161,6 +168,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         ap.error(f"--runs must be >= 1, got {args.runs}")
     if args.requests < 1:
         ap.error(f"--requests must be >= 1, got {args.requests}")
+    if args.max_rounds is not None and args.max_rounds < args.runs:
+        ap.error(f"--max-rounds must be >= --runs ({args.runs}), got {args.max_rounds}")
     try:
         profile = json.loads(Path(args.profile).read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -183,43 +192,60 @@ def main(argv: Optional[list[str]] = None) -> None:
     out = Path(args.out)
     base = base_config(profile, args.requests)
     start = time.perf_counter()
-    engine: dict[str, list[dict]] = {c: [] for c in CELLS}
-    rate = None
-    for r in range(args.runs):  # rounds over the cells: a slow spell lands on one run of each
-        for cell in CELLS:
-            run_dir = out / "runs" / cell / f"engine_{r}"
-            t0 = time.perf_counter()
-            summary = run_single(cell_config(base, cell, rate), run_dir, verbose=False)
-            summary["trace"] = (run_dir / TRACE_FILE).read_text()
-            engine[cell].append(summary)
-            if rate is None:
-                rate = half_capacity_rate(summary["throughput_req_s"])
-                print(f"half capacity: {rate:.2f} req/s (half the first burst's {summary['throughput_req_s']:.2f})")
-            print(f"{cell} run {r + 1}/{args.runs}: {summary['throughput_tok_s']:.0f} tok/s, acceptance "
-                  f"{summary['spec_acceptance_rate']:.2f}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    anchor, reference = profile_anchor(base, profile, args.profile)
+    rate: list[float] = []  # the Poisson cell's, set by the first burst run
+
+    def run(cell: str, _, r: int, done: int, total: int) -> dict:
+        run_dir = out / "runs" / cell / f"engine_{r}"
+        t0 = time.perf_counter()
+        summary = run_single(cell_config(base, cell, rate[0] if rate else None), run_dir, verbose=False)
+        summary["trace"] = (run_dir / TRACE_FILE).read_text()
+        summary["run_dir"] = str(run_dir)
+        if not rate:
+            rate.append(half_capacity_rate(summary["throughput_req_s"]))
+            print(f"half capacity: {rate[0]:.2f} req/s (half the first burst's {summary['throughput_req_s']:.2f})")
+        print(f"{cell} round {r + 1}: {summary['throughput_tok_s']:.0f} tok/s, acceptance "
+              f"{summary['spec_acceptance_rate']:.2f}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+        return summary
+
+    made = engine_rounds(dict.fromkeys(CELLS), args.runs, run, anchor, reference, max_rounds=args.max_rounds)
     cells, report = [], {"profile": args.profile, "runs": args.runs, "requests": args.requests, "k": K,
-                         "poisson_rate_req_s": rate, "cells": {}}  # fmt: skip
+                         "poisson_rate_req_s": rate[0] if rate else None, "cells": {}}  # fmt: skip
     for cell in CELLS:
-        runs = engine[cell]
-        groups = trace_groups([s.pop("trace") for s in runs])
+        runs = [s for s in made[cell] if s["on_speed"]]
+        if not runs:
+            print(f"{cell}: none of its {len(made[cell])} runs was made at the profile's speed: not judged")
+            report["cells"][cell] = {"judged": None, "engine": made[cell], "simulator": []}
+            continue
+        groups = trace_groups([s["trace"] for s in runs])
         sims = {}
         for i in sorted(set(groups)):
-            cfg = replay_config(cell_config(base, cell, rate), args.profile, out / "runs" / cell / f"engine_{i}" / TRACE_FILE)
-            sims[i] = run_single(cfg, out / "runs" / cell / f"sim_{i}", verbose=False)
-        simulated = [sims[g] for g in groups]  # one per engine run, its own trace's
+            trace = Path(runs[i]["run_dir"]) / TRACE_FILE
+            sims[i] = run_single(replay_config(cell_config(base, cell, rate[0]), args.profile, trace),
+                                 out / "runs" / cell / f"sim_{i}", verbose=False)  # fmt: skip
+        simulated = [sims[g] for g in groups]  # one per judged engine run, its own trace's
         judged = judge_cell(cell, runs, simulated)
         judged["distinct_traces"] = len(sims)
+        judged["runs_made"] = len(made[cell])
+        # every run, whatever the machine's speed: reported, not judged
+        judged["all_runs"] = {key: judge_figure([e[key] for e in made[cell]], [s[key] for s in simulated], None)
+                              for key, _ in FIGURES}  # fmt: skip
         cells.append(judged)
-        report["cells"][cell] = {"judged": judged, "engine": runs, "simulator": simulated}
-    print(markdown_table(["cell", "figure", f"engine, median of {args.runs} [range]", "simulator", "error", "verdict"],
-                         table_rows(cells)))  # fmt: skip
+        for s in made[cell]:
+            s.pop("trace")
+        report["cells"][cell] = {"judged": judged, "engine": made[cell], "simulator": simulated}
+    print(markdown_table(["cell", "figure", "engine at the profile's speed: median [range]", "simulator", "error",
+                          "verdict"], table_rows(cells)))  # fmt: skip
     for c in cells:
         eng, sim = c["engine_acceptance_rate"], c["simulator_acceptance_rate"]
         low = " (below %.1f: little speculation measured)" % MIN_ACCEPTANCE if eng is not None and eng < MIN_ACCEPTANCE else ""
         print(f"{c['cell']}: drafts accepted, engine {_rate(eng)}, simulator {_rate(sim)}{low}; "
-              f"{c['distinct_traces']} distinct trace(s) over {c['runs']} runs")  # fmt: skip
-    if args.runs < MIN_RUNS:
-        print(f"{args.runs} run(s) per cell, fewer than {MIN_RUNS}: a smoke run, not evidence")
+              f"{c['distinct_traces']} distinct trace(s) over {c['runs']} judged runs")  # fmt: skip
+        every = ", ".join(f"{label} {c['all_runs'][key]['engine_median']:.4g} ({c['all_runs'][key]['error_pct']:+.1f}%)"
+                          for key, label in FIGURES)  # fmt: skip
+        print(f"{c['cell']}: all {c['runs_made']} runs made, at any speed, median: {every}")
+    if args.runs < MIN_RUNS or any(c["runs"] < MIN_RUNS for c in cells) or len(cells) < len(CELLS):
+        print(f"fewer than {MIN_RUNS} runs at the profile's speed in some cell: a smoke run, not evidence")
     print(f"took {(time.perf_counter() - start) / 60:.1f} min")
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec_fidelity.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cbjax.config import LengthConfig, RunConfig, SchedulerConfig, WorkloadConfig
+from cbjax.config import LengthConfig, RunConfig, SchedulerConfig, SpecConfig, WorkloadConfig
 from cbjax.profile.anchor import anchor_config, anchor_record, anchor_spec, anchor_speed, on_speed, spread, steady, time_anchor
 
 
@@ -42,6 +42,17 @@ def test_the_spec_rebuilds_the_run_through_json_and_a_missing_key_is_named():
     del spec["workload"]
     with pytest.raises(ValueError, match="workload"):
         anchor_config(RunConfig(), spec)
+
+
+def test_a_speculating_profile_s_anchor_speculates_when_rebuilt():
+    # the anchor is one of the profile's bursts, served with the profile's speculation: timed
+    # without it, a calibration would compare another run's time with the reference
+    run = RunConfig(spec=SpecConfig(method="ngram", num_tokens=3), seed=7)
+    rebuilt = anchor_config(RunConfig(), json.loads(json.dumps(anchor_spec(run))))
+    assert rebuilt.spec == SpecConfig(method="ngram", num_tokens=3)
+    # an anchor recorded before speculation was kept: the run's own (no speculation)
+    old = {k: v for k, v in anchor_spec(run).items() if k != "spec"}
+    assert anchor_config(RunConfig(), old).spec == RunConfig().spec
 
 
 def test_a_timing_is_the_median_of_its_runs_and_long_runs_stop_early():

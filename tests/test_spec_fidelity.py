@@ -71,3 +71,48 @@ def test_a_profile_without_verify_steps_or_loop_time_is_named():
     problems = sf.check_profile({"steps": [verify4], "gaps": []}, 3)
     assert len(problems) == 1 and "pipelined" in problems[0]
     assert len(sf.check_profile({"steps": []}, 3)) == 2
+
+
+def test_only_runs_at_the_profiles_speed_are_judged(tmp_path, monkeypatch, capsys):
+    # the profile's anchor (reference 1.0) timed before the first run and after each, in rounds
+    # of (burst, poisson_50): round 1's poisson run sits between 1.0 and 1.3 (off speed), round
+    # 2's burst between 1.3 and 1.0 (off); every other run between two timings of 1.0 (on)
+    anchors = iter([1.0, 1.0, 1.3, 1.0, 1.0, 1.0, 1.0])
+    monkeypatch.setattr(sf, "profile_anchor", lambda base, profile, where: (lambda: next(anchors), 1.0))
+    made = {"burst": 0, "poisson_50": 0}
+
+    def fake_run(cfg, out_dir=None, verbose=True):
+        cell = "burst" if cfg.workload.arrival == "all_at_once" else "poisson_50"
+        if cfg.executor.name == "sim":
+            return {"throughput_tok_s": 1000.0, "e2e_s_p50": 1.0, "spec_acceptance_rate": 0.6}
+        made[cell] += 1
+        off = (cell, made[cell]) in (("poisson_50", 1), ("burst", 2))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / sf.TRACE_FILE).write_text("same trace\n")
+        # runs off speed are slow: judged, they would move the median
+        return {"throughput_tok_s": 500.0 if off else 1000.0, "e2e_s_p50": 2.0 if off else 1.0,
+                "spec_acceptance_rate": 0.6, "throughput_req_s": 10.0}  # fmt: skip
+
+    import cbjax.app.run
+
+    monkeypatch.setattr(cbjax.app.run, "run_single", fake_run)
+    profile = tmp_path / "profile.json"
+    profile.write_text(__import__("json").dumps({
+        "made_for": {"model.vocab_size": 64, "model.d_model": 32, "model.num_layers": 1, "model.num_heads": 2,
+                     "model.num_kv_heads": 1, "model.head_dim": 16, "model.ffn_dim": 64, "model.max_model_len": 256,
+                     "scheduler.max_num_seqs": 4, "cache.page_size": 16},
+        "max_num_batched_tokens": 256, "token_buckets": [16, 256], "num_pages": 64,
+        "steps": [{"kind": "verify", "rows": 1, "tokens": 4}], "gaps": [[1, 1e-4]],
+    }))  # fmt: skip
+    sf.main(["--profile", str(profile), "--runs", "2", "--out", str(tmp_path / "out")])
+    report = __import__("json").loads((tmp_path / "out" / "spec_fidelity.json").read_text())
+    for cell in ("burst", "poisson_50"):
+        judged = report["cells"][cell]["judged"]
+        # three runs made (one off speed), two judged: all at 1000 tok/s, the simulator exact
+        assert (judged["runs"], judged["runs_made"]) == (2, 3)
+        assert judged["throughput_tok_s"]["engine_median"] == 1000.0 and judged["throughput_tok_s"]["pass"] is True
+        assert judged["all_runs"]["throughput_tok_s"]["engine_median"] == 1000.0  # median of 1000, 1000, 500
+        assert judged["all_runs"]["e2e_s_p50"]["engine_range"] == [1.0, 2.0]
+        assert [e["on_speed"] for e in report["cells"][cell]["engine"]] == ([True, False, True] if cell == "burst"
+                                                                            else [False, True, True])  # fmt: skip
+    assert "smoke run" in capsys.readouterr().out  # fewer than 5 judged runs

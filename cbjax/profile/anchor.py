@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from cbjax.config import RunConfig, SchedulerConfig, WorkloadConfig
+from cbjax.config import RunConfig, SchedulerConfig, SpecConfig, WorkloadConfig
 from cbjax.app.config_merge import from_dict
 
 # served back to back per anchor timing; the timing is their median (one burst of a tiny model
@@ -33,18 +33,20 @@ SPEED_TOLERANCE = 0.05
 
 def anchor_spec(run_cfg: RunConfig) -> dict[str, Any]:
     """What the profile file keeps of the anchor's run config (`run_cfg`: one of the profile's own
-    closed-loop bursts): its scheduler, workload and seed, so that a calibration with the
-    profile's model and cache rebuilds the same run (`anchor_config`)."""
+    closed-loop bursts): its scheduler, workload, speculation and seed, so that a calibration
+    with the profile's model and cache rebuilds the same run (`anchor_config`)."""
     return {
         "scheduler": dataclasses.asdict(run_cfg.scheduler),
         "workload": dataclasses.asdict(run_cfg.workload),
+        "spec": dataclasses.asdict(run_cfg.spec),
         "seed": run_cfg.seed,
     }
 
 
 def anchor_config(base: RunConfig, spec: dict[str, Any]) -> RunConfig:
     """`base` (the profile's model and cache) serving the anchor of `spec` (`anchor_spec`); a
-    spec lacking a key is a ValueError naming it."""
+    spec lacking a key is a ValueError naming it. An anchor recorded without its speculation
+    (before the record kept it) keeps `base`'s."""
     missing = [k for k in ("scheduler", "workload", "seed") if k not in spec]
     if missing:
         raise ValueError(f"anchor: the profile's anchor lacks {', '.join(missing)}")
@@ -52,6 +54,7 @@ def anchor_config(base: RunConfig, spec: dict[str, Any]) -> RunConfig:
         base,
         scheduler=from_dict(SchedulerConfig, spec["scheduler"]),
         workload=from_dict(WorkloadConfig, spec["workload"]),
+        spec=from_dict(SpecConfig, spec["spec"]) if "spec" in spec else base.spec,
         seed=int(spec["seed"]),
     )
 
