@@ -18,8 +18,9 @@ each, and a run counts only when both timings around it lie within 5% of the pro
 reported beside the judged ones, not judged. Per cell and figure the table gives the engine's median and range,
 the simulator's figure and its signed error against that median, and whether it is within the
 target: TTFT p50 within 10%, throughput within 5%. The host tier's copies are priced by the
-profile's swap-out and swap-in terms (`swap_out_*`, `swap_in_*`); a profile without them
-prices them with its shared swap terms, and the script says so.
+profile's swap-out and swap-in terms (`swap_out_*`, `swap_in_*`), fitted on copies timed while
+the profile served a sessions workload of its own (`cbjax.profile.copies`); a profile without
+them prices them with its shared swap terms, and the script says which.
 
 Prints one table per cell, and writes the runs and the verdicts as JSON to `--out`.
 """
@@ -43,6 +44,7 @@ from cbjax.app.run import run_single  # noqa: E402
 from cbjax.config import LengthConfig, PauseConfig, RunConfig  # noqa: E402
 from cbjax.report.files import write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
+from cbjax.profile.copies import fit_served_copies  # noqa: E402
 from cbjax.sim.profiled import SWAP_DIRECTION_TERMS, SWAP_TERMS  # noqa: E402
 
 # summary key -> (label, |signed error| % the simulator may carry against the engine's median)
@@ -82,7 +84,11 @@ def copy_terms_note(profile: dict) -> str:
     """How the profile prices the host tier's copies."""
     coef = profile.get("coefficients", {})
     if all(k in coef for k in SWAP_DIRECTION_TERMS):
-        return "host-tier copies priced by the profile's swap_out_* and swap_in_* terms"
+        served = profile.get("served_copies") or []
+        if fit_served_copies(served):
+            return (f"host-tier copies priced by the profile's swap_out_* and swap_in_* terms, fitted on {len(served)} "
+                    "steps' copies timed while serving")  # fmt: skip
+        return "host-tier copies priced by the profile's swap_out_* and swap_in_* terms, timed alone"
     if all(k in coef for k in SWAP_TERMS):
         return ("the profile lacks swap_out_* / swap_in_* (made before they existed): host-tier copies "
                 "priced by its shared swap terms, swap_iter_s and swap_page_s")  # fmt: skip

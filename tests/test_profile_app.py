@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from cbjax.app.cli import CONFIG_DIR
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from cbjax.profile.anchor import anchor_config
+from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.runner import ProfileRunConfig, run_profile
 from cbjax.profile.serving import serving_runs
 from cbjax.sim import make_cost_model
@@ -54,6 +55,12 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     assert all(v >= 0 for v in [*coef["bucket_s"].values(), *coef["served_bucket_s"].values(), *(coef[k] for k in terms)])
     assert {s["bucket"] for s in profile["steps"]} == {4, 16, 64} and all(s["measured_s"] > 0 for s in profile["steps"])
     assert {s["direction"] for s in profile["swaps"]} == {"out", "in"}
+    # the host tier's copies timed while serving its sessions workload: each step that stored or
+    # loaded pages, and the direction terms fitted on them where there were enough
+    copies = profile["served_copies"]
+    assert copies and all((r["stores"] or r["loads"]) and r["measured_s"] > 0 for r in copies)
+    served_fit = fit_served_copies(copies)
+    assert all(coef[k] == v for k, v in served_fit.items())
     # the served runs: every iteration timed, the loop's time between them, in the runs' makespans
     # (bursts under fcfs and static, and one behind shared prefixes with the prefix cache on,
     # then Poisson arrivals at shares of the first burst's rate; the fit leaves out the

@@ -61,3 +61,14 @@ def test_only_runs_at_the_profiles_speed_are_judged(tmp_path, monkeypatch, capsy
         assert cell["verdict"]["ttft_s_p50"]["engine_range"] == [0.010, 0.010] and cell["verdict"]["ttft_s_p50"]["pass"]
         assert cell["all_runs"]["ttft_s_p50"]["engine_range"] == [0.010, 0.020]  # reported, not judged
     assert "smoke run" in capsys.readouterr().out
+
+
+def test_the_note_says_how_the_profile_priced_the_tier_s_copies():
+    from cbjax.profile.copies import MIN_SERVED_COPIES
+
+    terms = dict.fromkeys(("swap_out_iter_s", "swap_out_page_s", "swap_in_iter_s", "swap_in_page_s"), 1e-4)
+    served = [{"stores": 1, "loads": 2, "measured_s": 3e-4 + i * 1e-6} for i in range(MIN_SERVED_COPIES)]
+    assert "timed while serving" in tf.copy_terms_note({"coefficients": terms, "served_copies": served})
+    assert "timed alone" in tf.copy_terms_note({"coefficients": terms, "served_copies": served[:1]})
+    assert "timed alone" in tf.copy_terms_note({"coefficients": terms})
+    assert "shared swap terms" in tf.copy_terms_note({"coefficients": {"swap_iter_s": 1e-4, "swap_page_s": 1e-6}})

@@ -24,6 +24,7 @@ from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.residuals import held_out_residuals
 from cbjax.profile.served_fit import HOST_STALL, fit_drain, fit_launch, fit_loop, fit_served, own_launch
 from cbjax.layout.shapes import ShapePlan
+from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.fit import fit_costs
 from cbjax.sim.profiled import (
     STEP_TERMS, SWAP_DIRECTION_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, drain_share, launch_cost, predict, profile_key,
@@ -143,13 +144,14 @@ def fit_profile(
     fit_cold: bool = False,
     served_terms: bool = False,
     served_weighting: str = "absolute",
+    copies: Optional[list[dict]] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(coefficients, residuals): the timed bucket costs and the STEP_TERMS fitted on top of them
     over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one), the
     grid model, whose step terms the model keeps; then the served steps' fixed costs and cold
     terms over them, `fit_served` on the served iterations (steps as the serving loop runs them;
     none served: the grid model), the launch terms (`fit_launch`: a pipelined loop's host time
-    before it collects the step in flight), the swap terms, the loop's (`fit_loop`) and the wake's.
+    before it collects the step in flight), the swap terms (the host tier's from `copies`, timed while serving: `cbjax.profile.copies`), the loop's (`fit_loop`) and the wake's.
     A served step's prediction is what the simulator charges its share: the longer of its own
     time and that host time where it recorded one, the drain (`fit_drain`) where nothing was
     launched behind it, its own launch first where nothing was in flight, the wake after an
@@ -170,6 +172,7 @@ def fit_profile(
     coefficients.update(launch)
     coefficients.update(fit_drain(served, launch, served_weighting))
     coefficients.update(fit_swaps(swaps))
+    coefficients.update(fit_served_copies(copies or []))  # the tier's copies as a run pays them, where timed
     coefficients.update(fit_loop(gaps or []))
     coefficients["wake_s"] = float(wake["wake_s"]) if wake else 0.0
     coefficients["wake_ramp_s"] = float(wake["wake_ramp_s"]) if wake else 1.0

@@ -35,6 +35,7 @@ def refit(profile: dict[str, Any], fit_cold: bool, served_terms: bool, served_we
     coefficients, residuals = fit_profile(
         profile["steps"], profile["swaps"], bucket_s, profile["served"], gaps, profile["wake"],
         fit_cold=fit_cold, served_terms=served_terms, served_weighting=served_weighting,
+        copies=profile.get("served_copies"),
     )  # fmt: skip
     return {**profile, "coefficients": coefficients, "residuals": residuals, "fit_cold": fit_cold,
             "served_terms": served_terms, "served_weighting": served_weighting}  # fmt: skip

@@ -86,6 +86,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         OthersLoad, build_profile, engine_empty_step, fit_profile, machine, measure_buckets, measure_steps,
         measure_swaps, wall_time_of, write_profile,
     )  # fmt: skip
+    from cbjax.profile.copies import measure_served_copies
     from cbjax.profile.grid import build_schedule
     from cbjax.profile.serving import measure_serving, measure_wake
     from cbjax.app.run import build_executor, resolve
@@ -121,9 +122,13 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
     say("serving the profile's workloads ...", flush=True)
     serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native, min_s=cfg.serving_min_s)
+    copies = []
+    if not cfg.spec.enabled:  # a speculating engine's copies move its draft pool too: timed alone
+        say("timing the host tier's copies while serving ...", flush=True)
+        copies = measure_served_copies(executor, cfg)
     coefficients, residuals = fit_profile(
         steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cpu_terms and cfg.fit_cold,
-        served_terms=cfg.served_terms, served_weighting=cfg.served_weighting,
+        served_terms=cfg.served_terms, served_weighting=cfg.served_weighting, copies=copies,
     )
     extra = {
         "attention": executor.attention,
@@ -138,6 +143,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "serving_rounds": serving["rounds"],  # served, not asked for (`serving_min_s` may add rounds)
         "serving_min_s": cfg.serving_min_s,
         "gaps": serving["gaps"],
+        "served_copies": copies,
         "cpu_terms": cpu_terms,
         "pinning": pinning,
         "fit_cold": cpu_terms and cfg.fit_cold,

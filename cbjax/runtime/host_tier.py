@@ -49,6 +49,9 @@ class HostPages:
         # seconds of the latest step's loads and prefetches (the device waited for: measured)
         self.load_s = 0.0
         self.prefetch_s = 0.0
+        # when a list (the profiler's `cbjax.profile.copies`): per step with stores or loads,
+        # (pages stored, pages loaded, seconds of its copies)
+        self.timings: Optional[list[tuple[int, int, float]]] = None
 
     def times(self) -> tuple[float, float]:
         return self.load_s, self.prefetch_s
@@ -70,6 +73,7 @@ class HostPages:
         if copies is None:
             self.load_s = self.prefetch_s = 0.0
             return swap.swap_in(cache, plan.swap_in)
+        t_store = time.perf_counter()
         stored = self._gather(cache, [p for p, _ in copies.store]) if copies.store else []
         for (_, host), kv in zip(copies.store, stored):  # in order: a later store to a host page wins
             self._pages[host] = kv
@@ -83,6 +87,8 @@ class HostPages:
         cache = self._scatter(cache, prefetches)
         self.load_s, self.prefetch_s = t1 - t0, time.perf_counter() - t1
         self.num_loaded += len(loads) + len(prefetches)
+        if self.timings is not None and (stored or loads):
+            self.timings.append((len(stored), len(loads), (t0 - t_store) + self.load_s))
         return cache
 
     def _gather(self, cache: KVCache, pages: list[int]) -> list[tuple]:
