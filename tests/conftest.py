@@ -33,6 +33,14 @@ def pytest_runtest_setup(item):
             pytest.skip(f"native CPU kernels unavailable: {why}")
 SHARED = REPO.parent / "shared"
 AZURE_TRACE = SHARED / "traces" / "AzureLLMInferenceTrace_code.csv"
+# what experiments/calibrate.py's base_config reads of a profile, for a tiny model: the fidelity
+# scripts' tests give it to the scripts with the engine faked
+SCRIPT_PROFILE = {
+    "made_for": {"model.vocab_size": 64, "model.d_model": 32, "model.num_layers": 1, "model.num_heads": 2,
+                 "model.num_kv_heads": 1, "model.head_dim": 16, "model.ffn_dim": 64, "model.max_model_len": 256,
+                 "scheduler.max_num_seqs": 4, "cache.page_size": 16},
+    "max_num_batched_tokens": 256, "token_buckets": [16, 256], "num_pages": 64,
+}  # fmt: skip
 
 
 def make_requests(output_lens, prompt_lens=None, arrivals=None, max_tokens=None):

@@ -1,12 +1,13 @@
 """experiments/spec_fidelity.py's pure parts by hand: the half-capacity rate, the figure's verdict,
 the table's cells, which runs share a simulation, and what a profile lacks for speculation."""
 
+import json
 import math
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SCRIPT_PROFILE
 
 sys.path.insert(0, str(REPO / "experiments"))
 import spec_fidelity as sf  # noqa: E402
@@ -97,15 +98,10 @@ def test_only_runs_at_the_profiles_speed_are_judged(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(cbjax.app.run, "run_single", fake_run)
     profile = tmp_path / "profile.json"
-    profile.write_text(__import__("json").dumps({
-        "made_for": {"model.vocab_size": 64, "model.d_model": 32, "model.num_layers": 1, "model.num_heads": 2,
-                     "model.num_kv_heads": 1, "model.head_dim": 16, "model.ffn_dim": 64, "model.max_model_len": 256,
-                     "scheduler.max_num_seqs": 4, "cache.page_size": 16},
-        "max_num_batched_tokens": 256, "token_buckets": [16, 256], "num_pages": 64,
-        "steps": [{"kind": "verify", "rows": 1, "tokens": 4}], "gaps": [[1, 1e-4]],
-    }))  # fmt: skip
+    profile.write_text(json.dumps({**SCRIPT_PROFILE, "steps": [{"kind": "verify", "rows": 1, "tokens": 4}],
+                                   "gaps": [[1, 1e-4]]}))  # fmt: skip
     sf.main(["--profile", str(profile), "--runs", "2", "--out", str(tmp_path / "out")])
-    report = __import__("json").loads((tmp_path / "out" / "spec_fidelity.json").read_text())
+    report = json.loads((tmp_path / "out" / "spec_fidelity.json").read_text())
     for cell in ("burst", "poisson_50"):
         judged = report["cells"][cell]["judged"]
         # three runs made (one off speed), two judged: all at 1000 tok/s, the simulator exact

@@ -6,18 +6,13 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SCRIPT_PROFILE
 
 sys.path.insert(0, str(REPO / "experiments"))
 import tier_fidelity as tf  # noqa: E402
 
-PROFILE = {
-    "made_for": {"model.vocab_size": 64, "model.d_model": 32, "model.num_layers": 1, "model.num_heads": 2,
-                 "model.num_kv_heads": 1, "model.head_dim": 16, "model.ffn_dim": 64, "model.max_model_len": 256,
-                 "scheduler.max_num_seqs": 4, "cache.page_size": 16},
-    "max_num_batched_tokens": 256, "token_buckets": [16, 256], "num_pages": 64,
-    "coefficients": {"swap_out_iter_s": 1e-4, "swap_out_page_s": 1e-6, "swap_in_iter_s": 1e-4, "swap_in_page_s": 1e-6},
-}  # fmt: skip
+PROFILE = {**SCRIPT_PROFILE, "coefficients": dict.fromkeys(
+    ("swap_out_iter_s", "swap_out_page_s", "swap_in_iter_s", "swap_in_page_s"), 1e-4)}
 
 
 def test_verdict_by_hand():
