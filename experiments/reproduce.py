@@ -242,7 +242,7 @@ def render(records: list[dict[str, Any]], docs_dir: Path) -> str:
     fit = [x for x in rows if x.get("fit")]
     fragile = [x for x in rows if x.get("fragile")]
     lines += [
-        "## Closing note",
+        "## Summary",
         "",
         f"Held out: {sum(x['verdict'] == 'pass' for x in held)} of {len(held)} rows pass at every seed. "
         f"Fitted: {sum(x['verdict'] == 'pass' for x in fit)} of {len(fit)} (not evidence: a knob was chosen on them). "
