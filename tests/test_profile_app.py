@@ -14,6 +14,7 @@ from cbjax.profile.anchor import anchor_config
 from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.runner import ProfileRunConfig, run_profile
 from cbjax.profile.serving import serving_runs
+from cbjax.profile.wake import MIN_WAKE_REQUESTS, fit_wake
 from cbjax.sim import make_cost_model
 from cbjax.sim.profiled import LOOP_TERMS, OPTIONAL_TERMS, SERVE_TERMS, STEP_TERMS, SWAP_DIRECTION_TERMS, SWAP_TERMS
 
@@ -61,6 +62,13 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     assert copies and all((r["stores"] or r["loads"]) and r["measured_s"] > 0 for r in copies)
     served_fit = fit_served_copies(copies)
     assert all(coef[k] == v for k, v in served_fit.items())
+    # the wake: lone requests served after an idle loop, their TTFT beyond the simulator's with
+    # no wake, and the wake terms fitted on them
+    lone = [r for r in profile["served_wake"]["requests"] if r["wake_extra_s"] is not None]
+    assert len(lone) >= MIN_WAKE_REQUESTS and all(r["ttft_s"] > 0 and r["idle_s"] > 0 for r in lone)
+    assert all(r["ttft_s"] - r["predicted_s"] == r["wake_extra_s"] for r in lone)
+    wake = fit_wake([r["idle_s"] for r in lone], [r["prompt_len"] for r in lone], [r["wake_extra_s"] for r in lone])
+    assert all(coef[k] == v for k, v in wake.items())
     # the served runs: every iteration timed, the loop's time between them, in the runs' makespans
     # (bursts under fcfs and static, and one behind shared prefixes with the prefix cache on,
     # then Poisson arrivals at shares of the first burst's rate; the fit leaves out the

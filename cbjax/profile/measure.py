@@ -26,6 +26,7 @@ from cbjax.profile.served_fit import HOST_STALL, fit_drain, fit_launch, fit_loop
 from cbjax.layout.shapes import ShapePlan
 from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.fit import fit_costs
+from cbjax.profile.wake import fit_served_wake
 from cbjax.sim.profiled import (
     STEP_TERMS, SWAP_DIRECTION_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, drain_share, launch_cost, predict, profile_key,
     step_features, wake_cost,
@@ -145,13 +146,18 @@ def fit_profile(
     served_terms: bool = False,
     served_weighting: str = "absolute",
     copies: Optional[list[dict]] = None,
+    served_wake: Optional[dict[str, Any]] = None,
+    shapes: Optional[ShapePlan] = None,
+    native: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(coefficients, residuals): the timed bucket costs and the STEP_TERMS fitted on top of them
     over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one), the
     grid model, whose step terms the model keeps; then the served steps' fixed costs and cold
     terms over them, `fit_served` on the served iterations (steps as the serving loop runs them;
     none served: the grid model), the launch terms (`fit_launch`: a pipelined loop's host time
-    before it collects the step in flight), the swap terms (the host tier's from `copies`, timed while serving: `cbjax.profile.copies`), the loop's (`fit_loop`) and the wake's.
+    before it collects the step in flight), the swap terms (the host tier's from `copies`, timed while serving: `cbjax.profile.copies`), the loop's (`fit_loop`) and the wake's: fitted on the lone requests
+    `served_wake` served (`cbjax.profile.wake`, under the engine's `shapes` and `native`
+    attention), else `wake` timed on the executor alone.
     A served step's prediction is what the simulator charges its share: the longer of its own
     time and that host time where it recorded one, the drain (`fit_drain`) where nothing was
     launched behind it, its own launch first where nothing was in flight, the wake after an
@@ -176,6 +182,7 @@ def fit_profile(
     coefficients.update(fit_loop(gaps or []))
     coefficients["wake_s"] = float(wake["wake_s"]) if wake else 0.0
     coefficients["wake_ramp_s"] = float(wake["wake_ramp_s"]) if wake else 1.0
+    coefficients.update(fit_served_wake(served_wake, coefficients, shapes, native))
     numeric = {**coefficients, "bucket_s": bucket_s,
                "served_bucket_s": {int(b): v for b, v in coefficients["served_bucket_s"].items()}}  # fmt: skip
     for s in steps:
@@ -186,7 +193,7 @@ def fit_profile(
         # after an idle loop, ...
         step = predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
         if s.get("idle"):
-            step += wake_cost(coefficients, s.get("idle_s", 0.0))
+            step += wake_cost(coefficients, s.get("idle_s", 0.0), s.get("tokens", 0))
         if "host_s" in s:  # pipelined: collected only after the loop launched the next step
             host = launch_cost(
                 coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False),
@@ -323,7 +330,7 @@ def build_profile(cfg: RunConfig, shapes: ShapePlan, steps, swaps, coefficients,
         " served, else bucket_scale*bucket_s[bucket] (+ cold_s, cold2_s, cold3_s or cold4_s on the 1st to 4th step"
         " after the last larger bucket's step)"
         " (+ swap_iter_s + swap_page_s*pages when the step swaps)"
-        " (+ wake_s*min(1, idle/wake_ramp_s) on the first step after the loop idled)",
+        " (+ (wake_s + wake_token_s*tokens)*min(1, idle/wake_ramp_s) on the first step after the loop idled)",
         "coefficients": coefficients,
         "residuals": residuals,
         "steps": steps,

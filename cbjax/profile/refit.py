@@ -2,7 +2,7 @@
 without the engine.
 
 A profile keeps every grid step, swap, served iteration (with its round and whether it was held
-out), loop gap and the wake timing it measured; refitting them with other fit options (or after
+out), loop gap and the wake timings it measured; refitting them with other fit options (or after
 a change to the fit) takes a second where profiling again takes minutes and lands on another
 spell of a shared machine. The refitted coefficients and residual table replace the file's
 (`--out`: written elsewhere). Pure numpy: no jax import.
@@ -19,6 +19,7 @@ from typing import Any, Optional
 from cbjax.profile.measure import fit_profile
 from cbjax.profile.residuals import format_table
 from cbjax.profile.served_fit import SERVED_WEIGHTINGS
+from cbjax.profile.wake import profile_shapes
 
 # what a profile must hold to be refitted (profiles made before `gaps` was recorded lack it)
 RECORDED = ("steps", "swaps", "served", "gaps", "wake", "coefficients")
@@ -35,7 +36,8 @@ def refit(profile: dict[str, Any], fit_cold: bool, served_terms: bool, served_we
     coefficients, residuals = fit_profile(
         profile["steps"], profile["swaps"], bucket_s, profile["served"], gaps, profile["wake"],
         fit_cold=fit_cold, served_terms=served_terms, served_weighting=served_weighting,
-        copies=profile.get("served_copies"),
+        copies=profile.get("served_copies"), served_wake=profile.get("served_wake"), shapes=profile_shapes(profile),
+        native=profile.get("attention") == "native",
     )  # fmt: skip
     return {**profile, "coefficients": coefficients, "residuals": residuals, "fit_cold": fit_cold,
             "served_terms": served_terms, "served_weighting": served_weighting}  # fmt: skip

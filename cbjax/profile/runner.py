@@ -89,6 +89,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     from cbjax.profile.copies import measure_served_copies
     from cbjax.profile.grid import build_schedule
     from cbjax.profile.serving import measure_serving, measure_wake
+    from cbjax.profile.wake import measure_served_wake
     from cbjax.app.run import build_executor, resolve
 
     t0 = time.perf_counter()
@@ -110,7 +111,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     say("timing swap copies ...", flush=True)
     swaps = measure_swaps(executor, cfg.repeats)
     cpu_terms = executor_backend() == "cpu" if cfg.cpu_terms is None else cfg.cpu_terms
-    wake = None
+    wake, served_wake = None, None
     if cpu_terms:
         say("timing steps after an idle loop ...", flush=True)
         small = sorted(
@@ -120,6 +121,8 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
             build_schedule(p, shapes, cfg.cache.num_pages, cfg.model.vocab_size) for p in small[:: max(1, len(small) // 3)]
         ]
         wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
+        say("serving lone requests after an idle loop ...", flush=True)
+        served_wake = measure_served_wake(executor, cfg)
     say("serving the profile's workloads ...", flush=True)
     serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native, min_s=cfg.serving_min_s)
     copies = []
@@ -129,6 +132,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     coefficients, residuals = fit_profile(
         steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cpu_terms and cfg.fit_cold,
         served_terms=cfg.served_terms, served_weighting=cfg.served_weighting, copies=copies,
+        served_wake=served_wake, shapes=shapes, native=native,
     )
     extra = {
         "attention": executor.attention,
@@ -137,6 +141,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
         "serving": serving["runs"],
         "anchor": serving["anchor"],
         "wake": wake,
+        "served_wake": served_wake,
         "served": serving["steps"],
         "grid": cfg.grid,
         "repeats": cfg.repeats,

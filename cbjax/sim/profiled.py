@@ -21,8 +21,10 @@ the native decode pass is charged per group), plus its swap copies:
              profile lacks them); its prefetches are priced as loads, beside the step
            + loop_s + loop_seq_s * requests  (the serving loop's own host time around the step:
              scheduling, postprocess, stats; it grows with the requests the iteration serves)
-           + wake_s * min(1, idle / wake_ramp_s)  on the first step after the loop idled for
-             `idle` seconds waiting for an arrival (XLA's CPU threads and caches go cold)
+           + (wake_s + wake_token_s * tokens) * min(1, idle / wake_ramp_s)  on the first step
+             after the loop idled for `idle` seconds waiting for an arrival (the loop's sleep
+             overshoots, its plan and launch meet nothing to hide behind, and a CPU's threads
+             and caches go cold: `cbjax.profile.wake`)
            + cold_s, cold2_s, cold3_s or cold4_s  on the 1st, 2nd, 3rd or 4th step after the
              last step of a larger bucket (a small step runs slower for a few steps after a
              large one; a run of same-bucket steps, as a static batch's decodes, is warm)
@@ -98,7 +100,7 @@ LAUNCH_TERMS = (
 # must lie past its begin (see there)
 DRAIN_FLOOR_S = 1e-6
 # absent from profiles made before the terms: charged 0
-OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s",) + LAUNCH_TERMS, 0.0)
+OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s", "wake_token_s") + LAUNCH_TERMS, 0.0)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -133,10 +135,11 @@ def steps_since_larger(recent: Sequence[int], bucket: int) -> int:
     return 0
 
 
-def wake_cost(coefficients: dict, idle_s: float) -> float:
-    """What the first step after the loop idled `idle_s` seconds pays more (`wake_s`, reached
-    after `wake_ramp_s` of idling)."""
-    return coefficients["wake_s"] * min(1.0, idle_s / max(coefficients["wake_ramp_s"], 1e-9))
+def wake_cost(coefficients: dict, idle_s: float, tokens: int = 0) -> float:
+    """What the first step after the loop idled `idle_s` seconds pays more, for a step of
+    `tokens` tokens (`wake_s` and `wake_token_s`, reached after `wake_ramp_s` of idling)."""
+    level = coefficients["wake_s"] + coefficients.get("wake_token_s", 0.0) * tokens
+    return level * min(1.0, idle_s / max(coefficients["wake_ramp_s"], 1e-9))
 
 
 def drain_share(drain_s: float, cost: float) -> float:
@@ -204,6 +207,23 @@ def _parsed(path: Path, mtime_ns: int, size: int) -> dict:
     return json.loads(path.read_text())
 
 
+def model_coefficients(raw: dict) -> dict:
+    """A profile's `coefficients` (as stored: bucket keys may be strings) as `ProfiledCost` reads
+    them; a missing term is a KeyError, an empty `bucket_s` a ValueError."""
+    required = [k for k in STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS if k not in OPTIONAL_TERMS]
+    coef = {k: float(raw[k]) for k in required}
+    coef.update({k: float(raw.get(k, v)) for k, v in OPTIONAL_TERMS.items()})
+    coef["bucket_s"] = {int(b): float(v) for b, v in raw["bucket_s"].items()}
+    served = raw.get("served_bucket_s") or {}  # absent from earlier profiles
+    coef["served_bucket_s"] = {int(b): float(v) for b, v in served.items()}
+    coef.update({k: float(raw[k]) for k in SWAP_DIRECTION_TERMS if k in raw})
+    if raw.get("drain_s") is not None:  # absent from earlier profiles: `ProfiledCost.drain_s`
+        coef["drain_s"] = float(raw["drain_s"])
+    if not coef["bucket_s"]:
+        raise ValueError("coefficients.bucket_s is empty")
+    return coef
+
+
 def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) -> dict:
     """Read and check `profile.json`; a missing, malformed or mismatched file is a one-line
     ValueError. The file is parsed once while it is unchanged: the returned dict's own
@@ -215,17 +235,7 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
         stat = p.stat()
         profile = dict(_parsed(p.resolve(), stat.st_mtime_ns, stat.st_size))
         made_for = dict(profile["made_for"])
-        required = [k for k in STEP_TERMS + SERVE_TERMS + SWAP_TERMS + LOOP_TERMS if k not in OPTIONAL_TERMS]
-        coef = {k: float(profile["coefficients"][k]) for k in required}
-        coef.update({k: float(profile["coefficients"].get(k, v)) for k, v in OPTIONAL_TERMS.items()})
-        coef["bucket_s"] = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
-        served = profile["coefficients"].get("served_bucket_s", {})  # absent from earlier profiles
-        coef["served_bucket_s"] = {int(b): float(v) for b, v in served.items()}
-        coef.update({k: float(profile["coefficients"][k]) for k in SWAP_DIRECTION_TERMS if k in profile["coefficients"]})
-        if "drain_s" in profile["coefficients"]:  # absent from earlier profiles: `ProfiledCost.drain_s`
-            coef["drain_s"] = float(profile["coefficients"]["drain_s"])
-        if not coef["bucket_s"]:
-            raise ValueError("coefficients.bucket_s is empty")
+        coef = model_coefficients(profile["coefficients"])
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"executor.profile: {p} is not a cbjax profile ({type(err).__name__}: {err})") from None
     for key, ours in profile_key(model, page_size, num_slots).items():
@@ -260,7 +270,7 @@ class ProfiledCost:
         self.loop_s = coefficients["loop_s"]
         self.loop_seq_s = coefficients["loop_seq_s"]
         self.shapes = shapes
-        self.wake = coefficients.get("wake_s", 0.0) > 0
+        self.wake = coefficients.get("wake_s", 0.0) > 0 or coefficients.get("wake_token_s", 0.0) > 0
         # the batched tokens of the steps before this one the cold terms read
         self.history = len(COLD_TERMS) if any(coefficients.get(k, 0.0) for k in COLD_TERMS) else 0
         # the share of a step collected with nothing launched behind it; None: a profile made
@@ -273,7 +283,7 @@ class ProfiledCost:
         bucket, x = step_features(rows, self.shapes, self.native)
         device = predict(coef, bucket, x)
         if self.wake and ctx.idle_s > 0:
-            device += wake_cost(coef, ctx.idle_s)
+            device += wake_cost(coef, ctx.idle_s, sum(n for n, _, _ in rows))
         if self.history:
             buckets = [step_bucket(self.shapes, tokens) for tokens in ctx.recent_tokens]
             device += cold_cost(coef, steps_since_larger(buckets, bucket))
