@@ -1,4 +1,4 @@
-"""The profile's served fit as the product runs it: per-row, per-page and cold terms
+"""The profile's served fit as the product runs it: per-row, per-page, per-block-step and cold terms
 fitted on served steps, weighted so a bucket's mean signed relative error is zero, judged on
 served rounds held out of the fit, and refitted offline from a recorded profile. No jax."""
 
@@ -21,12 +21,14 @@ from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS
 # the truth the synthetic served logs are drawn from
 FIXED = {4: 1.0e-3, 8: 1.5e-3, 16: 2.5e-3}
 SEQ_S, SINGLE_PAGE_S, BLOCK_PAGE_S = 4e-5, 2e-6, 6e-6
+BLOCK_CHUNK_S, BLOCK_CHUNK_TOKEN_S = 3e-5, 2e-6  # per block step of the prefill attention, and per bucket token
 COLD = (5e-4, 3e-4, 1e-4, 5e-5)
 
 
-def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0) -> list[dict]:
+def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0, block_steps: bool = False) -> list[dict]:
     """`n` served steps over buckets 4, 8 and 16 with random rows, pages and steps since a larger
-    bucket's, timed exactly by the truth above (times `scale`)."""
+    bucket's (and with `block_steps`, 0-7 block steps of the prefill attention), timed exactly by
+    the truth above (times `scale`)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
@@ -37,6 +39,10 @@ def synthetic_log(n: int, seed: int, regime: str = "light", scale: float = 1.0) 
         features = [1.0, rows, 0.0, 0.0, 0.0, 0.0, single, block, rows]
         t = FIXED[bucket] + SEQ_S * rows + SINGLE_PAGE_S * single + BLOCK_PAGE_S * block
         t += COLD[since - 1] if since else 0.0
+        if block_steps:
+            chunks = int(rng.integers(0, 8))
+            features[3], features[5] = float(chunks), float(chunks * bucket)
+            t += BLOCK_CHUNK_S * chunks + BLOCK_CHUNK_TOKEN_S * chunks * bucket
         out.append({"bucket": bucket, "features": features, "measured_s": scale * t, "since_larger": since,
                     "idle": False, "regime": regime, "source": "fcfs_poisson_30pct"})  # fmt: skip
     return out
@@ -94,6 +100,19 @@ def test_served_fit_recovers_per_row_per_page_and_cold_terms(weighting):
     assert coef["single_page_s"] == pytest.approx(SINGLE_PAGE_S, rel=1e-6)
     assert coef["block_page_s"] == pytest.approx(BLOCK_PAGE_S, rel=1e-6)
     assert [coef[k] for k in COLD_TERMS] == pytest.approx(COLD, rel=1e-6)
+
+
+def test_served_fit_recovers_the_block_step_terms_a_grid_put_on_the_buckets_tokens():
+    # a grid whose few large mixed steps charged the prefill attention's block steps by the
+    # bucket's tokens alone (as a speculating profile's did): the served steps' truth comes back
+    served = synthetic_log(300, seed=11, block_steps=True)
+    grid = {**GRID, "block_chunk_token_s": 1e-5}
+    for weighting in ("mean_relative", "absolute"):
+        coef = fit_served(served, FIXED, grid, fit_cold=True, served_terms=True, weighting=weighting)
+        assert coef["block_chunk_s"] == pytest.approx(BLOCK_CHUNK_S, rel=1e-6)
+        assert coef["block_chunk_token_s"] == pytest.approx(BLOCK_CHUNK_TOKEN_S, rel=1e-6)
+        assert coef["served_bucket_s"] == {str(b): pytest.approx(v, rel=1e-6) for b, v in FIXED.items()}
+        assert coef["seq_s"] == pytest.approx(SEQ_S, rel=1e-6)
 
 
 @pytest.mark.parametrize("weighting", ["absolute", "balanced"])

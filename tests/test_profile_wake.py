@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from cbjax.config import CacheConfig, SchedulerConfig
-from cbjax.core.request import Request
 from cbjax.core.timing import StepContext
 from cbjax.engine.offline import serve
 from cbjax.layout.shapes import plan_shapes
@@ -56,6 +55,7 @@ def simulated_record(coef: dict, lengths: list[int], gaps: list[float]) -> dict:
     i - 1 ended (the first, with no step before it, has no idle time)."""
     cost = ProfiledCost(model_coefficients(coef), SHAPES)
     arrivals: list[float] = []
+    requests: list = []
     for i, gap in enumerate(gaps):
         arrivals.append(gap if i == 0 else requests[-1].finish_s + gap)
         requests = lone_requests(lengths[: i + 1], arrivals, 512, 0)

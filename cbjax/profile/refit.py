@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("profile", help="profile.json from `python -m cbjax.profile`")
     ap.add_argument("--out", default=None, help="where to write the refitted profile (default: in place)")
     ap.add_argument("--served-weighting", default="mean_relative", choices=SERVED_WEIGHTINGS)
-    ap.add_argument("--no-served-terms", action="store_true", help="keep the grid's per-row and per-page terms")
+    ap.add_argument("--no-served-terms", action="store_true", help="keep the grid's per-row, per-page and per-block-step terms")
     ap.add_argument("--no-cold", action="store_true", help="no cold terms (they stay 0)")
     args = ap.parse_args(argv)
     path = Path(args.profile)

@@ -39,7 +39,7 @@ class ProfileRunConfig(RunConfig):
     # larger bucket's) on the served steps, beside the intercepts and the served step terms; off:
     # they stay 0
     fit_cold: bool = True
-    # fit the per-row and per-page step terms on the served steps beside their intercepts
+    # fit the per-row, per-page and per-block-step terms on the served steps beside their intercepts
     # (cbjax.profile.served_fit.SERVED_STEP_TERMS); off: the grid's
     served_terms: bool = True
     # how the served fit weighs its steps (cbjax.profile.served_fit.SERVED_WEIGHTINGS): mean_relative

@@ -39,8 +39,11 @@ def fit_loop(gaps: list[tuple[int, float]]) -> dict[str, float]:
     return {"loop_s": float(coef[0]), "loop_seq_s": float(coef[1])}
 
 
-# Step terms `fit_served` can refit on the served steps (`served_terms`): per row and per KV page.
-SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s")
+# Step terms `fit_served` can refit on the served steps (`served_terms`): per row, per KV page,
+# and per block step of the prefill attention (alone and per bucket token): the grid's few large
+# mixed steps cannot tell the last two apart, and a served burst's chunked prefills hold most of
+# a run's block steps.
+SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s", "block_chunk_s", "block_chunk_token_s")
 # How `fit_served` weighs the served steps: `cbjax.profile.fit.WEIGHTINGS`, or "balanced", the mean
 # of the "absolute" and "mean_relative" fits' coefficients.
 SERVED_WEIGHTINGS = WEIGHTINGS + ("balanced",)
@@ -74,7 +77,7 @@ def fit_served(
     a thinning static batch is charged by its rows instead, which is why the profile fits both
     by default. Off, they stay 0.
 
-    With `served_terms` the SERVED_STEP_TERMS (per row, per page read) are fitted on the served
+    With `served_terms` the SERVED_STEP_TERMS (per row, per page read, per block step) are fitted on the served
     steps too, beside the intercepts, instead of taken from the grid: a sparse light-load batch
     and a full burst then share one per-row cost fitted where runs have them, not one
     intercept per bucket pooled over both. They are returned under their names.
