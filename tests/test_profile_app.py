@@ -62,10 +62,11 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     assert copies and all((r["stores"] or r["loads"]) and r["measured_s"] > 0 for r in copies)
     served_fit = fit_served_copies(copies)
     assert all(coef[k] == v for k, v in served_fit.items())
-    # the wake: lone requests served after an idle loop, their TTFT beyond the simulator's with
-    # no wake, and the wake terms fitted on them
+    # the wake: lone requests served after an idle loop in each of the 2 serving rounds (two
+    # passes a round), their TTFT beyond the simulator's with no wake, and the wake terms fitted on them
     lone = [r for r in profile["served_wake"]["requests"] if r["wake_extra_s"] is not None]
     assert len(lone) >= MIN_WAKE_REQUESTS and all(r["ttft_s"] > 0 and r["idle_s"] > 0 for r in lone)
+    assert {r["pass"] for r in profile["served_wake"]["requests"]} == {0, 1, 2, 3}
     assert all(r["ttft_s"] - r["predicted_s"] == r["wake_extra_s"] for r in lone)
     wake = fit_wake([r["idle_s"] for r in lone], [r["prompt_len"] for r in lone], [r["wake_extra_s"] for r in lone])
     assert all(coef[k] == v for k, v in wake.items())

@@ -182,6 +182,7 @@ def fit_profile(
     coefficients.update(fit_loop(gaps or []))
     coefficients["wake_s"] = float(wake["wake_s"]) if wake else 0.0
     coefficients["wake_ramp_s"] = float(wake["wake_ramp_s"]) if wake else 1.0
+    coefficients["wake_token_s"] = 0.0  # timed on the executor alone, the wake has no per-token term
     coefficients.update(fit_served_wake(served_wake, coefficients, shapes, native))
     numeric = {**coefficients, "bucket_s": bucket_s,
                "served_bucket_s": {int(b): v for b, v in coefficients["served_bucket_s"].items()}}  # fmt: skip

@@ -89,7 +89,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     from cbjax.profile.copies import measure_served_copies
     from cbjax.profile.grid import build_schedule
     from cbjax.profile.serving import measure_serving, measure_wake
-    from cbjax.profile.wake import measure_served_wake
+    from cbjax.profile.wake import measure_served_wake, merge_wake
     from cbjax.app.run import build_executor, resolve
 
     t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     say("timing swap copies ...", flush=True)
     swaps = measure_swaps(executor, cfg.repeats)
     cpu_terms = executor_backend() == "cpu" if cfg.cpu_terms is None else cfg.cpu_terms
-    wake, served_wake = None, None
+    wake = None
     if cpu_terms:
         say("timing steps after an idle loop ...", flush=True)
         small = sorted(
@@ -121,10 +121,13 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
             build_schedule(p, shapes, cfg.cache.num_pages, cfg.model.vocab_size) for p in small[:: max(1, len(small) // 3)]
         ]
         wake = measure_wake(executor.execute, wake_plans, cfg.repeats)
-        say("serving lone requests after an idle loop ...", flush=True)
-        served_wake = measure_served_wake(executor, cfg)
-    say("serving the profile's workloads ...", flush=True)
-    serving = measure_serving(executor, cfg, shapes, cfg.serving_rounds, native, min_s=cfg.serving_min_s)
+    say("serving the profile's workloads (and lone requests after an idle loop) ...", flush=True)
+    lone: list[dict] = []  # each serving round's lone requests after an idle loop (the wake's fit)
+    serving = measure_serving(
+        executor, cfg, shapes, cfg.serving_rounds, native, min_s=cfg.serving_min_s,
+        each_round=(lambda r: lone.append(measure_served_wake(executor, cfg, r))) if cpu_terms else None,
+    )  # fmt: skip
+    served_wake = merge_wake(lone)
     copies = []
     if not cfg.spec.enabled:  # a speculating engine's copies move its draft pool too: timed alone
         say("timing the host tier's copies while serving ...", flush=True)

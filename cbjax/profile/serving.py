@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -294,7 +294,8 @@ def held_out_round(r: int, rounds: int) -> bool:
 
 
 def measure_serving(
-    executor, cfg: RunConfig, shapes: ShapePlan, rounds: int = 1, native: bool = False, min_s: float = 0.0
+    executor, cfg: RunConfig, shapes: ShapePlan, rounds: int = 1, native: bool = False, min_s: float = 0.0,
+    each_round: Optional[Callable[[int], None]] = None,
 ) -> dict[str, Any]:
     """Serve the profile's workloads (`serving_runs`) on the warm engine, `rounds` times over, or
     more when `min_s` asks for it (`serving_round_count`, from round 0's wall time): the bursts
@@ -304,7 +305,8 @@ def measure_serving(
     Returns the served steps for the fit, loop gaps for `served_fit.fit_loop`, per run its
     round, iterations, makespan and time in execute, the anchor's record (`anchor_record`) and
     the rounds served. `native`: the engine's attention is `native` (its features, see
-    `cbjax.sim.profiled.step_features`)."""
+    `cbjax.sim.profiled.step_features`). `each_round(r)` runs after round r's workloads (what
+    else the profile times in every round, at the speeds the rounds meet)."""
     steps, gaps, runs = [], [], []
     saturated: Optional[float] = None
     anchor_cfg = dict(serving_runs(cfg, None, 0))[ANCHOR_RUN]
@@ -341,6 +343,8 @@ def measure_serving(
             if len(runs) == 1 and makespan > 0:  # the same bursts first, then the Poisson runs
                 saturated = run_cfg.workload.num_requests / makespan
                 todo = serving_runs(cfg, saturated, r)
+        if each_round is not None:
+            each_round(r)
         if r == 0:  # round 0's wall time (its anchor timing included) sets the count
             rounds = serving_round_count(planned, time.perf_counter() - t_start, min_s)
         r += 1

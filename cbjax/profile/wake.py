@@ -5,7 +5,8 @@ the loop's sleep overshoots the arrival, its plan and launch run with nothing in
 them, and on a CPU the threads and caches the step uses have gone cold. `measure_wake` times the
 executor's own share of that (a step after a sleep against the same step hot); the serving loop
 adds the rest. `measure_served_wake` serves lone requests on the warm engine, each arriving
-after the loop idled a set time, and records each one's TTFT; `fit_served_wake` fits `wake_s`,
+after the loop idled a set time, and records each one's TTFT (the profile does so once in each
+of its serving rounds, so that they meet the machine's speeds the served fit meets); `fit_served_wake` fits `wake_s`,
 `wake_token_s` and `wake_ramp_s` (`cbjax.sim.profiled.wake_cost`) on what those TTFTs hold beyond the
 simulator's, serving the same requests with no wake.
 """
@@ -26,7 +27,7 @@ from cbjax.sim.profiled import ProfiledCost, model_coefficients
 IDLES_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032)
 # prompt lengths per idle time, as fractions of the step's token budget (at least 8 tokens)
 PROMPT_SHARES = (0.05, 0.25, 0.5, 1.0)
-REPEATS = 2
+REPEATS = 1  # per serving round: the profile serves them once a round (`merge_wake`)
 # each lone request's tokens: its first comes from a step the next one (a decode) is launched
 # behind, as a served request's does
 OUTPUT_TOKENS = 2
@@ -57,25 +58,27 @@ def lone_requests(lengths: list[int], arrivals: list[float], vocab_size: int, se
     ]  # fmt: skip
 
 
-def measure_served_wake(executor, cfg) -> dict[str, Any]:
+def measure_served_wake(executor, cfg, round_: int = 0) -> dict[str, Any]:
     """Lone requests served by the warm engine `executor` under `cfg`'s scheduler, the prefix
     cache and host tier off: a first pass with FIRST_PASS_IDLE_S between them times each one,
     a second makes each arrive IDLES_S after the one before it ended. {"settings": what the
-    simulator needs to serve them again, "requests": per request of both passes its `pass`,
-    `prompt_len`, `arrival_s`, `ttft_s` and `idle_s` (its arrival less the previous request's
-    end; None where that one had not ended)}."""
+    simulator needs to serve them again, "requests": per request of both passes its `pass`
+    (2 * `round_` and the next), `prompt_len`, `arrival_s`, `ttft_s` and `idle_s` (its arrival
+    less the previous request's end; None where that one had not ended)}. Each round draws its
+    own prompts."""
     from cbjax.engine.offline import serve
     from cbjax.sim.pricing import build_scheduler
 
     run_cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, prefix_caching=False, host_pages=0))
     lengths = wake_prompts(run_cfg)
     vocab = run_cfg.model.vocab_size
-    first = lone_requests(lengths, list(np.arange(1, len(lengths) + 1) * FIRST_PASS_IDLE_S), vocab, cfg.seed)
+    seed = cfg.seed + 2 * len(lengths) * round_
+    first = lone_requests(lengths, list(np.arange(1, len(lengths) + 1) * FIRST_PASS_IDLE_S), vocab, seed)
     serve(first, build_scheduler(run_cfg, executor), executor)
     took = [r.finish_s - r.arrival_s if r.finish_s is not None else FIRST_PASS_IDLE_S for r in first]
     idles = [IDLES_S[(i // len(PROMPT_SHARES)) % len(IDLES_S)] for i in range(len(lengths))]
     arrivals = list(np.cumsum([idles[0]] + [t + idle for t, idle in zip(took[:-1], idles[1:])]))
-    second = lone_requests(lengths, arrivals, vocab, cfg.seed + len(lengths))
+    second = lone_requests(lengths, arrivals, vocab, seed + len(lengths))
     serve(second, build_scheduler(run_cfg, executor), executor)
     rows = []
     for k, run in enumerate((first, second)):
@@ -84,12 +87,19 @@ def measure_served_wake(executor, cfg) -> dict[str, Any]:
             idle = r.arrival_s - end if end is not None and r.arrival_s > end else None
             end = r.finish_s
             ttft = r.first_token_s - r.arrival_s if r.first_token_s is not None else None
-            rows.append({"pass": k, "prompt_len": r.prompt_len, "arrival_s": float(r.arrival_s), "ttft_s": ttft,
+            rows.append({"pass": 2 * round_ + k, "prompt_len": r.prompt_len, "arrival_s": float(r.arrival_s), "ttft_s": ttft,
                          "idle_s": idle})  # fmt: skip
     sched = run_cfg.scheduler
     settings = {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
                 "max_model_len": run_cfg.model.max_model_len, "pipelined": bool(executor.pipelined)}  # fmt: skip
     return {"settings": settings, "requests": rows}
+
+
+def merge_wake(records: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """One record of several rounds' `measure_served_wake` records (None for none)."""
+    if not records:
+        return None
+    return {"settings": records[0]["settings"], "requests": [r for rec in records for r in rec["requests"]]}
 
 
 def lone_predictions(record: dict[str, Any], coefficients: dict, shapes: ShapePlan, native: bool) -> list[Optional[float]]:
