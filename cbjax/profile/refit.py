@@ -16,13 +16,25 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from cbjax.layout.shapes import ShapePlan, plan_shapes
 from cbjax.profile.measure import fit_profile
 from cbjax.profile.residuals import format_table
 from cbjax.profile.served_fit import SERVED_WEIGHTINGS
-from cbjax.profile.wake import profile_shapes
 
 # what a profile must hold to be refitted (profiles made before `gaps` was recorded lack it)
 RECORDED = ("steps", "swaps", "served", "gaps", "wake", "coefficients")
+
+
+def profile_shapes(profile: dict[str, Any]) -> Optional[ShapePlan]:
+    """The engine's shape plan a profile was made for, from what it records (None: it lacks them)."""
+    made = profile.get("made_for", {})
+    try:
+        return plan_shapes(
+            made["scheduler.max_num_seqs"], made["model.max_model_len"], made["cache.page_size"],
+            profile["max_num_batched_tokens"], profile.get("token_buckets"),
+        )  # fmt: skip
+    except KeyError:
+        return None
 
 
 def refit(profile: dict[str, Any], fit_cold: bool, served_terms: bool, served_weighting: str) -> dict[str, Any]:

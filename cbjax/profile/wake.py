@@ -177,18 +177,3 @@ def fit_served_wake(
         r["wake_extra_s"] = float(r["ttft_s"] - pred) if ok else None
     lone = [r for r in rows if r["wake_extra_s"] is not None]
     return fit_wake([r["idle_s"] for r in lone], [r["prompt_len"] for r in lone], [r["wake_extra_s"] for r in lone])
-
-
-def profile_shapes(profile: dict[str, Any]) -> Optional[ShapePlan]:
-    """The engine's shape plan a profile was made for, from what it records (None: it lacks them)."""
-    from cbjax.layout.shapes import plan_shapes
-
-    made = profile.get("made_for", {})
-    try:
-        return plan_shapes(
-            made["scheduler.max_num_seqs"], made["model.max_model_len"], made["cache.page_size"],
-            profile["max_num_batched_tokens"], profile.get("token_buckets"),
-        )  # fmt: skip
-    except KeyError:
-        return None
-

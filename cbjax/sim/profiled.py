@@ -280,21 +280,21 @@ class ProfiledCost:
     def __call__(self, plan: Schedule, ctx: StepContext = NO_CONTEXT) -> StepTime:
         coef = self.coefficients
         rows = plan.cost_rows()
+        tokens = prefills = carried = 0
+        for n, context, decode in rows:  # one walk: the wake's and launch terms, `rows_left`'s count
+            tokens += n
+            prefills += not decode
+            carried += context > 0
         bucket, x = step_features(rows, self.shapes, self.native)
         device = predict(coef, bucket, x)
         if self.wake and ctx.idle_s > 0:
-            device += wake_cost(coef, ctx.idle_s, sum(n for n, _, _ in rows))
+            device += wake_cost(coef, ctx.idle_s, tokens)
         if self.history:
-            buckets = [step_bucket(self.shapes, tokens) for tokens in ctx.recent_tokens]
+            buckets = [step_bucket(self.shapes, n) for n in ctx.recent_tokens]
             device += cold_cost(coef, steps_since_larger(buckets, bucket))
         host = self.loop_s + self.loop_seq_s * plan.num_scheduled
         pages = plan.num_swapped_pages
         copy = self.swap_iter_s + self.swap_page_s * pages if pages else 0.0
-        tokens = prefills = carried = 0
-        for n, context, decode in rows:  # one walk: the launch terms and `rows_left`'s count
-            tokens += n
-            prefills += not decode
-            carried += context > 0
         left = max(0, ctx.in_flight_rows - carried)
         launch = launch_cost(coef, len(rows), prefills, tokens, self.prefix_caching, left)
         load = prefetch = 0.0
