@@ -15,6 +15,7 @@ profile). A calibration that judges latency cells judges a run by these timings 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -81,5 +82,5 @@ def lone_timer(cfg, reference: dict[int, float], repeats: int = LONE_REPEATS) ->
     executor.sampling = False
     executor.warmup()
     serve_first_passes(executor, run_cfg, 1)  # untimed: the first serving's one-time costs
-    timings = iter(range(1, 1 << 30))
+    timings = itertools.count(1)
     return lambda: lone_speed(serve_first_passes(executor, run_cfg, repeats, seed=next(timings) * 1000), reference)
