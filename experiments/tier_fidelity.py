@@ -132,17 +132,18 @@ def cell_table(name: str, verdict: dict, runs: int) -> str:
 
 
 def run_anchor(kind: str, base: RunConfig, profile: dict, where: str):
-    """(what times the anchor now, its reference) for `engine_rounds`: the latency anchor
-    (`cbjax.profile.latency`, reference 1) for `lone` where the profile kept its lone requests,
-    else the profile's burst anchor."""
+    """(what times the anchor now, its reference, the anchor used) for `engine_rounds`: the
+    latency anchor (`cbjax.profile.latency`, reference 1) for `lone` where the profile kept its
+    lone requests, else the profile's burst anchor (None for a profile without one)."""
     reference = lone_reference(profile.get("served_wake"))
     if kind == "lone" and reference:
         print(f"runs judged by the latency anchor: {LONE_REPEATS} passes of the profile's lone requests "
               f"(prompts of {', '.join(map(str, reference))} tokens) timed before the first run and after each", flush=True)  # fmt: skip
-        return lone_timer(base, reference), 1.0
+        return lone_timer(base, reference), 1.0, "lone"
     if kind == "lone":
         print(f"{where}: no lone requests (a profile made before them): runs judged by the burst anchor", flush=True)
-    return profile_anchor(base, profile, where)
+    anchor, ref = profile_anchor(base, profile, where)
+    return anchor, ref, "burst" if anchor is not None else None
 
 
 def main(argv=None) -> None:
@@ -181,7 +182,7 @@ def main(argv=None) -> None:
     device_pages = args.device_pages or -(-base.model.max_model_len // base.cache.page_size) // 2 + 4
     engine_cfgs = cells(base, args.sessions, args.rate, device_pages, args.host_pages)
     sim = {name: figures(run_single(sim_config(cfg, args.profile), verbose=False)) for name, cfg in engine_cfgs.items()}
-    anchor, reference = run_anchor(args.anchor, base, profile, args.profile)
+    anchor, reference, judged_by = run_anchor(args.anchor, base, profile, args.profile)
 
     def run(name: str, cfg: RunConfig, r: int, done: int, total: int) -> dict:
         t0 = time.perf_counter()
@@ -190,7 +191,7 @@ def main(argv=None) -> None:
         return figs
 
     made = engine_rounds(engine_cfgs, args.runs, run, anchor, reference, max_rounds=args.max_rounds)
-    report = {"profile": args.profile, "runs": args.runs, "copy_terms": note, "device_pages": device_pages,
+    report = {"profile": args.profile, "runs": args.runs, "anchor": judged_by, "copy_terms": note, "device_pages": device_pages,
               "host_pages": args.host_pages, "sessions": args.sessions, "rate": args.rate, "cells": {}}  # fmt: skip
     for name in engine_cfgs:
         runs = [r for r in made[name] if r["on_speed"]]

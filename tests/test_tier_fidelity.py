@@ -57,6 +57,7 @@ def test_only_runs_at_the_profiles_speed_are_judged(tmp_path, monkeypatch, capsy
     out = tmp_path / "tier.json"
     tf.main(["--profile", str(profile), "--runs", "2", "--out", str(out)])
     report = json.loads(out.read_text())
+    assert report["anchor"] == "burst"  # the profile keeps no lone requests
     for name, cell in report["cells"].items():
         on = [e["on_speed"] for e in cell["engine"]]
         assert on == ([True, False, True] if "exponential" in name else [False, True, True])
@@ -100,7 +101,9 @@ def test_cells_are_judged_by_the_latency_anchor_by_default(tmp_path, monkeypatch
     tf.main(["--profile", str(profile), "--runs", "2", "--out", str(out)])
     assert seen["reference"] == {16: 0.002}
     assert "judged by the latency anchor" in capsys.readouterr().out
-    for cell in json.loads(out.read_text())["cells"].values():
+    report = json.loads(out.read_text())
+    assert report["anchor"] == "lone"
+    for cell in report["cells"].values():
         assert [e["on_speed"] for e in cell["engine"]] == [True, False, True]
         assert cell["verdict"]["ttft_s_p50"]["engine_range"] == [0.010, 0.010] and cell["verdict"]["ttft_s_p50"]["pass"]
 
@@ -117,3 +120,5 @@ def test_the_burst_anchor_judges_when_asked_or_without_lone_requests(tmp_path, m
     tf.main(["--profile", str(without), "--runs", "1", "--out", str(tmp_path / "b.json")])
     assert calls == [str(with_lone), str(without)]
     assert "runs judged by the burst anchor" in capsys.readouterr().out
+    # a profile without an anchor of either kind: every run judged, and the report says so
+    assert json.loads((tmp_path / "b.json").read_text())["anchor"] is None
