@@ -14,16 +14,15 @@ profile). A calibration that judges latency cells judges a run by these timings 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from cbjax.profile.wake import FIRST_PASS_IDLE_S, lone_requests, wake_prompts
+from cbjax.profile.wake import lone_config, serve_first_pass, wake_prompts
 
-# first passes per timing: each is 28 lone requests, 20 ms apart (about 0.7 s on a tiny model);
-# one TTFT spreads ~20% request to request, a median of 4 x 7 per length a few percent
+# first passes per timing: one lone request's TTFT moves from request to request, so each prompt
+# length's median is taken over several passes' requests
 LONE_REPEATS = 4
 # lone TTFTs per prompt length a reference needs (the profile's first passes give 7 a round)
 MIN_REFERENCE = 5
@@ -57,16 +56,9 @@ def serve_first_passes(executor, cfg, repeats: int = LONE_REPEATS, seed: int = 0
     """`repeats` first passes of the profile's lone requests (`wake_prompts` of `cfg`, arriving
     FIRST_PASS_IDLE_S apart) served by the warm engine `executor`, the prefix cache and host tier
     off, as the profile served them: the TTFTs per prompt length."""
-    from cbjax.engine.offline import serve
-    from cbjax.sim.pricing import build_scheduler
-
-    run_cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, prefix_caching=False, host_pages=0))
-    lengths = wake_prompts(run_cfg) * repeats
-    arrivals = list(np.arange(1, len(lengths) + 1) * FIRST_PASS_IDLE_S)
-    requests = lone_requests(lengths, arrivals, run_cfg.model.vocab_size, seed)
-    serve(requests, build_scheduler(run_cfg, executor), executor)
+    run_cfg = lone_config(cfg)
     ttfts: dict[int, list[float]] = {}
-    for r in requests:
+    for r in serve_first_pass(executor, run_cfg, wake_prompts(run_cfg) * repeats, seed):
         if r.first_token_s is not None:
             ttfts.setdefault(r.prompt_len, []).append(r.first_token_s - r.arrival_s)
     return ttfts
@@ -77,7 +69,7 @@ def lone_timer(cfg, reference: dict[int, float], repeats: int = LONE_REPEATS) ->
     (`lone_speed` of `repeats` first passes against `reference`). Each timing draws new prompts."""
     from cbjax.app.run import build_executor, resolve
 
-    run_cfg = resolve(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, prefix_caching=False, host_pages=0)))
+    run_cfg = resolve(lone_config(cfg))
     executor = build_executor(run_cfg)
     executor.sampling = False
     executor.warmup()

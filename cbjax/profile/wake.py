@@ -58,6 +58,22 @@ def lone_requests(lengths: list[int], arrivals: list[float], vocab_size: int, se
     ]  # fmt: skip
 
 
+def lone_config(cfg):
+    """`cfg` as lone requests are served: the prefix cache and the host tier off."""
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, prefix_caching=False, host_pages=0))
+
+
+def serve_first_pass(executor, run_cfg, lengths: list[int], seed: int) -> list[Request]:
+    """Lone requests of `lengths` prompt tokens arriving FIRST_PASS_IDLE_S apart, served by
+    `executor` under `run_cfg` (`lone_config`'s); returns them, served."""
+    from cbjax.engine.offline import serve
+    from cbjax.sim.pricing import build_scheduler
+
+    requests = lone_requests(lengths, list(np.arange(1, len(lengths) + 1) * FIRST_PASS_IDLE_S), run_cfg.model.vocab_size, seed)
+    serve(requests, build_scheduler(run_cfg, executor), executor)
+    return requests
+
+
 def measure_served_wake(executor, cfg, round_: int = 0) -> dict[str, Any]:
     """Lone requests served by the warm engine `executor` under `cfg`'s scheduler, the prefix
     cache and host tier off: a first pass with FIRST_PASS_IDLE_S between them times each one,
@@ -69,12 +85,11 @@ def measure_served_wake(executor, cfg, round_: int = 0) -> dict[str, Any]:
     from cbjax.engine.offline import serve
     from cbjax.sim.pricing import build_scheduler
 
-    run_cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, prefix_caching=False, host_pages=0))
+    run_cfg = lone_config(cfg)
     lengths = wake_prompts(run_cfg)
     vocab = run_cfg.model.vocab_size
     seed = cfg.seed + 2 * len(lengths) * round_
-    first = lone_requests(lengths, list(np.arange(1, len(lengths) + 1) * FIRST_PASS_IDLE_S), vocab, seed)
-    serve(first, build_scheduler(run_cfg, executor), executor)
+    first = serve_first_pass(executor, run_cfg, lengths, seed)
     took = [r.finish_s - r.arrival_s if r.finish_s is not None else FIRST_PASS_IDLE_S for r in first]
     idles = [IDLES_S[(i // len(PROMPT_SHARES)) % len(IDLES_S)] for i in range(len(lengths))]
     arrivals = list(np.cumsum([idles[0]] + [t + idle for t, idle in zip(took[:-1], idles[1:])]))
