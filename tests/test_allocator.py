@@ -158,6 +158,42 @@ def test_try_append_is_can_append_then_append(ops, allocation):
         one.check_invariants()
 
 
+class Holder:
+    """What `try_append_one_each` reads of a request."""
+
+    def __init__(self, request_id: str, num_computed: int):
+        self.request_id, self.num_computed = request_id, num_computed
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    # lengths at a page's end (4, 8, 12) need a page for their next token; the others do not
+    lengths=st.lists(st.sampled_from([3, 4, 7, 8, 12]), min_size=1, max_size=8),
+    num_pages=st.integers(5, 14),
+    allocation=st.sampled_from(["paged", "reserve_max"]),
+)
+def test_one_more_token_each_is_try_append_in_order_up_to_the_first_refusal(lengths, num_pages, allocation):
+    # the planner's decodes in one call against try_append one request at a time, on twins
+    one, two = (make_allocator(num_pages=num_pages, page_size=4, allocation=allocation) for _ in range(2))
+    holders = []
+    for i, n in enumerate(lengths):
+        if not two.can_allocate(n, n + 6):
+            break
+        for alloc in (one, two):
+            alloc.allocate(str(i), n, n + 6)
+        holders.append(Holder(str(i), n))
+    expected = 0
+    for h in holders:
+        if not two.try_append(h.request_id, h.num_computed + 1):
+            break
+        expected += 1
+    assert one.try_append_one_each(holders) == expected
+    assert one.page_tables == two.page_tables
+    assert one.num_stored_tokens == two.num_stored_tokens
+    assert one.num_free_pages == two.num_free_pages
+    one.check_invariants()
+
+
 class PageAtATime(PageAllocator):
     """The placement rule stated one page at a time (the class docstring's): the next page
     after the table's last while it is free, else a new stretch from `_place`."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Optional, Sequence
 
+from cbjax.core.request import Request
+
 # The parent hash of a sequence's first page. A fixed int: hash(None) varies between runs
 # before Python 3.12, and runs must be reproducible.
 ROOT_HASH = 0
@@ -221,6 +223,26 @@ class PageAllocator:
         self._stored[request_id] = num_tokens
         return True
 
+    def try_append_one_each(self, requests: Sequence[Request]) -> int:
+        """`try_append(r.request_id, r.num_computed + 1)` for each of `requests` in order (each
+        stores one token more), up to the first that fails; returns how many succeeded. The
+        scheduler's decodes in one call: they are most of a step's rows."""
+        tables, stored, ps = self.page_tables, self._stored, self.page_size
+        done = 0
+        for req in requests:
+            rid = req.request_id
+            table = tables[rid]
+            num_tokens = req.num_computed + 1
+            if num_tokens > len(table) * ps:
+                need = -(-num_tokens // ps) - len(table)
+                if need > self._num_free + len(self._cached):
+                    break
+                table.extend(self._take(need, table[-1] if table else None))
+            self.num_stored_tokens += num_tokens - stored[rid]
+            stored[rid] = num_tokens
+            done += 1
+        return done
+
     def append(self, request_id: str, num_tokens: int) -> None:
         """Grow the request's page table to hold `num_tokens` tokens in all."""
         table = self.page_tables[request_id]
@@ -241,8 +263,9 @@ class PageAllocator:
         del self._num_hashed[request_id]
         if not self.prefix_caching:
             is_free = self._is_free
-            first, n = table[0] if table else 0, len(table)
-            if n and table[-1] - first == n - 1 and table == list(range(first, first + n)):
+            n = len(table)
+            first = min(table) if n else 0
+            if n and max(table) - first == n - 1:  # distinct pages: exactly first .. first + n - 1
                 is_free[first : first + n] = b"\1" * n  # one stretch (placement's aim): one copy
             else:
                 for page in table:

@@ -6,6 +6,7 @@ import bisect
 from typing import Iterable, Sequence
 
 from cbjax.cache.allocator import PageAllocator
+from cbjax.core.request import Request
 
 
 class ReservationAllocator(PageAllocator):
@@ -116,6 +117,14 @@ class ReservationAllocator(PageAllocator):
             return False
         self.append(request_id, num_tokens)
         return True
+
+    def try_append_one_each(self, requests: Sequence[Request]) -> int:
+        done = 0
+        for req in requests:
+            if not self.try_append(req.request_id, req.num_computed + 1):
+                break
+            done += 1
+        return done
 
     def append(self, request_id: str, num_tokens: int) -> None:
         table = self.page_tables[request_id]

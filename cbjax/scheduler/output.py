@@ -37,7 +37,15 @@ _SCHEDULE_FIELDS = ("num_slots", "scheduled", "preempted", "start_s", "swap_out"
                     "step_id", "padded_rows", "num_steps", "host_copies")  # fmt: skip
 if tuple(f.name for f in fields(Schedule)) != _SCHEDULE_FIELDS:
     raise AssertionError("cbjax.scheduler.output: _SCHEDULE_FIELDS differs from Schedule's fields")
+# ScheduledRequest's fields, in order: hot paths build a row as a tuple of all of them
+# (`new_row(ScheduledRequest, values)` skips the named tuple's Python-level constructor).
+ROW_FIELDS = ("request_id", "slot", "num_computed", "num_new_tokens", "is_decode", "token_ids", "feed_previous",
+              "page_table", "sampling", "yields", "num_drafts")  # fmt: skip
+if ScheduledRequest._fields != ROW_FIELDS:
+    raise AssertionError("cbjax.scheduler.output: ROW_FIELDS differs from ScheduledRequest's fields")
+new_row = tuple.__new__
 _NO_DRAFTS = (0, ())
+_NO_IDS = (None, False)  # (token ids, feed_previous) of a plan without ids
 
 
 class PlanWriter:
@@ -118,23 +126,24 @@ class PlanWriter:
         """Append the requests' entries to `out` (one call per list: the loop is the hot path)."""
         tables, sent, fresh = self.allocator.page_tables, self._sent_pages, self._fresh
         with_ids = self.token_ids
+        append = out.append
         for req in requests:
             rid = req.request_id
-            table = tables[rid]
+            num_pages = len(tables[rid])
             page_table = None
-            if sent.get(rid) != len(table):  # tables only grow while a request runs
-                page_table = tuple(table)
-                sent[rid] = len(table)
+            if sent.get(rid) != num_pages:  # tables only grow while a request runs
+                page_table = tuple(tables[rid])
+                sent[rid] = num_pages
             sampling = None
             if rid in fresh:
                 fresh.discard(rid)
                 sampling = req.sampling
             lo, n = req.num_computed, req.num_new_tokens
-            token_ids, feed = self._token_ids(req, lo, n) if with_ids else (None, False)
-            out.append(ScheduledRequest(
+            token_ids, feed = self._token_ids(req, lo, n) if with_ids else _NO_IDS
+            append(new_row(ScheduledRequest, (
                 rid, req.slot, lo, n, decode, token_ids, feed, page_table, sampling,
-                lo + n >= req.prompt_len + req.num_generated,  # yields: it reaches req.num_tokens
-            ))  # fmt: skip
+                lo + n >= req.prompt_len + req.num_generated, 0,  # yields: it reaches req.num_tokens
+            )))  # fmt: skip
 
     def _draft_entries(self, requests: list[Request], out: list[ScheduledRequest]) -> None:
         """`_entries` of decodes some of which verify drafts (`drafts`, emptied): each row is

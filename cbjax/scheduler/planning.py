@@ -105,6 +105,21 @@ class Planner:
         alloc = self.allocator
         running = Status.RUNNING
         planned = plan.decodes if decoding else plan.prefills
+        if decoding and budget >= len(running_set.running):
+            # Every decode fits the budget: the decodes whose pages are free to take go in one
+            # call, in running order; the loop below finds them planned and goes on from the
+            # first that must wait for pages (or preempt), exactly as it would have reached it.
+            decodes = [req for req in running_set.running if req.status is running and not req.num_new_tokens
+                       and req.prompt_len + req.num_generated - req.num_computed == 1]  # fmt: skip
+            num = alloc.try_append_one_each(decodes)
+            for req in decodes[:num] if num < len(decodes) else decodes:
+                req.num_new_tokens = 1
+            planned.extend(decodes[:num] if num < len(decodes) else decodes)
+            budget -= num
+            if num == len(decodes):
+                if self.drafts is not None:
+                    budget = self.drafts.extend(planned, budget)
+                return budget
         for req in list(running_set.running):
             if req.status is not running or req.num_new_tokens:
                 continue  # preempted earlier in this loop, or already planned

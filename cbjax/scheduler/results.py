@@ -109,30 +109,32 @@ class StepResults:
         """One step's simulated tokens for `requests` (`simulated_step`'s pass)."""
         running = Status.RUNNING
         done: list[Request] = []
-        tbt_s = self.tbt_s
-        prefix = self.prefix
-        finish = self.running_set.finish
+        gap = self.tbt_s.append
+        register = self.prefix.register if self.prefix is not None else None
         for req in requests:
             if req.status is not running:  # (never in a fused step: kept as advance has it)
                 req.num_new_tokens = 0
                 continue
             # self._computed(req), inlined
-            req.num_computed += req.num_new_tokens
+            computed = req.num_computed = req.num_computed + req.num_new_tokens
             req.num_new_tokens = 0
-            if prefix is not None:
-                prefix.register(req)
-            if req.num_computed < req.prompt_len + req.num_generated:  # req.num_tokens
+            if register is not None:
+                register(req)
+            generated = req.num_generated
+            if computed < req.prompt_len + generated:  # req.num_tokens
                 continue
-            req.num_generated += 1
-            reason = self._length_reason(req) if req.num_generated >= req.max_output_len else None
+            generated = req.num_generated = generated + 1
             if req.first_token_s is None:
                 req.first_token_s = now
             else:
-                tbt_s.append(now - req.last_token_s)
+                gap(now - req.last_token_s)
             req.last_token_s = now
+            if generated < req.max_output_len:  # _length_reason's first test, inlined
+                continue
+            reason = self._length_reason(req)
             if reason is None:
                 continue
-            finish(req, reason, now)
+            self.running_set.finish(req, reason, now)
             done.append(req)
         if done:
             self.running_set.prune()

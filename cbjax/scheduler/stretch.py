@@ -21,7 +21,7 @@ from typing import Optional
 
 from cbjax.core.plan import Schedule, ScheduledRequest
 from cbjax.core.request import Request, Status
-from cbjax.scheduler.output import PlanWriter
+from cbjax.scheduler.output import PlanWriter, new_row
 from cbjax.scheduler.policy import PolicyContract
 from cbjax.scheduler.running import RunningSet
 
@@ -68,7 +68,7 @@ class DecodeStretch:
         if self._current() <= 0:
             return None, 0
         running = self.running_set.running
-        rows = [ScheduledRequest(r.request_id, r.slot, r.num_computed, 1, True, None, False, None, None, True)
+        rows = [new_row(ScheduledRequest, (r.request_id, r.slot, r.num_computed, 1, True, None, False, None, None, True, 0))
                 for r in running]  # fmt: skip
         finish = min(r.max_output_len - r.num_generated for r in running)
         plan = Schedule(self.writer.num_slots, rows, [], now, [], [], self.allocator.page_size, 0, None)
@@ -135,7 +135,8 @@ class DecodeStretch:
             if req in grew:  # its row carries its page table, as the planner's would
                 table = tuple(alloc.page_tables[req.request_id])
                 self.writer.sent_pages(req.request_id, len(table))
-            scheduled.append(ScheduledRequest(req.request_id, req.slot, computed, 1, True, None, False, table, None, True))
+            scheduled.append(new_row(ScheduledRequest, (req.request_id, req.slot, computed, 1, True, None, False, table,
+                                                        None, True, 0)))  # fmt: skip
         return self.writer.write_continuation(running, scheduled, now, num_steps)
 
     def _grow(self, running: list[Request], num_steps: int) -> set[Request]:
