@@ -13,7 +13,7 @@ from cbjax.config import ModelConfig, RunConfig
 from cbjax.profile.refit import main as refit_main
 from cbjax.profile.refit import refit
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.served_fit import censored, fit_drain, fit_launch, fit_served
+from cbjax.profile.served_fit import censored, fit_collect, fit_drain, fit_launch, fit_served
 from cbjax.profile.serving import anchor_rounds, held_out_round, serving_round_count, serving_runs
 from cbjax.profile.fit import fit_costs
 from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS
@@ -174,6 +174,21 @@ def test_drain_fit_by_hand():
     assert fit_drain(pair + [point(5.3e-4, alone=True)] + noise, launch, "absolute")["drain_s"] == pytest.approx(3e-5)
     assert fit_drain(pair + noise, launch, "mean_relative")["drain_s"] == pytest.approx(2 / (1 / 2e-5 + 1 / 4e-5))
     assert fit_drain(noise, launch) == {}
+
+
+def test_collect_fit_by_hand():
+    # Steps before a prefill plan: their own times 0.2, 0.2 and 5 ms, the launch 1 ms, the shares
+    # 1.2, 1.4 and 5 ms (the third is its own time, whatever the term up to 4 ms). Each share is
+    # predicted as max(own, launch + c). Summed squares: c = 0.3 ms; mean relative error zero:
+    # (c - 0.2) / 1.2 + (c - 0.4) / 1.4 = 0, c = (0.2 / 1.2 + 0.4 / 1.4) / (1 / 1.2 + 1 / 1.4);
+    # balanced: their mean. Shares shorter than the launch: 0 (never negative). None: {}.
+    step, launch, share = np.array([2e-4, 2e-4, 5e-3]), np.array([1e-3, 1e-3, 1e-3]), np.array([1.2e-3, 1.4e-3, 5e-3])
+    relative = (0.2 / 1.2 + 0.4 / 1.4) / (1 / 1.2 + 1 / 1.4) * 1e-3
+    assert fit_collect(step, launch, share, "absolute")["collect_prefill_s"] == pytest.approx(3e-4, abs=1e-6)
+    assert fit_collect(step, launch, share, "mean_relative")["collect_prefill_s"] == pytest.approx(relative, abs=1e-6)
+    assert fit_collect(step, launch, share, "balanced")["collect_prefill_s"] == pytest.approx((3e-4 + relative) / 2, abs=1e-6)
+    assert fit_collect(step[:1], launch[:1], np.array([9e-4]), "absolute") == {"collect_prefill_s": 0.0}
+    assert fit_collect(np.array([]), np.array([]), np.array([])) == {}
 
 
 def test_held_out_steps_do_not_enter_the_fit():

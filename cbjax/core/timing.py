@@ -37,8 +37,9 @@ class StepTime(NamedTuple):
     Run to completion, a step takes `total_s`: its device work, the KV copies before it, and
     the serving stack's host time around it. A pipelined loop also needs `launch_s`, its host
     time from collecting the step before to launching this one (the step in flight ends no
-    earlier), and `drain_s`, the step's share when it is collected with nothing launched
-    behind it (None: its whole `total_s`).
+    earlier), `drain_s`, the step's share when it is collected with nothing launched
+    behind it (None: its whole `total_s`), and `collect_s`, how long after this step's launch
+    the step in flight is collected at the earliest (the host and device work still owed it).
 
     The host KV tier's copies (`Schedule.host_copies`): its stores and loads are in `copy_s`,
     the loads' share also in `load_s`; its prefetches take `prefetch_s`, beside the step on the
@@ -52,6 +53,7 @@ class StepTime(NamedTuple):
     drain_s: Optional[float] = None
     load_s: float = 0.0
     prefetch_s: float = 0.0
+    collect_s: float = 0.0
 
     @property
     def total_s(self) -> float:

@@ -22,7 +22,7 @@ from cbjax.config import RunConfig
 from cbjax.core.plan import Schedule
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.served_fit import HOST_STALL, fit_drain, fit_launch, fit_loop, fit_served, own_launch
+from cbjax.profile.served_fit import COLLECT_WEIGHTING, HOST_STALL, fit_collect, fit_drain, fit_launch, fit_loop, fit_served, own_launch
 from cbjax.layout.shapes import ShapePlan
 from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.fit import fit_costs
@@ -186,6 +186,7 @@ def fit_profile(
     coefficients.update(fit_served_wake(served_wake, coefficients, shapes, native))
     numeric = {**coefficients, "bucket_s": bucket_s,
                "served_bucket_s": {int(b): v for b, v in coefficients["served_bucket_s"].items()}}  # fmt: skip
+    coefficients.update(fit_collect(*collect_points(served, numeric), COLLECT_WEIGHTING))
     for s in steps:
         s["predicted_s"] = float(predict(grid, s["bucket"], s["features"]))
     for s in served:
@@ -201,6 +202,8 @@ def fit_profile(
                 s.get("left", 0),
             )  # fmt: skip
             s["launch_predicted_s"] = float(host)
+            if s["next_prefill_rows"]:
+                host += coefficients.get("collect_prefill_s", 0.0)
             step = max(step, host)
         if s.get("uncovered") and "drain_s" in coefficients:  # ... the drain with nothing behind it
             step = drain_share(coefficients["drain_s"], step)
@@ -234,6 +237,19 @@ def fit_profile(
     residuals["by_regime"] = held_out_residuals(served)
     residuals["launch"] = launch_residuals(served)
     return coefficients, residuals
+
+
+def collect_points(served: list[dict], coefficients: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each step's own predicted time, the next launch's predicted host time, its measured
+    share) of the served steps a plan with prefill rows was launched behind, the loop's host
+    time recorded (`fit_collect`'s points); held out and after an idle loop left out."""
+    points = [s for s in served if "host_s" in s and s["next_prefill_rows"] and not s.get("idle")
+              and not s.get("held_out")]  # fmt: skip
+    step = [predict(coefficients, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
+            for s in points]  # fmt: skip
+    launch = [launch_cost(coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"],
+                          s.get("prefix_caching", False), s.get("left", 0)) for s in points]  # fmt: skip
+    return np.array(step), np.array(launch), np.array([s["measured_s"] for s in points])
 
 
 def launch_residuals(served: list[dict]) -> dict[str, Any]:

@@ -47,6 +47,10 @@ SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s", "block_chunk_s", 
 # How `fit_served` weighs the served steps: `cbjax.profile.fit.WEIGHTINGS`, or "balanced", the mean
 # of the "absolute" and "mean_relative" fits' coefficients.
 SERVED_WEIGHTINGS = WEIGHTINGS + ("balanced",)
+# `fit_collect`'s criterion, whatever the served fit's: the term sets how long the steps before a
+# prefill plan last, whose shares spread with a long tail, and it moves both what a run adds up
+# (a makespan, "absolute") and the residual table's mean signed error ("mean_relative")
+COLLECT_WEIGHTING = "balanced"
 
 
 def fit_served(
@@ -167,6 +171,36 @@ def fit_drain(served: list[dict], launch: Optional[dict[str, float]] = None, wei
         return {}
     coef = fit_weighted(np.ones((int(keep.sum()), 1)), y[keep], weighting, offsets=offsets[keep])
     return {"drain_s": float(coef[0])}
+
+
+def fit_collect(step_s: np.ndarray, launch_s: np.ndarray, measured_s: np.ndarray, weighting: str = "absolute") -> dict[str, float]:
+    """`collect_prefill_s`: how long after a plan with prefill rows is launched the loop collects
+    the step in flight at the earliest (`StepTime.collect_s`), fitted on the served steps followed
+    by such a plan: each step's share is predicted as max(its own time `step_s`, that launch's
+    host time `launch_s` + the term), as the simulator charges it. Where the host and the device
+    run on separate hardware it fits near 0; where they share a core, the step in flight still
+    owes the work that the launch's host time held back. `weighting` (SERVED_WEIGHTINGS) as
+    `fit_served`'s: "absolute" minimises the squared error of the shares (what a run's makespan
+    adds up), "mean_relative" makes their mean signed relative error nearest 0, "balanced" takes
+    the mean of the two. Searched on a grid of 1 us up to the longest share (non-negative). None
+    of them: {} (charged 0)."""
+    check_weighting(weighting)
+    if not len(measured_s):
+        return {}
+    grid = np.arange(0.0, float(np.max(measured_s)) + 1e-6, 1e-6)
+    ways = ("absolute", "mean_relative") if weighting == "balanced" else (weighting,)
+    fitted = []
+    for way in ways:
+        best, best_err = 0.0, float("inf")
+        for lo in range(0, len(grid), 512):  # in blocks: points x grid values at once
+            c = grid[lo : lo + 512]
+            miss = np.maximum(step_s[:, None], launch_s[:, None] + c[None, :]) - measured_s[:, None]
+            err = (miss**2).sum(axis=0) if way == "absolute" else np.abs((miss / measured_s[:, None]).mean(axis=0))
+            i = int(np.argmin(err))
+            if err[i] < best_err:
+                best, best_err = float(c[i]), float(err[i])
+        fitted.append(best)
+    return {"collect_prefill_s": sum(fitted) / len(fitted)}
 
 
 def check_weighting(weighting: str) -> None:
