@@ -177,17 +177,17 @@ def test_drain_fit_by_hand():
 
 
 def test_collect_fit_by_hand():
-    # Steps before a prefill plan: their own times 0.2, 0.2 and 5 ms, the launch 1 ms, the shares
-    # 1.2, 1.4 and 5 ms (the third is its own time, whatever the term up to 4 ms). Each share is
-    # predicted as max(own, launch + c). Summed squares: c = 0.3 ms; mean relative error zero:
-    # (c - 0.2) / 1.2 + (c - 0.4) / 1.4 = 0, c = (0.2 / 1.2 + 0.4 / 1.4) / (1 / 1.2 + 1 / 1.4);
-    # balanced: their mean. Shares shorter than the launch: 0 (never negative). None: {}.
-    step, launch, share = np.array([2e-4, 2e-4, 5e-3]), np.array([1e-3, 1e-3, 1e-3]), np.array([1.2e-3, 1.4e-3, 5e-3])
-    relative = (0.2 / 1.2 + 0.4 / 1.4) / (1 / 1.2 + 1 / 1.4) * 1e-3
-    assert fit_collect(step, launch, share, "absolute")["collect_prefill_s"] == pytest.approx(3e-4, abs=1e-6)
-    assert fit_collect(step, launch, share, "mean_relative")["collect_prefill_s"] == pytest.approx(relative, abs=1e-6)
-    assert fit_collect(step, launch, share, "balanced")["collect_prefill_s"] == pytest.approx((3e-4 + relative) / 2, abs=1e-6)
-    assert fit_collect(step[:1], launch[:1], np.array([9e-4]), "absolute") == {"collect_prefill_s": 0.0}
+    # Steps before a prefill plan: their own times 0.2, 0.4 and 5 ms, the launch 1 ms, the shares
+    # 1.1, 1.3 and 5 ms. Each share is predicted as max(own, launch + c x own); the third stays
+    # its own time for c up to 0.8. Summed squares: 0.2 (0.2 c - 0.1) + 0.4 (0.4 c - 0.3) = 0,
+    # c = 0.7; mean relative error zero: (0.2 c - 0.1) / 1.1 + (0.4 c - 0.3) / 1.3 = 0; balanced:
+    # their mean. Shares shorter than the launch: 0 (never negative). None: {}.
+    step, launch, share = np.array([2e-4, 4e-4, 5e-3]), np.array([1e-3, 1e-3, 1e-3]), np.array([1.1e-3, 1.3e-3, 5e-3])
+    relative = (0.1 / 1.1 + 0.3 / 1.3) / (0.2 / 1.1 + 0.4 / 1.3)
+    assert fit_collect(step, launch, share, "absolute")["collect_prefill_share"] == pytest.approx(0.7, abs=1e-3)
+    assert fit_collect(step, launch, share, "mean_relative")["collect_prefill_share"] == pytest.approx(relative, abs=1e-3)
+    assert fit_collect(step, launch, share, "balanced")["collect_prefill_share"] == pytest.approx((0.7 + relative) / 2, abs=1e-3)
+    assert fit_collect(step[:1], launch[:1], np.array([9e-4]), "absolute") == {"collect_prefill_share": 0.0}
     assert fit_collect(np.array([]), np.array([]), np.array([])) == {}
 
 

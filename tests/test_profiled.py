@@ -593,28 +593,29 @@ def test_the_launch_terms_by_hand_and_a_long_launch_is_no_idle_loop(tmp_path):
     assert [s.time.total_s for s in (one, two, three, four)] == pytest.approx([1.0, 7.0, 1.0, 1.0])
 
 
-def test_a_prefill_plans_launch_collects_the_step_in_flight_collect_s_after_it_by_hand(tmp_path):
-    # launch_prefill_s 4.0 and collect_prefill_s 0.5; a decode costs 1.0 (bucket 4), a prefill
-    # 7.0 (bucket 64). Decode 1 runs from 0; a prefill planned at 0 while it runs is launched at
-    # 4.0, and the decode is collected 0.5 later: [0, 4.5]; the prefill runs [4.5, 11.5]. A
-    # second prefill planned at 4.5 is launched at 8.5, collected by 9.0, inside the step in
-    # flight, which keeps its end. Only a plan with prefill rows carries the term.
-    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, launch_prefill_s=4.0, collect_prefill_s=0.5)
+def test_a_prefill_plans_launch_collects_the_step_in_flight_a_share_of_its_time_after_it_by_hand(tmp_path):
+    # launch_prefill_s 4.0 and collect_prefill_share 0.25; a decode costs 1.0 (bucket 4), a
+    # prefill 7.0 (bucket 64). Decode 1 runs from 0; a prefill planned at 0 while it runs is
+    # launched at 4.0, and the decode is collected 0.25 x 1.0 later: [0, 4.25]; the prefill runs
+    # [4.25, 11.25]. A second prefill planned at 4.25 is launched at 8.25, and the prefill in
+    # flight could be collected by 8.25 + 0.25 x 7.0 = 10.0, inside its time: it keeps its end.
+    # Only a plan with prefill rows carries the term.
+    coef = only_bucket_costs({"4": 1.0, "64": 7.0}, launch_prefill_s=4.0, collect_prefill_share=0.25)
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "c.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
     d, p = decode_and_prefill()
     decode = make_plan(num_slots=4, decodes=[d], page_size=4)
     prefill = make_plan(num_slots=4, prefills=[p], page_size=4)
-    assert (cost(decode).collect_s, cost(prefill).collect_s) == (0.0, 0.5)
+    assert (cost(decode).collect_share, cost(prefill).collect_share) == (0.0, 0.25)
     timeline = Timeline(cost)
     one = timeline.launch(decode, 0.0)
     two = timeline.launch(prefill, 0.0)
-    assert timeline.land(one, covered=True) == pytest.approx((0.0, 4.5))
-    three = timeline.launch(prefill, 4.5)
-    assert timeline.land(two, covered=True) == pytest.approx((4.5, 11.5))
-    assert (three.begin, three.end) == pytest.approx((11.5, 18.5))
+    assert timeline.land(one, covered=True) == pytest.approx((0.0, 4.25))
+    three = timeline.launch(prefill, 4.25)
+    assert timeline.land(two, covered=True) == pytest.approx((4.25, 11.25))
+    assert (three.begin, three.end) == pytest.approx((11.25, 18.25))
     # a profile without the term collects the decode as the launch returns
-    coef.pop("collect_prefill_s")
+    coef.pop("collect_prefill_share")
     cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "n.json", coef, page_size=4,
                                                                              num_slots=4)))  # fmt: skip
     timeline = Timeline(cost)

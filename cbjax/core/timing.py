@@ -38,8 +38,9 @@ class StepTime(NamedTuple):
     the serving stack's host time around it. A pipelined loop also needs `launch_s`, its host
     time from collecting the step before to launching this one (the step in flight ends no
     earlier), `drain_s`, the step's share when it is collected with nothing launched
-    behind it (None: its whole `total_s`), and `collect_s`, how long after this step's launch
-    the step in flight is collected at the earliest (the host and device work still owed it).
+    behind it (None: its whole `total_s`), and `collect_share`: the step in flight is collected
+    no earlier than this share of its own `device_s` after this step's launch returns (the
+    work it still owes when the launch held the hardware it runs on).
 
     The host KV tier's copies (`Schedule.host_copies`): its stores and loads are in `copy_s`,
     the loads' share also in `load_s`; its prefetches take `prefetch_s`, beside the step on the
@@ -53,7 +54,7 @@ class StepTime(NamedTuple):
     drain_s: Optional[float] = None
     load_s: float = 0.0
     prefetch_s: float = 0.0
-    collect_s: float = 0.0
+    collect_share: float = 0.0
 
     @property
     def total_s(self) -> float:

@@ -203,7 +203,7 @@ def fit_profile(
             )  # fmt: skip
             s["launch_predicted_s"] = float(host)
             if s["next_prefill_rows"]:
-                host += coefficients.get("collect_prefill_s", 0.0)
+                host += coefficients.get("collect_prefill_share", 0.0) * step
             step = max(step, host)
         if s.get("uncovered") and "drain_s" in coefficients:  # ... the drain with nothing behind it
             step = drain_share(coefficients["drain_s"], step)

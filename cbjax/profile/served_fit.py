@@ -174,33 +174,27 @@ def fit_drain(served: list[dict], launch: Optional[dict[str, float]] = None, wei
 
 
 def fit_collect(step_s: np.ndarray, launch_s: np.ndarray, measured_s: np.ndarray, weighting: str = "absolute") -> dict[str, float]:
-    """`collect_prefill_s`: how long after a plan with prefill rows is launched the loop collects
-    the step in flight at the earliest (`StepTime.collect_s`), fitted on the served steps followed
-    by such a plan: each step's share is predicted as max(its own time `step_s`, that launch's
-    host time `launch_s` + the term), as the simulator charges it. Where the host and the device
-    run on separate hardware it fits near 0; where they share a core, the step in flight still
-    owes the work that the launch's host time held back. `weighting` (SERVED_WEIGHTINGS) as
-    `fit_served`'s: "absolute" minimises the squared error of the shares (what a run's makespan
-    adds up), "mean_relative" makes their mean signed relative error nearest 0, "balanced" takes
-    the mean of the two. Searched on a grid of 1 us up to the longest share (non-negative). None
-    of them: {} (charged 0)."""
+    """`collect_prefill_share`: the share of its own time the step in flight still owes when a
+    plan with prefill rows has been launched (`StepTime.collect_share`), fitted on the served
+    steps followed by such a plan: each step's share of the wall clock is predicted as max(its
+    own time `step_s`, that launch's host time `launch_s` + the term x `step_s`), as the
+    simulator charges it. Where the host and the device run on separate hardware it fits near
+    0; where they share a core, the launch's host time holds the step back. `weighting`
+    (SERVED_WEIGHTINGS) as `fit_served`'s: "absolute" minimises the squared error of the shares
+    (what a run's makespan adds up), "mean_relative" makes their mean signed relative error
+    nearest 0, "balanced" takes the mean of the two. Searched on a grid of 0.001 from 0 to 2.
+    None of them: {} (charged 0)."""
     check_weighting(weighting)
     if not len(measured_s):
         return {}
-    grid = np.arange(0.0, float(np.max(measured_s)) + 1e-6, 1e-6)
+    grid = np.arange(0.0, 2.0005, 1e-3)
     ways = ("absolute", "mean_relative") if weighting == "balanced" else (weighting,)
     fitted = []
     for way in ways:
-        best, best_err = 0.0, float("inf")
-        for lo in range(0, len(grid), 512):  # in blocks: points x grid values at once
-            c = grid[lo : lo + 512]
-            miss = np.maximum(step_s[:, None], launch_s[:, None] + c[None, :]) - measured_s[:, None]
-            err = (miss**2).sum(axis=0) if way == "absolute" else np.abs((miss / measured_s[:, None]).mean(axis=0))
-            i = int(np.argmin(err))
-            if err[i] < best_err:
-                best, best_err = float(c[i]), float(err[i])
-        fitted.append(best)
-    return {"collect_prefill_s": sum(fitted) / len(fitted)}
+        miss = np.maximum(step_s[:, None], launch_s[:, None] + grid[None, :] * step_s[:, None]) - measured_s[:, None]
+        err = (miss**2).sum(axis=0) if way == "absolute" else np.abs((miss / measured_s[:, None]).mean(axis=0))
+        fitted.append(float(grid[int(np.argmin(err))]))
+    return {"collect_prefill_share": sum(fitted) / len(fitted)}
 
 
 def check_weighting(weighting: str) -> None:

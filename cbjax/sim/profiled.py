@@ -42,11 +42,12 @@ the native decode pass is charged per group), plus its swap copies:
              over before the host is: its share of the wall clock is this host time, and a
              prefill in the next plan lengthens it. With nothing in flight, the first step and
              the first after an idle loop, the step itself starts after its own launch)
-    collect = collect_prefill_s  for a plan with any prefill rows (`StepTime.collect_s`: the step in
-             flight is collected no earlier than this long after the plan's launch returns; where
-             the host and the device share a core, the work the step in flight still owes after a
-             prefill plan's long launch, which a decode plan's launch leaves inside the step's own
-             fitted time)
+    collect = collect_prefill_share  for a plan with any prefill rows (`StepTime.collect_share`: the
+             step in flight is collected no earlier than this share of its own time after the
+             plan's launch returns; where the host and the device share a core, the launch's host
+             time holds back the step in flight, which still owes that share of its work after a
+             prefill plan's long launch; a decode plan's launch stays inside the step's own fitted
+             time)
     drain = min(time, drain_s)  (`drain_s`: the share of a step the pipelined loop collects
              with nothing launched behind it, as the last before an idle loop or a run's end: the
              device's own remainder, which the next launch's host time otherwise hides;
@@ -105,7 +106,7 @@ LAUNCH_TERMS = (
 # must lie past its begin (see there)
 DRAIN_FLOOR_S = 1e-6
 # absent from profiles made before the terms: charged 0
-OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s", "wake_token_s", "collect_prefill_s") + LAUNCH_TERMS, 0.0)
+OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s", "wake_token_s", "collect_prefill_share") + LAUNCH_TERMS, 0.0)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -281,7 +282,7 @@ class ProfiledCost:
         # the share of a step collected with nothing launched behind it; None: a profile made
         # before it, which charges such a step its whole cost
         self.drain = coefficients.get("drain_s")
-        self.collect_prefill_s = coefficients.get("collect_prefill_s", 0.0)
+        self.collect_prefill_share = coefficients.get("collect_prefill_share", 0.0)
 
     def __call__(self, plan: Schedule, ctx: StepContext = NO_CONTEXT) -> StepTime:
         coef = self.coefficients
@@ -309,7 +310,7 @@ class ProfiledCost:
             load = _copy_s(self.load_terms, copies.num_loaded)
             prefetch = _copy_s(self.load_terms, copies.num_prefetched)
             copy += _copy_s(self.store_terms, len(copies.store)) + load
-        collect = self.collect_prefill_s if prefills else 0.0
+        collect = self.collect_prefill_share if prefills else 0.0
         time = StepTime(device, host, copy, launch, None, load, prefetch, collect)
         if self.drain is None:
             return time

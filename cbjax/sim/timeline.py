@@ -8,8 +8,8 @@ Pipelined, as the engine runs with `executor.async_scheduling`, the loop launche
 before it collects step t. The device runs launched steps one after another, so a step begins
 when its launch's host time is over (`StepTime.launch_s`, from where the loop collected the
 step before) and the step before it is done, whichever is later; the step in flight is
-collected no earlier than that launch returns (and `StepTime.collect_s` after it), so a launch
-that outlasts it delays its end.
+collected no earlier than that launch returns (and `StepTime.collect_share` of its own device
+time after it), so a launch that outlasts it delays its end.
 A step collected with nothing launched behind it (the loop goes idle, the run ends, or the
 next plan needs its tokens) ends at its `drain_s` share: the host time the next launch would
 otherwise hide is not there.
@@ -142,7 +142,8 @@ class Timeline:
         time = self.cost(plan, self._context(plan, start, prev.rows if prev is not None else 0))
         launched = start + time.launch_s
         if prev is not None and time.launch_s:
-            collected = launched + time.collect_s  # the loop collects it only after this launch returns
+            # the loop collects it only after this launch returns, and the work it still owes
+            collected = launched + time.collect_share * prev.time.device_s
             if collected > prev.end:
                 prev.end = collected
                 if collected > self._free:
