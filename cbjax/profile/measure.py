@@ -22,7 +22,7 @@ from cbjax.config import RunConfig
 from cbjax.core.plan import Schedule
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.served_fit import COLLECT_WEIGHTING, HOST_STALL, fit_collect, fit_drain, fit_launch, fit_loop, fit_served, own_launch
+from cbjax.profile.served_fit import HOST_STALL, fit_collect, fit_drain, fit_launch, fit_loop, fit_served, own_launch
 from cbjax.layout.shapes import ShapePlan
 from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.fit import fit_costs
@@ -186,7 +186,7 @@ def fit_profile(
     coefficients.update(fit_served_wake(served_wake, coefficients, shapes, native))
     numeric = {**coefficients, "bucket_s": bucket_s,
                "served_bucket_s": {int(b): v for b, v in coefficients["served_bucket_s"].items()}}  # fmt: skip
-    coefficients.update(fit_collect(*collect_points(served, numeric), COLLECT_WEIGHTING))
+    coefficients.update(fit_collect(*collect_points(served, numeric), served_weighting))
     for s in steps:
         s["predicted_s"] = float(predict(grid, s["bucket"], s["features"]))
     for s in served:

@@ -47,10 +47,6 @@ SERVED_STEP_TERMS = ("seq_s", "single_page_s", "block_page_s", "block_chunk_s", 
 # How `fit_served` weighs the served steps: `cbjax.profile.fit.WEIGHTINGS`, or "balanced", the mean
 # of the "absolute" and "mean_relative" fits' coefficients.
 SERVED_WEIGHTINGS = WEIGHTINGS + ("balanced",)
-# `fit_collect`'s criterion, whatever the served fit's: the term sets how long the steps before a
-# prefill plan last, whose shares spread with a long tail, and it moves both what a run adds up
-# (a makespan, "absolute") and the residual table's mean signed error ("mean_relative")
-COLLECT_WEIGHTING = "balanced"
 
 
 def fit_served(
