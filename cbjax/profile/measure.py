@@ -186,22 +186,32 @@ def fit_profile(
     coefficients.update(fit_served_wake(served_wake, coefficients, shapes, native))
     numeric = {**coefficients, "bucket_s": bucket_s,
                "served_bucket_s": {int(b): v for b, v in coefficients["served_bucket_s"].items()}}  # fmt: skip
-    coefficients.update(fit_collect(*collect_points(served, numeric), served_weighting))
     for s in steps:
         s["predicted_s"] = float(predict(grid, s["bucket"], s["features"]))
+    # each served step's own time as the simulator charges it (`cbjax.sim.profiled`): its cost,
+    # the wake after an idle loop; and, pipelined, the next launch's host time
+    own = []
     for s in served:
         s["grid_model_s"] = float(predict(grid, s["bucket"], s["features"]))
-        # what the simulator charges the step's share (`cbjax.sim.profiled`): its cost, the wake
-        # after an idle loop, ...
         step = predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
         if s.get("idle"):
             step += wake_cost(coefficients, s.get("idle_s", 0.0), s.get("tokens", 0))
-        if "host_s" in s:  # pipelined: collected only after the loop launched the next step
-            host = launch_cost(
+        own.append(step)
+        if "host_s" in s:
+            s["launch_predicted_s"] = float(launch_cost(
                 coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False),
                 s.get("left", 0),
-            )  # fmt: skip
-            s["launch_predicted_s"] = float(host)
+            ))  # fmt: skip
+    # the collect share, on the steps a plan with prefill rows was launched behind
+    behind = [i for i, s in enumerate(served)
+              if "host_s" in s and s["next_prefill_rows"] and not s.get("idle") and not s.get("held_out")]  # fmt: skip
+    coefficients.update(fit_collect(
+        np.array([own[i] for i in behind]), np.array([served[i]["launch_predicted_s"] for i in behind]),
+        np.array([served[i]["measured_s"] for i in behind]), served_weighting,
+    ))  # fmt: skip
+    for s, step in zip(served, own):
+        if "host_s" in s:  # pipelined: collected only after the loop launched the next step
+            host = s["launch_predicted_s"]
             if s["next_prefill_rows"]:
                 host += coefficients.get("collect_prefill_share", 0.0) * step
             step = max(step, host)
@@ -237,19 +247,6 @@ def fit_profile(
     residuals["by_regime"] = held_out_residuals(served)
     residuals["launch"] = launch_residuals(served)
     return coefficients, residuals
-
-
-def collect_points(served: list[dict], coefficients: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(each step's own predicted time, the next launch's predicted host time, its measured
-    share) of the served steps a plan with prefill rows was launched behind, the loop's host
-    time recorded (`fit_collect`'s points); held out and after an idle loop left out."""
-    points = [s for s in served if "host_s" in s and s["next_prefill_rows"] and not s.get("idle")
-              and not s.get("held_out")]  # fmt: skip
-    step = [predict(coefficients, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
-            for s in points]  # fmt: skip
-    launch = [launch_cost(coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"],
-                          s.get("prefix_caching", False), s.get("left", 0)) for s in points]  # fmt: skip
-    return np.array(step), np.array(launch), np.array([s["measured_s"] for s in points])
 
 
 def launch_residuals(served: list[dict]) -> dict[str, Any]:

@@ -112,11 +112,12 @@ class Planner:
             decodes = [req for req in running_set.running if req.status is running and not req.num_new_tokens
                        and req.prompt_len + req.num_generated - req.num_computed == 1]  # fmt: skip
             num = alloc.try_append_one_each(decodes)
-            for req in decodes[:num] if num < len(decodes) else decodes:
+            took = decodes if num == len(decodes) else decodes[:num]
+            for req in took:
                 req.num_new_tokens = 1
-            planned.extend(decodes[:num] if num < len(decodes) else decodes)
+            planned.extend(took)
             budget -= num
-            if num == len(decodes):
+            if took is decodes:
                 if self.drafts is not None:
                     budget = self.drafts.extend(planned, budget)
                 return budget
