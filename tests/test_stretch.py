@@ -174,11 +174,22 @@ def test_the_roofline_prices_a_stretch_as_its_steps_one_by_one():
     cost = make_cost_model("roofline", LLAMA, HardwareConfig())
     rows = [ScheduledRequest(str(i), i, ctx, 1, True, None, False, None, None, True) for i, ctx in enumerate((5, 700, 33))]
     plan = Schedule(num_slots=4, scheduled=rows, page_size=16)
-    fast = cost.stretch_s(plan, Timeline(cost)._context(plan, 0.0, 0))
-    assert [next(fast) for _ in range(40)] == [cost(shifted(plan, j)).total_s for j in range(40)]
+    ctx = Timeline(cost)._context(plan, 0.0, 0)
+    one_by_one = [cost(shifted(plan, j)).total_s for j in range(40)]
+    assert cost.stretch_s(plan, ctx, 0.0, float("inf"), 40) == one_by_one
+    assert cost.stretch_s(plan, ctx, 0.0, float("inf"), 7) == one_by_one[:7]
+    # only the steps that begin before `until`: step 17 begins where the clock's sum of the
+    # first 17 ends, so an `until` there keeps steps 0-16
+    ends, t = [], 0.0
+    for d in one_by_one:
+        t = t + d
+        ends.append(t)
+    assert cost.stretch_s(plan, ctx, 0.0, ends[16], 40) == one_by_one[:17]
+    assert cost.stretch_s(plan, ctx, 0.0, ends[16] + 1e-9, 40) == one_by_one[:18]
+    assert cost.stretch_s(plan, ctx, 1.0, 1.0, 40) == []
     # a stack whose host time follows the pages read prices step by step (None)
     paged = make_cost_model("roofline", LLAMA, HardwareConfig(), overhead=OverheadConfig(name="t", page_s=1e-6))
-    assert paged.stretch_s(plan, Timeline(paged)._context(plan, 0.0, 0)) is None
+    assert paged.stretch_s(plan, Timeline(paged)._context(plan, 0.0, 0), 0.0, float("inf"), 40) is None
 
 
 def test_a_loop_runs_no_stretch_for_a_token_callback_or_a_pipelined_or_paced_clock():

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig, SpecConfig
 from cbjax.core.plan import Schedule
@@ -116,19 +116,25 @@ class RooflineCost:
         return num_pages * page_size * self.kv_bytes_per_token / self.host_bytes_per_s + self.stack.tier_copy_s(num_pages)
 
 
-    def stretch_s(self, plan: Schedule, ctx: StepContext) -> Optional[Iterator[float]]:
-        """Each step's `total_s` of a decode stretch from `plan` (one step of decodes; step j
-        each row j tokens further), as `__call__` prices them one by one, for as many steps as
-        are asked: a step's sums over its rows grow by one per row and step, and those sums are
-        whole numbers that floats hold exactly, so each step is priced from the first step's
-        sums. None where a step's host time depends on its pages (`overhead.page_s`): price
-        those one by one."""
+    def stretch_s(
+        self, plan: Schedule, ctx: StepContext, start: float, until: float, num_steps: int
+    ) -> Optional[list[float]]:
+        """The `total_s` of each step of a decode stretch from `plan` (one step of decodes; step
+        j each row j tokens further) that begins before `until`, the first at `start`, at most
+        `num_steps`: as `__call__` prices them one by one, and as the clock sums their ends. A
+        step's sums over its rows grow by one per row and step, and those sums are whole numbers
+        that floats hold exactly, so each step is priced from the first step's sums. None where a
+        step's host time depends on its pages (`overhead.page_s`): price those one by one."""
         if self.stack.active and self.stack.config.page_s:
             return None
-        return self._stretch(plan, self(plan, ctx))
-
-    def _stretch(self, plan: Schedule, first: StepTime) -> Iterator[float]:
-        yield first.total_s
+        if num_steps <= 0 or start >= until:
+            return []
+        first_time = self(plan, ctx)
+        first = first_time.total_s
+        out = [first]
+        t = start + first
+        if num_steps == 1 or t >= until:
+            return out
         rows = len(plan.scheduled)
         pairs = 0.0
         kv_tokens = 0
@@ -138,13 +144,18 @@ class RooflineCost:
         tokens_flops = rows * self.body_flops_per_token + rows * self.head_flops_per_seq
         attn, kv_bytes, flops_per_s, bytes_per_s = self.attn_flops_per_pair, self.kv_bytes_per_token, self.flops_per_s, self.bytes_per_s
         weight_bytes = self.weight_bytes
-        host_s, allreduce_s = first.host_s, rows * self.allreduce_s_per_token
-        j = 0
-        while True:
-            j += 1
+        host_s, allreduce_s = first_time.host_s, rows * self.allreduce_s_per_token
+        append = out.append
+        for j in range(1, num_steps):
             step_pairs, step_kv = pairs + j * rows, kv_tokens + j * rows
-            compute_s = max((tokens_flops + step_pairs * attn) / flops_per_s, (weight_bytes + step_kv * kv_bytes) / bytes_per_s)
-            yield (compute_s + allreduce_s) + 0.0 + host_s  # StepTime(device, host, 0.0).total_s
+            compute = (tokens_flops + step_pairs * attn) / flops_per_s
+            memory = (weight_bytes + step_kv * kv_bytes) / bytes_per_s
+            d = ((compute if compute >= memory else memory) + allreduce_s) + 0.0 + host_s  # StepTime(...).total_s
+            append(d)
+            t += d
+            if t >= until:
+                break
+        return out
 
 
 def host_copy_times(plan: Schedule, pages_s) -> tuple[float, float, float]:

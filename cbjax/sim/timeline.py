@@ -116,12 +116,14 @@ class Timeline:
         further; each as `run` would price it one by one. Prices only: nothing moves."""
         ctx = self._context(plan, start, 0)
         stretch = getattr(self.cost, "stretch_s", None)
-        totals = stretch(plan, ctx) if stretch is not None else None
+        out = stretch(plan, ctx, start, until, num_steps) if stretch is not None else None
+        if out is not None:
+            return out
         out, t = [], start
         for j in range(num_steps):
             if t >= until:
                 break
-            d = next(totals) if totals is not None else self.cost(shifted(plan, j), ctx if j == 0 else NO_CONTEXT).total_s
+            d = self.cost(shifted(plan, j), ctx if j == 0 else NO_CONTEXT).total_s
             out.append(d)
             t += d
         return out
