@@ -124,3 +124,17 @@ def test_prefill_launches_are_judged_per_regime_where_a_pooled_figure_cancels():
     assert by_regime["light"]["num_steps"] == 2 and by_regime["light"]["mean_signed_error"] == pytest.approx(-0.4)
     assert by_regime["burst"]["num_steps"] == 4 and by_regime["burst"]["mean_signed_error"] == pytest.approx(0.2)
     assert r["decode"]["num_steps"] == 3 and r["decode"]["mean_signed_error"] == pytest.approx(0.1)
+
+
+def test_prefill_launches_are_judged_apart_by_the_arrivals_taken_in_before_them():
+    # 3 prefill launches after the loop took in an arrival, predicted 30% short; 2 with none
+    # taken in, predicted 10% long; one without the field (a profile recorded before it) counts
+    # in neither group, as decodes alone do not.
+    served = (
+        [{**launch_point("light", 1, 1.0, 0.7), "arrivals": 1} for _ in range(3)]
+        + [{**launch_point("burst", 2, 1.0, 1.1), "arrivals": 0} for _ in range(2)]
+        + [launch_point("burst", 1, 1.0, 1.5), {**launch_point("light", 0, 1.0, 0.5), "arrivals": 2}]
+    )
+    by_arrivals = launch_residuals(served)["prefill_by_arrivals"]
+    assert by_arrivals["some"]["num_steps"] == 3 and by_arrivals["some"]["mean_signed_error"] == pytest.approx(-0.3)
+    assert by_arrivals["none"]["num_steps"] == 2 and by_arrivals["none"]["mean_signed_error"] == pytest.approx(0.1)

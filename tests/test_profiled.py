@@ -509,9 +509,13 @@ def test_a_pipelined_step_records_the_loops_host_time_before_its_collect_by_hand
     timed.rows_at = timed.start = [0.0, 1.0, 2.5, 6.0]
     timed.launched = [0.2, 1.3, 3.0, 6.1]
     timed.end = [2.0, 3.5, 5.0, 7.0]
+    # arrivals handed to the scheduler: one before any launch, two after step 2's launch
+    # returned (1.3) and before step 3's plan was handed over (2.5), one after that
+    timed.arrived = [0.0, 1.5, 2.5, 2.6]
     steps, _ = served_points("run", timed, shapes)
     assert [s["measured_s"] for s in steps] == [2.0, 1.5, 1.5, 1.0]
     assert [s.get("host_s") for s in steps] == [None, 1.0, None, None]
+    assert steps[1]["arrivals"] == 2
     step = steps[1]
     assert (step["next_rows"], step["next_prefill_rows"], step["next_tokens"], step["collect_wait_s"]) == (2, 1, 6, 0.5)
     assert step["left"] == 1  # of step 2's two decodes, step 3 carries one on beside a new prefill
@@ -713,3 +717,18 @@ def test_a_stack_overhead_adds_its_host_time_to_a_drained_step_by_hand(tmp_path)
     d, _ = decode_and_prefill()
     time = cost(make_plan(num_slots=4, decodes=[d], page_size=4))
     assert (time.total_s, time.drain_s) == pytest.approx((1.5, 0.75))
+
+
+def test_the_served_runs_recorder_notes_each_arrival_handed_to_the_scheduler():
+    # serve_timed over a simulated executor on the wall clock: each of the workload's requests
+    # reaches the scheduler once, and is noted then
+    from cbjax.config import ExecutorConfig, LengthConfig, RunConfig, WorkloadConfig
+    from cbjax.profile.serving import serve_timed
+    from cbjax.sim.executor import SimExecutor
+
+    wl = WorkloadConfig(num_requests=5, arrival="all_at_once", prompt_len=LengthConfig(dist="fixed", value=8, max=8),
+                        output_len=LengthConfig(dist="fixed", value=3, max=3))  # fmt: skip
+    cfg = RunConfig(model=MODEL, executor=ExecutorConfig(name="sim", cost_model="unit"), workload=wl, progress=False)
+    timed = serve_timed(SimExecutor(make_cost_model("unit", MODEL, cfg.hardware)), cfg)
+    assert len(timed.arrived) == 5 and timed.arrived == sorted(timed.arrived)
+    assert timed.arrived[-1] <= timed.rows_at[0]  # all at once: every one before the first plan

@@ -87,6 +87,11 @@ def _app(cfg: DictConfig) -> None:
                  for r, x in (launch.get("prefill_by_regime") or {}).items() if x["num_steps"]]  # fmt: skip
     if by_regime:
         print("  with a prefill, by regime (a new request's first token waits behind one): " + "; ".join(by_regime))
+    by_arrivals = [f"{n} {x['num_steps']} steps, mean signed {x['mean_signed_error']:+.1%}"
+                   for k, n in (("none", "none"), ("some", "one or more"))
+                   if (x := (launch.get("prefill_by_arrivals") or {}).get(k)) and x["num_steps"]]  # fmt: skip
+    if by_arrivals:
+        print("  with a prefill, by the arrivals the loop took in before planning it: " + "; ".join(by_arrivals))
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
     hydra_cfg = HydraConfig.get()

@@ -267,6 +267,13 @@ def launch_residuals(served: list[dict]) -> dict[str, Any]:
                            "prefill": _launch_errors(prefill)}  # fmt: skip
     regimes = dict.fromkeys(s.get("regime") for s in prefill if s.get("regime"))
     out["prefill_by_regime"] = {r: _launch_errors([s for s in prefill if s.get("regime") == r]) for r in regimes}
+    # apart again by whether the loop took in arrivals before planning it (their intake is in
+    # that host time; a profile recorded before `arrivals` has none of these)
+    counted = [s for s in prefill if "arrivals" in s]
+    out["prefill_by_arrivals"] = {
+        "none": _launch_errors([s for s in counted if not s["arrivals"]]),
+        "some": _launch_errors([s for s in counted if s["arrivals"]]),
+    }
     return out
 
 

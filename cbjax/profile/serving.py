@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from bisect import bisect_right
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -42,8 +43,9 @@ class TimedExecutor:
     """Passes each iteration to `inner` and records its rows and clock: `rows_at` (before the
     recorder's own bookkeeping), `start`/`end` (around `inner.execute`; when `inner` is
     pipelined, at `launch` and after `collect`), `launched` (when `inner.launch` returned: its
-    host part, packing the rows and dispatching, is over), and `idle`: whether the loop idled
-    waiting for an arrival before it (it turned more than once: `tick`)."""
+    host part, packing the rows and dispatching, is over), `idle`: whether the loop idled
+    waiting for an arrival before it (it turned more than once: `tick`), and `arrived`: when the
+    loop handed each arrival to the scheduler (`arrival`, called by `serve_timed`)."""
 
     virtual_clock = False
 
@@ -59,11 +61,16 @@ class TimedExecutor:
         self.launched: list[float] = []
         self.idle: list[bool] = []
         self.idle_s: list[float] = []  # from the previous iteration's end to this one's rows (0 for the first)
+        self.arrived: list[float] = []
         self._turns = 0
 
     def tick(self) -> None:
         """Called by the loop on every turn (`cbjax.engine.offline.serve`'s `tick`)."""
         self._turns += 1
+
+    def arrival(self) -> None:
+        """The loop hands an arrived request to the scheduler now."""
+        self.arrived.append(time.perf_counter())
 
     def validate(self, req: Request) -> Optional[str]:
         return self.inner.validate(req)
@@ -192,6 +199,13 @@ def serve_timed(executor, cfg: RunConfig) -> TimedExecutor:
 
     timed = TimedExecutor(executor)
     scheduler = build_scheduler(cfg, timed)
+    add = scheduler.add
+
+    def add_timed(req, now):  # the recorder notes when each arrival reaches the scheduler
+        timed.arrival()
+        add(req, now)
+
+    scheduler.add = add_timed
     serve(build_workload(cfg.workload, cfg.seed), scheduler, timed, on_step=ServiceLog().on_step, tick=timed.tick)
     return timed
 
@@ -214,7 +228,8 @@ def served_points(
     (`host_s`, from its share's start to the next launch's return), the next plan's rows,
     prefill rows and tokens (`next_rows`, `next_prefill_rows`, `next_tokens`) and how many of its
     requests the next plan does not carry on (`left`, `rows_left`): `served_fit.fit_launch`'s
-    features) and how long the collect then waited (`collect_wait_s`: about nothing when the
+    features), how many arrivals the loop handed to the scheduler between the step's launch and
+    the next plan (`arrivals`: that host time holds their intake) and how long the collect then waited (`collect_wait_s`: about nothing when the
     host time set the share, `served_fit.censored`). Every pipelined point says whether its step
     was launched with nothing in flight (`alone`: its share holds its own launch) and whether it
     was collected with nothing launched behind it (`uncovered`: its share is the device's
@@ -252,6 +267,7 @@ def served_points(
             steps[i].update({
                 "next_rows": nxt["rows"], "next_prefill_rows": nxt["prefill_rows"], "next_tokens": nxt["tokens"],
                 "left": rows_left(steps[i]["rows"], timed.rows[i + 1]),
+                "arrivals": bisect_right(timed.arrived, timed.rows_at[i + 1]) - bisect_right(timed.arrived, timed.launched[i]),
                 "host_s": timed.launched[i + 1] - starts[i], "collect_wait_s": timed.end[i] - timed.launched[i + 1],
             })  # fmt: skip
     gaps = [
