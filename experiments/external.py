@@ -64,6 +64,28 @@ TRT_LLM_011_OFF = {("llama2_7b", "H100", 128, 128), ("llama2_7b", "A100", 128, 1
                    ("llama3_8b", "H100", 128, 2048), ("llama3_8b", "A100", 128, 2048)}  # fmt: skip
 
 
+def _inflight_overrides(
+    model: str, hardware: str, max_batch: int, requests: int, isl: int, osl: int, chunked: bool = False,
+    memory_utilization: Optional[float] = None, max_model_len: Optional[int] = None,
+) -> list[str]:
+    """A TensorRT-LLM in-flight benchmark's setup: fixed-length requests queued at once, each
+    admitted only with its prompt plus output free in the pool (Guaranteed No Evict)."""
+    return [
+        f"model={model}", f"hardware={hardware}", "overhead=none", "scheduler=fcfs",
+        f"scheduler.max_num_seqs={max_batch}", "scheduler.max_num_batched_tokens=8192",
+        *(["scheduler.chunked_prefill=true"] if chunked else []), "cache.prefix_caching=false", "cache.num_pages=auto",
+        *([f"cache.memory_utilization={memory_utilization}"] if memory_utilization is not None else []),
+        "cache.allocation=reserve_oracle", "workload.arrival=all_at_once", f"workload.num_requests={requests}",
+        *_fixed_lengths(isl, osl),
+        *([f"model.max_model_len={max_model_len}"] if max_model_len is not None else []),
+    ]  # fmt: skip
+
+
+def _fixed_lengths(isl: int, osl: int) -> list[str]:
+    return [f"workload.prompt_len={{dist: fixed, value: {isl}, max: {isl}}}",
+            f"workload.output_len={{dist: fixed, value: {osl}, max: {osl}}}"]  # fmt: skip
+
+
 def _trt_ifb_row(label: str, model: str, gpu: str, hardware: str, isl: int, osl: int, published: float) -> dict[str, Any]:
     return {
         "name": f"TensorRT-LLM 0.11, {label} FP16 on 1x {gpu}, {isl} in / {osl} out",
@@ -72,15 +94,8 @@ def _trt_ifb_row(label: str, model: str, gpu: str, hardware: str, isl: int, osl:
         "unit": "output tok/s",
         "published": published,
         "tolerance": 0.25,
-        "overrides": [
-            f"model={model}", f"hardware={hardware}", "overhead=none", "scheduler=fcfs",
-            f"scheduler.max_num_seqs={TRT_LLM_011_MAX_BATCH[model]}", "scheduler.max_num_batched_tokens=8192",
-            "scheduler.chunked_prefill=true", "cache.prefix_caching=false", "cache.num_pages=auto",
-            "cache.memory_utilization=0.99", "cache.allocation=reserve_oracle", "workload.arrival=all_at_once",
-            f"workload.num_requests={TRT_LLM_011_REQUESTS[(isl, osl)]}",
-            f"workload.prompt_len={{dist: fixed, value: {isl}, max: {isl}}}",
-            f"workload.output_len={{dist: fixed, value: {osl}, max: {osl}}}", "model.max_model_len=4096",
-        ],  # fmt: skip
+        "overrides": _inflight_overrides(model, hardware, TRT_LLM_011_MAX_BATCH[model], TRT_LLM_011_REQUESTS[(isl, osl)],
+                                         isl, osl, chunked=True, memory_utilization=0.99, max_model_len=4096),
         "fitted": False,
         "off": (model, gpu, isl, osl) in TRT_LLM_011_OFF,
         "note": f"{label} is cbjax's {model}. Guaranteed No Evict admits a request only with its prompt plus output "
@@ -116,14 +131,7 @@ def _trt_inflight_row(gpu: str, hardware: str, isl: int, osl: int, published: fl
         "unit": "output tok/s",
         "published": published,
         "tolerance": 0.25,
-        "overrides": [
-            "model=llama3_8b", f"hardware={hardware}", "overhead=none", "scheduler=fcfs",
-            "scheduler.max_num_seqs=4096", "scheduler.max_num_batched_tokens=8192", "cache.prefix_caching=false",
-            "cache.num_pages=auto", "cache.allocation=reserve_oracle", "workload.arrival=all_at_once",
-            f"workload.num_requests={TRT_LLM_013_REQUESTS[(isl, osl)]}",
-            f"workload.prompt_len={{dist: fixed, value: {isl}, max: {isl}}}",
-            f"workload.output_len={{dist: fixed, value: {osl}, max: {osl}}}",
-        ],  # fmt: skip
+        "overrides": _inflight_overrides("llama3_8b", hardware, 4096, TRT_LLM_013_REQUESTS[(isl, osl)], isl, osl),
         "fitted": False,
         "note": "Llama 3.1 8B has Llama 3 8B's shape (cbjax's llama3_8b). Guaranteed No Evict admits a request "
         "only with its prompt plus output free in the pool: cache.allocation=reserve_oracle. The pool: vLLM's sizing "
@@ -144,8 +152,7 @@ def _trt_row(batch: int, isl: int, osl: int, published: float) -> dict[str, Any]
             "model=llama2_7b", "hardware=a100_80gb", "overhead=none", "scheduler=static",
             f"scheduler.max_num_seqs={batch}", f"scheduler.max_num_batched_tokens={batch * isl}",
             f"cache.num_pages={pages}", "workload.arrival=all_at_once", f"workload.num_requests={batch}",
-            f"workload.prompt_len={{dist: fixed, value: {isl}, max: {isl}}}",
-            f"workload.output_len={{dist: fixed, value: {osl}, max: {osl}}}", "model.max_model_len=4096",
+            *_fixed_lengths(isl, osl), "model.max_model_len=4096",
         ],  # fmt: skip
         "fitted": False,
         "note": "LLaMA 7B has Llama-2-7B's shape (cbjax's llama2_7b); A100 80GB (batch 384 x 256 tokens of FP16 "

@@ -44,8 +44,9 @@ class TimedExecutor:
     recorder's own bookkeeping), `start`/`end` (around `inner.execute`; when `inner` is
     pipelined, at `launch` and after `collect`), `launched` (when `inner.launch` returned: its
     host part, packing the rows and dispatching, is over), `idle`: whether the loop idled
-    waiting for an arrival before it (it turned more than once: `tick`), and `arrived`: when the
-    loop handed each arrival to the scheduler (`arrival`, called by `serve_timed`)."""
+    waiting for an arrival before it (it turned more than once: `tick`), and `arrived`: when
+    each arrival reached the scheduler (which asks `validate` of every request it is handed
+    that passes its own checks)."""
 
     virtual_clock = False
 
@@ -68,11 +69,8 @@ class TimedExecutor:
         """Called by the loop on every turn (`cbjax.engine.offline.serve`'s `tick`)."""
         self._turns += 1
 
-    def arrival(self) -> None:
-        """The loop hands an arrived request to the scheduler now."""
-        self.arrived.append(time.perf_counter())
-
     def validate(self, req: Request) -> Optional[str]:
+        self.arrived.append(time.perf_counter())
         return self.inner.validate(req)
 
     def timeline(self) -> None:
@@ -199,13 +197,6 @@ def serve_timed(executor, cfg: RunConfig) -> TimedExecutor:
 
     timed = TimedExecutor(executor)
     scheduler = build_scheduler(cfg, timed)
-    add = scheduler.add
-
-    def add_timed(req, now):  # the recorder notes when each arrival reaches the scheduler
-        timed.arrival()
-        add(req, now)
-
-    scheduler.add = add_timed
     serve(build_workload(cfg.workload, cfg.seed), scheduler, timed, on_step=ServiceLog().on_step, tick=timed.tick)
     return timed
 
@@ -228,9 +219,9 @@ def served_points(
     (`host_s`, from its share's start to the next launch's return), the next plan's rows,
     prefill rows and tokens (`next_rows`, `next_prefill_rows`, `next_tokens`) and how many of its
     requests the next plan does not carry on (`left`, `rows_left`): `served_fit.fit_launch`'s
-    features), how many arrivals the loop handed to the scheduler between the step's launch and
-    the next plan (`arrivals`: that host time holds their intake) and how long the collect then waited (`collect_wait_s`: about nothing when the
-    host time set the share, `served_fit.censored`). Every pipelined point says whether its step
+    features), how many arrivals reached the scheduler between the step's launch and the next
+    plan (`arrivals`: that host time holds their intake) and how long the collect then waited
+    (`collect_wait_s`: about nothing when the host time set the share, `served_fit.censored`). Every pipelined point says whether its step
     was launched with nothing in flight (`alone`: its share holds its own launch) and whether it
     was collected with nothing launched behind it (`uncovered`: its share is the device's
     remainder alone, `served_fit.fit_drain`)."""
