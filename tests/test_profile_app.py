@@ -93,6 +93,9 @@ def test_profile_times_the_engine_and_writes_a_profile_the_simulator_loads(tmp_p
     # the product's defaults: served per-row, per-page and cold terms, the mean_relative weighting
     assert (profile["served_terms"], profile["fit_cold"], profile["served_weighting"]) == (True, True, "mean_relative")
     assert isinstance(profile["gaps"], list)  # recorded for `cbjax.profile.refit` (none when pipelined)
+    # every pipelined point records the engine's step call of the launch after it
+    launched = [s for s in profile["served"] if "host_s" in s]
+    assert launched and all(s["next_dispatch_s"] > 0 for s in launched)
     # the anchor: round 0's whole-prompt fcfs burst (3 x 4 requests), timed before each of the 2
     # rounds and after the last; its reference is their median, and the record rebuilds the run
     anchor = profile["anchor"]

@@ -138,3 +138,22 @@ def test_prefill_launches_are_judged_apart_by_the_arrivals_taken_in_before_them(
     by_arrivals = launch_residuals(served)["prefill_by_arrivals"]
     assert by_arrivals["some"]["num_steps"] == 3 and by_arrivals["some"]["mean_signed_error"] == pytest.approx(-0.3)
     assert by_arrivals["none"]["num_steps"] == 2 and by_arrivals["none"]["mean_signed_error"] == pytest.approx(0.1)
+
+
+def test_prefill_launches_are_judged_apart_by_whether_their_step_call_held_the_loop():
+    # Calls of 1, 2 and 3 (x 0.1 ms) whose collect then waited found the device busy: the floor
+    # is their median, 0.2 ms (the other calls' collects found their step done). Prefill
+    # launches whose call took over 2 x 0.2 ms held the loop (2, predicted 20% short); those at
+    # or under it queued their step (2, 10% long); one without the field counts in neither, nor
+    # do decode launches.
+    def call(regime, prefills, call_s, predicted, wait_s):
+        return {**launch_point(regime, prefills, 1.0, predicted), "next_dispatch_s": call_s, "collect_wait_s": wait_s}
+
+    served = [call("burst", 0, c * 1e-4, 1.0, 1e-3) for c in (1, 2, 3)]
+    served += [call("light", 1, 2e-3, 0.8, 0.0) for _ in range(2)] + [call("burst", 1, 4e-4, 1.1, 0.0) for _ in range(2)]
+    served += [launch_point("light", 1, 1.0, 0.5)]
+    by_call = launch_residuals(served)["prefill_by_call"]
+    assert by_call["floor_s"] == pytest.approx(2e-4)
+    assert by_call["held"]["num_steps"] == 2 and by_call["held"]["mean_signed_error"] == pytest.approx(-0.2)
+    assert by_call["queued"]["num_steps"] == 2 and by_call["queued"]["mean_signed_error"] == pytest.approx(0.1)
+    assert "prefill_by_call" not in launch_residuals([launch_point("light", 1, 1.0, 0.5)])  # no call recorded

@@ -512,10 +512,12 @@ def test_a_pipelined_step_records_the_loops_host_time_before_its_collect_by_hand
     # arrivals handed to the scheduler: one before any launch, two after step 2's launch
     # returned (1.3) and before step 3's plan was handed over (2.5), one after that
     timed.arrived = [0.0, 1.5, 2.5, 2.6]
+    timed.dispatch = [1e-4, 2e-4, 3e-4, None]  # each launch's step call (None: not the engine's handle)
     steps, _ = served_points("run", timed, shapes)
     assert [s["measured_s"] for s in steps] == [2.0, 1.5, 1.5, 1.0]
     assert [s.get("host_s") for s in steps] == [None, 1.0, None, None]
     assert steps[1]["arrivals"] == 2
+    assert steps[1]["next_dispatch_s"] == 3e-4  # step 3's launch
     step = steps[1]
     assert (step["next_rows"], step["next_prefill_rows"], step["next_tokens"], step["collect_wait_s"]) == (2, 1, 6, 0.5)
     assert step["left"] == 1  # of step 2's two decodes, step 3 carries one on beside a new prefill
@@ -732,3 +734,12 @@ def test_the_served_runs_recorder_notes_each_arrival_handed_to_the_scheduler():
     timed = serve_timed(SimExecutor(make_cost_model("unit", MODEL, cfg.hardware)), cfg)
     assert len(timed.arrived) == 5 and timed.arrived == sorted(timed.arrived)
     assert timed.arrived[-1] <= timed.rows_at[0]  # all at once: every one before the first plan
+    assert timed.dispatch == [None] * len(timed.launched)  # a simulated launch has no step call
+
+
+def test_a_launch_s_step_call_is_read_off_the_engines_handle_alone():
+    from cbjax.profile.serving import dispatch_s
+    from cbjax.runtime.executor import Launched
+
+    assert dispatch_s(Launched(rows=1, tokens=None, start=0.0, dispatch_s=2.5e-3)) == 2.5e-3
+    assert dispatch_s(("tokens", 2.5e-3)) is None

@@ -54,6 +54,7 @@ def _app(cfg: DictConfig) -> None:
         print(f"warning: a busy machine? the grid model (steps back to back) puts the served steps {grid_gap:+.0%} off. "
               "Profile again on a quiet machine.")  # fmt: skip
     from cbjax.profile.anchor import SPEED_TOLERANCE, spread, steady
+    from cbjax.profile.measure import HELD_CALL
     from cbjax.profile.residuals import format_table
 
     table = r["by_regime"]
@@ -92,6 +93,13 @@ def _app(cfg: DictConfig) -> None:
                    if (x := (launch.get("prefill_by_arrivals") or {}).get(k)) and x["num_steps"]]  # fmt: skip
     if by_arrivals:
         print("  with a prefill, by the arrivals the loop took in before planning it: " + "; ".join(by_arrivals))
+    by_call = launch.get("prefill_by_call") or {}
+    parts = [f"{n} {x['num_steps']} steps, mean signed {x['mean_signed_error']:+.1%}"
+             for k, n in (("held", "held the loop while the step ran"), ("queued", "queued the step"))
+             if (x := by_call.get(k)) and x["num_steps"]]  # fmt: skip
+    if parts:
+        print(f"  with a prefill, by its step call (held: over {HELD_CALL:g} x {1e3 * by_call['floor_s']:.2f} ms): "
+              + "; ".join(parts))
     print(f"took {profile['profile_s']:.1f} s (warmup {profile['warmup_s']:.1f} s)")
     print(f"\nprofile: {out_dir / 'profile.json'}")
     hydra_cfg = HydraConfig.get()

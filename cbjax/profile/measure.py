@@ -22,7 +22,9 @@ from cbjax.config import RunConfig
 from cbjax.core.plan import Schedule
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.served_fit import HOST_STALL, fit_collect, fit_drain, fit_launch, fit_loop, fit_served, own_launch
+from cbjax.profile.served_fit import (
+    HOST_STALL, censored, fit_collect, fit_drain, fit_launch, fit_loop, fit_served, own_launch,
+)  # fmt: skip
 from cbjax.layout.shapes import ShapePlan
 from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.fit import fit_costs
@@ -249,6 +251,11 @@ def fit_profile(
     return coefficients, residuals
 
 
+# A launch whose step call took over this multiple of the median call of launches that found the
+# device busy held the loop while its step ran (`launch_residuals`' `prefill_by_call`).
+HELD_CALL = 2.0
+
+
 def launch_residuals(served: list[dict]) -> dict[str, Any]:
     """The launch terms' error on the host times the fit did not see (held-out rounds; all of
     them when none is held out), apart for launches of decodes alone and of plans with a prefill
@@ -274,6 +281,18 @@ def launch_residuals(served: list[dict]) -> dict[str, Any]:
         "none": _launch_errors([s for s in counted if not s["arrivals"]]),
         "some": _launch_errors([s for s in counted if s["arrivals"]]),
     }
+    # and by whether the launch's step call held the loop while the step ran (where the host and
+    # the device share a CPU core, a call that finds the device idle runs the step in its place):
+    # over HELD_CALL times the median call of launches that found it busy (their collect waited)
+    calls = [s["next_dispatch_s"] for s in points if "next_dispatch_s" in s and not censored(s)]
+    if calls:
+        floor = float(np.median(calls))
+        timed = [s for s in prefill if "next_dispatch_s" in s]
+        out["prefill_by_call"] = {
+            "floor_s": floor,
+            "held": _launch_errors([s for s in timed if s["next_dispatch_s"] > HELD_CALL * floor]),
+            "queued": _launch_errors([s for s in timed if s["next_dispatch_s"] <= HELD_CALL * floor]),
+        }
     return out
 
 

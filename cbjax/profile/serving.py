@@ -43,10 +43,13 @@ class TimedExecutor:
     """Passes each iteration to `inner` and records its rows and clock: `rows_at` (before the
     recorder's own bookkeeping), `start`/`end` (around `inner.execute`; when `inner` is
     pipelined, at `launch` and after `collect`), `launched` (when `inner.launch` returned: its
-    host part, packing the rows and dispatching, is over), `idle`: whether the loop idled
-    waiting for an arrival before it (it turned more than once: `tick`), and `arrived`: when
+    host part, packing the rows and dispatching, is over), `idle`: whether the loop turned
+    more than once before it (`tick`): it idled waiting for an arrival, or took one in (each
+    arrival adds a turn), `arrived`: when
     each arrival reached the scheduler (which asks `validate` of every request it is handed
-    that passes its own checks)."""
+    that passes its own checks), and `dispatch`: the seconds the engine's launch spent in its
+    step call (`cbjax.runtime.executor.Launched.dispatch_s`; None for another executor's
+    handle)."""
 
     virtual_clock = False
 
@@ -63,6 +66,7 @@ class TimedExecutor:
         self.idle: list[bool] = []
         self.idle_s: list[float] = []  # from the previous iteration's end to this one's rows (0 for the first)
         self.arrived: list[float] = []
+        self.dispatch: list[Optional[float]] = []
         self._turns = 0
 
     def tick(self) -> None:
@@ -104,6 +108,7 @@ class TimedExecutor:
         self.start.append(time.perf_counter())
         launched = self.inner.launch(plan)
         self.launched.append(time.perf_counter())
+        self.dispatch.append(dispatch_s(launched))
         return launched
 
     def collect(self, launched) -> StepOutput:
@@ -121,6 +126,14 @@ class TimedExecutor:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def dispatch_s(launched) -> Optional[float]:
+    """The seconds a launch spent in the engine's step call, from its handle; None for a handle
+    that is not the engine's."""
+    from cbjax.runtime.executor import Launched
+
+    return launched.dispatch_s if isinstance(launched, Launched) else None
 
 
 def serving_runs(
@@ -220,7 +233,10 @@ def served_points(
     prefill rows and tokens (`next_rows`, `next_prefill_rows`, `next_tokens`) and how many of its
     requests the next plan does not carry on (`left`, `rows_left`): `served_fit.fit_launch`'s
     features), how many arrivals reached the scheduler between the step's launch and the next
-    plan (`arrivals`: that host time holds their intake) and how long the collect then waited
+    plan (`arrivals`: that host time holds their intake), the next launch's step call
+    (`next_dispatch_s`, where the engine's handle gives it: where the host and the device share
+    a CPU core, a call that finds the device idle holds the loop while the step runs) and how
+    long the collect then waited
     (`collect_wait_s`: about nothing when the host time set the share, `served_fit.censored`). Every pipelined point says whether its step
     was launched with nothing in flight (`alone`: its share holds its own launch) and whether it
     was collected with nothing launched behind it (`uncovered`: its share is the device's
@@ -261,6 +277,8 @@ def served_points(
                 "arrivals": bisect_right(timed.arrived, timed.rows_at[i + 1]) - bisect_right(timed.arrived, timed.launched[i]),
                 "host_s": timed.launched[i + 1] - starts[i], "collect_wait_s": timed.end[i] - timed.launched[i + 1],
             })  # fmt: skip
+            if len(timed.dispatch) > i + 1 and timed.dispatch[i + 1] is not None:
+                steps[i]["next_dispatch_s"] = timed.dispatch[i + 1]
     gaps = [
         (n, nxt - end)
         for n, end, nxt, idle in zip(timed.num_scheduled, timed.end, timed.rows_at[1:], timed.idle[1:])
