@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from cbjax.profile.measure import launch_residuals
+from cbjax.profile.launch_residuals import launch_residuals
 from cbjax.profile.residuals import format_table, regime_of, regime_residuals, round_speeds
 
 

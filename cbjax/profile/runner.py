@@ -88,8 +88,8 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     )  # fmt: skip
     from cbjax.profile.copies import measure_served_copies
     from cbjax.profile.grid import build_schedule
-    from cbjax.profile.serving import measure_serving, measure_wake
-    from cbjax.profile.wake import measure_served_wake, merge_wake
+    from cbjax.profile.serving import measure_serving
+    from cbjax.profile.wake import measure_served_wake, measure_wake, merge_wake
     from cbjax.app.run import build_executor, resolve
 
     t0 = time.perf_counter()

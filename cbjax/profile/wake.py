@@ -14,10 +14,12 @@ simulator's, serving the same requests with no wake.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Optional
 
 import numpy as np
 
+from cbjax.core.plan import Schedule
 from cbjax.core.request import Request
 from cbjax.layout.shapes import ShapePlan
 from cbjax.profile.fit import nnls
@@ -192,3 +194,27 @@ def fit_served_wake(
         r["wake_extra_s"] = float(r["ttft_s"] - pred) if ok else None
     lone = [r for r in rows if r["wake_extra_s"] is not None]
     return fit_wake([r["idle_s"] for r in lone], [r["prompt_len"] for r in lone], [r["wake_extra_s"] for r in lone])
+
+
+def measure_wake(
+    execute, plans: list[Schedule], repeats: int, idles: tuple[float, float] = (0.001, 0.02)
+) -> dict[str, Any]:
+    """What the first step after the loop idled costs over the same step run hot (XLA's CPU
+    threads and caches go cold, and the loop's sleep overshoots): per idle length, the median
+    over `plans` x `repeats` of (sleep + step wall) - idle - the step hot. `wake_s` is the
+    long idle's; `wake_ramp_s` the idle at which it is reached, from the short idle's share of it."""
+    extra: dict[float, list[float]] = {idle: [] for idle in idles}
+    for _ in range(repeats):
+        for idle in idles:
+            for plan in plans:
+                execute(plan)
+                t0 = time.perf_counter()
+                execute(plan)
+                hot = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                time.sleep(idle)
+                execute(plan)
+                extra[idle].append(time.perf_counter() - t0 - idle - hot)
+    short, long = (max(0.0, float(np.median(extra[i]))) for i in idles)
+    ramp = idles[1] if short <= 0 else min(idles[1], max(idles[0], idles[0] * long / short))
+    return {"wake_s": long, "wake_ramp_s": ramp, "by_idle_s": {str(i): float(np.median(extra[i])) for i in idles}}
