@@ -166,6 +166,28 @@ def test_a_verify_row_streams_the_weights_once_and_charges_its_tokens_each():
     assert RooflineCost(model, hw)(verify_plan(0)).device_s == cost(verify_plan(0)).device_s
 
 
+def test_a_draft_models_proposals_keep_every_other_part_of_the_steps_time():
+    # the wrapped model prices a step 1.0 on the device, 0.5 drained, with host-tier copies
+    # (0.3, 0.2 of it loads), a 0.4 prefetch beside it, a 0.1 launch and a 0.25 collect share;
+    # two proposal steps of 0.75 each add 1.5 to the device and the drain alone
+    from cbjax.core.timing import StepTime
+    from cbjax.sim.drafting import WithDraftModel
+
+    priced = StepTime(1.0, 0.05, 0.3, 0.1, 0.5, 0.2, 0.4, 0.25)
+
+    class Fixed:
+        name, history = "fixed", 0
+
+        def __call__(self, plan, ctx=None):
+            return priced
+
+    cost = WithDraftModel(Fixed(), lambda step: 0.75)
+    rows = [ScheduledRequest("a", 0, 100, 3, True, num_drafts=2)]
+    t = cost(Schedule(num_slots=1, scheduled=rows, page_size=16))
+    assert t == StepTime(2.5, 0.05, 0.3, 0.1, 2.0, 0.2, 0.4, 0.25)
+    assert cost(Schedule(num_slots=1, scheduled=[ScheduledRequest("a", 0, 100, 1, True)], page_size=16)) is priced
+
+
 def test_a_draft_models_proposals_are_charged_as_its_own_decode_steps():
     target = ModelConfig(name="t", vocab_size=1000, d_model=512, num_layers=8, num_heads=8, num_kv_heads=8,
                          head_dim=64, ffn_dim=1024, dtype="bfloat16")  # fmt: skip

@@ -47,4 +47,4 @@ class WithDraftModel:
         if not extra:
             return t
         drain = t.drain_s + extra if t.drain_s is not None else None
-        return StepTime(t.device_s + extra, t.host_s, t.copy_s, t.launch_s, drain)
+        return t._replace(device_s=t.device_s + extra, drain_s=drain)  # the copies and launch as `cost` priced them
