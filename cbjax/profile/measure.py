@@ -23,9 +23,7 @@ from cbjax.core.plan import Schedule
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.launch_residuals import launch_residuals
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.served_fit import (
-    fit_collect, fit_drain, fit_launch, fit_loop, fit_served, own_launch,
-)  # fmt: skip
+from cbjax.profile.served_fit import fit_collect, fit_drain, fit_launch, fit_loop, fit_served, own_launch
 from cbjax.layout.shapes import ShapePlan
 from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.fit import fit_costs

@@ -12,7 +12,6 @@ from bisect import bisect_right
 from collections import deque
 from typing import Any, Callable, Optional
 
-
 from cbjax.config import LengthConfig, RunConfig, WorkloadConfig
 from cbjax.config.workload import SharedPrefixConfig
 from cbjax.core.plan import Schedule, StepOutput
@@ -44,11 +43,10 @@ class TimedExecutor:
     pipelined, at `launch` and after `collect`), `launched` (when `inner.launch` returned: its
     host part, packing the rows and dispatching, is over), `idle`: whether the loop turned
     more than once before it (`tick`): it idled waiting for an arrival, or took one in (each
-    arrival adds a turn), `arrived`: when
-    each arrival reached the scheduler (which asks `validate` of every request it is handed
-    that passes its own checks), and `dispatch`: the seconds the engine's launch spent in its
-    step call (`cbjax.runtime.executor.Launched.dispatch_s`; None for another executor's
-    handle)."""
+    arrival adds a turn), `arrived`: when each arrival reached the scheduler (which asks
+    `validate` of every request it is handed that passes its own checks), and `dispatch`: the
+    seconds the engine's launch spent in its step call (`Launched.dispatch_s`; None for another
+    executor's handle)."""
 
     virtual_clock = False
 
@@ -235,8 +233,8 @@ def served_points(
     plan (`arrivals`: that host time holds their intake), the next launch's step call
     (`next_dispatch_s`, where the engine's handle gives it: where the host and the device share
     a CPU core, a call that finds the device idle holds the loop while the step runs) and how
-    long the collect then waited
-    (`collect_wait_s`: about nothing when the host time set the share, `served_fit.censored`). Every pipelined point says whether its step
+    long the collect then waited (`collect_wait_s`: about nothing when the host time set the
+    share, `served_fit.censored`). Every pipelined point says whether its step
     was launched with nothing in flight (`alone`: its share holds its own launch) and whether it
     was collected with nothing launched behind it (`uncovered`: its share is the device's
     remainder alone, `served_fit.fit_drain`)."""
