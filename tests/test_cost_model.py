@@ -52,6 +52,18 @@ def test_roofline_prefill_is_compute_bound_by_hand():
     assert cost(plan).total_s == pytest.approx(flops / 500)
 
 
+def test_roofline_mixed_step_pays_matmuls_and_attention_each_at_its_bound_by_hand():
+    cost = RooflineCost(MODEL, HW)
+    plan = make_plan(num_slots=2, prefills=[req(0, 10)], decodes=[req(100, 1)])
+    # weight matmuls: 11 tokens * 344 + 2 heads * 8 = 3800 FLOPs at 500/s (7.6 s) against
+    # 360 B of weights at 50 B/s (7.2 s): bound by compute
+    # attention: pairs 10*11/2 + (100 + 1) = 156 * 16 = 2496 FLOPs (4.992 s) against K/V
+    # (0 + 10) + (100 + 1 + 1) = 112 tokens * 16 B = 1792 B (35.84 s): bound by memory
+    assert cost(plan).total_s == pytest.approx(3800 / 500 + 1792 / 50)
+    # one max over the whole step would hide the matmuls behind the K/V reads
+    assert cost(plan).total_s > max((3800 + 2496) / 500, (360 + 1792) / 50)
+
+
 def test_model_too_big_for_hardware_is_a_clear_error():
     big = ModelConfig(name="big", vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, ffn_dim=11008)
     with pytest.raises(ValueError, match="model big needs .* GB of weights, hardware toy has"):

@@ -3,9 +3,10 @@
 padding, policies, a host-overhead group, routers, prefill/decode pools) must give the
 requests.jsonl rows and summary.json fields recorded in tests/golden/sim_runs.json.
 
-The file was written by `python tests/test_sim_golden.py --write` at commit e05b581, before
-the simulator's hot loop was tuned for speed; the tuning must change no output, to the last
-bit of every float. Regenerate it only for a change meant to alter results, and say so.
+The file is written by `python tests/test_sim_golden.py --write`, last for the roofline that
+charges a step's matmuls and attention each at its own bound. Tuning the simulator for speed
+must change no output, to the last bit of every float. Regenerate it only for a change meant
+to alter results, and say so.
 """
 
 import hashlib

@@ -23,14 +23,19 @@ class UnitCost:
 
 
 class RooflineCost:
-    """Iteration time = max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth), plus the
-    serving stack's host costs (`StackOverhead`: the `overhead` group, 0 under `overhead=none`).
+    """Iteration time = the weight matmuls' roofline plus attention's, each max(FLOPs /
+    achievable FLOP/s, bytes / achievable bandwidth), plus the serving stack's host costs
+    (`StackOverhead`: the `overhead` group, 0 under `overhead=none`).
 
-    FLOPs: 2 per weight per processed token in the transformer body, the LM head once per
-    sequence (only the last position is sampled; with `verify`, a decode verifying drafts runs
-    it at each of its 1 + d positions), and attention scores and mixing over each token's
-    context. Bytes: all weights once per iteration, plus the K/V each sequence reads
-    and writes. One forward serves every prefill and decode of the iteration, as in Orca.
+    Weight matmuls: 2 FLOPs per weight per processed token in the transformer body, the LM
+    head once per sequence (only the last position is sampled; with `verify`, a decode
+    verifying drafts runs it at each of its 1 + d positions); all weights read once per
+    iteration. Attention: scores and mixing over each token's context; the K/V each sequence
+    reads and writes. The two are separate kernels that run one after the other in every
+    layer, so neither hides behind the other: a large batch's matmuls can be bound by compute
+    while its decodes' attention is bound by memory, and the step pays both. (Within one kind
+    the bound is the larger of the two.) One forward serves every prefill and decode of the
+    iteration, as in Orca.
     A prefill after a prefix-cache hit counts only its new tokens (the hit is its context).
     The rows charged are `Schedule.cost_rows`: a padded static batch charges its padding.
 
@@ -64,6 +69,7 @@ class RooflineCost:
         # q.k and p.v, per (query, key) pair, all layers and heads
         self.attn_flops_per_pair = 4.0 * model.num_layers * model.num_heads * model.head_dim
         self.weight_bytes = float(model.num_params * model.dtype_bytes)
+        self.weight_s = self.weight_bytes / self.bytes_per_s  # the weight matmuls' memory bound
         self.kv_bytes_per_token = float(model.kv_bytes_per_token)
         self.host_bytes_per_s = hw.host_bw * n
         # all-reduce seconds per processed token: the bytes the engine all-reduces (cbjax.sim.tp)
@@ -96,13 +102,16 @@ class RooflineCost:
         if self.verify and plan.padded_rows is None:
             for s in plan.scheduled:
                 heads += s.num_drafts
-        flops = tokens * self.body_flops_per_token + heads * self.head_flops_per_seq + pairs * self.attn_flops_per_pair
-        bytes_moved = self.weight_bytes + kv_tokens * self.kv_bytes_per_token
+        matmul_s = (tokens * self.body_flops_per_token + heads * self.head_flops_per_seq) / self.flops_per_s
+        if matmul_s < self.weight_s:
+            matmul_s = self.weight_s
+        attn_s = pairs * self.attn_flops_per_pair / self.flops_per_s
+        kv_s = kv_tokens * self.kv_bytes_per_token / self.bytes_per_s
+        compute_s = matmul_s + (attn_s if attn_s >= kv_s else kv_s)
         if plan.swap_out or plan.swap_in:
             swap_s = plan.num_swapped_pages * plan.page_size * self.kv_bytes_per_token / self.host_bytes_per_s
         else:
             swap_s = 0.0
-        compute_s = max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
         host_s = self.stack.host_s(plan) if self.stack.active else 0.0
         if plan.host_copies is not None:
             store_s, load_s, prefetch_s = host_copy_times(plan, self.host_page_s)
@@ -141,16 +150,17 @@ class RooflineCost:
         for s in plan.scheduled:
             pairs += s.num_computed + 1.0  # a decode's context plus the new token
             kv_tokens += s.num_computed + 2  # it reads its context and writes one
-        tokens_flops = rows * self.body_flops_per_token + rows * self.head_flops_per_seq
         attn, kv_bytes, flops_per_s, bytes_per_s = self.attn_flops_per_pair, self.kv_bytes_per_token, self.flops_per_s, self.bytes_per_s
-        weight_bytes = self.weight_bytes
+        # the weight matmuls process one token a row in every step: the same bound throughout
+        matmul_s = (rows * self.body_flops_per_token + rows * self.head_flops_per_seq) / flops_per_s
+        if matmul_s < self.weight_s:
+            matmul_s = self.weight_s
         host_s, allreduce_s = first_time.host_s, rows * self.allreduce_s_per_token
         append = out.append
         for j in range(1, num_steps):
-            step_pairs, step_kv = pairs + j * rows, kv_tokens + j * rows
-            compute = (tokens_flops + step_pairs * attn) / flops_per_s
-            memory = (weight_bytes + step_kv * kv_bytes) / bytes_per_s
-            d = ((compute if compute >= memory else memory) + allreduce_s) + 0.0 + host_s  # StepTime(...).total_s
+            attn_s = (pairs + j * rows) * attn / flops_per_s
+            kv_s = (kv_tokens + j * rows) * kv_bytes / bytes_per_s
+            d = ((matmul_s + (attn_s if attn_s >= kv_s else kv_s)) + allreduce_s) + 0.0 + host_s  # StepTime(...).total_s
             append(d)
             t += d
             if t >= until:
