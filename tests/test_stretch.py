@@ -178,6 +178,10 @@ def test_the_roofline_prices_a_stretch_as_its_steps_one_by_one():
     one_by_one = [cost(shifted(plan, j)).total_s for j in range(40)]
     assert cost.stretch_s(plan, ctx, 0.0, float("inf"), 40) == one_by_one
     assert cost.stretch_s(plan, ctx, 0.0, float("inf"), 7) == one_by_one[:7]
+    # a long stretch priced whole takes the array path: the same floats
+    long = [cost(shifted(plan, j)).total_s for j in range(300)]
+    assert cost.stretch_s(plan, ctx, 0.0, float("inf"), 300) == long
+    assert all(type(d) is float for d in cost.stretch_s(plan, ctx, 0.0, float("inf"), 300))
     # only the steps that begin before `until`: step 17 begins where the clock's sum of the
     # first 17 ends, so an `until` there keeps steps 0-16
     ends, t = [], 0.0

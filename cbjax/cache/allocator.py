@@ -262,8 +262,7 @@ class PageAllocator:
         self.num_stored_tokens -= self._stored.pop(request_id)
         del self._num_hashed[request_id]
         if not self.prefix_caching:
-            is_free = self._is_free
-            n = len(table)
+            is_free, n = self._is_free, len(table)
             first = min(table) if n else 0
             if n and max(table) - first == n - 1:  # distinct pages: exactly first .. first + n - 1
                 is_free[first : first + n] = b"\1" * n  # one stretch (placement's aim): one copy
@@ -296,6 +295,11 @@ class PageAllocator:
         cached ones."""
         is_free, pages = self._is_free, []
         page = -1 if after is None else after + 1
+        if n == 1 and 0 < page < self.num_pages and is_free[page]:  # a table's next page, free
+            is_free[page], self._num_free = 0, self._num_free - 1
+            if self.prefix_caching:
+                self._refs[page] = 1
+            return [page]
         while len(pages) < n and self._num_free:
             if not (0 < page < self.num_pages and is_free[page]):
                 page = self._place(n - len(pages))

@@ -73,21 +73,28 @@ class StatsRecorder:
         g, num_growth, later_sum = 0, len(growth), 0
         ext = external / pool
         util, s0, s1, s2, s3, s4 = stats.kv_util_sum, sums[0], sums[1], sums[2], sums[3], sums[4]
-        for j in range(n):
+        j = 0
+        while j < n:
             while g < num_growth and growth[g][0] == j:
                 later -= growth[g][1]
                 later_filled -= growth[g][2]
                 g += 1
-            behind = (n - 1 - j) * rows
+            end = growth[g][0] if g < num_growth and growth[g][0] < n else n  # until the pool moves again
             step_used = used - later
-            later_sum += later
-            # the shares are float sums: added step by step, as `planned` adds them
-            util += (stored - behind) / (step_used * ps) if step_used else 1.0
-            s0 += (token - behind) / pool
-            s1 += (reserved + behind - later_filled) / pool
-            s2 += (internal - later * ps + later_filled) / pool
-            s3 += ext
-            s4 += (free + later * ps) / pool
+            later_sum += later * (end - j)
+            denom = step_used * ps
+            filled = reserved - later_filled
+            # the shares are float sums: added step by step, as `planned` adds them; the terms
+            # that stay put until the pool moves again are the same floats at each step
+            held, free_share = (internal - later * ps + later_filled) / pool, (free + later * ps) / pool
+            for behind in range((n - 1 - j) * rows, (n - 1 - end) * rows, -rows):
+                util += (stored - behind) / denom if step_used else 1.0
+                s0 += (token - behind) / pool
+                s1 += (filled + behind) / pool
+                s2 += held
+                s3 += ext
+                s4 += free_share
+            j = end
         stats.kv_util_sum = util
         sums[0], sums[1], sums[2], sums[3], sums[4] = s0, s1, s2, s3, s4
         stats.iterations += n

@@ -17,6 +17,8 @@ before it). Its pages are counted as taken by then (`pages_ahead`) for a router 
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import add
 from time import perf_counter
 from typing import Optional
 
@@ -30,10 +32,7 @@ class Ahead:
 
     def __init__(self, start: float, durations: list[float]):
         self.start, self.durations = start, durations
-        t = start
-        for d in durations[:-1]:
-            t = t + d  # as the clock sums the steps' ends
-        self.last_start = t  # when the last step begins
+        self.last_start = reduce(add, durations[:-1], start)  # as the clock sums the steps' ends
 
 
 def steps_before(start: float, durations: list[float], t: float) -> int:
@@ -76,8 +75,7 @@ def run_stretch(loop, start: float, until: float, max_steps: Optional[int], ahea
     batched = loop.recorder.planned(plan)
     out = loop.executor.execute(plan)
     ends = loop.clock.run_stretch(start, durations)
-    for d in durations:
-        stats.busy_s += d
+    stats.busy_s = reduce(add, durations, stats.busy_s)  # as the steps one by one add them
     t_post = perf_counter()
     done = sched.postprocess(plan, out.token_ids, ends[-1], out.errors, ends=ends)
     stats.postprocess_s += perf_counter() - t_post

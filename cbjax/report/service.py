@@ -71,7 +71,11 @@ class ServiceLog:
         self.batch.extend([rows] * inner)
         self.batched_tokens.extend([num_batched_tokens] * inner)
         served = list(counts.items())
-        self.events.extend([(it, client, 0, n) for it in range(first, first + inner) for client, n in served])
+        if len(served) == 1:  # most stretches serve one client
+            client, n = served[0]
+            self.events.extend([(it, client, 0, n) for it in range(first, first + inner)])
+        else:
+            self.events.extend([(it, client, 0, n) for it in range(first, first + inner) for client, n in served])
         generated = self._generated
         for req in requests:
             generated[req] = req.num_generated - 1

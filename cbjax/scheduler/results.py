@@ -96,9 +96,13 @@ class StepResults:
             prev = ends[0]
             tbt.extend([prev - req.last_token_s for req in requests])
             rows = len(requests)
-            for end in ends[1:-1]:
-                tbt.extend([end - prev] * rows)
-                prev = end
+            if rows == 1:  # one gap a step: the steps' lengths
+                tbt.extend([end - start for start, end in zip(ends, ends[1:-1])])
+                prev = ends[-2]
+            else:
+                for end in ends[1:-1]:
+                    tbt.extend([end - prev] * rows)
+                    prev = end
             for req in requests:
                 req.num_computed += inner
                 req.num_generated += inner

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import numpy as np
+
 from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig, SpecConfig
 from cbjax.core.plan import Schedule
 from cbjax.core.timing import NO_CONTEXT, StepContext, StepTime
 from cbjax.sim.tp import allreduce_bytes_per_token, ring_bytes_per_device
+
+
+_INF = float("inf")
+# a stretch priced whole (no `until`) longer than this is priced on arrays
+_VECTOR_STEPS = 64
 
 
 class UnitCost:
@@ -133,17 +140,15 @@ class RooflineCost:
         `num_steps`: as `__call__` prices them one by one, and as the clock sums their ends. A
         step's sums over its rows grow by one per row and step, and those sums are whole numbers
         that floats hold exactly, so each step is priced from the first step's sums. None where a
-        step's host time depends on its pages (`overhead.page_s`): price those one by one."""
+        step's host time depends on its pages (`overhead.page_s`), and for a plan no decode
+        stretch writes (padded, verifying drafts, swapping or copying): price those one by one."""
         if self.stack.active and self.stack.config.page_s:
+            return None
+        if self.verify or plan.padded_rows is not None or plan.host_copies is not None or plan.swap_out or plan.swap_in:
             return None
         if num_steps <= 0 or start >= until:
             return []
-        first_time = self(plan, ctx)
-        first = first_time.total_s
-        out = [first]
-        t = start + first
-        if num_steps == 1 or t >= until:
-            return out
+        # `__call__`'s sums for a plan of decodes, each row one token on its context
         rows = len(plan.scheduled)
         pairs = 0.0
         kv_tokens = 0
@@ -155,16 +160,29 @@ class RooflineCost:
         matmul_s = (rows * self.body_flops_per_token + rows * self.head_flops_per_seq) / flops_per_s
         if matmul_s < self.weight_s:
             matmul_s = self.weight_s
-        host_s, allreduce_s = first_time.host_s, rows * self.allreduce_s_per_token
+        host_s = self.stack.host_s(plan) if self.stack.active else 0.0
+        allreduce_s = rows * self.allreduce_s_per_token
+        if until == _INF and num_steps > _VECTOR_STEPS:
+            # a long stretch priced whole: the same operations on arrays (elementwise, and
+            # summed in order), the same floats
+            grown = np.arange(num_steps, dtype=np.int64) * rows
+            attn_s = (pairs + grown) * attn / flops_per_s
+            kv_s = (kv_tokens + grown) * kv_bytes / bytes_per_s
+            return (((matmul_s + np.maximum(attn_s, kv_s)) + allreduce_s) + host_s).tolist()
+        out = []
         append = out.append
-        for j in range(1, num_steps):
-            attn_s = (pairs + j * rows) * attn / flops_per_s
-            kv_s = (kv_tokens + j * rows) * kv_bytes / bytes_per_s
-            d = ((matmul_s + (attn_s if attn_s >= kv_s else kv_s)) + allreduce_s) + 0.0 + host_s  # StepTime(...).total_s
+        t = start
+        for _ in range(num_steps):
+            attn_s = pairs * attn / flops_per_s
+            kv_s = kv_tokens * kv_bytes / bytes_per_s
+            # StepTime(...).total_s, whose + copy_s (0.0) leaves a positive sum as it is
+            d = ((matmul_s + (attn_s if attn_s >= kv_s else kv_s)) + allreduce_s) + host_s
             append(d)
             t += d
             if t >= until:
                 break
+            pairs += rows  # whole numbers: exact
+            kv_tokens += rows
         return out
 
 

@@ -23,6 +23,8 @@ earlier than that copy ends.
 from __future__ import annotations
 
 from collections import deque
+from itertools import accumulate
+from operator import add
 from typing import Optional
 
 from cbjax.core.plan import Schedule
@@ -131,11 +133,10 @@ class Timeline:
     def run_stretch(self, start: float, durations: list[float]) -> list[float]:
         """A decode stretch's steps back to back from `start` (`price_stretch`'s durations):
         their ends."""
-        ends, end = [], start
-        for d in durations:
-            end = end + d
-            ends.append(end)
-        self._last_end = self._free = end
+        ends = accumulate(durations, add, initial=start)  # summed in order, as one by one
+        next(ends)
+        ends = list(ends)
+        self._last_end = self._free = ends[-1] if ends else start
         return ends
 
     def launch(self, plan: Schedule, start: float) -> VirtualStep:
