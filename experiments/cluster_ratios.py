@@ -16,6 +16,13 @@ figure (TTFT p50, throughput) the engine's pairs give a median ratio A / B; the 
 the profile's `profiled` cost model, gives its ratio on the same requests. A comparison passes
 when the simulator's ratio lies within 10% of the engine's median for both figures.
 
+Before the comparisons it checks that the machine keeps the two replicas apart: in turns, the
+colocated pair serves the requests split over both replicas, and every request on one of them
+(`FirstReplica`). Replicas that run as the simulator models them (each on its own hardware)
+finish split in about half the time; on a machine where the replicas and the driver share too
+few cores the split run is no faster, and then no ratio whose arms load the two replicas
+differently (disaggregation) can be measured here.
+
 Prints one table, and writes the runs and the table as JSON to `--out`.
 """
 
@@ -35,12 +42,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from calibrate import base_config, sim_config  # noqa: E402
 from cbjax.app.run import run_single  # noqa: E402
+from cbjax.cluster.router import Router  # noqa: E402
 from cbjax.config import CacheConfig, ClusterConfig, LengthConfig, RunConfig  # noqa: E402
 from cbjax.config.workload import SharedPrefixConfig  # noqa: E402
 from cbjax.report.files import write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 
 FIGURES = (("ttft_s_p50", "TTFT p50"), ("throughput_tok_s", "throughput"))
+
+
+class FirstReplica(Router):
+    """Every request to the first replica: the separation check's lone busy replica."""
+
+    name = "first_replica"
+
+    def route(self, req, replicas) -> int:
+        return 0
+
+
+def separation(colocated: RunConfig, runs: int) -> dict:
+    """`runs` interleaved pairs: the colocated pair's makespan with the requests split over both
+    replicas, over its makespan with every request on the first (apart: about 0.5)."""
+    one = dataclasses.replace(colocated, cluster=dataclasses.replace(colocated.cluster, router="cluster_ratios:FirstReplica"))
+    ratios = []
+    for i in range(runs):
+        order = ((True, colocated), (False, one)) if i % 2 == 0 else ((False, one), (True, colocated))
+        spans = {split: run_single(cfg, verbose=False)["makespan_s"] for split, cfg in order}
+        ratios.append(spans[True] / spans[False])
+    return {"split_over_one_makespan": ratios, "median": statistics.median(ratios) if ratios else None}
 TOLERANCE = 0.10  # the simulator's ratio against the engine's median paired ratio
 
 
@@ -71,6 +100,7 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", required=True, help="profile.json of a lone replica (python -m cbjax.profile cores=1)")
     ap.add_argument("--pairs", type=int, default=5, help="interleaved A/B pairs per comparison (at least 5)")
     ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--separation-runs", type=int, default=3, help="pairs of the separation check (0: skip it)")
     ap.add_argument("--out", default=str(REPO / "outputs" / "cluster_ratios.json"))
     args = ap.parse_args(argv)
     if args.pairs < 1:
@@ -80,6 +110,11 @@ def main(argv=None) -> None:
     base = dataclasses.replace(base, cache=CacheConfig(page_size=base.cache.page_size, num_pages=base.cache.num_pages))
     report = {"profile": args.profile, "pairs": args.pairs, "comparisons": {}}
     rows = []
+    colocated = arms(base)["1 prefill + 1 decode / 2 colocated"][1]
+    report["separation"] = sep = separation(colocated, args.separation_runs)
+    if sep["median"] is not None:
+        print(f"separation: the requests split over 2 replicas take {sep['median']:.2f}x the time of all on one "
+              f"(median of {args.separation_runs}; replicas kept apart: about 0.5)", flush=True)  # fmt: skip
     for name, (a, b) in arms(base).items():
         sim_a = figures(run_single(sim_config(a, args.profile), verbose=False))
         sim_b = figures(run_single(sim_config(b, args.profile), verbose=False))

@@ -19,6 +19,9 @@ sys.path.insert(0, str(REPO))
 from cbjax.report.tables import markdown_table  # noqa: E402
 
 RESIDUAL_LIMIT = 0.05  # a profile's regime: mean signed step-time error
+# the separation check (experiments/cluster_ratios.py): split over lone makespan at most this
+# when the two replicas run apart (about 0.5), at 1 or more when they share the cores
+APART = 0.75
 
 
 def load(path: Path) -> Optional[Any]:
@@ -66,6 +69,11 @@ def rows_of(out: Path) -> list[list[str]]:
         for key, f in entry["figures"].items():
             rows.append(["cluster ratio", name, key, f"{100 * f['error']:+.1f}% (engine {f['engine_median']:.3f}, "
                          f"sim {f['simulator']:.3f})", "pass" if f["pass"] else "FAIL"])  # fmt: skip
+    sep = (ratios or {}).get("separation") or {}
+    if sep.get("median") is not None:
+        # replicas on hardware of their own finish split in about half the time; SHARED: not here
+        rows.append(["cluster separation", "requests split over 2 replicas / all on 1", "makespan",
+                     f"{sep['median']:.2f}x (apart: about 0.5)", "apart" if sep["median"] <= APART else "SHARED"])  # fmt: skip
     return rows
 
 

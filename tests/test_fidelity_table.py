@@ -26,7 +26,8 @@ def test_every_check_becomes_a_row_with_its_verdict(tmp_path):
     }))
     (tmp_path / "decisions.log").write_text("7 passed in 3.0s\n")
     (tmp_path / "cluster_ratios.json").write_text(json.dumps({"comparisons": {"pd / colocated": {"figures": {
-        "ttft_s_p50": {"error": 0.08, "engine_median": 1.0, "simulator": 1.08, "pass": True}}}}}))
+        "ttft_s_p50": {"error": 0.08, "engine_median": 1.0, "simulator": 1.08, "pass": True}}}},
+        "separation": {"median": 1.45}}))
     rows = fidelity_table.rows_of(tmp_path)
     verdicts = {(r[0], r[2]): r[-1] for r in rows}
     assert verdicts[("residual", "light")] == "pass" and verdicts[("residual", "heavy")] == "FAIL"  # 6.2% > 5%
@@ -35,4 +36,10 @@ def test_every_check_becomes_a_row_with_its_verdict(tmp_path):
     assert verdicts[("continuous / static", "throughput ratio")] == "fail"
     assert verdicts[("cluster decisions", "same replica")] == "pass"
     assert verdicts[("cluster ratio", "ttft_s_p50")] == "pass"
-    assert len(rows) == 8
+    assert verdicts[("cluster separation", "makespan")] == "SHARED"  # 1.45 > 0.75: the cores are shared
+    assert len(rows) == 9
+
+
+def test_replicas_that_finish_split_in_about_half_the_time_read_apart(tmp_path):
+    (tmp_path / "cluster_ratios.json").write_text(json.dumps({"comparisons": {}, "separation": {"median": 0.52}}))
+    assert fidelity_table.rows_of(tmp_path)[-1][-1] == "apart"
