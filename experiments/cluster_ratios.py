@@ -110,12 +110,13 @@ def main(argv=None) -> None:
     base = dataclasses.replace(base, cache=CacheConfig(page_size=base.cache.page_size, num_pages=base.cache.num_pages))
     report = {"profile": args.profile, "pairs": args.pairs, "comparisons": {}}
     rows = []
-    colocated = arms(base)["1 prefill + 1 decode / 2 colocated"][1]
+    comparisons = arms(base)
+    colocated = comparisons["1 prefill + 1 decode / 2 colocated"][1]
     report["separation"] = sep = separation(colocated, args.separation_runs)
     if sep["median"] is not None:
         print(f"separation: the requests split over 2 replicas take {sep['median']:.2f}x the time of all on one "
               f"(median of {args.separation_runs}; replicas kept apart: about 0.5)", flush=True)  # fmt: skip
-    for name, (a, b) in arms(base).items():
+    for name, (a, b) in comparisons.items():
         sim_a = figures(run_single(sim_config(a, args.profile), verbose=False))
         sim_b = figures(run_single(sim_config(b, args.profile), verbose=False))
         runs = []

@@ -58,13 +58,14 @@ class Intake:
         """The request `key` was submitted, or will never be (refused, or not a generation)."""
         self.receiving.pop(key, None)
 
-    def take(self, add: Callable[[Request, float], None], busy: bool) -> None:
+    def take(self, add: Callable[[Request, float], None], busy: Callable[[], bool]) -> None:
         """Hand the inbox to `add(req, now)`. Paced, the loop's clock may trail the wall clock
         (PACE_SLACK_S): a request that arrived after the boundary's time waits for the next
-        boundary, as it would offline; an idle loop (`busy` False) first moves its clock to the
-        arrival; a request received by the boundary's time but still being parsed is waited for."""
+        boundary, as it would offline; an idle loop (`busy()` False, asked only when it matters)
+        first moves its clock to the arrival; a request received by the boundary's time but still
+        being parsed is waited for."""
         inbox, clock = self.inbox, self.clock
-        if clock.paced and self.receiving and busy:
+        if clock.paced and self.receiving and busy():
             self._await_received(clock.now())
         if not inbox:
             return
@@ -72,7 +73,7 @@ class Intake:
             while inbox:
                 add(inbox.popleft(), clock.now())
             return
-        if not busy:
+        if not busy():
             clock.advance_to(min(r.arrival_s for r in inbox))
         now = clock.now()
         # stamps taken at receipt need not come in submission order: look at every one

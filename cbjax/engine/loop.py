@@ -93,8 +93,7 @@ class EngineLoop:
     def boundary(self) -> None:
         """Between iterations: report finished requests, take submissions and cancellations."""
         intake = self.intake
-        if intake.inbox or intake.receiving:  # (an empty intake has nothing to take or await)
-            intake.take(self.add, self.has_work())
+        intake.take(self.add, self.has_work)
         while intake.cancels:
             request_id, reason, finish_reason = intake.cancels.popleft()
             if self._inflight is not None:

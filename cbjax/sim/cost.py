@@ -109,9 +109,7 @@ class RooflineCost:
         if self.verify and plan.padded_rows is None:
             for s in plan.scheduled:
                 heads += s.num_drafts
-        matmul_s = (tokens * self.body_flops_per_token + heads * self.head_flops_per_seq) / self.flops_per_s
-        if matmul_s < self.weight_s:
-            matmul_s = self.weight_s
+        matmul_s = self._matmul_s(tokens, heads)
         attn_s = pairs * self.attn_flops_per_pair / self.flops_per_s
         kv_s = kv_tokens * self.kv_bytes_per_token / self.bytes_per_s
         compute_s = matmul_s + (attn_s if attn_s >= kv_s else kv_s)
@@ -125,6 +123,12 @@ class RooflineCost:
             return StepTime(compute_s + tokens * self.allreduce_s_per_token, host_s, swap_s + store_s + load_s,
                             0.0, None, load_s, prefetch_s)  # fmt: skip
         return StepTime(compute_s + tokens * self.allreduce_s_per_token, host_s, swap_s)
+
+    def _matmul_s(self, tokens: int, heads: int) -> float:
+        """The weight matmuls' time for `tokens` processed tokens and `heads` LM-head rows: the
+        larger of their FLOP time and the weights' read time."""
+        matmul_s = (tokens * self.body_flops_per_token + heads * self.head_flops_per_seq) / self.flops_per_s
+        return matmul_s if matmul_s >= self.weight_s else self.weight_s
 
     def host_page_s(self, num_pages: int, page_size: int) -> float:
         """Seconds to copy `num_pages` pages' K/V between device and host memory, the stack's
@@ -156,10 +160,7 @@ class RooflineCost:
             pairs += s.num_computed + 1.0  # a decode's context plus the new token
             kv_tokens += s.num_computed + 2  # it reads its context and writes one
         attn, kv_bytes, flops_per_s, bytes_per_s = self.attn_flops_per_pair, self.kv_bytes_per_token, self.flops_per_s, self.bytes_per_s
-        # the weight matmuls process one token a row in every step: the same bound throughout
-        matmul_s = (rows * self.body_flops_per_token + rows * self.head_flops_per_seq) / flops_per_s
-        if matmul_s < self.weight_s:
-            matmul_s = self.weight_s
+        matmul_s = self._matmul_s(rows, rows)  # one token and one head a row in every step: the same throughout
         host_s = self.stack.host_s(plan) if self.stack.active else 0.0
         allreduce_s = rows * self.allreduce_s_per_token
         if until == _INF and num_steps > _VECTOR_STEPS:
