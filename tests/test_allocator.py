@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbjax.cache import PageAllocator, make_allocator
-from cbjax.cache.allocator import ROOM_TOKENS, ROOT_HASH, chain_hashes
+from cbjax.cache.allocator import ROOM_TOKENS
+from cbjax.cache.page_hash import ROOT_HASH, chain_hashes
 
 
 def test_page_zero_is_never_handed_out_and_pages_are_reused_at_once():
@@ -65,6 +66,20 @@ def test_placement_falls_back_to_shorter_runs_and_any_free_page():
     alloc.append("a", 8 * 16)
     assert alloc.page_tables["a"] == [1, 2, 3, 6, 7, 8, 9, 4]
     assert alloc.num_free_pages == 1
+    alloc.check_invariants()
+
+
+def test_freeing_a_table_of_several_runs_frees_its_pages_only():
+    # a's pages 1, 2, 3 and 6 are two runs around b's 4 and 5: freeing a must leave b's held
+    alloc = PageAllocator(num_pages=10, page_size=16)
+    alloc.allocate("a", 48, 48)
+    alloc.allocate("b", 32, 32)
+    alloc.append("a", 4 * 16)
+    assert alloc.page_tables["a"] == [1, 2, 3, 6]
+    alloc.free("a")
+    alloc.check_invariants()
+    assert alloc.page_tables == {"b": [4, 5]} and alloc.num_free_pages == 7
+    assert sorted(alloc.allocate("c", 7 * 16, 7 * 16)) == [1, 2, 3, 6, 7, 8, 9]
     alloc.check_invariants()
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from conftest import CheckingExecutor, assert_every_request_ends_once, make_requests
 from cbjax.cache import make_allocator
 from cbjax.cache import ALLOCATIONS
-from cbjax.cache.allocator import ROOT_HASH, chain_hashes
+from cbjax.cache.page_hash import ROOT_HASH, chain_hashes
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine.offline import serve
 from cbjax.report.metrics import KV_SHARES, summarize

@@ -7,28 +7,11 @@ from typing import Iterable, Optional, Sequence
 
 from cbjax.core.request import Request
 
-# The parent hash of a sequence's first page. A fixed int: hash(None) varies between runs
-# before Python 3.12, and runs must be reproducible.
-ROOT_HASH = 0
-
 # cache.allocation modes, the one list the config checks against.
 ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
 
 # Tokens of growth room a placed run leaves after the request before it (see PageAllocator).
 ROOM_TOKENS = 256
-
-
-def chain_hashes(parent: int, token_ids: Sequence[int], page_size: int) -> list[int]:
-    """Chained hashes of the full pages of `token_ids`: page i hashes (hash of page i-1, its ids).
-
-    Equal hashes mean equal token prefixes up to a 64-bit collision (about n**2 / 2**64 for n
-    cached pages), which this research allocator accepts, as vLLM does with Python's hash.
-    """
-    hashes = []
-    for lo in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = hash((parent, tuple(token_ids[lo : lo + page_size])))
-        hashes.append(parent)
-    return hashes
 
 
 class PageAllocator:
@@ -80,6 +63,8 @@ class PageAllocator:
         self._page_of: dict[int, int] = {}  # hash -> registered page
         self._hash_of: dict[int, int] = {}  # registered page -> hash
         self._num_hashed: dict[str, int] = {}  # request -> leading pages already offered to `register`
+        self._scattered: set[str] = set()  # requests whose tables are not one ascending run of pages
+        self._joined = True  # whether the last `_take` continued its table in one run
         self.page_tables: dict[str, list[int]] = {}
         self._stored: dict[str, int] = {}
         self.num_stored_tokens = 0
@@ -196,6 +181,8 @@ class PageAllocator:
             self._hold(page)
         table = list(cached) + self._take(need - len(cached), cached[-1] if cached else None)
         self.page_tables[request_id] = table
+        if cached or not self._joined:
+            self._scattered.add(request_id)
         self._num_hashed[request_id] = len(cached)
         self._stored[request_id] = num_tokens
         self.num_stored_tokens += num_tokens
@@ -219,6 +206,8 @@ class PageAllocator:
             if need > self._num_free + len(self._cached):
                 return False
             table.extend(self._take(need, table[-1] if table else None))
+            if not self._joined:
+                self._scattered.add(request_id)
         self.num_stored_tokens += num_tokens - self._stored[request_id]
         self._stored[request_id] = num_tokens
         return True
@@ -238,6 +227,8 @@ class PageAllocator:
                 if need > self._num_free + len(self._cached):
                     break
                 table.extend(self._take(need, table[-1] if table else None))
+                if not self._joined:
+                    self._scattered.add(rid)
             self.num_stored_tokens += num_tokens - stored[rid]
             stored[rid] = num_tokens
             done += 1
@@ -251,6 +242,8 @@ class PageAllocator:
             raise ValueError(f"request {request_id}: needs {need} more pages, {self.num_free_pages} free")
         if need > 0:
             table.extend(self._take(need, table[-1] if table else None))
+            if not self._joined:
+                self._scattered.add(request_id)
         self.num_stored_tokens += num_tokens - self._stored[request_id]
         self._stored[request_id] = num_tokens
 
@@ -263,14 +256,15 @@ class PageAllocator:
         del self._num_hashed[request_id]
         if not self.prefix_caching:
             is_free, n = self._is_free, len(table)
-            first = min(table) if n else 0
-            if n and max(table) - first == n - 1:  # distinct pages: exactly first .. first + n - 1
-                is_free[first : first + n] = b"\1" * n  # one stretch (placement's aim): one copy
-            else:
+            if request_id in self._scattered:
+                self._scattered.discard(request_id)
                 for page in table:
                     is_free[page] = 1
+            elif n:  # one ascending run (placement's aim): one copy
+                is_free[table[0] : table[0] + n] = b"\1" * n
             self._num_free += n
             return
+        self._scattered.discard(request_id)
         # Tail first, so a sequence's last pages are evicted before the prefix they extend.
         for page in reversed(table):
             refs = self._refs[page] - 1
@@ -296,13 +290,14 @@ class PageAllocator:
         is_free, pages = self._is_free, []
         page = -1 if after is None else after + 1
         if n == 1 and 0 < page < self.num_pages and is_free[page]:  # a table's next page, free
-            is_free[page], self._num_free = 0, self._num_free - 1
+            is_free[page], self._num_free, self._joined = 0, self._num_free - 1, True
             if self.prefix_caching:
                 self._refs[page] = 1
             return [page]
+        jumps = 0  # runs started by placement, not at the table's next page
         while len(pages) < n and self._num_free:
             if not (0 < page < self.num_pages and is_free[page]):
-                page = self._place(n - len(pages))
+                page, jumps = self._place(n - len(pages)), jumps + 1
             # the free pages from `page` on, up to the first taken one, a stretch at a time
             stop = min(self.num_pages, page + n - len(pages), page + self._num_free)
             end = is_free.find(b"\0", page, stop)
@@ -311,6 +306,7 @@ class PageAllocator:
             self._num_free -= end - page
             pages.extend(range(page, end))
             page = end
+        self._joined = jumps <= (after is None) and len(pages) == n  # and no cached page evicted
         for _ in range(n - len(pages)):
             page, _ = self._cached.popitem(last=False)
             h = self._hash_of.pop(page)
@@ -396,5 +392,9 @@ class PageAllocator:
         assert self.prefix_caching or not self._hash_of, "a page was registered without prefix caching"
         assert self.num_stored_tokens == sum(self._stored.values())
         assert self._num_hashed.keys() == self.page_tables.keys()
+        assert self._scattered <= self.page_tables.keys(), "a freed table is still marked scattered"
+        for rid, table in self.page_tables.items():
+            run = list(range(table[0], table[0] + len(table))) if table else []
+            assert rid in self._scattered or table == run, f"request {rid}: pages not one run, unmarked"
         for rid, table in self.page_tables.items():
             assert self._stored[rid] <= len(table) * self.page_size, f"request {rid}: stores more than its pages"

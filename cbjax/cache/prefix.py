@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from cbjax.cache.allocator import ROOT_HASH, PageAllocator, chain_hashes
+from cbjax.cache.allocator import PageAllocator
+from cbjax.cache.page_hash import ROOT_HASH, chain_hashes
 from cbjax.core.request import Request
 
 # Tags a synthetic page's key: (tag, seed, vocab, page size, page index) never equals a

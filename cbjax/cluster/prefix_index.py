@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from cbjax.cache.allocator import ROOT_HASH, chain_hashes
+from cbjax.cache.page_hash import ROOT_HASH, chain_hashes
 from cbjax.core.request import Request
 
 

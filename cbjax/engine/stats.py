@@ -92,8 +92,10 @@ class StatsRecorder:
                 s0 += (token - behind) / pool
                 s1 += (filled + behind) / pool
                 s2 += held
-                s3 += ext
                 s4 += free_share
+            if ext:  # (0.0 in a paged pool: adding it changes nothing)
+                for _ in range(j, end):
+                    s3 += ext
             j = end
         stats.kv_util_sum = util
         sums[0], sums[1], sums[2], sums[3], sums[4] = s0, s1, s2, s3, s4
