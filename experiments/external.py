@@ -46,6 +46,15 @@ TRT_LLM_013 = (
     "A100-SXM4-80GB, github.com/NVIDIA/TensorRT-LLM; `trtllm-bench throughput`: fixed-length requests queued at "
     "once, in-flight batching, scheduling policy Guaranteed No Evict, 8192 runtime tokens"
 )
+TRT_LLM_010 = (
+    "NVIDIA TensorRT-LLM v0.10.0, docs/source/performance/perf-overview.md at the v0.10.0 tag, Throughput "
+    "Measurements table (\"All data in the table below was generated using version 0.10.0 and presents token "
+    "throughput in tokens/second\"), FP16 columns of H100 80GB HBM3, A100-SXM4-80GB and L40S, TP 1, "
+    "github.com/NVIDIA/TensorRT-LLM; `gptManagerBenchmark --type IFB --scheduler_policy max_utilization "
+    "--kv_cache_free_gpu_mem_fraction 0.9 --request_rate -1.0 --enable_chunked_context --streaming`, 2000 fixed-length "
+    "requests (`prepare_dataset.py token-norm-dist` with both deviations 0), engines built with max_batch_size 2048 "
+    "and max_num_tokens 2048"
+)
 TRT_LLM_011 = (
     "NVIDIA TensorRT-LLM v0.11.0, docs/source/performance/perf-overview.md at the v0.11.0 tag, Throughput "
     "Measurements table (\"All data in the table below was generated using version 0.11.0 and presents token "
@@ -58,10 +67,11 @@ TRT_LLM_011 = (
 # (ISL, OSL) -> the request count v0.11's methodology lists for it
 TRT_LLM_011_REQUESTS = {(128, 128): 30000, (128, 2048): 3000, (2048, 128): 3000, (2048, 2048): 1500}
 TRT_LLM_011_MAX_BATCH = {"llama2_7b": 4096, "llama3_8b": 2048}
-# (ISL, OSL) pairs whose published figure the roofline at its default rates misses by more than
-# the tolerance: shown in the table with their error, left out of the test's guard
-TRT_LLM_011_OFF = {("llama2_7b", "H100", 128, 128), ("llama2_7b", "A100", 128, 128), ("llama3_8b", "H100", 128, 128),
-                   ("llama3_8b", "H100", 128, 2048), ("llama3_8b", "A100", 128, 2048)}  # fmt: skip
+# (model, GPU, ISL, OSL) of rows whose published figure the roofline at its default rates misses
+# by more than the tolerance: shown in the table with their error, left out of the test's guard
+TRT_LLM_011_OFF = {("llama3_8b", "H100", 128, 2048)}
+TRT_LLM_010_OFF = {("llama3_8b", "H100", 128, 128), ("llama3_8b", "H100", 128, 2048), ("llama3_8b", "H100", 2048, 2048),
+                   ("llama3_8b", "A100", 128, 2048)}  # fmt: skip
 
 
 def _inflight_overrides(
@@ -117,7 +127,47 @@ TRT_LLM_011_FIGURES = {  # (label, model) -> GPU -> (ISL, OSL) -> published toke
         "A100": {(128, 128): 6450.88, (2048, 128): 775.18, (128, 2048): 4837.47, (2048, 2048): 2271.65},
     },
 }
-GPU_HARDWARE = {"H100": "h100_sxm", "A100": "a100_80gb"}
+GPU_HARDWARE = {"H100": "h100_sxm", "A100": "a100_80gb", "L40S": "l40s"}
+
+
+def _trt_010_row(label: str, model: str, gpu: str, isl: int, osl: int, published: float) -> dict[str, Any]:
+    return {
+        "name": f"TensorRT-LLM 0.10, {label} FP16 on 1x {gpu}, {isl} in / {osl} out",
+        "source": TRT_LLM_010,
+        "metric": "throughput_tok_s",
+        "unit": "output tok/s",
+        "published": published,
+        "tolerance": 0.25,
+        "overrides": [
+            f"model={model}", f"hardware={GPU_HARDWARE[gpu]}", "overhead=none", "scheduler=fcfs",
+            "scheduler.max_num_seqs=2048", "scheduler.max_num_batched_tokens=2048", "scheduler.chunked_prefill=true",
+            "scheduler.preemption=recompute", "cache.prefix_caching=false", "cache.num_pages=auto",
+            "cache.memory_utilization=0.9", "workload.arrival=all_at_once", "workload.num_requests=2000",
+            *_fixed_lengths(isl, osl), "model.max_model_len=4096",
+        ],  # fmt: skip
+        "fitted": False,
+        "off": (model, gpu, isl, osl) in TRT_LLM_010_OFF,
+        "note": f"{label} is cbjax's {model}. Max Utilization admits as many requests as the pool holds and pauses "
+        "some when it runs out, to compute again later: cbjax's paged pool with recompute preemption. The source's KV "
+        "share is 0.9 of the memory left after the weights and the runtime's buffers; cache.memory_utilization=0.9 "
+        "leaves out the buffers, which the source does not size. The source calls its figures initial measurements, "
+        "expected to improve; its Llama 3 8B build file lists the 70B's MLP width (28672), which the simulator does "
+        "not copy. A modern engine's host work hides behind the device's (C++ runtime), so overhead=none.",
+    }
+
+
+TRT_LLM_010_FIGURES = {  # (label, model) -> GPU -> (ISL, OSL) -> published tokens/s (blank cells left out)
+    ("LLaMA v2 7B", "llama2_7b"): {
+        "H100": {(128, 128): 10725.31, (2048, 128): 1235.4, (128, 2048): 3399.43, (2048, 2048): 1335.51},
+        "A100": {(128, 128): 5303.5, (2048, 128): 585.6, (128, 2048): 1903.4},
+        "L40S": {(128, 128): 3139.62, (2048, 128): 311.82},
+    },
+    ("LLaMA v3 8B", "llama3_8b"): {
+        "H100": {(128, 128): 12085.78, (2048, 128): 1604.7, (128, 2048): 6208.23, (2048, 2048): 2776.31},
+        "A100": {(128, 128): 5853.96, (2048, 128): 737.81, (128, 2048): 3385.71, (2048, 2048): 1514.04},
+        "L40S": {(128, 128): 5207.01, (2048, 128): 622.15, (128, 2048): 2134.72, (2048, 2048): 899.2},
+    },
+}
 
 # (ISL, OSL) -> the request count the source lists for it
 TRT_LLM_013_REQUESTS = {(128, 2048): 3000, (2048, 128): 3000, (1000, 1000): 3000, (500, 2000): 3000, (5000, 500): 1500}
@@ -183,6 +233,12 @@ ROWS: list[dict[str, Any]] = [
     *(
         _trt_ifb_row(label, model, gpu, GPU_HARDWARE[gpu], isl, osl, published)
         for (label, model), by_gpu in TRT_LLM_011_FIGURES.items()
+        for gpu, figures in by_gpu.items()
+        for (isl, osl), published in figures.items()
+    ),
+    *(
+        _trt_010_row(label, model, gpu, isl, osl, published)
+        for (label, model), by_gpu in TRT_LLM_010_FIGURES.items()
         for gpu, figures in by_gpu.items()
         for (isl, osl), published in figures.items()
     ),
@@ -295,10 +351,16 @@ def render(rows: list[dict[str, Any]], open_rows: Optional[list[dict[str, Any]]]
     held = [r for r in rows if not r["fitted"]]
     lines += [f"Held out: {sum(r['verdict'] == 'pass' for r in held)} of {len(held)} rows within tolerance; "
               f"fitted: {sum(r['verdict'] == 'pass' for r in rows if r['fitted'])} of {len(rows) - len(held)}.", ""]  # fmt: skip
-    if any(r["verdict"] != "pass" for r in held):
-        lines += ["Outside tolerance, the simulator too fast: Llama 3 8B's 128-in / 2048-out run on the H100, whose "
-                  "steps decode a few hundred grouped-query rows with long contexts. Both of its kernels are bound by "
-                  "memory there, so the roofline runs it at `hardware.bw_efficiency`; TensorRT-LLM reached less.", ""]  # fmt: skip
+    outside = [r for r in held if r["verdict"] != "pass"]
+    if outside:
+        too_fast = all(r["error"] > 0 for r in outside)
+        lines += [f"Outside tolerance{', the simulator too fast in each' if too_fast else ''}: "
+                  + "; ".join(f"{r['name']} ({r['error']:+.1%})" for r in outside) + ".", "",
+                  "Every one is Llama 3 8B on an H100 or A100, whose steps decode large batches of grouped-query "
+                  "rows: the roofline runs them at its default rates, and TensorRT-LLM reached less. Release 0.11 of "
+                  "the same engine gave "
+                  "26-44% more than 0.10 on the four cells of 0.10 listed here, on the same GPUs (with its own "
+                  "settings), so part of the gap is the engine's, which the roofline does not model.", ""]  # fmt: skip
     seen: set[str] = set()
     for r in rows:
         if r["source"] in seen and "experiment" not in r:
@@ -311,6 +373,7 @@ def render(rows: list[dict[str, Any]], open_rows: Optional[list[dict[str, Any]]]
                   f"**Notes.** {r['note']}", ""]  # fmt: skip
     if at_measured:
         lines += measured_section(at_measured)
+        lines += engine_bandwidth_section()
     if open_rows:
         lines += open_section(open_rows)
     return "\n".join(lines)
@@ -333,6 +396,31 @@ def measured_section(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list
         markdown_table(["row", "published", "error at defaults", "simulator at measured rates", "error"], cells), "",
         f"Within tolerance at measured rates: {within} of {len(pairs)}.", "",
         *sources, "",
+    ]  # fmt: skip
+
+
+# What serving engines are published to reach of datasheet memory bandwidth, whole decode steps
+# at batch 1: they bracket `hardware.bw_efficiency` without pinning it for a large batch.
+ENGINE_BANDWIDTH = [
+    "TensorRT-LLM, MPT-7B at batch 1, 512-token prompts: model bandwidth utilization 0.60 on 2x H100-80GB and 0.55 on "
+    "4x A100-40GB, lower under tensor parallelism than on one GPU (Databricks, \"LLM Inference Performance "
+    "Engineering: Best Practices\", 2023, https://www.databricks.com/blog/llm-inference-performance-engineering-best-practices)",
+    "gpt-fast, Llama-2-7B at batch 1 on one A100-80GB power-limited to 330 W: 1397 GB/s, 0.69 of the datasheet's 2039 "
+    "(github.com/pytorch-labs/gpt-fast, README.md)",
+    "vLLM and SGLang, Llama-3.2-1B at batch 1 on an H100: at most 0.50 of its bandwidth; a fused megakernel 0.78 "
+    "(Hazy Research, \"Look Ma, No Bubbles! Designing a Low-Latency Megakernel for Llama-1B\", 2025, "
+    "https://hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles)",
+]
+
+
+def engine_bandwidth_section() -> list[str]:
+    return [
+        "## What serving engines are published to reach", "",
+        "Whole decode steps at batch 1, where the weights' reads dominate; none is a large-batch serving step, where "
+        "the rows above run. They put a decode step at about 0.5-0.7 of datasheet bandwidth, the default "
+        "`hardware.bw_efficiency` (0.8) above them: at a large batch the fixed costs per step weigh less, by how much "
+        "no source here measures.", "",
+        *(f"- {line}." for line in ENGINE_BANDWIDTH), "",
     ]  # fmt: skip
 
 

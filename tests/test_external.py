@@ -34,6 +34,17 @@ def test_rows_name_their_stack():
     assert modern and all(r["tolerance"] == 0.25 and not r["fitted"] for r in modern)
 
 
+def test_held_out_rows_span_three_accelerators_each_with_its_hardware_file():
+    from cbjax.app.run import resolve
+
+    held = [r for r in external.ROWS if not r["fitted"]]
+    hardware = {o.split("=", 1)[1] for r in held for o in r["overrides"] if o.startswith("hardware=")}
+    assert hardware == {"a100_80gb", "h100_sxm", "l40s"}
+    l40s = resolve(external._compose(next(r for r in held if "hardware=l40s" in r["overrides"])["overrides"]))
+    assert (l40s.hardware.peak_flops, l40s.hardware.mem_bw, l40s.hardware.mem_bytes) == (362.05e12, 864e9, 48e9)
+    assert l40s.scheduler.max_num_batched_tokens == 2048 and l40s.workload.num_requests == 2000
+
+
 def test_open_rows_compose_and_are_shown_apart_from_the_held_out_count():
     from cbjax.app.run import resolve
 
