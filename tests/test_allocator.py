@@ -69,6 +69,19 @@ def test_placement_falls_back_to_shorter_runs_and_any_free_page():
     alloc.check_invariants()
 
 
+def test_a_run_no_search_found_is_searched_for_again_once_pages_are_freed():
+    # 9 usable pages, fewer than the room: a stretch of n takes the first run of n free pages
+    alloc = PageAllocator(num_pages=10, page_size=16)
+    assert alloc.allocate("a", 32, 32) == [1, 2]  # the cursor moves to 3
+    alloc.free("a")
+    assert alloc.allocate("b", 32, 32) == [3, 4]  # from the cursor: pages 1-2 stay free below
+    assert alloc.allocate("c", 48, 48) == [5, 6, 7]
+    assert alloc.allocate("d", 48, 48) == [8, 9, 1]  # no 3 free in a row anywhere: page by page
+    alloc.free("c")
+    assert alloc.allocate("e", 48, 48) == [5, 6, 7]  # 3 in a row again (not 2, 5, 6)
+    alloc.check_invariants()
+
+
 def test_freeing_a_table_of_several_runs_frees_its_pages_only():
     # a's pages 1, 2, 3 and 6 are two runs around b's 4 and 5: freeing a must leave b's held
     alloc = PageAllocator(num_pages=10, page_size=16)
@@ -211,7 +224,16 @@ def test_one_more_token_each_is_try_append_in_order_up_to_the_first_refusal(leng
 
 class PageAtATime(PageAllocator):
     """The placement rule stated one page at a time (the class docstring's): the next page
-    after the table's last while it is free, else a new stretch from `_place`."""
+    after the table's last while it is free, else a new stretch, found by trying every start."""
+
+    def _place(self, n):
+        for length, offset in ((self._room + n + self._room, self._room), (n + self._room, 0), (n, 0), (1, 0)):
+            starts = [*range(self._cursor, self.num_pages), *range(1, self.num_pages)]
+            at = next((a for a in starts if a + length <= self.num_pages and all(self._is_free[a : a + length])), None)
+            if at is not None:
+                self._cursor = at + offset + n
+                return at + offset
+        raise AssertionError("no free page")
 
     def _take(self, n, after=None):
         pages, page = [], -1 if after is None else after + 1

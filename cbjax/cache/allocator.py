@@ -10,8 +10,7 @@ from cbjax.core.request import Request
 # cache.allocation modes, the one list the config checks against.
 ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
 
-# Tokens of growth room a placed run leaves after the request before it (see PageAllocator).
-ROOM_TOKENS = 256
+ROOM_TOKENS = 256  # tokens of growth room a placed run leaves after the request before it (see PageAllocator)
 
 
 class PageAllocator:
@@ -57,6 +56,7 @@ class PageAllocator:
         self._is_free = bytearray(b"\0") + bytearray(b"\1") * (num_pages - 1)  # page -> 1 if free
         self._num_free = num_pages - 1
         self._cursor = 1  # where the next stretch's search starts
+        self._absent = num_pages  # no run of this many free pages exists (taking pages makes none)
         self._room = max(1, ROOM_TOKENS // page_size)  # pages
         self._refs: dict[int, int] = {}  # owned page -> page tables holding it (prefix caching only)
         self._cached: OrderedDict[int, None] = OrderedDict()  # refcount-0 registered pages, LRU first
@@ -93,10 +93,8 @@ class PageAllocator:
         return self.num_pages - 1 - self._num_free - len(self._cached)
 
     def token_utilization(self, used: Optional[int] = None) -> float:
-        """Tokens stored / token capacity of the owned pages (1.0 when nothing is owned).
-        `used`: `num_used_pages`, when the caller has it already.
-
-        Tokens are counted per request, so with shared prefix pages this can exceed 1."""
+        """Tokens stored / token capacity of the owned pages (1.0 when nothing is owned; over 1 with
+        shared prefix pages, as tokens count per request). `used`: `num_used_pages`, if known."""
         if used is None:
             used = self.num_used_pages
         return self.num_stored_tokens / (used * self.page_size) if used else 1.0
@@ -249,11 +247,11 @@ class PageAllocator:
 
     # ---- release ----
     def free(self, request_id: str) -> None:
-        """Release all of the request's pages at once: a page nobody else holds goes back to
-        the free list, or, if registered, to the cached pool."""
+        """Release the request's pages: one nobody else holds goes free, or cached if registered."""
         table = self.page_tables.pop(request_id)
         self.num_stored_tokens -= self._stored.pop(request_id)
         del self._num_hashed[request_id]
+        self._absent = self.num_pages  # freed pages may make a run of any length
         if not self.prefix_caching:
             is_free, n = self._is_free, len(table)
             if request_id in self._scattered:
@@ -284,9 +282,8 @@ class PageAllocator:
         self._refs[page] = self._refs.get(page, 0) + 1
 
     def _take(self, n: int, after: int | None = None) -> list[int]:
-        """`n` pages for new contents at the end of a table whose last page is `after` (None: an
-        empty table): free ones, placed (see the class), then the least recently released
-        cached ones."""
+        """`n` pages for new contents after a table's last page `after` (None: an empty table):
+        free ones, placed (see the class), then the least recently released cached ones."""
         is_free, pages = self._is_free, []
         page = -1 if after is None else after + 1
         if n == 1 and 0 < page < self.num_pages and is_free[page]:  # a table's next page, free
@@ -320,11 +317,13 @@ class PageAllocator:
         return pages
 
     def _place(self, n: int) -> int:
-        """The first page of a new stretch for `n` pages (some page is free): the first run from
-        the cursor (then from page 1) of room + n + room free pages, starting after its first
-        room; else of n + room, then n, then 1 free page, starting at its first."""
+        """The first page of a new stretch for `n` pages (some page is free): the first run from the
+        cursor (then page 1) of room + n + room free pages, after its first room; else of n + room,
+        then n, then 1 free page, at its first."""
         room, is_free = self._room, self._is_free
         for length, offset in ((room + n + room, room), (n + room, 0), (n, 0), (1, 0)):
+            if length >= self._absent:  # searched in vain since the last free: in vain again
+                continue
             run = b"\1" * length
             at = is_free.find(run, self._cursor)
             if at < 0:
@@ -332,6 +331,7 @@ class PageAllocator:
             if at > 0:
                 self._cursor = at + offset + n
                 return at + offset
+            self._absent = length
         raise AssertionError("_place: no free page")  # _take checks _num_free first
 
     # ---- the pool's five shares ----
