@@ -71,16 +71,19 @@ def request_row(req: Request) -> dict[str, Any]:
 
 def _percentiles(prefix: str, values: list[float], out: dict[str, Any]) -> None:
     arr = np.asarray(values, dtype=np.float64)
-    for p in PERCENTILES:
-        out[f"{prefix}_p{p}"] = float(np.percentile(arr, p)) if arr.size else None
+    at = np.percentile(arr, PERCENTILES) if arr.size else [None] * len(PERCENTILES)  # one partition for all
+    for p, value in zip(PERCENTILES, at):
+        out[f"{prefix}_p{p}"] = None if value is None else float(value)
     out[f"{prefix}_mean"] = float(arr.mean()) if arr.size else None
 
 
 def meets_slo(req: Request, ttft_s: Optional[float], tpot_s: Optional[float]) -> bool:
     """Served, with TTFT and TPOT within their targets (a one-token request has no TPOT)."""
-    if req.finish_reason not in SERVED:
-        return False
-    lat = request_latencies(req)
+    return req.finish_reason in SERVED and _within_slo(request_latencies(req), ttft_s, tpot_s)
+
+
+def _within_slo(lat: dict[str, Any], ttft_s: Optional[float], tpot_s: Optional[float]) -> bool:
+    """A served request's latencies (`request_latencies`) within the targets."""
     if ttft_s is not None and lat["ttft_s"] > ttft_s:
         return False
     return tpot_s is None or lat["tpot_s"] is None or lat["tpot_s"] <= tpot_s
@@ -120,7 +123,7 @@ def summarize(
     # by a prefill or a preemption shows here; tpot averages it away)
     _percentiles("tbt_s", result.tbt_s, summary)
     summary.update(ttft_by_turn(reqs, served))
-    good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in reqs)
+    good = sum(_within_slo(x, slo_ttft_s, slo_tpot_s) for x in lat)  # meets_slo: only served requests meet it
     summary.update(
         {
             "num_slots": result.num_slots,
@@ -141,7 +144,7 @@ def summarize(
         }
     )
     summary.update(kv_shares(result))
-    summary["normalized_latency_s_per_token"] = normalized_latency(served)
+    summary["normalized_latency_s_per_token"] = normalized_latency(served, lat)
     summary.update(result.extra)
     return summary
 
@@ -208,8 +211,9 @@ def kv_shares(result: RunResult) -> dict[str, float]:
     return {key: total / iters for key, total in zip(KV_SHARES, result.stats.kv_share_sums)}
 
 
-def normalized_latency(served: list[Request]) -> Optional[float]:
+def normalized_latency(served: list[Request], lat: Optional[list[dict[str, Any]]] = None) -> Optional[float]:
     """Mean over served requests of end-to-end latency / output length (Orca's and vLLM's
-    normalized latency, s/token); None when nothing was served."""
-    values = [request_latencies(r)["e2e_s"] / r.num_generated for r in served if r.num_generated]
+    normalized latency, s/token); None when nothing was served. `lat`: their `request_latencies`."""
+    lat = [request_latencies(r) for r in served] if lat is None else lat
+    values = [x["e2e_s"] / r.num_generated for r, x in zip(served, lat) if r.num_generated]
     return float(np.mean(values)) if values else None
