@@ -235,7 +235,7 @@ class PageAtATime(PageAllocator):
                 return at + offset
         raise AssertionError("no free page")
 
-    def _take(self, n, after=None):
+    def _take(self, n, after=None, owner=None):
         pages, page = [], -1 if after is None else after + 1
         while len(pages) < n and self._num_free:
             if not (0 < page < self.num_pages and self._is_free[page]):

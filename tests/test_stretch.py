@@ -73,8 +73,8 @@ def pages_taken(sched: Scheduler) -> list[int]:
     alloc, taken = sched.allocator, []
     real = alloc._take
 
-    def take(n, after=None):
-        pages = real(n, after)
+    def take(n, after=None, owner=None):
+        pages = real(n, after, owner)
         taken.extend(pages)
         return pages
 

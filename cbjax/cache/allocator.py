@@ -64,7 +64,6 @@ class PageAllocator:
         self._hash_of: dict[int, int] = {}  # registered page -> hash
         self._num_hashed: dict[str, int] = {}  # request -> leading pages already offered to `register`
         self._scattered: set[str] = set()  # requests whose tables are not one ascending run of pages
-        self._joined = True  # whether the last `_take` continued its table in one run
         self.page_tables: dict[str, list[int]] = {}
         self._stored: dict[str, int] = {}
         self.num_stored_tokens = 0
@@ -177,9 +176,9 @@ class PageAllocator:
             if page not in self._hash_of:
                 raise ValueError(f"request {request_id}: page {page} is not a cached page")
             self._hold(page)
-        table = list(cached) + self._take(need - len(cached), cached[-1] if cached else None)
+        table = list(cached) + self._take(need - len(cached), cached[-1] if cached else None, request_id)
         self.page_tables[request_id] = table
-        if cached or not self._joined:
+        if cached:
             self._scattered.add(request_id)
         self._num_hashed[request_id] = len(cached)
         self._stored[request_id] = num_tokens
@@ -203,9 +202,7 @@ class PageAllocator:
         if need > 0:
             if need > self._num_free + len(self._cached):
                 return False
-            table.extend(self._take(need, table[-1] if table else None))
-            if not self._joined:
-                self._scattered.add(request_id)
+            table.extend(self._take(need, table[-1] if table else None, request_id))
         self.num_stored_tokens += num_tokens - self._stored[request_id]
         self._stored[request_id] = num_tokens
         return True
@@ -224,9 +221,7 @@ class PageAllocator:
                 need = -(-num_tokens // ps) - len(table)
                 if need > self._num_free + len(self._cached):
                     break
-                table.extend(self._take(need, table[-1] if table else None))
-                if not self._joined:
-                    self._scattered.add(rid)
+                table.extend(self._take(need, table[-1] if table else None, rid))
             self.num_stored_tokens += num_tokens - stored[rid]
             stored[rid] = num_tokens
             done += 1
@@ -239,9 +234,7 @@ class PageAllocator:
         if need > self._num_free + len(self._cached):
             raise ValueError(f"request {request_id}: needs {need} more pages, {self.num_free_pages} free")
         if need > 0:
-            table.extend(self._take(need, table[-1] if table else None))
-            if not self._joined:
-                self._scattered.add(request_id)
+            table.extend(self._take(need, table[-1] if table else None, request_id))
         self.num_stored_tokens += num_tokens - self._stored[request_id]
         self._stored[request_id] = num_tokens
 
@@ -252,17 +245,17 @@ class PageAllocator:
         self.num_stored_tokens -= self._stored.pop(request_id)
         del self._num_hashed[request_id]
         self._absent = self.num_pages  # freed pages may make a run of any length
+        scattered = request_id in self._scattered
+        self._scattered.discard(request_id)
         if not self.prefix_caching:
             is_free, n = self._is_free, len(table)
-            if request_id in self._scattered:
-                self._scattered.discard(request_id)
+            if scattered:
                 for page in table:
                     is_free[page] = 1
             elif n:  # one ascending run (placement's aim): one copy
                 is_free[table[0] : table[0] + n] = b"\1" * n
             self._num_free += n
             return
-        self._scattered.discard(request_id)
         # Tail first, so a sequence's last pages are evicted before the prefix they extend.
         for page in reversed(table):
             refs = self._refs[page] - 1
@@ -281,13 +274,14 @@ class PageAllocator:
             del self._cached[page]
         self._refs[page] = self._refs.get(page, 0) + 1
 
-    def _take(self, n: int, after: int | None = None) -> list[int]:
+    def _take(self, n: int, after: int | None = None, owner: str | None = None) -> list[int]:
         """`n` pages for new contents after a table's last page `after` (None: an empty table):
-        free ones, placed (see the class), then the least recently released cached ones."""
+        free ones, placed (see the class), then the least recently released cached ones. The
+        table is `owner`'s, marked scattered unless they continue it in one run."""
         is_free, pages = self._is_free, []
         page = -1 if after is None else after + 1
         if n == 1 and 0 < page < self.num_pages and is_free[page]:  # a table's next page, free
-            is_free[page], self._num_free, self._joined = 0, self._num_free - 1, True
+            is_free[page], self._num_free = 0, self._num_free - 1
             if self.prefix_caching:
                 self._refs[page] = 1
             return [page]
@@ -303,7 +297,8 @@ class PageAllocator:
             self._num_free -= end - page
             pages.extend(range(page, end))
             page = end
-        self._joined = jumps <= (after is None) and len(pages) == n  # and no cached page evicted
+        if owner is not None and (jumps > (after is None) or len(pages) < n):  # (or cached pages evicted)
+            self._scattered.add(owner)
         for _ in range(n - len(pages)):
             page, _ = self._cached.popitem(last=False)
             h = self._hash_of.pop(page)

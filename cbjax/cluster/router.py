@@ -131,7 +131,7 @@ class LeastLoaded(Router):
     name = "least_loaded"
 
     def route(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
-        loads = [r.num_waiting + r.num_running for r in replicas]  # outstanding(r), inlined
+        loads = [outstanding(r) for r in replicas]
         return loads.index(min(loads))  # the first of the fewest
 
 
