@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Callable, Optional
 
 from cbjax.core.plan import Schedule
 from cbjax.core.request import Request
 from cbjax.core.results import IterationStats
 from cbjax.scheduler.core import Scheduler
+
+_NEW_TOKENS = attrgetter("num_new_tokens")
 
 
 class StatsRecorder:
@@ -27,9 +30,7 @@ class StatsRecorder:
         stats, sched = self.stats, self.scheduler
         alloc = sched.allocator
         scheduled = plan.scheduled
-        batched = 0
-        for s in scheduled:  # plan.num_batched_tokens, without its list
-            batched += s.num_new_tokens
+        batched = sum(map(_NEW_TOKENS, scheduled))  # plan.num_batched_tokens, without its list
         num_scheduled = len(scheduled)
         stats.iterations += 1
         stats.occupied_slot_iterations += num_scheduled

@@ -91,8 +91,10 @@ class PlanWriter:
         scheduled: list[ScheduledRequest] = []
         if self.drafts:
             self._draft_entries(draft.decodes, scheduled)
-        else:
+        elif self.token_ids:
             self._entries(draft.decodes, True, scheduled)
+        else:
+            self._decode_entries(draft.decodes, scheduled)
         if draft.prefills:
             self._entries(draft.prefills, False, scheduled)
         # the draft's own list when it has no prefills: nothing changes it once written
@@ -143,6 +145,26 @@ class PlanWriter:
             append(new_row(ScheduledRequest, (
                 rid, req.slot, lo, n, decode, token_ids, feed, page_table, sampling,
                 lo + n >= req.prompt_len + req.num_generated, 0,  # yields: it reaches req.num_tokens
+            )))  # fmt: skip
+
+    def _decode_entries(self, requests: list[Request], out: list[ScheduledRequest]) -> None:
+        """`_entries(requests, True, out)` for a plan without token ids: each decode processes
+        its one last token, so it yields."""
+        tables, sent, fresh = self.allocator.page_tables, self._sent_pages, self._fresh
+        sent_get, append = sent.get, out.append
+        for req in requests:
+            rid = req.request_id
+            table = tables[rid]
+            page_table = None
+            if sent_get(rid) != len(table):  # tables only grow while a request runs
+                page_table = tuple(table)
+                sent[rid] = len(table)
+            sampling = None
+            if rid in fresh:
+                fresh.discard(rid)
+                sampling = req.sampling
+            append(new_row(ScheduledRequest, (
+                rid, req.slot, req.num_computed, 1, True, None, False, page_table, sampling, True, 0,
             )))  # fmt: skip
 
     def _draft_entries(self, requests: list[Request], out: list[ScheduledRequest]) -> None:

@@ -169,7 +169,8 @@ class Planner:
                 if n <= self.token_budget and not self.cfg.chunked_prefill:
                     break
                 n = budget
-            if not self.running_set.num_free_slots or not alloc.can_allocate(done + n, self.reserve_tokens(req), cached):
+            reserve = self.reserve_tokens(req)
+            if not self.running_set.num_free_slots or not alloc.can_allocate(done + n, reserve, cached):
                 # The policy may evict a running request the head outranks (priority, mlfq).
                 victim = self.policy.preempt_for(req, self.view)
                 if victim is None:
@@ -179,7 +180,7 @@ class Planner:
             self.waiting.take(req)
             if hosts:
                 self.tier.pin(hosts)  # before the allocation's evictions may drop them
-            table = alloc.allocate(req.request_id, done + n, self.reserve_tokens(req), cached)
+            table = alloc.allocate(req.request_id, done + n, reserve, cached)
             budget -= n
             if swapped:
                 plan.swap_in.append((req, table[:swapped]))

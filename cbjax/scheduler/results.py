@@ -110,15 +110,12 @@ class StepResults:
         return self._simulated_tokens(requests, ends[-1])
 
     def _simulated_tokens(self, requests: list[Request], now: float) -> list[Request]:
-        """One step's simulated tokens for `requests` (`simulated_step`'s pass)."""
-        running = Status.RUNNING
+        """One step's simulated tokens for `requests` (`simulated_step`'s pass). Every request
+        of a fused step runs: nothing ends one between its plan and its results."""
         done: list[Request] = []
         gap = self.tbt_s.append
         register = self.prefix.register if self.prefix is not None else None
         for req in requests:
-            if req.status is not running:  # (never in a fused step: kept as advance has it)
-                req.num_new_tokens = 0
-                continue
             # self._computed(req), inlined
             computed = req.num_computed = req.num_computed + req.num_new_tokens
             req.num_new_tokens = 0

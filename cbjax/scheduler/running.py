@@ -32,6 +32,7 @@ class RunningSet:
         self.final_tokens: dict[str, int] = {}
         self.hold_finished_pages = False
         self._held: set[str] = set()
+        self._ended: list[Request] = []  # finished, still in `running` until `prune`
 
     @property
     def num_free_slots(self) -> int:
@@ -70,7 +71,7 @@ class RunningSet:
         out = self.running
         for req in out:
             self.release(req)
-        self.running = []
+        self.running, self._ended = [], []
         return out
 
     def finish(self, req: Request, reason: Optional[FinishReason], now: Optional[float]) -> None:
@@ -78,6 +79,7 @@ class RunningSet:
         its slot; it stays in `running` until `prune`, so a step's ends cost one pass."""
         req.status = Status.FINISHED
         req.finish_reason = reason
+        self._ended.append(req)
         req.finish_s = now
         if self.hold_finished_pages:
             self._held.add(req.request_id)
@@ -86,9 +88,13 @@ class RunningSet:
             self.prefix.forget(req)
 
     def prune(self) -> None:
-        """Drop the requests that ended from `running`."""
-        running = Status.RUNNING
-        self.running = [r for r in self.running if r.status is running]
+        """Drop the requests that ended from `running`, as a new list (`DecodeStretch` sees a
+        changed running list by its identity)."""
+        running = self.running.copy()
+        for req in self._ended:
+            running.remove(req)
+        self._ended = []
+        self.running = running
 
     def held_pages(self, request_id: str) -> list[int]:
         """The pages a finished request holds (`hold_finished_pages`), in token order."""

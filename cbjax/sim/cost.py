@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+from operator import itemgetter, mul
 from typing import NamedTuple, Optional
 
 import numpy as np
 
 from cbjax.config import CacheConfig, ExecutorConfig, HardwareConfig, ModelConfig, OverheadConfig, SchedulerConfig, SpecConfig
-from cbjax.core.plan import Schedule
+from cbjax.core.plan import Schedule, ScheduledRequest
 from cbjax.core.timing import NO_CONTEXT, StepContext, StepTime
 from cbjax.sim.tp import allreduce_bytes_per_token, ring_bytes_per_device
 
 
 _INF = float("inf")
+# a plan row's num_new_tokens, num_computed and is_decode, read without attribute lookups
+_NEW, _CONTEXT, _IS_DECODE = (itemgetter(ScheduledRequest._fields.index(f)) for f in ("num_new_tokens", "num_computed", "is_decode"))
 # a stretch priced whole (no `until`) longer than this is priced on arrays
 _VECTOR_STEPS = 64
 
@@ -92,13 +95,17 @@ class RooflineCost:
         tokens = 0
         pairs = 0.0
         kv_tokens = 0
-        if plan.padded_rows is None:  # plan.cost_rows(), read off the entries without a list
-            num_rows = len(plan.scheduled)
-            for s in plan.scheduled:
-                n, ctx = s.num_new_tokens, s.num_computed
-                tokens += n
-                pairs += n * ctx + n * (n + 1) / 2  # a decode: its context plus the new token
-                kv_tokens += ctx + n + (1 if s.is_decode else 0)  # a decode reads its context, writes one
+        if plan.padded_rows is None:  # plan.cost_rows(), read off the entries in C-level passes
+            rows = plan.scheduled
+            num_rows = len(rows)
+            ns = list(map(_NEW, rows))
+            ctxs = list(map(_CONTEXT, rows))
+            tokens = sum(ns)
+            # sum(n * ctx + n (n + 1) / 2): a decode, its context plus the new token. Whole
+            # numbers far below 2**53: summed as ints, the same float as summed row by row.
+            pairs = float(sum(map(mul, ns, ctxs)) + (sum(map(mul, ns, ns)) + tokens) // 2)
+            # a decode reads its context and writes one
+            kv_tokens = sum(ctxs) + tokens + sum(map(_IS_DECODE, rows))
         else:
             num_rows = len(plan.padded_rows)
             for n, ctx, decode in plan.padded_rows:
