@@ -355,7 +355,7 @@ def test_prefix_caching_refcounts_eviction_and_contents(ops, allocation):
     def write(rid, lo, hi, lazy):
         ids, table = held[rid][0], alloc.page_tables[rid]
         for i in range(lo // 4, alloc.pages_for(hi)):
-            assert table[i] not in alloc._hash_of, "writing into a registered page"
+            assert alloc._hash_of[table[i]] is None, "writing into a registered page"
             contents[table[i]] = tuple(ids[i * 4 : min((i + 1) * 4, hi)])
         if not lazy:
             alloc.register(rid, chain_hashes(ROOT_HASH, ids[:hi], 4), hi // 4)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import islice
 from typing import Iterable, Optional, Sequence
 
+from cbjax.cache.invariants import check_paged_pool
 from cbjax.core.request import Request
+
+# Runs an iterator of calls for their effects, in C (a deque that keeps nothing).
+_drain = deque(maxlen=0).extend
 
 # cache.allocation modes, the one list the config checks against.
 ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
@@ -54,14 +59,17 @@ class PageAllocator:
         self.reserve = False
         self.prefix_caching = prefix_caching
         self._is_free = bytearray(b"\0") + bytearray(b"\1") * (num_pages - 1)  # page -> 1 if free
+        self._ids = list(range(num_pages))  # a table's pages are sliced from here: no new int objects
         self._num_free = num_pages - 1
         self._cursor = 1  # where the next stretch's search starts
         self._absent = num_pages  # no run of this many free pages exists (taking pages makes none)
         self._room = max(1, ROOM_TOKENS // page_size)  # pages
-        self._refs: dict[int, int] = {}  # owned page -> page tables holding it (prefix caching only)
+        # prefix caching only, indexed by page: the page tables holding it (0: not owned), and
+        # its hash while registered (else None)
+        self._refs: list[int] = [0] * num_pages if prefix_caching else []
         self._cached: OrderedDict[int, None] = OrderedDict()  # refcount-0 registered pages, LRU first
         self._page_of: dict[int, int] = {}  # hash -> registered page
-        self._hash_of: dict[int, int] = {}  # registered page -> hash
+        self._hash_of: list[Optional[int]] = [None] * num_pages if prefix_caching else []
         self._num_hashed: dict[str, int] = {}  # request -> leading pages already offered to `register`
         self._scattered: set[str] = set()  # requests whose tables are not one ascending run of pages
         self.page_tables: dict[str, list[int]] = {}
@@ -126,12 +134,15 @@ class PageAllocator:
         num_pages = min(num_pages, len(hashes))
         if num_pages > len(table):
             raise ValueError(f"request {request_id}: registers {num_pages} pages, holds {len(table)}")
-        for i in range(self._num_hashed[request_id], num_pages):
-            page, h = table[i], hashes[i]
-            if h not in self._page_of and page not in self._hash_of:
-                self._page_of[h] = page
-                self._hash_of[page] = h
-        self._num_hashed[request_id] = max(self._num_hashed[request_id], num_pages)
+        lo = self._num_hashed[request_id]
+        if num_pages <= lo:
+            return
+        page_of, hash_of = self._page_of, self._hash_of
+        for page, h in zip(table[lo:num_pages], hashes[lo:num_pages]):
+            if h not in page_of and hash_of[page] is None:
+                page_of[h] = page
+                hash_of[page] = h
+        self._num_hashed[request_id] = num_pages
 
     def cache_pages(self, hashes: Sequence[int]) -> list[int]:
         """New pages registered under `hashes` (none of them cached now) and left cached,
@@ -143,7 +154,7 @@ class PageAllocator:
             raise ValueError("cache_pages: a hash is cached already")
         pages = self._take(len(hashes))
         for page, h in zip(pages, hashes):
-            del self._refs[page]
+            self._refs[page] = 0
             self._page_of[h] = page
             self._hash_of[page] = h
             self._cached[page] = None
@@ -159,7 +170,7 @@ class PageAllocator:
         """Whether `allocate` would succeed. Cached pages are reused; those nobody holds leave
         the evictable pool, so they count against the pages available."""
         new = self.admission_pages(num_tokens, max_tokens) - len(cached)
-        revived = sum(1 for p in cached if p in self._cached)
+        revived = sum(1 for p in cached if p in self._cached) if cached else 0
         return new + revived <= self.num_free_pages
 
     def allocate(self, request_id: str, num_tokens: int, max_tokens: int, cached: Sequence[int] = ()) -> list[int]:
@@ -173,7 +184,7 @@ class PageAllocator:
         if not self.can_allocate(num_tokens, max_tokens, cached):
             raise ValueError(f"request {request_id}: needs {need} pages, {self.num_free_pages} free")
         for page in cached:
-            if page not in self._hash_of:
+            if not self.prefix_caching or self._hash_of[page] is None:
                 raise ValueError(f"request {request_id}: page {page} is not a cached page")
             self._hold(page)
         table = list(cached) + self._take(need - len(cached), cached[-1] if cached else None, request_id)
@@ -212,7 +223,7 @@ class PageAllocator:
         stores one token more), up to the first that fails; returns how many succeeded. The
         scheduler's decodes in one call: they are most of a step's rows."""
         tables, stored, ps = self.page_tables, self._stored, self.page_size
-        done = 0
+        done = grown = 0
         for req in requests:
             rid = req.request_id
             table = tables[rid]
@@ -222,9 +233,10 @@ class PageAllocator:
                 if need > self._num_free + len(self._cached):
                     break
                 table.extend(self._take(need, table[-1] if table else None, rid))
-            self.num_stored_tokens += num_tokens - stored[rid]
+            grown += num_tokens - stored[rid]
             stored[rid] = num_tokens
             done += 1
+        self.num_stored_tokens += grown
         return done
 
     def append(self, request_id: str, num_tokens: int) -> None:
@@ -257,22 +269,23 @@ class PageAllocator:
             self._num_free += n
             return
         # Tail first, so a sequence's last pages are evicted before the prefix they extend.
+        refs, hash_of, cached, is_free = self._refs, self._hash_of, self._cached, self._is_free
+        freed = 0
         for page in reversed(table):
-            refs = self._refs[page] - 1
-            if refs:
-                self._refs[page] = refs
+            held = refs[page] = refs[page] - 1
+            if held:
                 continue
-            del self._refs[page]
-            if page in self._hash_of:
-                self._cached[page] = None
+            if hash_of[page] is not None:
+                cached[page] = None
             else:
-                self._is_free[page] = 1
-                self._num_free += 1
+                is_free[page] = 1
+                freed += 1
+        self._num_free += freed
 
     def _hold(self, page: int) -> None:
         if page in self._cached:
             del self._cached[page]
-        self._refs[page] = self._refs.get(page, 0) + 1
+        self._refs[page] += 1
 
     def _take(self, n: int, after: int | None = None, owner: str | None = None) -> list[int]:
         """`n` pages for new contents after a table's last page `after` (None: an empty table):
@@ -295,20 +308,33 @@ class PageAllocator:
             end = stop if end < 0 else end
             is_free[page:end] = bytes(end - page)
             self._num_free -= end - page
-            pages.extend(range(page, end))
+            pages += self._ids[page:end]
             page = end
         if owner is not None and (jumps > (after is None) or len(pages) < n):  # (or cached pages evicted)
             self._scattered.add(owner)
-        for _ in range(n - len(pages)):
+        evict = n - len(pages)
+        if evict and self.on_evict is None:  # the least recently released, all at once
+            evicted = list(islice(self._cached, evict))
+            _drain(map(self._cached.__delitem__, evicted))
+            hash_of, page_of = self._hash_of, self._page_of
+            for page in evicted:
+                del page_of[hash_of[page]]
+                hash_of[page] = None
+            self.num_evictions += evict
+            pages += evicted
+            evict = 0
+        for _ in range(evict):
             page, _ = self._cached.popitem(last=False)
-            h = self._hash_of.pop(page)
+            h, self._hash_of[page] = self._hash_of[page], None
             del self._page_of[h]
             self.num_evictions += 1
             if self.on_evict is not None:
                 self.on_evict(page, h)
             pages.append(page)
         if self.prefix_caching:
-            self._refs.update(dict.fromkeys(pages, 1))
+            refs = self._refs
+            for page in pages:
+                refs[page] = 1
         return pages
 
     def _place(self, n: int) -> int:
@@ -365,31 +391,5 @@ class PageAllocator:
         return token, reserved, internal, 0, (self.num_pages - 1) * ps - used  # num_usable_pages
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every page is exactly one of free, cached or owned, with
-        owned refcounts equal to the page tables holding them, and the hash index consistent."""
-        counts: dict[int, int] = {}
-        for rid, table in self.page_tables.items():
-            assert len(set(table)) == len(table), f"request {rid}: holds a page twice"
-            for p in table:
-                counts[p] = counts.get(p, 0) + 1
-        if self.prefix_caching:
-            assert counts == self._refs, "a refcount differs from the page tables holding the page"
-        else:
-            assert not self._refs and all(c == 1 for c in counts.values()), "a page is shared without prefix caching"
-        free, cached, owned = {p for p, f in enumerate(self._is_free) if f}, set(self._cached), set(counts)
-        assert len(free) == self._num_free, "the free count differs from the free pages"
-        assert not free & owned and not free & cached and not cached & owned, "a page is in two states"
-        assert self.NULL_PAGE not in free | cached | owned, "the null page was handed out"
-        assert free | cached | owned == set(range(1, self.num_pages)), "a page was lost"
-        assert not free & set(self._hash_of), "a free page is still registered"
-        assert cached <= set(self._hash_of), "a cached page is not registered"
-        assert {p: h for h, p in self._page_of.items()} == self._hash_of, "the hash index is inconsistent"
-        assert self.prefix_caching or not self._hash_of, "a page was registered without prefix caching"
-        assert self.num_stored_tokens == sum(self._stored.values())
-        assert self._num_hashed.keys() == self.page_tables.keys()
-        assert self._scattered <= self.page_tables.keys(), "a freed table is still marked scattered"
-        for rid, table in self.page_tables.items():
-            run = list(range(table[0], table[0] + len(table))) if table else []
-            assert rid in self._scattered or table == run, f"request {rid}: pages not one run, unmarked"
-        for rid, table in self.page_tables.items():
-            assert self._stored[rid] <= len(table) * self.page_size, f"request {rid}: stores more than its pages"
+        """Raise AssertionError unless the pool's state is consistent (`check_paged_pool`)."""
+        check_paged_pool(self)

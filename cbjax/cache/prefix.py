@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from cbjax.cache.allocator import PageAllocator
 from cbjax.cache.page_hash import ROOT_HASH, chain_hashes
 from cbjax.core.request import Request
@@ -61,7 +63,7 @@ class PrefixCache:
         if synthetic is not None and self.synthetic_keys:
             seed, vocab = synthetic
             inside = (known if req.more_turns else req.prompt_len) // ps
-            chain.extend(hash((_SYNTHETIC, seed, vocab, ps, i)) for i in range(lo, inside))
+            chain.extend(map(hash, zip(repeat(_SYNTHETIC), repeat(seed), repeat(vocab), repeat(ps), range(lo, inside))))
             lo = max(lo, inside)
         hi = known // ps
         if hi > lo:
