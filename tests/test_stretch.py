@@ -11,10 +11,11 @@ import pytest
 
 from cbjax.cluster import ClusterSim
 from cbjax.config import (
-    CacheConfig, ClusterConfig, ExecutorConfig, HardwareConfig, LengthConfig, ModelConfig, OverheadConfig, RunConfig,
-    SchedulerConfig, WorkloadConfig,
+    CacheConfig, ClusterConfig, ExecutorConfig, HardwareConfig, LengthConfig, ModelConfig, OverheadConfig, PauseConfig,
+    RunConfig, SchedulerConfig, WorkloadConfig,
 )  # fmt: skip
 from cbjax.core.plan import Schedule, ScheduledRequest
+from cbjax.core.request import Request, SamplingParams
 from cbjax.engine.loop import EngineLoop
 from cbjax.engine.offline import serve
 from cbjax.report.metrics import request_row, summarize
@@ -82,8 +83,9 @@ def pages_taken(sched: Scheduler) -> list[int]:
     return taken
 
 
-def run_single(cfg: RunConfig, stretches: bool, counter: list, grown: list | None = None):
-    """One run; `stretches` False: every plan comes from the planner (no stretch writes any)."""
+def run_single(cfg: RunConfig, stretches: bool, counter: list, grown: list | None = None, evicted: list | None = None):
+    """One run; `stretches` False: every plan comes from the planner (no stretch writes any).
+    `evicted` gets the cached pages each stretch of several steps evicted."""
     requests = build_workload(cfg.workload, cfg.seed)
     sched = Scheduler(cfg.scheduler, cfg.cache, cfg.model.max_model_len)
     if not stretches:
@@ -92,7 +94,10 @@ def run_single(cfg: RunConfig, stretches: bool, counter: list, grown: list | Non
 
     def counted(now, num_steps):
         counter.append(num_steps)
+        before = sched.allocator.num_evictions
         plan = real(now, num_steps)
+        if evicted is not None and num_steps > 1:
+            evicted.append(sched.allocator.num_evictions - before)
         if grown is not None:
             grown.extend(g for g in sched.stretch.growth if g[0] > 0)  # pages an inner step took
         return plan
@@ -102,7 +107,8 @@ def run_single(cfg: RunConfig, stretches: bool, counter: list, grown: list | Non
     cost = make_cost_model(cfg.executor.cost_model, cfg.model, cfg.hardware, overhead=cfg.overhead)
     log = ServiceLog()
     result = serve(requests, sched, SimExecutor(cost), on_step=log.on_step, stretches=stretches)
-    return {**everything(requests, result, log), "pages": taken}
+    hit_rate = sched.prefix.hit_rate if sched.prefix is not None else None
+    return {**everything(requests, result, log), "pages": taken, "hit_rate": hit_rate}
 
 
 CASES = {
@@ -150,11 +156,73 @@ def test_a_stretch_takes_new_pages_as_its_steps_one_by_one_would(num_pages):
     assert grown and max(stretched) > 4  # inner steps of stretches took pages
 
 
-# least_kv reads each replica's free pages, which steps priced ahead take as they begin
+# Prefix caching: a stretch's new pages evict cached ones as the planner's steps would, and a
+# session's turn that another follows learns the ids of the pages it fills (they register).
+PREFIX_CASES = {
+    "evicting": dict(cache=cache(page_size=4, num_pages=90, prefix_caching=True)),
+    "sessions": dict(
+        cache=cache(page_size=4, num_pages=400, prefix_caching=True),
+        workload=WorkloadConfig(name="sessions", num_sessions=12, arrival="poisson", rate=2.0,
+                                turns=LengthConfig(dist="fixed", value=3), prompt_len=LengthConfig(dist="uniform", low=8, high=60),
+                                output_len=LengthConfig(dist="uniform", low=8, high=60), pause=PauseConfig(dist="fixed", value=0.5)),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(PREFIX_CASES))
+def test_a_stretch_under_prefix_caching_gives_the_results_of_its_steps_one_by_one(case):
+    cfg = config(**PREFIX_CASES[case])
+    stretched, grown, evicted = [], [], []
+    out = run_single(cfg, True, stretched, grown, evicted)
+    assert out == run_single(cfg, False, [])
+    assert grown and max(stretched) > 4, case  # inner steps of stretches took pages
+    if case == "evicting":
+        assert sum(evicted) > 0  # and evicted cached pages for them
+    else:
+        assert out["hit_rate"] > 0  # later turns found the pages turns before them filled
+
+
+def test_a_stretch_leaves_no_page_to_register_for_its_last_step():
+    """Two turns of one seeded stream, each followed by another (so their generated tokens are
+    known), fill the page of the same tokens two steps apart, the later one first in running
+    order. Each step registers what it filled: the earlier filler's page holds the hash, and
+    the other's page goes free when it ends. A stretch that skipped those registrations to its
+    last step would give the hash to the first in running order and free the other page."""
+
+    def requests():
+        turns = [Request(rid, 0.0, prompt, synthetic_prompt=(5, 1000), more_turns=True, target_output_len=20,
+                         sampling=SamplingParams(max_tokens=20, ignore_eos=True)) for rid, prompt in (("a", 9), ("b", 10))]
+        later = [Request(rid, t, prompt, synthetic_prompt=(seed, 1000), target_output_len=4,
+                         sampling=SamplingParams(max_tokens=4, ignore_eos=True)) for rid, t, prompt, seed in (("c", 50.0, 16, 5), ("d", 60.0, 40, 6))]
+        return turns + later  # fmt: skip
+
+    def run(stretches: bool) -> dict:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+                          cache(page_size=4, num_pages=40, prefix_caching=True), 4096)  # fmt: skip
+        if not stretches:
+            sched.stretch = None
+        taken, counter = pages_taken(sched), []
+        real = sched.schedule_stretch
+        sched.schedule_stretch = lambda now, num_steps: counter.append(num_steps) or real(now, num_steps)
+        log, reqs = ServiceLog(), requests()
+        result = serve(reqs, sched, SimExecutor(make_cost_model("unit", LLAMA, HardwareConfig())), on_step=log.on_step,
+                       stretches=stretches)  # fmt: skip
+        return {**everything(reqs, result, log), "pages": taken, "stretched": bool(counter)}
+
+    stretched, single = run(True), run(False)
+    assert stretched.pop("stretched") and not single.pop("stretched")
+    assert stretched == single
+
+
+# least_kv reads each replica's free pages, which steps priced ahead take as they begin (under
+# prefix caching, evicting cached pages); prefix_affinity routes on its own index
 @pytest.mark.parametrize("cluster", [dict(replicas=3, router="least_loaded"), dict(replicas=3, router="least_kv"),
-                                     dict(prefill_replicas=1, decode_replicas=2)])  # fmt: skip
+                                     dict(prefill_replicas=1, decode_replicas=2), dict(replicas=3, router="prefix_affinity")])  # fmt: skip
 def test_a_clusters_stretches_give_the_results_of_their_steps_one_by_one(cluster):
     cfg = config(cluster=ClusterConfig(**cluster), workload=dataclasses.replace(config().workload, rate=12.0))
+    if cluster.get("router") == "prefix_affinity":
+        cfg = config(cluster=ClusterConfig(**cluster), cache=cache(page_size=16, num_pages=150, prefix_caching=True),
+                     workload=WorkloadConfig(name="shared_prefix", num_requests=120, arrival="poisson", rate=12.0))  # fmt: skip
     out = {}
     for stretches in (True, False):
         sim = ClusterSim.__new__(ClusterSim)

@@ -134,6 +134,12 @@ class PrefixCache:
             return req.prompt_len + req.num_generated
         return req.prompt_len + len(req.output_token_ids)
 
+    def learns_pages(self, req: Request) -> bool:
+        """Whether the request's decode steps make the token ids of its new pages known, in the
+        simulator: a session's turn that another follows (see `_known`), whose full pages then
+        register as they fill."""
+        return req.more_turns and self.synthetic_keys and req.synthetic_prompt is not None
+
     def forget(self, req: Request) -> None:
         self._chains.pop(req, None)
         if self.tier is not None:

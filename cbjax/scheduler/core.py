@@ -119,7 +119,7 @@ class Scheduler:
         # tokens unknown until it ran: no stretch writes those
         self.stretch = None if cfg.static_padding or self.drafts is not None else DecodeStretch(
             self.running_set, self.writer, self.policy, self.allocator, self.token_budget,
-            grows=self.prefix is None and not self.allocator.reserve)  # fmt: skip
+            grows=self.tier is None and not self.allocator.reserve, prefix=self.prefix)  # fmt: skip
 
     # what the parts hold, read (and where settable, written) as the scheduler's own
     running = _delegate("running_set.running", "The running requests, in admission order.")

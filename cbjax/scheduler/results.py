@@ -70,9 +70,9 @@ class StepResults:
     def simulated_stretch(self, plan: Schedule, ends: Sequence[float]) -> list[Request]:
         """A decode stretch's steps (`plan.num_steps`, ending at `ends`), as `simulated_step`
         would have recorded them one by one: each request yields a token per step. Before the
-        last step no request reaches its length, and a page that fills registers nowhere (a
-        stretch that takes pages caches no prefix: `cbjax.scheduler.stretch`), so those steps
-        only count tokens and gaps; the last is an ordinary step."""
+        last step no request reaches its length, and a page that fills registers nowhere (no
+        request of a stretch learns a filled page's token ids: `cbjax.scheduler.stretch`), so
+        those steps only count tokens and gaps; the last is an ordinary step."""
         if self.uncommitted is not None:
             raise RuntimeError("advance: the previous step is not committed yet; this is a bug")
         writer = self.writer

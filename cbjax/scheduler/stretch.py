@@ -9,10 +9,12 @@ anything else happens. A request that finishes or leaves changes the running lis
 next plan counts again. Plans carrying token ids (the engine's) are always planned.
 
 A request whose pages fill during a stretch takes its next page at the step that needs it, as
-the planner's `try_append` would, when the pool is paged, caches no prefix, and holds free
-pages for every such step of the stretch (`grows`): then no step can preempt or evict, and
-the pages are taken in the planner's order (step by step, each in running order), so every
-request gets the same pages. Otherwise a stretch ends before any request outgrows its pages.
+the planner's `try_append` would, when the pool is paged, keeps no host tier, and holds free
+or evictable pages for every such step of the stretch (`grows`), and no running request
+learns the token ids of a page it fills (`PrefixCache.learns_pages`): then no step can
+preempt or register a page, and the pages are taken in the planner's order (step by step,
+each in running order), so every request gets the same pages and every eviction is the one
+the planner's step makes. Otherwise a stretch ends before any request outgrows its pages.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ class DecodeStretch:
 
     def __init__(
         self, running_set: RunningSet, writer: PlanWriter, policy: PolicyContract, allocator, token_budget: int,
-        grows: bool = False,
+        grows: bool = False, prefix=None,
     ):  # fmt: skip
         self.running_set, self.writer, self.policy = running_set, writer, policy
         self.allocator, self.token_budget = allocator, token_budget
-        self.grows = grows  # stretches take new pages (see the module)
+        self.grows = grows  # stretches may take new pages (see the module)
+        self.prefix = prefix  # the PrefixCache, or None
+        self._grows = False  # the current stretch takes new pages
         # the last written stretch's page growth, per step that took pages: (step, pages taken,
         # growth of the pool's filled slots), for the loop's per-step counters
         self.growth: list[tuple[int, int, int]] = []
@@ -83,7 +87,7 @@ class DecodeStretch:
 
     def pages_for_steps(self, num_steps: int) -> int:
         """The new pages the stretch's next `num_steps` steps take (0 unless it `grows`)."""
-        if not self.grows or num_steps <= 0:
+        if not self._grows or num_steps <= 0:
             return 0
         return _takes_before(self._first_takes(self.running_set.running), num_steps, self.allocator.page_size)
 
@@ -95,6 +99,7 @@ class DecodeStretch:
 
     def _count(self, running: list[Request]) -> int:
         """How many plans from the next one are pure continuations (0: the next is not)."""
+        self._grows = False
         if not running or len(self.policy) or self.writer.token_ids or len(running) > self.token_budget:
             return 0
         status = Status.RUNNING
@@ -104,17 +109,18 @@ class DecodeStretch:
             if not req.num_generated:  # its prefill's last token: the step yields its first token
                 return 0
         firsts = self._first_takes(running)
-        if self.grows:
-            return self._growing_count(running, firsts)
+        prefix = self.prefix
+        self._grows = self.grows and not (prefix is not None and any(map(prefix.learns_pages, running)))
+        if self._grows:
+            return self._growing_count(running, firsts, self.allocator.num_free_pages)
         left = min(firsts)  # the steps before a request needs a new page
         return left if left > 0 else 0
 
-    def _growing_count(self, running: list[Request], firsts: list[int]) -> int:
+    def _growing_count(self, running: list[Request], firsts: list[int], free: int) -> int:
         """`_count` for a stretch that takes pages (`grows`): the steps, up to the first request's
-        last token, whose new pages the free pool holds."""
+        last token, whose new pages `free` pages hold."""
         ps = self.allocator.page_size
         horizon = min(r.max_output_len - r.num_generated for r in running)
-        free = self.allocator.num_free_pages
         if _takes_before(firsts, horizon, ps) <= free:
             return horizon
         steps = sorted(k for f in firsts for k in range(f, horizon, ps))
@@ -125,7 +131,7 @@ class DecodeStretch:
         each decode's tokens are stored in its pages, the writer counts the plans."""
         alloc = self.allocator
         running = self.running_set.running
-        grew = self._grow(running, num_steps) if self.grows else ()
+        grew = self._grow(running, num_steps) if self._grows else ()
         scheduled = []
         for req in running:
             computed = req.num_computed
