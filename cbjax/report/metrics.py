@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
+from operator import attrgetter
 from typing import Any, Optional
 
 import numpy as np
@@ -19,6 +21,7 @@ KV_SHARES = (
     "kv_share_free",
 )
 SERVED = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP, FinishReason.MAX_MODEL_LEN)
+_FATE = attrgetter("finish_reason")
 
 
 def request_latencies(req: Request) -> dict[str, Any]:
@@ -102,14 +105,15 @@ def summarize(
     out_tokens = sum(r.num_generated for r in served)
     makespan = result.makespan_s
     iters = stats.iterations
+    fates = Counter(map(_FATE, reqs))
     summary: dict[str, Any] = {
         "num_requests": len(reqs),
         "num_finished": len(served),
-        "num_rejected": sum(r.finish_reason is FinishReason.REJECTED for r in reqs),
-        "num_aborted": sum(r.finish_reason is FinishReason.ABORTED for r in reqs),
-        "num_not_arrived": sum(r.finish_reason is FinishReason.NOT_ARRIVED for r in reqs),
-        "num_errors": sum(r.finish_reason is FinishReason.ERROR for r in reqs),
-        "num_max_model_len": sum(r.finish_reason is FinishReason.MAX_MODEL_LEN for r in reqs),
+        "num_rejected": fates[FinishReason.REJECTED],
+        "num_aborted": fates[FinishReason.ABORTED],
+        "num_not_arrived": fates[FinishReason.NOT_ARRIVED],
+        "num_errors": fates[FinishReason.ERROR],
+        "num_max_model_len": fates[FinishReason.MAX_MODEL_LEN],
         "iterations": iters,
         "makespan_s": makespan,
         "output_tokens": out_tokens,
