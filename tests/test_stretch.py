@@ -160,11 +160,14 @@ def test_a_stretch_takes_new_pages_as_its_steps_one_by_one_would(num_pages):
 # session's turn that another follows learns the ids of the pages it fills (they register).
 PREFIX_CASES = {
     "evicting": dict(cache=cache(page_size=4, num_pages=90, prefix_caching=True)),
+    # stretches of last turns take pages, those with a turn another follows do not (with seed
+    # 36 one of the latter follows one of the former)
     "sessions": dict(
-        cache=cache(page_size=4, num_pages=400, prefix_caching=True),
-        workload=WorkloadConfig(name="sessions", num_sessions=12, arrival="poisson", rate=2.0,
-                                turns=LengthConfig(dist="fixed", value=3), prompt_len=LengthConfig(dist="uniform", low=8, high=60),
-                                output_len=LengthConfig(dist="uniform", low=8, high=60), pause=PauseConfig(dist="fixed", value=0.5)),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, chunked_prefill=True),
+        cache=cache(page_size=8, num_pages=400, prefix_caching=True), seed=36,
+        workload=WorkloadConfig(name="sessions", num_sessions=10, arrival="poisson", rate=2.0,
+                                turns=LengthConfig(dist="fixed", value=3), prompt_len=LengthConfig(dist="uniform", low=8, high=100),
+                                output_len=LengthConfig(dist="uniform", low=4, high=80), pause=PauseConfig(dist="fixed", value=0.3)),
     ),
 }  # fmt: skip
 

@@ -131,7 +131,10 @@ class DecodeStretch:
         each decode's tokens are stored in its pages, the writer counts the plans."""
         alloc = self.allocator
         running = self.running_set.running
-        grew = self._grow(running, num_steps) if self._grows else ()
+        if self._grows:
+            grew = self._grow(running, num_steps)
+        else:
+            grew, self.growth = (), []
         scheduled = []
         for req in running:
             computed = req.num_computed
