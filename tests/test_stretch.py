@@ -6,6 +6,7 @@ service-log entry; and the stretch's pricing must equal pricing the steps one by
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -239,6 +240,31 @@ def test_a_clusters_stretches_give_the_results_of_their_steps_one_by_one(cluster
         result = sim.serve(requests)
         out[stretches] = everything(requests, result, sim.service_log)
     assert out[True] == out[False]
+
+
+def random_config(rng: random.Random) -> RunConfig:
+    """A small run drawn from the knobs a stretch meets: page size, pool size, policy, budget,
+    chunking, preemption, prefix caching, shared prefixes and sessions."""
+    sched = SchedulerConfig(name=rng.choice(["fcfs", "priority", "mlfq", "vtc"]), max_num_seqs=rng.choice([4, 16]),
+                            max_num_batched_tokens=rng.choice([256, 2048]), chunked_prefill=rng.random() < 0.5,
+                            preemption=rng.choice(["recompute", "swap"]))
+    pool = cache(page_size=rng.choice([4, 8, 16]), num_pages=rng.choice([60, 90, 150, 400]),
+                 prefix_caching=rng.random() < 0.7, num_swap_pages=200)
+    workload = rng.choice([
+        config().workload,
+        WorkloadConfig(name="shared_prefix", num_requests=60, arrival="poisson", rate=rng.choice([2.0, 12.0])),
+        WorkloadConfig(name="sessions", num_sessions=10, arrival="poisson", rate=2.0, turns=LengthConfig(dist="fixed", value=3),
+                       prompt_len=LengthConfig(dist="uniform", low=8, high=100), output_len=LengthConfig(dist="uniform", low=4, high=80),
+                       pause=PauseConfig(dist="fixed", value=0.3)),
+    ])  # fmt: skip
+    return config(scheduler=sched, cache=pool, workload=workload, seed=rng.randrange(1000))
+
+
+def test_random_configurations_run_stretched_as_one_by_one():
+    rng = random.Random(1)
+    for _ in range(40):
+        cfg = random_config(rng)
+        assert run_single(cfg, True, []) == run_single(cfg, False, []), cfg
 
 
 def test_the_roofline_prices_a_stretch_as_its_steps_one_by_one():
