@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from itertools import repeat
-
 from cbjax.cache.allocator import PageAllocator
 from cbjax.cache.page_hash import ROOT_HASH, chain_hashes
 from cbjax.core.request import Request
 
-# Tags a synthetic page's key: (tag, seed, vocab, page size, page index) never equals a
-# content hash's (parent hash, ids) tuple.
-_SYNTHETIC = -1
+# A synthetic prompt's pages are keyed base + page index, with base the 64-bit hash of
+# (seed, vocabulary, page size) moved to [2**64, 2**65) and shifted past any page index: each
+# stream has its own run of keys, none a content hash (those lie in [-2**63, 2**63)), and
+# consecutive pages get consecutive keys, which the prefix index's dict keeps in nearby slots.
+_INDEX_BITS = 24
+_MASK64 = (1 << 64) - 1
 
 
 class PrefixCache:
@@ -41,10 +42,10 @@ class PrefixCache:
         """Chained hashes of the request's full pages whose token ids are known (memoized).
 
         A page wholly inside a synthetic prompt is named by (seed, vocabulary, page index)
-        rather than by hashing drawn ids: seeded draws of one seed agree on their common
-        prefix, so two such pages hold equal ids exactly when their keys are equal (up to the
-        same 64-bit collision odds as content hashes), and a long simulated trace never draws
-        its prompts. Later pages chain content hashes from the last synthetic key. Used only
+        rather than by hashing drawn ids (see `_INDEX_BITS`): seeded draws of one seed agree on
+        their common prefix, so two such pages hold equal ids exactly when their keys are equal
+        (up to the same 64-bit collision odds as content hashes), and a long simulated trace
+        never draws its prompts. Later pages chain content hashes from the last synthetic key. Used only
         while `synthetic_keys` holds (set before the first request arrives).
 
         A session's turn that another follows (`more_turns`) generates, in the simulator, the
@@ -63,7 +64,8 @@ class PrefixCache:
         if synthetic is not None and self.synthetic_keys:
             seed, vocab = synthetic
             inside = (known if req.more_turns else req.prompt_len) // ps
-            chain.extend(map(hash, zip(repeat(_SYNTHETIC), repeat(seed), repeat(vocab), repeat(ps), range(lo, inside))))
+            base = ((hash((seed, vocab, ps)) & _MASK64) | (1 << 64)) << _INDEX_BITS
+            chain.extend(range(base + lo, base + inside))
             lo = max(lo, inside)
         hi = known // ps
         if hi > lo:
