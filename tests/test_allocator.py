@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbjax.cache import PageAllocator, make_allocator
-from cbjax.cache.allocator import ROOM_TOKENS
+from cbjax.cache.allocator import _IDS_MAX_PAGES, ROOM_TOKENS
 from cbjax.cache.page_hash import ROOT_HASH, chain_hashes
 
 
@@ -400,3 +400,19 @@ def test_prefix_caching_refcounts_eviction_and_contents(ops, allocation):
     assert alloc.num_evictions == evictions + cached and alloc.num_cached_pages == 0
     assert all(alloc.match(chain_hashes(ROOT_HASH, sequence(n, g), 4)) == [] for n in range(6) for g in range(2))
     alloc.check_invariants()
+
+
+@pytest.mark.parametrize("allocation", ["paged", "reserve_max"])
+def test_a_pool_past_the_page_id_list_hands_out_the_same_tables(allocation):
+    """Past `_IDS_MAX_PAGES` pages the allocator takes page ids from `range` rather than from a
+    list it made once: tables are still lists, and the same pages as a pool at the limit's."""
+    tables = {}
+    for num_pages in (_IDS_MAX_PAGES, _IDS_MAX_PAGES + 1):
+        alloc = make_allocator(num_pages, 16, allocation)
+        got = [alloc.allocate(f"r{i}", 100 + 37 * i, 300) for i in range(4)]
+        alloc.free("r1")
+        got.append(alloc.allocate("r4", 500, 600))
+        assert all(type(t) is list for t in got)
+        alloc.check_invariants()
+        tables[num_pages] = got
+    assert tables[_IDS_MAX_PAGES] == tables[_IDS_MAX_PAGES + 1]

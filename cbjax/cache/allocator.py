@@ -9,6 +9,7 @@ from typing import Iterable, Optional, Sequence
 from cbjax.cache.invariants import check_paged_pool
 from cbjax.core.request import Request
 
+_IDS_MAX_PAGES = 1 << 18
 # Runs an iterator of calls for their effects, in C (a deque that keeps nothing).
 _drain = deque(maxlen=0).extend
 
@@ -59,7 +60,9 @@ class PageAllocator:
         self.reserve = False
         self.prefix_caching = prefix_caching
         self._is_free = bytearray(b"\0") + bytearray(b"\1") * (num_pages - 1)  # page -> 1 if free
-        self._ids = list(range(num_pages))  # a table's pages are sliced from here: no new int objects
+        # page ids to slice tables from, made once (36 bytes a page): a small pool's tables then
+        # make no int objects; a large one's take theirs from `range`
+        self._ids = list(range(num_pages)) if num_pages <= _IDS_MAX_PAGES else range(num_pages)
         self._num_free = num_pages - 1
         self._cursor = 1  # where the next stretch's search starts
         self._absent = num_pages  # no run of this many free pages exists (taking pages makes none)

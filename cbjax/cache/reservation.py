@@ -86,7 +86,7 @@ class ReservationAllocator(PageAllocator):
             self._run_starts.insert(i, start + need)
             self._run_len[start + need] = end - start - need
         self._num_free -= need
-        table = self._ids[start : start + need]
+        table = list(self._ids[start : start + need])
         self.page_tables[request_id] = table
         self._num_hashed[request_id] = 0
         self._stored[request_id] = num_tokens
