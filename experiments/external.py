@@ -76,16 +76,20 @@ TRT_LLM_010_OFF = {("llama3_8b", "H100", 128, 128), ("llama3_8b", "H100", 128, 2
 
 def _inflight_overrides(
     model: str, hardware: str, max_batch: int, requests: int, isl: int, osl: int, chunked: bool = False,
-    memory_utilization: Optional[float] = None, max_model_len: Optional[int] = None,
+    memory_utilization: Optional[float] = None, max_model_len: Optional[int] = None, budget: int = 8192,
+    max_utilization: bool = False,
 ) -> list[str]:
     """A TensorRT-LLM in-flight benchmark's setup: fixed-length requests queued at once, each
-    admitted only with its prompt plus output free in the pool (Guaranteed No Evict)."""
+    admitted only with its prompt plus output free in the pool (Guaranteed No Evict), or, with
+    `max_utilization`, as the paged pool holds them, recomputing the ones it pauses."""
     return [
         f"model={model}", f"hardware={hardware}", "overhead=none", "scheduler=fcfs",
-        f"scheduler.max_num_seqs={max_batch}", "scheduler.max_num_batched_tokens=8192",
-        *(["scheduler.chunked_prefill=true"] if chunked else []), "cache.prefix_caching=false", "cache.num_pages=auto",
-        *([f"cache.memory_utilization={memory_utilization}"] if memory_utilization is not None else []),
-        "cache.allocation=reserve_oracle", "workload.arrival=all_at_once", f"workload.num_requests={requests}",
+        f"scheduler.max_num_seqs={max_batch}", f"scheduler.max_num_batched_tokens={budget}",
+        *(["scheduler.chunked_prefill=true"] if chunked else []),
+        *(["scheduler.preemption=recompute"] if max_utilization else []), "cache.prefix_caching=false",
+        "cache.num_pages=auto", *([f"cache.memory_utilization={memory_utilization}"] if memory_utilization is not None else []),
+        *([] if max_utilization else ["cache.allocation=reserve_oracle"]), "workload.arrival=all_at_once",
+        f"workload.num_requests={requests}",
         *_fixed_lengths(isl, osl),
         *([f"model.max_model_len={max_model_len}"] if max_model_len is not None else []),
     ]  # fmt: skip
@@ -138,13 +142,8 @@ def _trt_010_row(label: str, model: str, gpu: str, isl: int, osl: int, published
         "unit": "output tok/s",
         "published": published,
         "tolerance": 0.25,
-        "overrides": [
-            f"model={model}", f"hardware={GPU_HARDWARE[gpu]}", "overhead=none", "scheduler=fcfs",
-            "scheduler.max_num_seqs=2048", "scheduler.max_num_batched_tokens=2048", "scheduler.chunked_prefill=true",
-            "scheduler.preemption=recompute", "cache.prefix_caching=false", "cache.num_pages=auto",
-            "cache.memory_utilization=0.9", "workload.arrival=all_at_once", "workload.num_requests=2000",
-            *_fixed_lengths(isl, osl), "model.max_model_len=4096",
-        ],  # fmt: skip
+        "overrides": _inflight_overrides(model, GPU_HARDWARE[gpu], 2048, 2000, isl, osl, chunked=True, memory_utilization=0.9,
+                                         max_model_len=4096, budget=2048, max_utilization=True),  # fmt: skip
         "fitted": False,
         "off": (model, gpu, isl, osl) in TRT_LLM_010_OFF,
         "note": f"{label} is cbjax's {model}. Max Utilization admits as many requests as the pool holds and pauses "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from itertools import islice
 from typing import Iterable, Optional, Sequence
 
@@ -10,8 +10,6 @@ from cbjax.cache.invariants import check_paged_pool
 from cbjax.core.request import Request
 
 _IDS_MAX_PAGES = 1 << 18
-# Runs an iterator of calls for their effects, in C (a deque that keeps nothing).
-_drain = deque(maxlen=0).extend
 
 # cache.allocation modes, the one list the config checks against.
 ALLOCATIONS = ("paged", "reserve_max", "reserve_pow2", "reserve_oracle")
@@ -316,24 +314,17 @@ class PageAllocator:
         if owner is not None and (jumps > (after is None) or len(pages) < n):  # (or cached pages evicted)
             self._scattered.add(owner)
         evict = n - len(pages)
-        if evict and self.on_evict is None:  # the least recently released, all at once
+        if evict:  # the least recently released cached pages, in that order
             evicted = list(islice(self._cached, evict))
-            _drain(map(self._cached.__delitem__, evicted))
-            hash_of, page_of = self._hash_of, self._page_of
+            cached, hash_of, page_of, on_evict = self._cached, self._hash_of, self._page_of, self.on_evict
             for page in evicted:
-                del page_of[hash_of[page]]
-                hash_of[page] = None
+                del cached[page]
+                h, hash_of[page] = hash_of[page], None
+                del page_of[h]
+                if on_evict is not None:
+                    on_evict(page, h)
             self.num_evictions += evict
             pages += evicted
-            evict = 0
-        for _ in range(evict):
-            page, _ = self._cached.popitem(last=False)
-            h, self._hash_of[page] = self._hash_of[page], None
-            del self._page_of[h]
-            self.num_evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(page, h)
-            pages.append(page)
         if self.prefix_caching:
             refs = self._refs
             for page in pages:
