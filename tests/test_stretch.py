@@ -134,6 +134,18 @@ CASES = {
     "prefix_caching": dict(cache=cache(page_size=16, num_pages=400, prefix_caching=True),
                            workload=WorkloadConfig(name="shared_prefix", num_requests=120, arrival="poisson", rate=6.0)),
     "reserve_pow2": dict(cache=cache(page_size=16, num_pages=2000, allocation="reserve_pow2")),
+    "reserve_oracle_sjf": dict(scheduler=SchedulerConfig(name="sjf", max_num_seqs=16, max_num_batched_tokens=2048),
+                               cache=cache(page_size=16, num_pages=700, allocation="reserve_oracle")),
+    # a host tier: stretches end at page boundaries, evicted pages are stored on the host and
+    # later requests load them back (with prefetch: while they wait)
+    "host_tier": dict(cache=cache(page_size=4, num_pages=200, prefix_caching=True, host_pages=400),
+                      workload=WorkloadConfig(name="shared_prefix", num_requests=120, arrival="poisson", rate=6.0)),
+    "host_tier_session_prefetch": dict(
+        cache=cache(page_size=4, num_pages=200, prefix_caching=True, host_pages=400, host_eviction="session", host_prefetch=True),
+        workload=WorkloadConfig(name="sessions", num_sessions=12, arrival="poisson", rate=3.0, turns=LengthConfig(dist="fixed", value=3),
+                                prompt_len=LengthConfig(dist="uniform", low=8, high=100), output_len=LengthConfig(dist="uniform", low=4, high=80),
+                                pause=PauseConfig(dist="fixed", value=0.3)),
+    ),
     "unit_cost": dict(executor=ExecutorConfig(name="sim", cost_model="unit")),
     "page_overhead": dict(overhead=OverheadConfig(name="test", step_s=2e-3, seq_s=1e-4, page_s=1e-6)),
 }
@@ -143,8 +155,13 @@ CASES = {
 def test_a_stretch_gives_the_results_of_its_steps_one_by_one(case):
     cfg = config(**CASES[case])
     stretched, single = [], []
-    assert run_single(cfg, True, stretched) == run_single(cfg, False, single)
+    out = run_single(cfg, True, stretched)
+    assert out == run_single(cfg, False, single)
     assert not single and stretched and max(stretched) > 2, case  # stretches ran, and only where asked
+    if case.startswith("host_tier"):  # the tier stored pages, and later turns loaded them back
+        assert out["summary"]["prefix_hit_tokens_host"] > 0 and out["summary"]["kv_host_pages_stored"] > 0
+    if case.endswith("prefetch"):
+        assert out["summary"]["kv_host_pages_prefetched"] > 0
 
 
 @pytest.mark.parametrize("num_pages", [400, 90])
