@@ -1,5 +1,7 @@
 """Page allocator: free list, growing page tables, reserve_max, prefix sharing, invariants under random use."""
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -416,3 +418,42 @@ def test_a_pool_past_the_page_id_list_hands_out_the_same_tables(allocation):
         alloc.check_invariants()
         tables[num_pages] = got
     assert tables[_IDS_MAX_PAGES] == tables[_IDS_MAX_PAGES + 1]
+
+
+def test_cached_pages_leave_in_the_order_they_were_released():
+    """An oracle queue of cached pages: a page joins at the back when its last holder frees it
+    (tail first), leaves when a hit takes it back, and eviction takes from the front. Random
+    requests of a few shared prefixes, long enough that the allocator drops its queue's spent
+    entries several times."""
+    rng = random.Random(3)
+    alloc = PageAllocator(num_pages=24, page_size=2, prefix_caching=True)
+    evicted: list[int] = []
+    alloc.on_evict = lambda page, h: evicted.append(page)
+    order: list[int] = []  # the oracle: cached pages, least recently released first
+    held: dict[str, list[int]] = {}
+    num_evicted = 0
+    for step in range(6000):
+        if held and (len(held) > 6 or rng.random() < 0.45):
+            rid = rng.choice(sorted(held))
+            table = held.pop(rid)
+            alloc.free(rid)
+            others = {p for t in held.values() for p in t}
+            order += [p for p in reversed(table) if p not in others and alloc._hash_of[p] is not None]
+        else:
+            rid = f"r{step}"
+            ids = [rng.randrange(3)] * 4 + [step] * rng.randrange(1, 9)  # a shared head, then its own
+            hashes = chain_hashes(ROOT_HASH, ids, 2)
+            cached = alloc.match(hashes[: (len(ids) - 1) // 2])
+            if not alloc.can_allocate(len(ids), len(ids), cached):
+                continue
+            before = len(evicted)
+            held[rid] = alloc.allocate(rid, len(ids), len(ids), cached)
+            order = [p for p in order if p not in cached]  # hits leave the queue
+            taken = evicted[before:]
+            assert taken == order[: len(taken)], step  # the least recently released, in order
+            del order[: len(taken)]
+            num_evicted += len(taken)
+            alloc.register(rid, hashes, len(ids) // 2)
+        assert alloc.num_cached_pages == len(order)
+        alloc.check_invariants()
+    assert num_evicted > 1000 and alloc._cached.base > 0  # evictions, and spent entries dropped

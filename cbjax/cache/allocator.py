@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from itertools import islice
 from typing import Iterable, Optional, Sequence
 
 from cbjax.cache.invariants import check_paged_pool
+from cbjax.cache.release_queue import ReleaseQueue
 from cbjax.core.request import Request
 
 _IDS_MAX_PAGES = 1 << 18
@@ -65,10 +64,10 @@ class PageAllocator:
         self._cursor = 1  # where the next stretch's search starts
         self._absent = num_pages  # no run of this many free pages exists (taking pages makes none)
         self._room = max(1, ROOM_TOKENS // page_size)  # pages
-        # prefix caching only, indexed by page: the page tables holding it (0: not owned), and
-        # its hash while registered (else None)
+        # prefix caching only, indexed by page: the page tables holding it beside the first (0:
+        # one, or not owned), and its hash while registered (else None)
         self._refs: list[int] = [0] * num_pages if prefix_caching else []
-        self._cached: OrderedDict[int, None] = OrderedDict()  # refcount-0 registered pages, LRU first
+        self._cached = ReleaseQueue(num_pages if prefix_caching else 0)  # registered, held by none
         self._page_of: dict[int, int] = {}  # hash -> registered page
         self._hash_of: list[Optional[int]] = [None] * num_pages if prefix_caching else []
         self._num_hashed: dict[str, int] = {}  # request -> leading pages already offered to `register`
@@ -88,17 +87,17 @@ class PageAllocator:
     @property
     def num_free_pages(self) -> int:
         """Pages that can be handed out: free, or cached and unreferenced (evictable)."""
-        return self._num_free + len(self._cached)
+        return self._num_free + self._cached.count
 
     @property
     def num_cached_pages(self) -> int:
         """Unreferenced pages kept for prefix reuse."""
-        return len(self._cached)
+        return self._cached.count
 
     @property
     def num_used_pages(self) -> int:
         """Pages referenced by at least one page table (a shared page counts once)."""
-        return self.num_pages - 1 - self._num_free - len(self._cached)
+        return self.num_pages - 1 - self._num_free - self._cached.count
 
     def token_utilization(self, used: Optional[int] = None) -> float:
         """Tokens stored / token capacity of the owned pages (1.0 when nothing is owned; over 1 with
@@ -155,10 +154,9 @@ class PageAllocator:
             raise ValueError("cache_pages: a hash is cached already")
         pages = self._take(len(hashes))
         for page, h in zip(pages, hashes):
-            self._refs[page] = 0
             self._page_of[h] = page
             self._hash_of[page] = h
-            self._cached[page] = None
+            self._cached.push(page)
         return pages
 
     # ---- admission ----
@@ -205,14 +203,14 @@ class PageAllocator:
     def can_append(self, request_id: str, num_tokens: int) -> bool:
         # the scheduler's hottest call: num_free_pages and pages_to_append inlined
         need = -(-num_tokens // self.page_size) - len(self.page_tables[request_id])
-        return need <= self._num_free + len(self._cached)
+        return need <= self._num_free + self._cached.count
 
     def try_append(self, request_id: str, num_tokens: int) -> bool:
         """`append` if `can_append`; whether it did (one call for the scheduler's hot path)."""
         table = self.page_tables[request_id]
         need = -(-num_tokens // self.page_size) - len(table)
         if need > 0:
-            if need > self._num_free + len(self._cached):
+            if need > self._num_free + self._cached.count:
                 return False
             table.extend(self._take(need, table[-1] if table else None, request_id))
         self.num_stored_tokens += num_tokens - self._stored[request_id]
@@ -231,7 +229,7 @@ class PageAllocator:
             num_tokens = req.num_computed + 1
             if num_tokens > len(table) * ps:
                 need = -(-num_tokens // ps) - len(table)
-                if need > self._num_free + len(self._cached):
+                if need > self._num_free + self._cached.count:
                     break
                 table.extend(self._take(need, table[-1] if table else None, rid))
             grown += num_tokens - stored[rid]
@@ -244,7 +242,7 @@ class PageAllocator:
         """Grow the request's page table to hold `num_tokens` tokens in all."""
         table = self.page_tables[request_id]
         need = -(-num_tokens // self.page_size) - len(table)
-        if need > self._num_free + len(self._cached):
+        if need > self._num_free + self._cached.count:
             raise ValueError(f"request {request_id}: needs {need} more pages, {self.num_free_pages} free")
         if need > 0:
             table.extend(self._take(need, table[-1] if table else None, request_id))
@@ -270,23 +268,28 @@ class PageAllocator:
             self._num_free += n
             return
         # Tail first, so a sequence's last pages are evicted before the prefix they extend.
-        refs, hash_of, cached, is_free = self._refs, self._hash_of, self._cached, self._is_free
+        refs, hash_of, is_free, cached = self._refs, self._hash_of, self._is_free, self._cached
+        lru, at = cached.entries, cached.at  # ReleaseQueue.push, inlined
         freed = 0
+        start = pos = cached.base + len(lru)
         for page in reversed(table):
-            held = refs[page] = refs[page] - 1
-            if held:
-                continue
-            if hash_of[page] is not None:
-                cached[page] = None
+            if refs[page]:  # another table holds it
+                refs[page] -= 1
+            elif hash_of[page] is not None:
+                lru.append(page)
+                at[page] = pos
+                pos += 1
             else:
                 is_free[page] = 1
                 freed += 1
         self._num_free += freed
+        cached.count += pos - start
 
     def _hold(self, page: int) -> None:
         if page in self._cached:
-            del self._cached[page]
-        self._refs[page] += 1
+            self._cached.remove(page)
+        else:
+            self._refs[page] += 1
 
     def _take(self, n: int, after: int | None = None, owner: str | None = None) -> list[int]:
         """`n` pages for new contents after a table's last page `after` (None: an empty table):
@@ -296,8 +299,6 @@ class PageAllocator:
         page = -1 if after is None else after + 1
         if n == 1 and 0 < page < self.num_pages and is_free[page]:  # a table's next page, free
             is_free[page], self._num_free = 0, self._num_free - 1
-            if self.prefix_caching:
-                self._refs[page] = 1
             return [page]
         jumps = 0  # runs started by placement, not at the table's next page
         while len(pages) < n and self._num_free:
@@ -315,21 +316,20 @@ class PageAllocator:
             self._scattered.add(owner)
         evict = n - len(pages)
         if evict:  # the least recently released cached pages, in that order
-            evicted = list(islice(self._cached, evict))
-            cached, hash_of, page_of, on_evict = self._cached, self._hash_of, self._page_of, self.on_evict
-            for page in evicted:
-                del cached[page]
-                h, hash_of[page] = hash_of[page], None
-                del page_of[h]
-                if on_evict is not None:
-                    on_evict(page, h)
-            self.num_evictions += evict
-            pages += evicted
-        if self.prefix_caching:
-            refs = self._refs
-            for page in pages:
-                refs[page] = 1
+            pages += self._evict(evict)
         return pages
+
+    def _evict(self, n: int) -> list[int]:
+        """Unregister the `n` least recently released cached pages; returns them in that order."""
+        evicted = self._cached.pop_front(n)
+        hash_of, page_of, on_evict = self._hash_of, self._page_of, self.on_evict
+        for page in evicted:
+            h, hash_of[page] = hash_of[page], None
+            del page_of[h]
+            if on_evict is not None:
+                on_evict(page, h)
+        self.num_evictions += n
+        return evicted
 
     def _place(self, n: int) -> int:
         """The first page of a new stretch for `n` pages (some page is free): the first run from the
