@@ -6,10 +6,12 @@ from __future__ import annotations
 
 class ReleaseQueue:
     """Pages, least recently released first: the entries of `entries` from `head` on whose
-    page's `at` is their position (`base` + index; -1: the page is not queued). A page taken
-    out of the middle (`remove`) leaves a dead entry behind, which `pop_front` skips; `dead`
-    counts those from the head on. Spent entries before the head are dropped now and then,
-    `base` counting them, so positions stay valid.
+    page's `at` is their position (`base` + index). A page is queued exactly when its `at` is
+    at least the head's position: a page popped from the front keeps its old, smaller one, so
+    popping writes nothing per page, and one taken out of the middle (`remove`) gets -1 and
+    leaves a dead entry behind, which `pop_front` skips; `dead` counts those from the head on.
+    Spent entries before the head are dropped now and then, `base` counting them, so
+    positions stay valid.
 
     `PageAllocator.free` appends a table's pages in its own loop, as `push` does (an entry,
     its position, then `count`): it is the cache's hottest path."""
@@ -23,7 +25,7 @@ class ReleaseQueue:
         return self.count
 
     def __contains__(self, page: int) -> bool:
-        return self.at[page] >= 0
+        return self.at[page] >= self.base + self.head
 
     def push(self, page: int) -> None:
         """Queue `page` (not queued) at the back: the most recently released."""
@@ -52,8 +54,6 @@ class ReleaseQueue:
                 else:
                     self.dead -= 1
                 head += 1
-        for page in pages:
-            at[page] = -1
         self.count -= n
         if head > 4096 and 2 * head > len(entries):  # drop the spent entries
             del entries[:head]
@@ -70,7 +70,7 @@ class ReleaseQueue:
     def check(self) -> None:
         """Raise AssertionError unless every queued page has one live entry from the head on,
         and `count` and `dead` count what they say."""
-        queued = [p for p, i in enumerate(self.at) if i >= 0]
+        queued = [p for p in range(len(self.at)) if p in self]
         for p in queued:
             i = self.at[p] - self.base
             assert self.head <= i < len(self.entries) and self.entries[i] == p, f"page {p}: its queue entry is not where it points"
