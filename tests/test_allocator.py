@@ -457,3 +457,27 @@ def test_cached_pages_leave_in_the_order_they_were_released():
         assert alloc.num_cached_pages == len(order)
         alloc.check_invariants()
     assert num_evicted > 1000 and alloc._cached.base > 0  # evictions, and spent entries dropped
+
+
+def test_the_release_queue_stays_small_when_hits_take_pages_back_without_evictions():
+    """Each round a request hits the same cached prefix, taking its pages out of the queue
+    (dead entries behind), and frees them again; the pool never evicts. The queue's list must
+    not grow with the rounds, and its order must stay that of release."""
+    alloc = PageAllocator(num_pages=64, page_size=2, prefix_caching=True)
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    hashes = chain_hashes(ROOT_HASH, ids, 2)
+    alloc.allocate("first", 7, 7)
+    alloc.register("first", hashes, 3)
+    alloc.free("first")
+    for r in range(4000):
+        rid = f"r{r}"
+        cached = alloc.match(hashes)
+        assert len(cached) == 3
+        alloc.allocate(rid, 7, 7, cached)
+        alloc.free(rid)
+        if r % 500 == 0:
+            alloc.check_invariants()
+    alloc.check_invariants()
+    assert alloc.num_evictions == 0 and alloc.num_cached_pages == 3
+    assert len(alloc._cached.entries) < 2 * 4096  # 12,000 releases passed through it
+    assert alloc._cached.pages() == list(reversed(cached))  # tail first, as released

@@ -11,7 +11,8 @@ class ReleaseQueue:
     popping writes nothing per page, and one taken out of the middle (`remove`) gets -1 and
     leaves a dead entry behind, which `pop_front` skips; `dead` counts those from the head on.
     Spent entries before the head are dropped now and then, `base` counting them, so
-    positions stay valid.
+    positions stay valid; so are dead entries once they outnumber the live ones, so the list
+    stays within about twice the queue however many pages pass through it.
 
     `PageAllocator.free` appends a table's pages in its own loop, as `push` does (an entry,
     its position, then `count`): it is the cache's hottest path."""
@@ -38,6 +39,18 @@ class ReleaseQueue:
         self.at[page] = -1
         self.count -= 1
         self.dead += 1
+        if self.dead > 4096 and self.dead > self.count:
+            self._drop_dead()
+
+    def _drop_dead(self) -> None:
+        """Rewrite the queue as its live entries, at positions past every earlier one (so a
+        page popped before keeps a position below the head's)."""
+        live = self.pages()
+        self.base += len(self.entries)
+        self.entries[:] = live
+        for i, page in enumerate(live, self.base):
+            self.at[page] = i
+        self.head = self.dead = 0
 
     def pop_front(self, n: int) -> list[int]:
         """Take out the `n` least recently released pages (at most `count`), in that order."""
