@@ -255,7 +255,6 @@ class PageAllocator:
         table = self.page_tables.pop(request_id)
         self.num_stored_tokens -= self._stored.pop(request_id)
         del self._num_hashed[request_id]
-        self._absent = self.num_pages  # freed pages may make a run of any length
         scattered = request_id in self._scattered
         self._scattered.discard(request_id)
         if not self.prefix_caching:
@@ -263,14 +262,16 @@ class PageAllocator:
             if scattered:
                 for page in table:
                     is_free[page] = 1
+                self._absent = self.num_pages  # freed pages may make a run of any length
             elif n:  # one ascending run (placement's aim): one copy
                 is_free[table[0] : table[0] + n] = b"\1" * n
+                self._grown(table[0], table[0] + n)
             self._num_free += n
             return
         # Tail first, so a sequence's last pages are evicted before the prefix they extend.
         refs, hash_of, is_free, cached = self._refs, self._hash_of, self._is_free, self._cached
         lru, at = cached.entries, cached.at  # ReleaseQueue.push, inlined
-        freed = 0
+        freed = []
         start = pos = cached.base + len(lru)
         for page in reversed(table):
             if refs[page]:  # another table holds it
@@ -281,9 +282,19 @@ class PageAllocator:
                 pos += 1
             else:
                 is_free[page] = 1
-                freed += 1
-        self._num_free += freed
+                freed.append(page)
+        self._num_free += len(freed)
         cached.count += pos - start
+        if len(freed) > 8:
+            self._absent = self.num_pages  # freed pages may make a run of any length
+        for page in freed if len(freed) <= 8 else ():
+            self._grown(page, page + 1)
+
+    def _grown(self, lo: int, hi: int) -> None:
+        """Pages [lo, hi) went free: the run holding them may pass `_absent` (no other run grew)."""
+        end = self._is_free.find(b"\0", hi)  # (and rfind finds the null page at the latest)
+        length = (self.num_pages if end < 0 else end) - self._is_free.rfind(b"\0", 0, lo) - 1
+        self._absent = max(self._absent, length + 1)
 
     def _hold(self, page: int) -> None:
         if page in self._cached:

@@ -21,6 +21,8 @@ def check_paged_pool(alloc) -> None:
     alloc._cached.check()
     hash_of = {p: h for p, h in enumerate(alloc._hash_of) if h is not None}  # registered page -> hash
     assert len(free) == alloc._num_free, "the free count differs from the free pages"
+    longest = max((len(run) for run in bytes(alloc._is_free).split(b"\0")), default=0)
+    assert longest < alloc._absent, f"a run of {longest} free pages exists, placement skips runs of {alloc._absent}"
     assert not free & owned and not free & cached and not cached & owned, "a page is in two states"
     assert alloc.NULL_PAGE not in free | cached | owned, "the null page was handed out"
     assert free | cached | owned == set(range(1, alloc.num_pages)), "a page was lost"
