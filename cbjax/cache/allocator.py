@@ -57,8 +57,7 @@ class PageAllocator:
         self.reserve = False
         self.prefix_caching = prefix_caching
         self._is_free = bytearray(b"\0") + bytearray(b"\1") * (num_pages - 1)  # page -> 1 if free
-        # page ids to slice tables from, made once (36 bytes a page): a small pool's tables then
-        # make no int objects; a large one's take theirs from `range`
+        # page ids to slice tables from (36 bytes a page, no new ints); a large pool's from `range`
         self._ids = list(range(num_pages)) if num_pages <= _IDS_MAX_PAGES else range(num_pages)
         self._num_free = num_pages - 1
         self._cursor = 1  # where the next stretch's search starts
@@ -145,9 +144,8 @@ class PageAllocator:
         self._num_hashed[request_id] = num_pages
 
     def cache_pages(self, hashes: Sequence[int]) -> list[int]:
-        """New pages registered under `hashes` (none of them cached now) and left cached,
-        unreferenced and most recently released: where a prefetch loads a waiting request's
-        pages, for its admission to match."""
+        """New pages registered under `hashes` (none cached now), left cached as the most recently
+        released: where a prefetch loads a waiting request's pages, for its admission to match."""
         if len(hashes) > self.num_free_pages:
             raise ValueError(f"cache_pages: {len(hashes)} pages, {self.num_free_pages} free")
         if any(h in self._page_of for h in hashes):
@@ -262,10 +260,10 @@ class PageAllocator:
             if scattered:
                 for page in table:
                     is_free[page] = 1
-                self._absent = self.num_pages  # freed pages may make a run of any length
-            elif n:  # one ascending run (placement's aim): one copy
+                self._freed(table)
+            elif n:  # one ascending run (placement's aim): one copy, and one run to measure
                 is_free[table[0] : table[0] + n] = b"\1" * n
-                self._grown(table[0], table[0] + n)
+                self._freed(table[:1])
             self._num_free += n
             return
         # Tail first, so a sequence's last pages are evicted before the prefix they extend.
@@ -285,16 +283,18 @@ class PageAllocator:
                 freed.append(page)
         self._num_free += len(freed)
         cached.count += pos - start
-        if len(freed) > 8:
-            self._absent = self.num_pages  # freed pages may make a run of any length
-        for page in freed if len(freed) <= 8 else ():
-            self._grown(page, page + 1)
+        self._freed(freed)
 
-    def _grown(self, lo: int, hi: int) -> None:
-        """Pages [lo, hi) went free: the run holding them may pass `_absent` (no other run grew)."""
-        end = self._is_free.find(b"\0", hi)  # (and rfind finds the null page at the latest)
-        length = (self.num_pages if end < 0 else end) - self._is_free.rfind(b"\0", 0, lo) - 1
-        self._absent = max(self._absent, length + 1)
+    def _freed(self, pages: list[int]) -> None:
+        """`pages` went free: a run holding one may pass `_absent` (no other run grew)."""
+        if len(pages) > 8:  # too many runs to measure: they may make a run of any length
+            self._absent = self.num_pages
+            return
+        is_free = self._is_free
+        for page in pages:
+            end = is_free.find(b"\0", page)  # (rfind meets the null page at the latest)
+            length = (self.num_pages if end < 0 else end) - is_free.rfind(b"\0", 0, page) - 1
+            self._absent = max(self._absent, length + 1)
 
     def _hold(self, page: int) -> None:
         if page in self._cached:
