@@ -16,7 +16,8 @@ from cbjax.profile.residuals import held_out_residuals
 from cbjax.profile.served_fit import censored, fit_collect, fit_drain, fit_launch, fit_served
 from cbjax.profile.serving import anchor_rounds, held_out_round, serving_round_count, serving_runs
 from cbjax.profile.fit import fit_costs
-from cbjax.sim.profiled import COLD_TERMS, LAUNCH_TERMS, STEP_TERMS
+from cbjax.sim.launch_terms import HELD_TERMS, LAUNCH_TERMS
+from cbjax.sim.profiled import COLD_TERMS, STEP_TERMS
 
 # the truth the synthetic served logs are drawn from
 FIXED = {4: 1.0e-3, 8: 1.5e-3, 16: 2.5e-3}
@@ -123,7 +124,34 @@ def test_launch_fit_recovers_the_loops_host_time_and_ignores_a_stall(weighting):
     served[7] = {**served[7], "host_s": 0.05}
     coef = fit_launch(served, weighting)
     assert [coef[k] for k in LAUNCH_TERMS] == pytest.approx(LAUNCH, rel=1e-6)
-    assert fit_launch(synthetic_log(10, seed=4)) == dict.fromkeys(LAUNCH_TERMS, 0.0)  # no launch recorded
+    assert fit_launch(synthetic_log(10, seed=4)) == dict.fromkeys(LAUNCH_TERMS + HELD_TERMS, 0.0)  # no launch recorded
+    assert [coef[k] for k in HELD_TERMS] == [0.0, 0.0]  # no step call recorded: no held launch
+
+
+# what a prefill plan's launch takes more when its call finds the device idle (HELD_TERMS' order)
+HELD = (6e-4, 1.5e-6)
+
+
+def test_launch_fit_recovers_the_held_terms_apart_from_the_launch_terms():
+    # the launches of `with_launches`, each with its step call: 0.1 ms where it queued the step,
+    # 1 ms where a prefill plan's call found the device idle and ran the step (every other
+    # prefill launch), whose host time then holds HELD more. Both term sets come back exactly;
+    # a decode plan's long call is no held launch, and read as one it would spoil the fit.
+    served = with_launches(synthetic_log(300, seed=4), seed=5)
+    held = 0
+    for i, s in enumerate(served):
+        call = 1e-4
+        if s["next_prefill_rows"]:
+            held += 1
+            if held % 2:
+                call = 1e-3
+                s["host_s"] += HELD[0] + HELD[1] * s["next_tokens"]
+        elif i % 7 == 0:
+            call = 1e-3
+        s["next_dispatch_s"] = call
+    coef = fit_launch(served, "absolute")
+    assert [coef[k] for k in LAUNCH_TERMS] == pytest.approx(LAUNCH, rel=1e-6)
+    assert [coef[k] for k in HELD_TERMS] == pytest.approx(HELD, rel=1e-6)
 
 
 def test_a_step_whose_share_a_prefill_launch_set_stays_out_of_the_step_fit():

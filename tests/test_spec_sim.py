@@ -166,6 +166,26 @@ def test_a_verify_row_streams_the_weights_once_and_charges_its_tokens_each():
     assert RooflineCost(model, hw)(verify_plan(0)).device_s == cost(verify_plan(0)).device_s
 
 
+def test_a_stacks_overhead_keeps_the_pipelined_parts_of_the_steps_time():
+    # a stack over another model adds its host time (0.5 a step here) to the step and to its
+    # drain, and keeps the launch, the collect share and the held launch's extra as priced
+    from cbjax.config import OverheadConfig
+    from cbjax.core.timing import StepTime
+    from cbjax.sim.cost import WithOverhead
+
+    priced = StepTime(1.0, 0.05, 0.0, 0.1, 0.5, 0.0, 0.0, 0.25, 0.75)
+
+    class Fixed:
+        name, history = "fixed", 0
+
+        def __call__(self, plan, ctx=None):
+            return priced
+
+    cost = WithOverhead(Fixed(), ModelConfig(), OverheadConfig(step_s=0.5))
+    t = cost(Schedule(num_slots=1, scheduled=[ScheduledRequest("a", 0, 100, 1, True)], page_size=16))
+    assert t == StepTime(1.0, 0.55, 0.0, 0.1, 1.0, 0.0, 0.0, 0.25, 0.75)
+
+
 def test_a_draft_models_proposals_keep_every_other_part_of_the_steps_time():
     # the wrapped model prices a step 1.0 on the device, 0.5 drained, with host-tier copies
     # (0.3, 0.2 of it loads), a 0.4 prefetch beside it, a 0.1 launch and a 0.25 collect share;

@@ -54,7 +54,7 @@ def _app(cfg: DictConfig) -> None:
         print(f"warning: a busy machine? the grid model (steps back to back) puts the served steps {grid_gap:+.0%} off. "
               "Profile again on a quiet machine.")  # fmt: skip
     from cbjax.profile.anchor import SPEED_TOLERANCE, spread, steady
-    from cbjax.profile.launch_residuals import HELD_CALL
+    from cbjax.profile.served_fit import HELD_CALL
     from cbjax.profile.residuals import format_table
 
     table = r["by_regime"]

@@ -7,12 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from cbjax.profile.served_fit import HOST_STALL, censored
-
-
-# A launch whose step call took over this multiple of the median call of launches that found the
-# device busy held the loop while its step ran (`launch_residuals`' `prefill_by_call`).
-HELD_CALL = 2.0
+from cbjax.profile.served_fit import HELD_CALL, HOST_STALL, held_floor
 
 
 def launch_residuals(served: list[dict]) -> dict[str, Any]:
@@ -43,9 +38,8 @@ def launch_residuals(served: list[dict]) -> dict[str, Any]:
     # and by whether the launch's step call held the loop while the step ran (where the host and
     # the device share a CPU core, a call that finds the device idle runs the step in its place):
     # over HELD_CALL times the median call of launches that found it busy (their collect waited)
-    calls = [s["next_dispatch_s"] for s in points if "next_dispatch_s" in s and not censored(s)]
-    if calls:
-        floor = float(np.median(calls))
+    floor = held_floor(points)
+    if floor is not None:
         timed = [s for s in prefill if "next_dispatch_s" in s]
         out["prefill_by_call"] = {
             "floor_s": floor,

@@ -23,13 +23,16 @@ from cbjax.core.plan import Schedule
 from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.launch_residuals import launch_residuals
 from cbjax.profile.residuals import held_out_residuals
-from cbjax.profile.served_fit import fit_collect, fit_drain, fit_launch, fit_loop, fit_served, own_launch
+from cbjax.profile.served_fit import (
+    fit_collect, fit_drain, fit_launch, fit_loop, fit_served, held_floor, launch_held, own_launch,
+)  # fmt: skip
 from cbjax.layout.shapes import ShapePlan
 from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.fit import fit_costs
 from cbjax.profile.wake import fit_served_wake
+from cbjax.sim.launch_terms import held_cost, launch_cost
 from cbjax.sim.profiled import (
-    STEP_TERMS, SWAP_DIRECTION_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, drain_share, launch_cost, predict, profile_key,
+    STEP_TERMS, SWAP_DIRECTION_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, drain_share, predict, profile_key,
     step_features, wake_cost,
 )  # fmt: skip
 
@@ -150,6 +153,7 @@ def fit_profile(
     served_wake: Optional[dict[str, Any]] = None,
     shapes: Optional[ShapePlan] = None,
     native: bool = False,
+    fit_held: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(coefficients, residuals): the timed bucket costs and the STEP_TERMS fitted on top of them
     over the grid (non-negative, on relative error: a 1 ms step counts as much as a 1 s one), the
@@ -174,7 +178,7 @@ def fit_profile(
     grid = {"bucket_s": bucket_s, "bucket_scale": 1.0, **{k: float(c) for k, c in zip(STEP_TERMS, coef)}}
     coefficients: dict[str, Any] = {"bucket_s": {str(b): float(v) for b, v in sorted(bucket_s.items())}}
     coefficients.update({k: grid[k] for k in STEP_TERMS})
-    launch = fit_launch(served, served_weighting)
+    launch = fit_launch(served, served_weighting, fit_held)
     coefficients.update(fit_served(served, bucket_s, grid, fit_cold, served_terms, served_weighting, launch))
     coefficients.update(launch)
     coefficients.update(fit_drain(served, launch, served_weighting))
@@ -192,6 +196,7 @@ def fit_profile(
     # each served step's own time as the simulator charges it (`cbjax.sim.profiled`): its cost,
     # the wake after an idle loop; and, pipelined, the next launch's host time
     own = []
+    floor = held_floor(served) if fit_held else None
     for s in served:
         s["grid_model_s"] = float(predict(grid, s["bucket"], s["features"]))
         step = predict(numeric, s["bucket"], s["features"]) + cold_cost(coefficients, s.get("since_larger", 0))
@@ -202,7 +207,7 @@ def fit_profile(
             s["launch_predicted_s"] = float(launch_cost(
                 coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False),
                 s.get("left", 0),
-            ))  # fmt: skip
+            ) + (held_cost(coefficients, s["next_prefill_rows"], s["next_tokens"]) if launch_held(s, floor) else 0.0))  # fmt: skip
     # the collect share, on the steps a plan with prefill rows was launched behind
     behind = [i for i, s in enumerate(served)
               if "host_s" in s and s["next_prefill_rows"] and not s.get("idle") and not s.get("held_out")]  # fmt: skip

@@ -49,7 +49,7 @@ def refit(profile: dict[str, Any], fit_cold: bool, served_terms: bool, served_we
         profile["steps"], profile["swaps"], bucket_s, profile["served"], gaps, profile["wake"],
         fit_cold=fit_cold, served_terms=served_terms, served_weighting=served_weighting,
         copies=profile.get("served_copies"), served_wake=profile.get("served_wake"), shapes=profile_shapes(profile),
-        native=profile.get("attention") == "native",
+        native=profile.get("attention") == "native", fit_held=profile.get("cpu_terms", True),
     )  # fmt: skip
     return {**profile, "coefficients": coefficients, "residuals": residuals, "fit_cold": fit_cold,
             "served_terms": served_terms, "served_weighting": served_weighting}  # fmt: skip

@@ -32,8 +32,9 @@ class ProfileRunConfig(RunConfig):
     # second each, so four rounds measure four moments of the machine; 0: serving_rounds exactly
     serving_min_s: float = 40.0
     # the CPU term set: what a CPU's threads and caches add to a step after the loop idled (the
-    # wake) and in the steps after a larger one (the cold terms); null: measured and fitted when
-    # the engine runs on a CPU, left 0 on an accelerator
+    # wake) and in the steps after a larger one (the cold terms), and what a prefill plan's
+    # launch takes more when its call runs the step in its place (the held terms); null:
+    # measured and fitted when the engine runs on a CPU, left 0 on an accelerator
     cpu_terms: Optional[bool] = None
     # with the CPU term set on, fit the cold terms (a served step's extra cost 1-4 steps after a
     # larger bucket's) on the served steps, beside the intercepts and the served step terms; off:
@@ -135,7 +136,7 @@ def run_profile(cfg: ProfileRunConfig, out_dir: Path) -> dict[str, Any]:
     coefficients, residuals = fit_profile(
         steps, swaps, bucket_s, serving["steps"], serving["gaps"], wake, fit_cold=cpu_terms and cfg.fit_cold,
         served_terms=cfg.served_terms, served_weighting=cfg.served_weighting, copies=copies,
-        served_wake=served_wake, shapes=shapes, native=native,
+        served_wake=served_wake, shapes=shapes, native=native, fit_held=cpu_terms,
     )
     extra = {
         "attention": executor.attention,

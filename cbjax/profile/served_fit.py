@@ -12,15 +12,17 @@ import numpy as np
 
 from cbjax.profile.residuals import MIN_STEPS
 from cbjax.profile.fit import WEIGHTINGS, fit_costs, nnls
-from cbjax.sim.profiled import (
-    COLD_TERMS, LAUNCH_TERMS, STEP_TERMS, bucket_intercept, launch_cost, launch_features, step_terms,
-)  # fmt: skip
+from cbjax.sim.launch_terms import HELD_TERMS, LAUNCH_TERMS, launch_cost, launch_features
+from cbjax.sim.profiled import COLD_TERMS, STEP_TERMS, bucket_intercept, step_terms
 
 # A bucket gets its own served intercept (`served_bucket_s`) from this many served iterations on.
 MIN_SERVED = MIN_STEPS
 # A pipelined collect that waited less than this found its step done: the copy and bookkeeping
 # alone, so the loop's host time, not the step, set the step's share (`censored`).
 COLLECT_FLOOR_S = 50e-6
+# A launch whose step call took over this multiple of `held_floor` found the device idle and held
+# the loop while its step ran (`launch_held`).
+HELD_CALL = 2.0
 # Host times over this multiple of what their plan explains are stalls (a garbage collection, the
 # VM held back), not the loop's work: `fit_launch` leaves them out, as one would swamp a least-squares fit.
 HOST_STALL = 5.0
@@ -217,19 +219,37 @@ def censored(point: dict) -> bool:
     return point.get("collect_wait_s", float("inf")) < COLLECT_FLOOR_S
 
 
-def fit_launch(served: list[dict], weighting: str = "absolute") -> dict[str, float]:
-    """The LAUNCH_TERMS, fitted on the served steps that recorded the loop's host time before
-    their collect (`host_s`, `served_points`), over the plan launched in it and the requests of
-    the step in flight it does not carry on (`launch_features`; a profile recorded before `left`
-    fits that term 0).
+def held_floor(served: list[dict]) -> Optional[float]:
+    """The median step call (`next_dispatch_s`) of the launches that found the device busy (the
+    collect after them waited: not `censored`), which only queue their step; None where no
+    launch recorded its call."""
+    calls = [s["next_dispatch_s"] for s in served if "next_dispatch_s" in s and "host_s" in s and not censored(s)]
+    return float(np.median(calls)) if calls else None
+
+
+def launch_held(point: dict, floor: Optional[float]) -> bool:
+    """Whether a served step's next launch holds a prefill and its step call held the loop while
+    the step ran (over HELD_CALL x `floor`, `held_floor`): the HELD_TERMS' launches."""
+    return floor is not None and point["next_prefill_rows"] > 0 and point.get("next_dispatch_s", 0.0) > HELD_CALL * floor
+
+
+def fit_launch(served: list[dict], weighting: str = "absolute", held: bool = True) -> dict[str, float]:
+    """The LAUNCH_TERMS and HELD_TERMS, fitted on the served steps that recorded the loop's host
+    time before their collect (`host_s`, `served_points`), over the plan launched in it, the
+    requests of the step in flight it does not carry on (`launch_features`; a profile recorded
+    before `left` fits that term 0) and, for a held launch (`launch_held`), its prefill plan's
+    step run in the call's place (fixed and per token; without `held`, the CPU term set, or
+    where no launch recorded its step call, they fit 0).
     Non-negative least squares weighted by `weighting` (`fit_weighted`); steps held out, after an idle loop, or with a stall (HOST_STALL) are left out. None: all 0."""
     check_weighting(weighting)
     points = [s for s in served if s.get("host_s", 0.0) > 0 and not s.get("idle") and not s.get("held_out")]
     if not points:
-        return dict.fromkeys(LAUNCH_TERMS, 0.0)
+        return dict.fromkeys(LAUNCH_TERMS + HELD_TERMS, 0.0)
+    floor = held_floor(served) if held else None
     x = np.array([
         launch_features(s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False),
                         s.get("left", 0))
+        + ([1.0, float(s["next_tokens"])] if launch_held(s, floor) else [0.0, 0.0])
         for s in points
     ])  # fmt: skip
     y = np.array([s["host_s"] for s in points])
@@ -239,4 +259,4 @@ def fit_launch(served: list[dict], weighting: str = "absolute") -> dict[str, flo
     for _ in range(2):
         keep = y <= HOST_STALL * np.maximum(x @ coef, 1e-12)
         coef = fit_weighted(x[keep], y[keep], weighting)
-    return {k: float(c) for k, c in zip(LAUNCH_TERMS, coef)}
+    return {k: float(c) for k, c in zip(LAUNCH_TERMS + HELD_TERMS, coef)}

@@ -19,7 +19,8 @@ from cbjax.profile.anchor import anchor_record, anchor_spec, time_anchor
 from cbjax.core.request import Request
 from cbjax.profile.residuals import regime_of
 from cbjax.layout.shapes import ShapePlan
-from cbjax.sim.profiled import COLD_TERMS, rows_left, step_features, steps_since_larger
+from cbjax.sim.launch_terms import rows_left
+from cbjax.sim.profiled import COLD_TERMS, step_features, steps_since_larger
 
 # Poisson runs at these shares of the saturated request rate: light, medium and heavy load.
 POISSON_SHARES = (0.3, 0.6, 0.9)

@@ -249,7 +249,7 @@ class WithOverhead:
         if plan.host_copies is not None:  # the stack's calls for the host tier's copies
             store_s, load_s, prefetch_s = host_copy_times(plan, lambda n, ps: self.stack.tier_copy_s(n))
             copy, load, prefetch = copy + store_s + load_s, load + load_s, prefetch + prefetch_s
-        return StepTime(t.device_s, t.host_s + host, copy, t.launch_s, drain, load, prefetch)
+        return t._replace(host_s=t.host_s + host, copy_s=copy, drain_s=drain, load_s=load, prefetch_s=prefetch)
 
 
 class RunParts(NamedTuple):

@@ -42,6 +42,10 @@ the native decode pass is charged per group), plus its swap copies:
              over before the host is: its share of the wall clock is this host time, and a
              prefill in the next plan lengthens it. With nothing in flight, the first step and
              the first after an idle loop, the step itself starts after its own launch)
+    held = held_prefill_s + held_prefill_token_s * tokens  for a plan with any prefill rows
+             (`StepTime.held_s`: the launch's host time more when the step in flight is over
+             by the launch's step call; where the host and the device share a CPU core, such
+             a call runs the step in its place, and the step's share is then the next one's)
     collect = collect_prefill_share  for a plan with any prefill rows (`StepTime.collect_share`: the
              step in flight is collected no earlier than this share of its own time after the
              plan's launch returns; where the host and the device share a core, the launch's host
@@ -82,6 +86,7 @@ from cbjax.core.plan import Schedule
 from cbjax.core.timing import NO_CONTEXT, StepContext, StepTime
 from cbjax.layout.shapes import ShapePlan, plan_shapes
 from cbjax.layout.tiles import count_steps, group_pages, steps_of
+from cbjax.sim.launch_terms import HELD_TERMS, LAUNCH_TERMS, held_cost, launch_cost
 
 # The step terms of the fit besides the per-bucket intercepts `bucket_s`, and the swap terms.
 STEP_TERMS = (
@@ -94,19 +99,13 @@ SWAP_DIRECTION_TERMS = ("swap_out_iter_s", "swap_out_page_s", "swap_in_iter_s", 
 SERVE_TERMS = ("bucket_scale",)
 # The cold terms: what the 1st .. 4th step after the last step of a larger bucket pays more.
 COLD_TERMS = ("cold_s", "cold2_s", "cold3_s", "cold4_s")
-# The pipelined loop's host time before it can collect the step in flight, from the plan it
-# launches: fixed, per row, once for a plan with any prefill (its packing path: prompt rows,
-# their pages and tiles), per prefill row, per token, per row again with the prefix cache on, and
-# per request of the step in flight the plan does not carry on (`rows_left`).
-LAUNCH_TERMS = (
-    "launch_iter_s", "launch_seq_s", "launch_prefill_s", "launch_prefill_seq_s", "launch_token_s", "launch_cached_seq_s",
-    "launch_left_s",
-)  # fmt: skip
 # the least `ProfiledCost.drain_s` charges: a collect takes some time, and a step's drained end
 # must lie past its begin (see there)
 DRAIN_FLOOR_S = 1e-6
 # absent from profiles made before the terms: charged 0
-OPTIONAL_TERMS = dict.fromkeys(COLD_TERMS + ("token_s", "wake_token_s", "collect_prefill_share") + LAUNCH_TERMS, 0.0)
+OPTIONAL_TERMS = dict.fromkeys(
+    COLD_TERMS + ("token_s", "wake_token_s", "collect_prefill_share") + LAUNCH_TERMS + HELD_TERMS, 0.0
+)
 LOOP_TERMS = ("loop_s", "loop_seq_s", "wake_s", "wake_ramp_s")
 # ModelConfig fields a profile must share with the run: they set the step's shapes and work.
 ARCH_FIELDS = (
@@ -311,10 +310,11 @@ class ProfiledCost:
             prefetch = _copy_s(self.load_terms, copies.num_prefetched)
             copy += _copy_s(self.store_terms, len(copies.store)) + load
         collect = self.collect_prefill_share if prefills else 0.0
-        time = StepTime(device, host, copy, launch, None, load, prefetch, collect)
+        held = held_cost(coef, prefills, tokens)
+        time = StepTime(device, host, copy, launch, None, load, prefetch, collect, held)
         if self.drain is None:
             return time
-        return StepTime(device, host, copy, launch, drain_share(self.drain, time.total_s), load, prefetch, collect)
+        return time._replace(drain_s=drain_share(self.drain, time.total_s))
 
 
 def _copy_s(terms: tuple[float, float], num_pages: int) -> float:
@@ -340,34 +340,6 @@ def fixed_cost(coefficients: dict, bucket: int) -> float:
     if bucket in served:
         return served[bucket]
     return coefficients["bucket_scale"] * bucket_intercept(coefficients["bucket_s"], bucket)
-
-
-def launch_features(
-    rows: int, prefill_rows: int, tokens: int, prefix_caching: bool = False, left: int = 0
-) -> list[float]:
-    """The LAUNCH_TERMS' multipliers for launching a plan of `rows` rows, `prefill_rows` of them
-    prefills (not decodes), and `tokens` tokens, in a run with the prefix cache on or off, after
-    a step `left` of whose requests the plan does not carry on (`rows_left`; see the module docstring)."""
-    cached_rows = float(rows) if prefix_caching else 0.0
-    return [1.0, float(rows), float(prefill_rows > 0), float(prefill_rows), float(tokens), cached_rows, float(left)]
-
-
-def rows_left(rows_before: int, rows: Sequence[tuple[int, int, bool]]) -> int:
-    """How many of the `rows_before` requests of the step in flight a plan of `rows`
-    ((num_new_tokens, num_context_tokens, decode), `Schedule.cost_rows`) does not carry on: the
-    step's rows less the plan's rows that continue a request, those with context already
-    computed (a decode, or a prefill's later chunk). A new request's prefill starts at context 0;
-    one behind a cached prefix, or swapped back in, counts as carried on (an undercount)."""
-    return max(0, rows_before - sum(1 for _, context, _ in rows if context > 0))
-
-
-def launch_cost(
-    coefficients: dict, rows: int, prefill_rows: int, tokens: int, prefix_caching: bool = False, left: int = 0
-) -> float:
-    """The LAUNCH_TERMS' host time for launching that plan (`launch_features`; a term a profile
-    lacks is 0)."""
-    features = launch_features(rows, prefill_rows, tokens, prefix_caching, left)
-    return sum(coefficients.get(k, 0.0) * f for k, f in zip(LAUNCH_TERMS, features))
 
 
 def step_terms(coefficients: dict, features: Sequence[float]) -> float:
