@@ -630,45 +630,37 @@ def test_a_prefill_plans_launch_collects_the_step_in_flight_a_share_of_its_time_
     assert timeline.land(one, covered=True) == pytest.approx((0.0, 4.0))
 
 
-def test_a_prefill_plans_launch_into_an_idle_device_takes_the_held_terms_by_hand(tmp_path):
+def test_a_prefill_plans_launch_behind_a_step_in_flight_takes_the_held_terms_by_hand(tmp_path):
     # launch_prefill_s 4.0, held_prefill_s 4.0 and held_prefill_token_s 0.025: the 40-token
     # prefill plan's held_s is 4.0 + 0.025 x 40 = 5.0, a decode's 0. A decode costs 1.0 (bucket
     # 4), a prefill 7.0 (bucket 64). Prefill A, nothing in flight, is launched at 4.0 whatever
-    # its held_s: [4, 11]. Prefill B planned at 4.0 calls at 8.0 while A runs: queued, launched
-    # at 8.0, [11, 18]. Decode C planned at 11.0 (A's collect) runs [18, 19]. Prefill D planned
-    # at 18.0 (B's collect) calls at 22.0, after C ended: the call runs D in its place, so it
-    # returns at 27.0; C is collected then, and D runs [27, 34]. (Held, B would begin at 13.0.)
+    # its held_s: [4, 11]. Prefill B planned at 4.0 while A runs returns at 4 + 4 + 5 = 13.0:
+    # A is collected then, B runs [13, 20]. Decode C planned at 13.0 takes no held time and
+    # runs [20, 21]. Prefill D planned at 20.0 returns at 29.0: C is collected then, D runs
+    # [29, 36]. Without the terms: A [4, 11], B [11, 18], C [18, 19] collected at 22, D [22, 29].
     coef = only_bucket_costs({"4": 1.0, "64": 7.0}, launch_prefill_s=4.0, held_prefill_s=4.0, held_prefill_token_s=0.025)
-    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "h.json", coef, page_size=4,
-                                                                             num_slots=4)))  # fmt: skip
     d, p = decode_and_prefill()
     decode = make_plan(num_slots=4, decodes=[d], page_size=4)
     prefill = make_plan(num_slots=4, prefills=[p], page_size=4)
-    assert (cost(decode).held_s, cost(prefill).held_s) == pytest.approx((0.0, 5.0))
-    timeline = Timeline(cost)
-    a = timeline.launch(prefill, 0.0)
-    assert (a.begin, a.end) == pytest.approx((4.0, 11.0))
-    b = timeline.launch(prefill, 4.0)
-    assert timeline.land(a, covered=True) == pytest.approx((4.0, 11.0))
-    c = timeline.launch(decode, 11.0)
-    assert timeline.land(b, covered=True) == pytest.approx((11.0, 18.0))
-    d_step = timeline.launch(prefill, 18.0)
-    assert timeline.land(c, covered=True) == pytest.approx((18.0, 27.0))
-    assert (d_step.begin, d_step.end) == pytest.approx((27.0, 34.0))
-    # a profile without the terms: D's launch returns at 22.0, C keeps its end, D runs [22, 29]
-    for k in ("held_prefill_s", "held_prefill_token_s"):
-        coef.pop(k)
-    cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / "n.json", coef, page_size=4,
-                                                                             num_slots=4)))  # fmt: skip
-    assert cost(prefill).held_s == 0.0
-    timeline = Timeline(cost)
-    a, b = timeline.launch(prefill, 0.0), timeline.launch(prefill, 4.0)
-    timeline.land(a, covered=True)
-    c = timeline.launch(decode, 11.0)
-    timeline.land(b, covered=True)
-    d_step = timeline.launch(prefill, 18.0)
-    assert timeline.land(c, covered=True) == pytest.approx((18.0, 22.0))
-    assert (d_step.begin, d_step.end) == pytest.approx((22.0, 29.0))
+    for name, terms, spans in (
+        ("h.json", True, [(4.0, 13.0), (13.0, 20.0), (20.0, 29.0), (29.0, 36.0)]),
+        ("n.json", False, [(4.0, 11.0), (11.0, 18.0), (18.0, 22.0), (22.0, 29.0)]),
+    ):
+        if not terms:
+            for k in ("held_prefill_s", "held_prefill_token_s"):
+                coef.pop(k)
+        cost = make_cost_model("profiled", MODEL, None, **configs(write_profile(tmp_path / name, coef, page_size=4,
+                                                                                 num_slots=4)))  # fmt: skip
+        assert (cost(decode).held_s, cost(prefill).held_s) == pytest.approx((0.0, 5.0 if terms else 0.0))
+        timeline = Timeline(cost)
+        a = timeline.launch(prefill, 0.0)
+        b = timeline.launch(prefill, spans[0][0])
+        assert timeline.land(a, covered=True) == pytest.approx(spans[0])
+        c = timeline.launch(decode, spans[0][1])
+        assert timeline.land(b, covered=True) == pytest.approx(spans[1])
+        d_step = timeline.launch(prefill, spans[1][1])
+        assert timeline.land(c, covered=True) == pytest.approx(spans[2])
+        assert (d_step.begin, d_step.end) == pytest.approx(spans[3])
 
 
 def test_rows_left_by_hand():

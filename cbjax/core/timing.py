@@ -40,9 +40,10 @@ class StepTime(NamedTuple):
     earlier), `drain_s`, the step's share when it is collected with nothing launched
     behind it (None: its whole `total_s`), and `collect_share`: the step in flight is collected
     no earlier than this share of its own `device_s` after this step's launch returns (the
-    work it still owes when the launch held the hardware it runs on). `held_s`: the launch's
-    host time grows by this much when its step call finds the device idle, where the host and
-    the device share a CPU core and such a call runs the step in its place (0 elsewhere).
+    work it still owes when the launch held the hardware it runs on). `held_s`: what the
+    launch takes more when a step is in flight, where the host and the device share a CPU core
+    (0 elsewhere): there the step's compute and the host's work take turns on it, whether the
+    step call runs the step in its place (it finds the device idle) or queues it.
 
     The host KV tier's copies (`Schedule.host_copies`): its stores and loads are in `copy_s`,
     the loads' share also in `load_s`; its prefetches take `prefetch_s`, beside the step on the

@@ -32,8 +32,8 @@ class ProfileRunConfig(RunConfig):
     # second each, so four rounds measure four moments of the machine; 0: serving_rounds exactly
     serving_min_s: float = 40.0
     # the CPU term set: what a CPU's threads and caches add to a step after the loop idled (the
-    # wake) and in the steps after a larger one (the cold terms), and what a prefill plan's
-    # launch takes more when its call runs the step in its place (the held terms); null:
+    # wake) and in the steps after a larger one (the cold terms), and the prefill step's compute
+    # that holds the core a prefill plan's launch needs (the held terms); null:
     # measured and fitted when the engine runs on a CPU, left 0 on an accelerator
     cpu_terms: Optional[bool] = None
     # with the CPU term set on, fit the cold terms (a served step's extra cost 1-4 steps after a

@@ -1,6 +1,6 @@
 """The pipelined loop's launch terms: the host time from collecting a step to launching the next
-(`StepTime.launch_s`), and what a launch whose step call finds the device idle takes more
-(`StepTime.held_s`), as functions of the launched plan (pure Python: no jax, no numpy).
+(`StepTime.launch_s`), and what a prefill plan's launch takes more where host and device share
+a CPU core (`StepTime.held_s`), as functions of the launched plan (pure Python: no jax, no numpy).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ LAUNCH_TERMS = (
     "launch_iter_s", "launch_seq_s", "launch_prefill_s", "launch_prefill_seq_s", "launch_token_s", "launch_cached_seq_s",
     "launch_left_s",
 )  # fmt: skip
-# What a plan with prefill rows adds to its launch when its step call finds the device idle
-# (`held_cost`, `StepTime.held_s`): fixed and per token, the step run in the call's place.
+# What a plan with prefill rows adds to its launch where the host and the device share a CPU
+# core (`held_cost`, `StepTime.held_s`): fixed and per token, its step's compute, which a call
+# that finds the device idle runs in its place (the launches the terms are fitted on).
 HELD_TERMS = ("held_prefill_s", "held_prefill_token_s")
 
 
@@ -49,8 +50,8 @@ def launch_cost(
 
 
 def held_cost(coefficients: dict, prefill_rows: int, tokens: int) -> float:
-    """The HELD_TERMS' host time more for launching a plan of `tokens` tokens with `prefill_rows`
-    prefills into an idle device (0 without prefills, or for a profile without the terms)."""
+    """The HELD_TERMS' time more for launching a plan of `tokens` tokens with `prefill_rows`
+    prefills (0 without prefills, or for a profile without the terms)."""
     if not prefill_rows:
         return 0.0
     return coefficients.get("held_prefill_s", 0.0) + coefficients.get("held_prefill_token_s", 0.0) * tokens

@@ -43,9 +43,10 @@ the native decode pass is charged per group), plus its swap copies:
              prefill in the next plan lengthens it. With nothing in flight, the first step and
              the first after an idle loop, the step itself starts after its own launch)
     held = held_prefill_s + held_prefill_token_s * tokens  for a plan with any prefill rows
-             (`StepTime.held_s`: the launch's host time more when the step in flight is over
-             by the launch's step call; where the host and the device share a CPU core, such
-             a call runs the step in its place, and the step's share is then the next one's)
+             (`StepTime.held_s`: what the launch takes more with a step in flight; where the
+             host and the device share a CPU core, a step call that finds the device idle runs
+             the step in its place, so the launch holds its compute; one that queues it leaves
+             that compute to share the core with the host's next work: the same sum)
     collect = collect_prefill_share  for a plan with any prefill rows (`StepTime.collect_share`: the
              step in flight is collected no earlier than this share of its own time after the
              plan's launch returns; where the host and the device share a core, the launch's host

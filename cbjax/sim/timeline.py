@@ -9,9 +9,9 @@ before it collects step t. The device runs launched steps one after another, so 
 when its launch's host time is over (`StepTime.launch_s`, from where the loop collected the
 step before) and the step before it is done, whichever is later; the step in flight is
 collected no earlier than that launch returns (and `StepTime.collect_share` of its own device
-time after it), so a launch that outlasts it delays its end. A launch whose step call comes
-after the step in flight has ended takes `StepTime.held_s` more (where the host and the device
-share a CPU core, the call then runs the step in its place).
+time after it), so a launch that outlasts it delays its end. A launch with a step in flight
+takes `StepTime.held_s` more (where the host and the device share a CPU core, its step's compute
+holds the core the loop needs).
 A step collected with nothing launched behind it (the loop goes idle, the run ends, or the
 next plan needs its tokens) ends at its `drain_s` share: the host time the next launch would
 otherwise hide is not there.
@@ -146,8 +146,8 @@ class Timeline:
         prev = self._in_flight
         time = self.cost(plan, self._context(plan, start, prev.rows if prev is not None else 0))
         launched = start + time.launch_s
-        if prev is not None and time.held_s and self._free <= launched:
-            launched += time.held_s  # the step in flight is over: the call runs this step in its place
+        if prev is not None and time.held_s:
+            launched += time.held_s  # on a shared core: the step's compute before the loop's next work
         if prev is not None and time.launch_s:
             # the loop collects it only after this launch returns, and the work it still owes
             collected = launched + time.collect_share * prev.time.device_s
