@@ -38,4 +38,3 @@ def check_paged_pool(alloc) -> None:
         assert rid in alloc._scattered or table == run, f"request {rid}: pages not one run, unmarked"
     for rid, table in alloc.page_tables.items():
         assert alloc._stored[rid] <= len(table) * alloc.page_size, f"request {rid}: stores more than its pages"
-

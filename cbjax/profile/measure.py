@@ -24,13 +24,12 @@ from cbjax.profile.grid import GridPoint, build_schedule
 from cbjax.profile.launch_residuals import launch_residuals
 from cbjax.profile.residuals import held_out_residuals
 from cbjax.profile.served_fit import (
-    fit_collect, fit_drain, fit_launch, fit_loop, fit_served, held_floor, launch_held, own_launch,
+    fit_collect, fit_drain, fit_launch, fit_loop, fit_served, held_floor, own_launch, predicted_launch,
 )  # fmt: skip
 from cbjax.layout.shapes import ShapePlan
 from cbjax.profile.copies import fit_served_copies
 from cbjax.profile.fit import fit_costs
 from cbjax.profile.wake import fit_served_wake
-from cbjax.sim.launch_terms import held_cost, launch_cost
 from cbjax.sim.profiled import (
     STEP_TERMS, SWAP_DIRECTION_TERMS, SWAP_TERMS, bucket_intercept, cold_cost, drain_share, predict, profile_key,
     step_features, wake_cost,
@@ -204,10 +203,7 @@ def fit_profile(
             step += wake_cost(coefficients, s.get("idle_s", 0.0), s.get("tokens", 0))
         own.append(step)
         if "host_s" in s:
-            s["launch_predicted_s"] = float(launch_cost(
-                coefficients, s["next_rows"], s["next_prefill_rows"], s["next_tokens"], s.get("prefix_caching", False),
-                s.get("left", 0),
-            ) + (held_cost(coefficients, s["next_prefill_rows"], s["next_tokens"]) if launch_held(s, floor) else 0.0))  # fmt: skip
+            s["launch_predicted_s"] = float(predicted_launch(coefficients, s, floor))
     # the collect share, on the steps a plan with prefill rows was launched behind
     behind = [i for i, s in enumerate(served)
               if "host_s" in s and s["next_prefill_rows"] and not s.get("idle") and not s.get("held_out")]  # fmt: skip

@@ -12,7 +12,7 @@ import numpy as np
 
 from cbjax.profile.residuals import MIN_STEPS
 from cbjax.profile.fit import WEIGHTINGS, fit_costs, nnls
-from cbjax.sim.launch_terms import HELD_TERMS, LAUNCH_TERMS, launch_cost, launch_features
+from cbjax.sim.launch_terms import HELD_TERMS, LAUNCH_TERMS, held_cost, launch_cost, launch_features
 from cbjax.sim.profiled import COLD_TERMS, STEP_TERMS, bucket_intercept, step_terms
 
 # A bucket gets its own served intercept (`served_bucket_s`) from this many served iterations on.
@@ -231,6 +231,15 @@ def launch_held(point: dict, floor: Optional[float]) -> bool:
     """Whether a served step's next launch holds a prefill and its step call held the loop while
     the step ran (over HELD_CALL x `floor`, `held_floor`): the HELD_TERMS' launches."""
     return floor is not None and point["next_prefill_rows"] > 0 and point.get("next_dispatch_s", 0.0) > HELD_CALL * floor
+
+
+def predicted_launch(coefficients: dict, point: dict, floor: Optional[float]) -> float:
+    """A served step's next launch as the fitted terms price it: its LAUNCH_TERMS, and its
+    HELD_TERMS where that launch was held (`launch_held`)."""
+    prefills, tokens = point["next_prefill_rows"], point["next_tokens"]
+    host = launch_cost(coefficients, point["next_rows"], prefills, tokens, point.get("prefix_caching", False),
+                       point.get("left", 0))  # fmt: skip
+    return host + held_cost(coefficients, prefills, tokens) if launch_held(point, floor) else host
 
 
 def fit_launch(served: list[dict], weighting: str = "absolute", held: bool = True) -> dict[str, float]:

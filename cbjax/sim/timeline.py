@@ -146,15 +146,15 @@ class Timeline:
         prev = self._in_flight
         time = self.cost(plan, self._context(plan, start, prev.rows if prev is not None else 0))
         launched = start + time.launch_s
-        if prev is not None and time.held_s:
+        if prev is not None:
             launched += time.held_s  # on a shared core: the step's compute before the loop's next work
-        if prev is not None and time.launch_s:
-            # the loop collects it only after this launch returns, and the work it still owes
-            collected = launched + time.collect_share * prev.time.device_s
-            if collected > prev.end:
-                prev.end = collected
-                if collected > self._free:
-                    self._free = collected
+            if time.launch_s:
+                # the loop collects it only after this launch returns, and the work it still owes
+                collected = launched + time.collect_share * prev.time.device_s
+                if collected > prev.end:
+                    prev.end = collected
+                    if collected > self._free:
+                        self._free = collected
         begin = launched if launched > self._free else self._free
         if self._loading or plan.host_copies is not None:
             begin = self._copies(plan, time, begin)
