@@ -227,3 +227,12 @@ def test_packing_imports_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_top_k_past_int32_packs_as_a_whole_vocabulary():
+    from cbjax.runtime.batch import SamplingArrays
+
+    arrays = SamplingArrays(2)
+    arrays.set(0, SamplingParams(temperature=1.0, top_k=3_000_000_000))
+    arrays.set(1, SamplingParams(temperature=1.0, top_k=7))
+    assert arrays.top_k.tolist() == [2**31 - 1, 7]

@@ -259,6 +259,25 @@ def test_malformed_requests_get_4xx_naming_the_field_and_the_server_keeps_servin
     assert [r["output_len"] for r in rows(tmp_path)] == [4]
 
 
+def test_a_request_the_cache_cannot_hold_is_rejected_naming_its_prompt_field(tmp_path):
+    # 8 pages of 16 tokens: a prompt and max_tokens that need more are the engine's to reject
+    with running(tmp_path, "cache.num_pages=8") as (base, srv):
+        with httpx.Client(base_url=base, timeout=30) as http:
+            for path, body, key in (
+                ("completions", {"prompt": [1, 2, 3], "max_tokens": 200}, "prompt"),
+                ("completions", {"prompt": [1, 2, 3], "max_tokens": 200, "stream": True}, "prompt"),
+                ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}, "messages"),
+            ):
+                resp = http.post(f"/{path}", json=body)
+                error = resp.json()["error"]
+                assert resp.status_code == 400 and error["param"] == key, (path, body, resp.text)
+                assert error["message"].startswith(f"{key}: needs ") and "output tokens" in error["message"], error
+            ok = http.post("/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+            assert ok.status_code == 200
+    assert sorted(r["finish_reason"] for r in rows(tmp_path)) == ["length"] + ["rejected"] * 4
+
+
 def test_api_key_is_required_when_set(tmp_path):
     with running(None, "server.api_key=sesame") as (base, srv):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):

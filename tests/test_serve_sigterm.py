@@ -83,3 +83,39 @@ def test_a_bad_config_exits_2_naming_the_key(tmp_path, env_cpu):
     cmd = [sys.executable, "-m", "cbjax.serve", "server.drain_s=-1", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env_cpu, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "server.drain_s must be >= 0" in proc.stderr
+
+
+def test_a_second_ctrl_c_aborts_what_is_left_and_every_stream_ends_cleanly(tmp_path, env_cpu):
+    proc, base = start_server(
+        tmp_path, env_cpu, "overhead.step_s=0.002", "server.drain_s=120", "scheduler.max_num_seqs=8",
+        "model.max_model_len=4096", "cache.num_pages=2048",
+    )  # fmt: skip
+    ends: list[tuple[int, str]] = []  # (status, the response's last data line)
+
+    def client(i: int) -> None:
+        body = {"prompt": f"client {i}", "max_tokens": LONG, "stream": i % 2 == 0}
+        with httpx.stream("POST", f"{base}/completions", json=body, timeout=60) as resp:
+            lines = [line for line in resp.iter_lines() if line]
+            ends.append((resp.status_code, lines[-1] if lines else ""))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while num_received(base) != 4:
+        assert time.monotonic() < deadline, "the requests never reached the server"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)  # drains: the long requests would run on for server.drain_s
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # aborts them now
+    for t in threads:
+        t.join(timeout=60)
+    assert proc.wait(timeout=60) == 0
+    assert sorted(s for s, _ in ends) == [200] * 4
+    streamed = [last for s, last in ends if last.startswith("data:")]
+    assert streamed == ["data: [DONE]"] * 2
+    bodies = [json.loads(last) for s, last in ends if not last.startswith("data:")]
+    assert [b["choices"][0]["finish_reason"] for b in bodies] == ["abort"] * 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    assert all(r["finish_reason"] == "aborted" and r["error"] == "server shutting down (a second Ctrl-C)" for r in rows)

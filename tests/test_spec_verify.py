@@ -134,3 +134,23 @@ def test_rows_without_drafts_sample_as_the_sampler_does():
     plain = np.asarray(sample(jnp.asarray(logits[:, 0]), *sampling))
     assert (packed[:, 0] == 0).all() and (packed[:, 1] == plain).all()
 
+
+
+@pytest.mark.parametrize("top_p", [1e-30, 1e-40, 1e-45])
+def test_a_vanishing_top_p_keeps_only_the_most_likely_token(top_p):
+    # 1e-40 and 1e-45 are f32 denormals, which XLA on CPU flushes to zero
+    from cbjax.runtime.sampling import top_k_top_p
+
+    logits = np.random.default_rng(0).normal(size=(3, 12)).astype(np.float32)
+    out = np.asarray(top_k_top_p(jnp.asarray(logits), jnp.zeros(3, jnp.int32), jnp.full(3, top_p, jnp.float32)))
+    assert (np.isfinite(out).sum(axis=1) == 1).all()
+    assert np.isfinite(out[np.arange(3), logits.argmax(axis=1)]).all()
+
+
+def test_a_top_k_past_the_vocabulary_keeps_it_whole():
+    from cbjax.runtime.sampling import top_k_top_p
+
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(2, 12)).astype(np.float32))
+    ones = jnp.ones(2, jnp.float32)
+    whole = top_k_top_p(logits, jnp.full(2, 2**31 - 1, jnp.int32), ones)
+    assert (np.asarray(whole) == np.asarray(logits)).all()

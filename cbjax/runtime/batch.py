@@ -45,6 +45,9 @@ class HostBatch:
     spec: Optional[HostSpec] = None  # the drafts the step verifies (speculative decoding), else None
 
 
+_I32_MAX = 2**31 - 1
+
+
 class SamplingArrays:
     """Per-slot sampling knobs: f32 temperature, i32 top_k, f32 top_p, u32 seed."""
 
@@ -56,7 +59,7 @@ class SamplingArrays:
 
     def set(self, row: int, sp: SamplingParams) -> None:
         self.temperature[row] = sp.temperature
-        self.top_k[row] = sp.top_k
+        self.top_k[row] = min(sp.top_k, _I32_MAX)  # any k past the vocabulary keeps it whole
         self.top_p[row] = sp.top_p
         self.seed[row] = sp.seed & 0xFFFFFFFF
 

@@ -41,7 +41,9 @@ def top_k_top_p(
     kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=1)  # f32[num_slots, 1]
     desc = jnp.where(desc >= kth, desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always)
+    # keep the smallest prefix whose mass reaches top_p, and the first token always: a top_p
+    # below f32's smallest normal reads as 0 where denormals flush to zero (XLA on CPU)
     before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
+    keep = (before < top_p[:, None]) | (jnp.arange(vocab_size) == 0)
+    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where((scaled >= cutoff) & (scaled >= kth), scaled, -jnp.inf)

@@ -31,6 +31,11 @@ def rejection_reason(sched: Limits, req: Request) -> Optional[str]:
     return reason
 
 
+def output_bound(req: Request, max_model_len: int) -> int:
+    """The tokens `req` may generate under `max_model_len`: its stopping length, capped."""
+    return max(0, min(req.stop_length(), max_model_len - req.prompt_len))
+
+
 def _reason(sched: Limits, req: Request) -> Optional[str]:
     if req.input_error:
         return req.input_error
@@ -55,8 +60,9 @@ def _reason(sched: Limits, req: Request) -> Optional[str]:
     need = sched.allocator.admission_pages(peak, sched.reserve_tokens(req))
     if need > sched.allocator.num_usable_pages:
         return (
-            f"needs {need} KV pages at its maximum length, the cache has "
-            f"{sched.allocator.num_usable_pages} (cache.num_pages - 1)"
+            f"needs {need} KV pages at its maximum length ({req.prompt_len} prompt + "
+            f"{req.max_output_len} output tokens), the cache has {sched.allocator.num_usable_pages} "
+            "(cache.num_pages - 1)"
         )
     bad_id = token_outside_vocab(req, sched.vocab_size)
     if bad_id is not None:

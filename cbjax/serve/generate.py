@@ -83,7 +83,7 @@ class EngineStream(Response):
                 await send({"type": "http.response.body", "body": b""})
                 return
             if isinstance(first, Finished):
-                err = end_error(self.state, first.req)
+                err = end_error(self.state, first.req, chunks.chat)
                 if err is not None:
                     raise err  # answered by the app's error handler, before anything was sent
             await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
@@ -168,13 +168,16 @@ def build_request(state: ServeState, body: SamplingFields, ids: list[int], promp
     return req, strings
 
 
-def end_error(state: ServeState, req: Request) -> Optional[APIError]:
-    """The error a request that ended without being served answers with, if it did."""
+def end_error(state: ServeState, req: Request, chat: bool) -> Optional[APIError]:
+    """The error a request that ended without being served answers with, if it did. A
+    rejection names the field the prompt came in (`messages` for chat): the checks left to the
+    engine judge the prompt, or the prompt with the tokens it may generate."""
     reason = req.finish_reason
     if reason is FinishReason.REJECTED:
         if state.draining:
             return APIError(503, "the server is shutting down and admits no new requests", None, "service_unavailable")
-        return APIError(400, f"prompt: {req.reject_reason}", "prompt")
+        key = "messages" if chat else "prompt"
+        return APIError(400, f"{key}: {req.reject_reason}", key)
     if reason is FinishReason.ERROR:
         return APIError(500, f"the engine failed on this request: {req.error}", None, "server_error")
     return None
@@ -234,7 +237,7 @@ async def complete(state: ServeState, req: Request, out: Output, queue: asyncio.
             break
     finally:
         gone.cancel()
-    err = end_error(state, event.req)
+    err = end_error(state, event.req, chat)
     if err is not None:
         raise err
     text = out.text
@@ -301,7 +304,7 @@ class SSEChunks:
                 self.state.bridge.cancel(self.req.request_id, STOP_SEQUENCE, FinishReason.STOP)
             return [self.token_head + json.dumps(text) + self.token_tail]
         self.ended = True
-        err = end_error(self.state, event.req)
+        err = end_error(self.state, event.req, self.chat)
         if err is not None:
             chunks = [_sse(err.body())]
         else:

@@ -29,6 +29,7 @@ from cbjax.serve.text import load_tokenizer
 
 log = logging.getLogger("cbjax")
 DRAIN_ABORT = "server shutting down (server.drain_s passed)"
+FORCED_ABORT = "server shutting down (a second Ctrl-C)"
 
 
 def connect(cfg: ServeConfig, out_dir: Optional[Path], events: EngineEvents) -> EngineClient:
@@ -92,6 +93,7 @@ class Server:
                 timeout_graceful_shutdown=int(cfg.drain_s) + 10,
             ),
             on_signal=self.begin_drain,
+            on_force=self.abort_now,
             on_startup=self.engine.start,  # arrivals count from here, after warmup
         )
         sock = bound_socket(cfg.host, cfg.port)
@@ -127,6 +129,14 @@ class Server:
         self._drain_timer.daemon = True
         self._drain_timer.start()
 
+    def abort_now(self) -> None:
+        """End the drain at once: abort every request left, as `server.drain_s` passing would.
+        Safe from a signal handler: the aborts run on a thread, as the drain's timer runs them."""
+        self.begin_drain()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        threading.Thread(target=self.bridge.cancel_all, args=(FORCED_ABORT,), daemon=True).start()
+
     def shutdown(self) -> None:
         """What SIGTERM does, from another thread (tests)."""
         self.begin_drain()
@@ -160,12 +170,15 @@ def bound_socket(host: str, port: int) -> socket.socket:
 
 class _Uvicorn(uvicorn.Server):
     """uvicorn with cbjax's signal handling: the first SIGINT/SIGTERM starts the drain and a
-    graceful exit; uvicorn's own re-raise of the signal at exit (which would kill the process
-    before the outputs are written) is left out."""
+    graceful exit; a second SIGINT (Ctrl-C again) aborts every request left (`on_force`), and
+    the graceful exit goes on, so each stream still ends cleanly and each request keeps the
+    reason it ended with; a third is uvicorn's force quit. uvicorn's own re-raise of the signal
+    at exit (which would kill the process before the outputs are written) is left out."""
 
-    def __init__(self, config: uvicorn.Config, on_signal, on_startup):
+    def __init__(self, config: uvicorn.Config, on_signal, on_startup, on_force):
         super().__init__(config)
-        self.on_signal, self.on_startup = on_signal, on_startup
+        self.on_signal, self.on_startup, self.on_force = on_signal, on_startup, on_force
+        self._forced = False
 
     async def startup(self, sockets=None) -> None:
         self.on_startup(asyncio.get_running_loop())  # before any connection is accepted
@@ -185,4 +198,9 @@ class _Uvicorn(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.on_signal(sig)
+        if self.should_exit and sig == signal.SIGINT and not self._forced:
+            # uvicorn would force-quit here and cancel the handlers mid-response
+            self._forced = True
+            self.on_force()
+            return
         super().handle_exit(sig, frame)
