@@ -7,15 +7,19 @@ import gc
 import json
 
 import pytest
+import yaml
 
-from conftest import make_requests
+from conftest import REPO, make_requests
 from cbjax.cluster import ClusterSim
 from cbjax.cluster.engine import ClusterEngine
-from cbjax.config import CacheConfig, ClusterConfig, ExecutorConfig, RunConfig, SchedulerConfig, WorkloadConfig
+from cbjax.config import (
+    CacheConfig, ClusterConfig, ExecutorConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig,
+)  # fmt: skip
 from cbjax.engine.offline import serve
 from cbjax.core.stop import StopFlag
 from cbjax.core.plan import StepOutput
 from cbjax.core.request import FinishReason, Status
+from cbjax.app.config_merge import from_dict
 from cbjax.app.run import build_executor, run_single
 from cbjax.scheduler.core import Scheduler
 from cbjax.core.timing import NO_CONTEXT, StepTime
@@ -120,6 +124,31 @@ def test_a_one_token_request_ends_at_its_prefill_without_a_transfer():
     cluster.serve([req])
     assert (req.finish_s, req.finish_reason, req.num_generated) == (1.0, FinishReason.LENGTH, 1)
     assert cluster.row_extras(req) == {"prefill_replica": 0, "decode_replica": None, "kv_transfer_s": None}
+
+
+def test_a_request_no_decode_replica_can_hold_is_rejected_on_arrival(tmp_path):
+    # Llama-3-8B's 16 GB of weights on an H100 that has 18.2 GB: a decode pool of 151 pages
+    hw = tmp_path / "small_h100.yaml"
+    hw.write_text((REPO / "configs" / "hardware" / "h100_sxm.yaml").read_text().replace("name: h100_sxm", "name: small")
+                  + "mem_bytes: 18.2e9\n")  # fmt: skip
+    cfg = dataclasses.replace(
+        config(prefill_replicas=1, decode_replicas=1, decode_hardware=str(hw)),
+        cache=CacheConfig(num_pages="auto"), scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096),
+        model=from_dict(ModelConfig, yaml.safe_load((REPO / "configs" / "model" / "llama3_8b.yaml").read_text())),
+    )  # fmt: skip
+    executors = []
+    cluster = ClusterSim(cfg, lambda c: executors.append(Recording()) or executors[-1])
+    pre, dec = cluster.replicas
+    assert dec.scheduler.allocator.num_usable_pages < 188 < pre.scheduler.allocator.num_usable_pages
+    short, long, one = length_only([3, 3, 1], prompt_lens=[4, 3000, 3000])  # 3000 + 3 tokens: 188 pages
+    result = cluster.serve([short, long, one])
+    assert long.finish_reason is FinishReason.REJECTED and long.first_token_s is None
+    assert long.reject_reason.startswith("needs 188 KV pages") and long.finish_s == long.arrival_s
+    assert cluster.row_extras(long) == {"prefill_replica": 0, "decode_replica": None, "kv_transfer_s": None}
+    # the one-token request never needs the decode pool: it is served at its prefill
+    assert (short.finish_reason, one.finish_reason) == (FinishReason.LENGTH, FinishReason.LENGTH)
+    assert sorted(e.request_id for p in executors[0].plans for e in p.scheduled) == ["0", "2"]  # "1" never ran
+    assert cluster.summary_fields(result)["kv_transfers"] == 1
 
 
 def test_add_transferred_queues_a_swapped_request_holding_its_pages():

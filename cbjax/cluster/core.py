@@ -26,6 +26,7 @@ from cbjax.engine.loop import EngineLoop
 from cbjax.core.results import IterationStats, RunResult
 from cbjax.report.metrics import SERVED
 from cbjax.core.request import FinishReason, Request, Status
+from cbjax.scheduler.intake import output_bound
 from cbjax.sim.pricing import build_scheduler
 from cbjax.report.service import ServiceLog
 
@@ -125,6 +126,11 @@ class ClusterBase:
         if hashes:
             replica.prefix.insert(hashes)
         if replica.role == "prefill":
+            reason = self._undecodable(req)
+            if reason is not None:  # rejected on arrival, as a lone replica rejects it
+                self.rows[req] = {"prefill_replica": replica.index, "decode_replica": None, "kv_transfer_s": None}
+                self._end(req, FinishReason.REJECTED, t, reason)
+                return replica
             # one token: the prefill's; the copy shares the prompt's ids
             proxy = dataclasses.replace(
                 req, sampling=dataclasses.replace(req.sampling, max_tokens=1), target_output_len=1
@@ -137,6 +143,22 @@ class ClusterBase:
             replica.loop.add(req, t)
         replica.loop.boundary()  # a rejection is reported at once
         return replica
+
+    def _undecodable(self, req: Request) -> Optional[str]:
+        """Why no decode replica could ever hold `req`, judged as its `Scheduler.add` would
+        judge it (the first replica's reason), or None. A request that ends at its first token
+        never reaches one."""
+        if req.stop_length() <= 1:
+            return None
+        bound, reasons = req.max_output_len, []
+        for replica in self.decode:
+            sched = replica.scheduler
+            req.max_output_len = output_bound(req, sched.max_model_len)
+            reasons.append(sched.rejection_reason(req))
+            if reasons[-1] is None:
+                break
+        req.max_output_len = bound  # set for real where it is queued
+        return None if reasons[-1] is None else reasons[0]
 
     def _check(self, index: int, n: int, what: str) -> int:
         if not (isinstance(index, (int, np.integer)) and 0 <= index < n):

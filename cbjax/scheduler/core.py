@@ -13,7 +13,7 @@ from cbjax.core.plan import Schedule
 from cbjax.core.request import FinishReason, Request, Status
 from cbjax.core.results import LoadCounts
 from cbjax.scheduler.drafts import Drafts
-from cbjax.scheduler.intake import rejection_reason
+from cbjax.scheduler.intake import output_bound, rejection_reason
 from cbjax.scheduler.output import PlanWriter
 from cbjax.scheduler.planning import Planner
 from cbjax.scheduler.policy import PolicyContract, make_policy
@@ -193,7 +193,7 @@ class Scheduler:
     def _enqueue(self, req: Request, now: float, host_pages: int) -> None:
         """Queue an arrived request, holding `host_pages` pages of K/V in host memory (a
         transferred request), or reject it with a reason."""
-        req.max_output_len = max(0, min(req.stop_length(), self.max_model_len - req.prompt_len))
+        req.max_output_len = output_bound(req, self.max_model_len)
         self._mark(req)
         reason = self.rejection_reason(req)
         if reason is not None:
