@@ -7,6 +7,7 @@ import dataclasses
 import functools
 from typing import Optional
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -181,12 +182,18 @@ def peaked_target() -> Llama:
     return target
 
 
-@pytest.mark.parametrize("how", ["ngram", "draft_model"])
+@pytest.mark.parametrize("how", ["ngram", "draft_layers", "draft_model"])
 def test_sampling_with_drafts_runs_and_reproduces(how):
+    # a step no row drafts in (the prompts' prefill) runs the verification sampler without the
+    # drafts' probabilities: warmup compiles that program too
     if how == "ngram":  # guesses: the greedy continuation
         greedy, _, _ = generate(make_executor(Spec(), llama=peaked_target()), prompts(), 16)
         make = lambda: make_executor(Spec("ngram", 3), llama=peaked_target(), sampling=True)  # noqa: E731
         guess = lambda: corrupted_guess(greedy, 1, wrong=0.0)  # noqa: E731
+    elif how == "draft_layers":
+        jax.clear_caches()  # another test may have compiled that program at these shapes
+        make = lambda: make_executor(Spec("draft", 3, draft_layers=1), llama=peaked_target(), sampling=True)  # noqa: E731
+        guess = lambda: None  # noqa: E731
     else:
         make = lambda: make_executor(Spec("draft", 3), first_layer_of(peaked_target()), peaked_target(), True)  # noqa: E731
         guess = lambda: None  # noqa: E731

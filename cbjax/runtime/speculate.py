@@ -190,6 +190,9 @@ class Speculator:
                 logits, probs = jax.device_put((logits, probs), ex.devices[0])
             jax.block_until_ready(self.sample(logits, db, probs))
             programs += 1
+            if self.method == "draft" and not self.separate:  # a step no row drafts in runs no drafter
+                jax.block_until_ready(self.sample(logits, db, None))
+                programs += 1
         return programs
 
     def warmup_swap(self) -> int:
