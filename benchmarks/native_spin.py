@@ -85,7 +85,7 @@ def micro(spins: list[int], rounds: int, gap_us: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--spins", type=int, nargs="+", default=[0, 50, 2000])
     ap.add_argument("--micro", action="store_true", help="time back-to-back native matmuls, not the engine")
     ap.add_argument("--gap-us", type=float, default=500.0, help="--micro: host time between steps")

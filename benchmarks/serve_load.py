@@ -67,7 +67,7 @@ async def load(base: str, args, pid: int) -> dict:
             state["bad"].append((i, repr(e)))
         finally:
             state["done"] += 1
-            if state["done"] == 100:
+            if state["done"] == min(100, args.streams):
                 state["rss_after_100"] = rss_mib(pid)
         if not leaves and (tokens != args.max_tokens or usage != args.max_tokens):
             state["bad"].append((i, f"{tokens} token chunks, usage {usage}"))
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
     growth = rss_end / state["rss_after_100"] if state["rss_after_100"] else float("nan")
     print(f"{args.streams} streams ({state['left']} left after {LEAVE_AFTER} tokens) in {wall:.1f} s")
     print(f"errors: {len(state['bad'])} {state['bad'][:5]}")
-    print(f"server RSS: start {rss_start:.0f} MiB, after 100 completions {state['rss_after_100']:.0f} MiB, end {rss_end:.0f} MiB ({growth:.3f}x)")
+    print(f"server RSS: start {rss_start:.0f} MiB, after {min(100, args.streams)} completions {state['rss_after_100']:.0f} MiB, "
+          f"end {rss_end:.0f} MiB ({growth:.3f}x)")
     print(f"/metrics after: {gauges}")
     print(f"exit code {code}; requests.jsonl rows {len(rows)}; fates {dict(fates)}")
     ok = (not state["bad"] and growth <= 1.10 and all(v == 0 for v in gauges.values()) and len(gauges) == 3

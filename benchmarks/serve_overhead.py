@@ -78,6 +78,8 @@ def served(server_overrides: list[str], workload: list[str], out: Path, cpu: Opt
         check_known_keys(raw, BenchConfig)
         server0, client0 = serve_process.cpu_s(proc.pid), own_cpu_s()
         summary = run_bench(OmegaConf.to_object(raw), out / "bench", verbose=False)
+        if summary.get("interrupted"):  # Ctrl-C: a partial run would be tabled as a whole one
+            raise SystemExit(f"interrupted: {out} holds a partial run; nothing is tabled")
         server1, client1 = serve_process.cpu_s(proc.pid), own_cpu_s()
         if cpu is not None:
             cpu.append({"server_s": None if server0 is None or server1 is None else server1 - server0,

@@ -30,7 +30,7 @@ IDLE_GAP_S = 0.002
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--profile", required=True, help="profile.json from `python -m cbjax.profile`")
     ap.add_argument("--workload", default="burst", choices=list(calibrate.WORKLOADS))
     ap.add_argument("--policy", default="fcfs", choices=calibrate.POLICIES)

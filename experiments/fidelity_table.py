@@ -78,7 +78,7 @@ def rows_of(out: Path) -> list[list[str]]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("out", type=Path, help="the fidelity run's output folder")
     args = ap.parse_args(argv)
     rows = rows_of(args.out)
