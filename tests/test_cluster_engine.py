@@ -109,3 +109,28 @@ def test_ray_replica_actors_give_the_replica_processes_tokens(env_cpu, tmp_path)
         assert len(set(run["pids"])) == 2 and run["driver_pid"] not in run["pids"]  # one process per actor
         assert run["pages_leaked"] == [0, 0] and run["summary_compiles_after_warmup"] == 0
     assert ray_pd["kv_transfers"] == 6
+
+
+def test_starting_ray_keeps_the_runs_sigterm_handler(monkeypatch):
+    # ray.init installs a SIGTERM handler that exits at once; the run's (which saves every
+    # request's fate) must stay in place
+    import signal
+
+    import ray
+
+    from cbjax.cluster import ray_actors
+
+    def ray_init(**kwargs):
+        signal.signal(signal.SIGTERM, lambda *a: None)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", ray_init)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {})
+    previous = signal.getsignal(signal.SIGTERM)
+    runs = lambda *a: None  # noqa: E731
+    signal.signal(signal.SIGTERM, runs)
+    try:
+        replicas = ray_actors.RayReplicas(lambda cfg: None)
+        assert signal.getsignal(signal.SIGTERM) is runs and replicas.started_ray
+    finally:
+        signal.signal(signal.SIGTERM, previous)

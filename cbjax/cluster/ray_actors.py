@@ -15,6 +15,8 @@ forced XLA:CPU devices.
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Any, Callable, Optional
 
 import ray
@@ -70,7 +72,13 @@ class RayReplicas:
         self.build = build
         self.started_ray = False
         if not ray.is_initialized():
+            # ray.init puts its own SIGTERM handler (exit at once) in place of the run's, which
+            # ends the run with every request's fate saved: the run's stays
+            main = threading.current_thread() is threading.main_thread()
+            handler = signal.getsignal(signal.SIGTERM) if main else None
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **init_kwargs)
+            if main:
+                signal.signal(signal.SIGTERM, handler)
             self.started_ray = True
         self.actors: list[Any] = []
         self.gpus = ray.cluster_resources().get("GPU", 0) > 0
