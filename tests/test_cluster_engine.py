@@ -134,3 +134,23 @@ def test_starting_ray_keeps_the_runs_sigterm_handler(monkeypatch):
         assert signal.getsignal(signal.SIGTERM) is runs and replicas.started_ray
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_engine_clusters_summary_adds_its_replicas_engine_figures_up():
+    from cbjax.cluster.engine import cluster_metrics
+
+    prefill = {"compiles_after_warmup": 0, "warmup_s": 2.0, "compiled_programs": 3, "sampler_calls": 0, "swap_s": 0.0,
+               "bucket_calls": {"1024": 1}, "device_calls_per_iteration": 1.0, "mixed_iterations": 1}
+    decode = {"compiles_after_warmup": 1, "warmup_s": 3.0, "compiled_programs": 4, "sampler_calls": 2, "swap_s": 0.5,
+              "bucket_calls": {"16": 5, "1024": 2}, "device_calls_per_iteration": 2.0, "mixed_iterations": 0}
+    both = [prefill, decode]
+    apart = cluster_metrics(both, [1, 5], inline=False)
+    assert (apart["compiles_after_warmup"], apart["warmup_s"]) == (1, 3.0)  # own processes, warmed side by side
+    assert (apart["compiled_programs"], apart["sampler_calls"], apart["swap_s"], apart["mixed_iterations"]) == (7, 2, 0.5, 1)
+    assert apart["bucket_calls"] == {"16": 5, "1024": 3}
+    assert apart["device_calls_per_iteration"] == (1.0 * 1 + 2.0 * 5) / 6
+    assert apart["host_pack_s"] is None  # a figure the replicas do not report
+    shared = cluster_metrics(both, [1, 5], inline=True)
+    assert (shared["compiles_after_warmup"], shared["warmup_s"]) == (1, 5.0)  # one process's count, one after another
+    failed = cluster_metrics([prefill, {**decode, "compiles_after_warmup": None}], [1, 5], inline=False)
+    assert failed["compiles_after_warmup"] is None

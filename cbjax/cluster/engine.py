@@ -150,17 +150,49 @@ class ClusterEngine(ClusterBase):
         replica.loop.fail_all(str(failure))
 
     def summary_fields(self, result: RunResult) -> dict[str, Any]:
-        """`ClusterBase.summary_fields`; compiles after warmup over the whole cluster (summed
-        over the replicas' processes; `inline`, the one process's count; None if a replica's
-        is unknown, as a failed one's); `replica_failure`, the error that ended the run."""
+        """`ClusterBase.summary_fields`; the engine's counters and times over the whole cluster
+        (`cluster_metrics`); `replica_failure`, the error that ended the run."""
         out = super().summary_fields(result)
-        counts = [replica.executor.metrics()["compiles_after_warmup"] for replica in self.replicas]
-        if None in counts:
-            out["compiles_after_warmup"] = None
-        else:
-            out["compiles_after_warmup"] = max(counts) if self.inline else sum(counts)
+        metrics = [replica.executor.metrics() for replica in self.replicas]
+        out.update(cluster_metrics(metrics, [r["iterations"] for r in out["replicas"]], self.inline))
         out["replica_failure"] = None if self.failure is None else str(self.failure)
         return out
+
+
+# The executor's counters and times (`JaxExecutor.metrics`) a cluster's summary adds up over its
+# replicas; the rest (its settings) are the first replica's, as for one replica.
+SUMMED_METRICS = (
+    "compiled_programs", "warmup_compiles", "warmup_cache_hits", "warmup_programs_loaded", "sampler_calls",
+    "mixed_iterations", "context_iterations", "host_pack_s", "device_wait_s", "swap_s", "spec_drafting_steps",
+)  # fmt: skip
+
+
+def cluster_metrics(metrics: list[dict[str, Any]], iterations: list[int], inline: bool) -> dict[str, Any]:
+    """The engine metrics of a cluster whose replicas' executors report `metrics` and ran
+    `iterations` each: counters and times summed, `bucket_calls` summed per bucket, model-step
+    calls per iteration over all iterations. Compiles after warmup and warmup seconds: in one
+    process (`inline`) the replicas share one count and warm up one after another; in their own
+    processes they count apart and warm up side by side. A figure some replica lacks (a failed
+    one's) is None."""
+    out: dict[str, Any] = {}
+    for key in SUMMED_METRICS:
+        values = [m.get(key) for m in metrics]
+        out[key] = None if None in values else sum(values)
+    counts = [m.get("compiles_after_warmup") for m in metrics]
+    out["compiles_after_warmup"] = None if None in counts else (max(counts) if inline else sum(counts))
+    warmups = [m.get("warmup_s") for m in metrics]
+    out["warmup_s"] = None if None in warmups else (sum(warmups) if inline else max(warmups))
+    calls: dict[str, int] = {}
+    for m in metrics:
+        for bucket, n in (m.get("bucket_calls") or {}).items():
+            calls[bucket] = calls.get(bucket, 0) + n
+    out["bucket_calls"] = {b: calls[b] for b in sorted(calls, key=int)}
+    ratios = [m.get("device_calls_per_iteration") for m in metrics]
+    total = sum(iterations)
+    out["device_calls_per_iteration"] = (
+        None if None in ratios else sum(r * n for r, n in zip(ratios, iterations)) / total if total else 0.0
+    )
+    return out
 
 
 class _Halt:
