@@ -43,7 +43,8 @@ def rss_mib(pid: int) -> float:
 
 async def load(base: str, args, pid: int) -> dict:
     every = round(1 / args.leave) if args.leave > 0 else 0
-    state = {"done": 0, "rss_after_100": None, "bad": [], "left": 0}
+    sample_at = min(100, args.streams)  # the completions after which the server's memory is read
+    state = {"done": 0, "rss_after_100": None, "sample_at": sample_at, "bad": [], "left": 0}
 
     async def stream(client: httpx.AsyncClient, i: int) -> None:
         leaves = every and i % every == 0
@@ -67,7 +68,7 @@ async def load(base: str, args, pid: int) -> dict:
             state["bad"].append((i, repr(e)))
         finally:
             state["done"] += 1
-            if state["done"] == min(100, args.streams):
+            if state["done"] == sample_at:
                 state["rss_after_100"] = rss_mib(pid)
         if not leaves and (tokens != args.max_tokens or usage != args.max_tokens):
             state["bad"].append((i, f"{tokens} token chunks, usage {usage}"))
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     growth = rss_end / state["rss_after_100"] if state["rss_after_100"] else float("nan")
     print(f"{args.streams} streams ({state['left']} left after {LEAVE_AFTER} tokens) in {wall:.1f} s")
     print(f"errors: {len(state['bad'])} {state['bad'][:5]}")
-    print(f"server RSS: start {rss_start:.0f} MiB, after {min(100, args.streams)} completions {state['rss_after_100']:.0f} MiB, "
+    print(f"server RSS: start {rss_start:.0f} MiB, after {state['sample_at']} completions {state['rss_after_100']:.0f} MiB, "
           f"end {rss_end:.0f} MiB ({growth:.3f}x)")
     print(f"/metrics after: {gauges}")
     print(f"exit code {code}; requests.jsonl rows {len(rows)}; fates {dict(fates)}")

@@ -150,15 +150,17 @@ class ClusterBase:
         never reaches one."""
         if req.stop_length() <= 1:
             return None
-        bound, reasons = req.max_output_len, []
-        for replica in self.decode:
-            sched = replica.scheduler
-            req.max_output_len = output_bound(req, sched.max_model_len)
-            reasons.append(sched.rejection_reason(req))
-            if reasons[-1] is None:
-                break
-        req.max_output_len = bound  # set for real where it is queued
-        return None if reasons[-1] is None else reasons[0]
+        bound, first = req.max_output_len, None
+        try:
+            for replica in self.decode:
+                req.max_output_len = output_bound(req, replica.scheduler.max_model_len)
+                reason = replica.scheduler.rejection_reason(req)
+                if reason is None:
+                    return None
+                first = first or reason
+            return first
+        finally:
+            req.max_output_len = bound  # set for real where it is queued
 
     def _check(self, index: int, n: int, what: str) -> int:
         if not (isinstance(index, (int, np.integer)) and 0 <= index < n):
