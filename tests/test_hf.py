@@ -223,11 +223,10 @@ def hf_greedy(model, prompts, max_new_tokens, eos_token_id=None):
     return outputs
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_continuous_batching_greedy_equals_transformers_generate(checkpoint, arch):
-    """18 prompts of 1-60 tokens, 1-24 new tokens each, through 4 slots (slots are refilled);
-    EOS (id 2) is honoured on both sides."""
-    model, _, cfg = checkpoint(arch)
+def assert_cb_equals_generate(model, cfg, what):
+    """18 prompts of 1-60 tokens, 1-24 new tokens each, through 4 slots (slots are refilled):
+    the engine's greedy tokens equal transformers' `generate`; EOS (id 2) is honoured on both
+    sides."""
     rng = np.random.default_rng(3)
     reqs = []
     for i in range(18):
@@ -246,8 +245,59 @@ def test_continuous_batching_greedy_equals_transformers_generate(checkpoint, arc
     assert result.stats.batch_peak == NUM_SLOTS and ex.metrics()["compiles_after_warmup"] == 0
     want = hf_greedy(model, [r.prompt_token_ids for r in reqs], [r.sampling.max_tokens for r in reqs], cfg.eos_token_id)
     for req, expected in zip(result.requests, want):
-        assert req.output_token_ids == expected, f"{arch} request {req.request_id}"
+        assert req.output_token_ids == expected, f"{what} request {req.request_id}"
         assert req.finish_reason in (FinishReason.LENGTH, FinishReason.EOS)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_continuous_batching_greedy_equals_transformers_generate(checkpoint, arch):
+    model, _, cfg = checkpoint(arch)
+    assert_cb_equals_generate(model, cfg, arch)
+
+
+# RoPE scaling, as Llama 3.1+ and position-interpolated checkpoints set it. Llama 3.1's on a
+# 64-token training context: head_dim 16 at theta 5e5 has wavelengths from 6 to ~6e5 tokens,
+# so one frequency is kept (under 64 / 4 = 16 tokens), one blended and six divided (over 64).
+# No biases and heads of 16: on a CPU the fused q/k/v product takes the native kernels' RoPE
+# epilogue where they build.
+SCALED_ROPE = {
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64),
+    "linear": dict(rope_type="linear", factor=2.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(SCALED_ROPE))
+def test_scaled_rope_matches_transformers(tmp_path, kind):
+    config = transformers.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                      rope_parameters={"rope_theta": 500000.0, **SCALED_ROPE[kind]})  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(str(tmp_path))
+    cfg = load_config(ModelConfig(name="hf", path=str(tmp_path), dtype="auto", max_model_len=MAX_MODEL_LEN))
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_theta) == (kind, SCALED_ROPE[kind]["factor"], 500000.0)
+    if kind == "llama3":
+        assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len) == (1.0, 4.0, 64)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 100).tolist()
+    want = hf_logits(model, tokens)
+    ours = load_model(cfg)
+    assert_logits_close(dense(ours, tokens), want, f"{kind} dense forward")
+    assert_logits_close(dense(ours.fused(), tokens), want, f"{kind} dense forward, fused layout")
+    # the oracle sees the scaling: plain RoPE on the same weights is far off
+    for layer in ours.layers:
+        layer.rope_scaling = None
+    assert np.abs(dense(ours, tokens) - want).max() > 1e-2
+    assert_cb_equals_generate(model, cfg, f"{kind} rope")
+    # the older config.json form: `rope_scaling` (its kind under "type") and a top-level rope_theta
+    legacy = {k: v for k, v in SCALED_ROPE[kind].items() if k != "rope_type"}
+    _edit_config(tmp_path, rope_parameters=None, rope_scaling={"type": kind, **legacy}, rope_theta=500000.0)
+    assert load_config(ModelConfig(name="hf", path=str(tmp_path), dtype="auto", max_model_len=MAX_MODEL_LEN)) == cfg
 
 
 def test_sharded_and_bf16_checkpoints_load(tmp_path, checkpoint):

@@ -9,6 +9,7 @@ from typing import Optional
 from cbjax.config.checks import _one_of, _require
 
 DTYPES = ("float32", "bfloat16")
+ROPE_TYPES = ("default", "linear", "llama3")  # cbjax.model.ops.RopeScaling's kinds, and none
 # Each MLP kind's weight matrices per layer: gated (SwiGLU, Llama) gate, up and down; plain (OPT) up and down.
 MLP_MATRICES = {"gated": 3, "plain": 2}
 MLP_KINDS = tuple(MLP_MATRICES)
@@ -27,6 +28,14 @@ class ModelConfig:
     head_dim: int = 16
     ffn_dim: int = 128
     rope_theta: float = 10000.0
+    # RoPE scaling past the training context, as Hugging Face's rope_type names it: "default"
+    # (none), "linear" or "llama3" (cbjax.model.ops.RopeScaling), with its factor, low and high
+    # frequency factors (llama3) and original_max_position_embeddings (llama3)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     max_model_len: int = 1024
     tie_embeddings: bool = False
     dtype: str = "float32"
@@ -48,6 +57,18 @@ class ModelConfig:
             )
         _one_of("model.dtype", self.dtype, DTYPES + (("auto",) if self.path else ()))
         _one_of("model.mlp", self.mlp, MLP_KINDS)
+        _one_of("model.rope_type", self.rope_type, ROPE_TYPES)
+        if self.rope_type != "default":
+            _require(self.rope_factor > 0, "model.rope_factor", "must be > 0", self.rope_factor)
+        if self.rope_type == "llama3":
+            _require(self.rope_low_freq_factor > 0, "model.rope_low_freq_factor", "must be > 0", self.rope_low_freq_factor)
+            _require(
+                self.rope_high_freq_factor > self.rope_low_freq_factor,
+                "model.rope_high_freq_factor",
+                f"must exceed model.rope_low_freq_factor ({self.rope_low_freq_factor})",
+                self.rope_high_freq_factor,
+            )
+            _require(self.rope_original_max_len >= 1, "model.rope_original_max_len", "must be >= 1", self.rope_original_max_len)
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
             value = getattr(self, key)
             _require(value >= 1, f"model.{key}", "must be >= 1", value)

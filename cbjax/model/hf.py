@@ -29,7 +29,7 @@ from cbjax.model.llama import Llama, check_supported
 
 # model_type -> the causal-LM class whose weights we read
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-ROPE_TYPES = ("default",)
+ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older checkpoints carry; recomputed here, never read.
@@ -74,7 +74,7 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
         raise ValueError(f"{where}: unsupported architecture {archs}; for {model_type!r} cbjax reads {expected_arch}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: unsupported hidden_act {hf['hidden_act']!r}; cbjax's MLP is SwiGLU (silu)")
-    rope_theta = _rope_theta(hf, where)
+    rope_theta, rope_knobs = _rope(hf, where)
     required = {key: _required(hf, key, cfg.path) for key in REQUIRED_KEYS}
 
     num_heads = required["num_attention_heads"]
@@ -104,6 +104,7 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
         head_dim=hf.get("head_dim") or required["hidden_size"] // num_heads,
         ffn_dim=required["intermediate_size"],
         rope_theta=float(rope_theta),
+        **rope_knobs,
         max_model_len=max_model_len,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype,
@@ -225,16 +226,29 @@ def _module_variable(model: Llama, path: tuple[Union[str, int], ...]) -> nnx.Par
     return node
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-    """rope_theta from the v5 `rope_parameters` or the older top-level key; only unscaled RoPE."""
+def _rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, the ModelConfig rope_* fields of its scaling) from the v5 `rope_parameters`
+    or the older `rope_scaling` and top-level `rope_theta`."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"{where}: unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    factor = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if factor != 1.0:
-        raise ValueError(f"{where}: unsupported partial_rotary_factor {factor}; cbjax rotates the whole head")
-    return rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{where}: unsupported partial_rotary_factor {partial}; cbjax rotates the whole head")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return theta, {}
+    if "factor" not in rope:
+        raise ValueError(f"{where}: rope scaling {rope_type!r} has no 'factor'")
+    knobs = {"rope_type": rope_type, "rope_factor": float(rope["factor"])}
+    if rope_type == "llama3":
+        knobs.update(
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_len=int(rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 8192)),
+        )
+    return theta, knobs
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str):

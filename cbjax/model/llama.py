@@ -54,7 +54,7 @@ import numpy as np
 from flax import nnx
 
 from cbjax.config import ModelConfig
-from cbjax.model.ops import XlaOps, dense_apply, rope, rope_tables  # noqa: F401  rope, rope_tables: public here too
+from cbjax.model.ops import RopeScaling, XlaOps, dense_apply, rope, rope_tables  # noqa: F401  rope, rope_tables: public here too
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp")
 # KV cache [num_layers, num_kv_heads, num_pages, page_size, head_dim]
@@ -76,6 +76,14 @@ def check_supported(cfg: ModelConfig) -> None:
         raise ValueError(f"model.head_dim must be even for RoPE, got {cfg.head_dim}")
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"model.dtype: the JAX model needs float32 or bfloat16 (resolve 'auto'), got {cfg.dtype!r}")
+
+
+def rope_scaling(cfg: ModelConfig) -> Optional[RopeScaling]:
+    """The model's RoPE scaling (`model.rope_type` and its knobs); None for plain RoPE."""
+    if cfg.rope_type == "default":
+        return None
+    return RopeScaling(cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                       cfg.rope_original_max_len)  # fmt: skip
 
 
 def param(value: jax.Array, axes: Axes) -> nnx.Param:
@@ -153,6 +161,7 @@ class DecoderLayer(nnx.Module):
         d, h, kv, hd, ffn = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = rope_scaling(cfg)
 
         def dense(shape, axes, bias, drawn_as=None, num_in=1):
             # weight then bias: the draw order of the Hugging Face-shaped init
@@ -180,7 +189,7 @@ class DecoderLayer(nnx.Module):
         The serving layout only (`fuse`)."""
         if self.qkv_proj is None:
             raise ValueError("DecoderLayer.qkv_product: the layer is not fused (call Llama.fused first)")
-        return ops.qkv_rope(x, self.input_layernorm, self.qkv_proj, positions, self.rope_theta)
+        return ops.qkv_rope(x, self.input_layernorm, self.qkv_proj, positions, self.rope_theta, self.rope_scaling)
 
     def qkv(self, x: jax.Array, positions: jax.Array, ops=XLA_OPS) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [..., d_model], positions i32[...] -> q [..., num_heads, head_dim], k and v
@@ -189,7 +198,8 @@ class DecoderLayer(nnx.Module):
             return self.split_qkv(self.qkv_product(x, positions, ops))
         h = self.input_layernorm(x)
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+        theta, scaling = self.rope_theta, self.rope_scaling
+        return rope(q, positions, theta, scaling), rope(k, positions, theta, scaling), v
 
     def split_qkv(self, product: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [..., num_heads, head_dim], k and v [..., num_kv_heads, head_dim] of a fused q/k/v

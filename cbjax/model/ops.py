@@ -13,7 +13,8 @@ handle a bias itself. Implementations register by name in `cbjax.kernels.registr
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+import math
+from typing import Any, NamedTuple, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +35,8 @@ class LayerOps(Protocol):
       norm_matmul(x, norm, dense) -> dense(norm(x)).
       matmul_residual(x, dense, residual) -> residual + dense(x).
       glu(x, norm, gate_up) -> silu(gate) * up of gate_up(norm(x)) [..., 2, ffn].
-      qkv_rope(x, norm, qkv, positions, theta) -> qkv(norm(x)) [..., kv_heads, group + 2, head_dim]
-        with RoPE applied to each kv head's query heads and its k head.
+      qkv_rope(x, norm, qkv, positions, theta, scaling=None) -> qkv(norm(x)) [..., kv_heads,
+        group + 2, head_dim] with RoPE (`rope`) applied to each kv head's query heads and its k head.
       write_kv(product, write_idx, layer_idx, k_pages, v_pages) -> (k_pages, v_pages) with the
         product's k and v rows written at write_idx of layer layer_idx.
       logits(x, norm, lm_head, table) -> f32[..., vocab]: norm(x) @ lm_head, or @ table.T (tied).
@@ -55,7 +56,8 @@ class LayerOps(Protocol):
     def norm_matmul(self, x: jax.Array, norm: Any, dense: Any) -> jax.Array: ...
     def matmul_residual(self, x: jax.Array, dense: Any, residual: jax.Array) -> jax.Array: ...
     def glu(self, x: jax.Array, norm: Any, gate_up: Any) -> jax.Array: ...
-    def qkv_rope(self, x: jax.Array, norm: Any, qkv: Any, positions: jax.Array, theta: float) -> jax.Array: ...
+    def qkv_rope(self, x: jax.Array, norm: Any, qkv: Any, positions: jax.Array, theta: float,
+                 scaling: Optional[RopeScaling] = None) -> jax.Array: ...  # fmt: skip
     def write_kv(self, product: jax.Array, write_idx: jax.Array, layer_idx, k_pages: jax.Array,
                  v_pages: jax.Array) -> tuple[jax.Array, jax.Array]: ...  # fmt: skip
     def logits(self, x: jax.Array, norm: Any, lm_head: Any, table: Any) -> jax.Array: ...
@@ -63,30 +65,68 @@ class LayerOps(Protocol):
              live: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]: ...  # fmt: skip
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+class RopeScaling(NamedTuple):
+    """How a checkpoint stretches RoPE past its training context (Hugging Face's `rope_type`):
+
+    - "linear": every frequency divided by `factor` (position interpolation);
+    - "llama3" (Llama 3.1 and later): a frequency whose wavelength exceeds
+      original_max_len / low_freq_factor is divided by `factor`, one whose wavelength is under
+      original_max_len / high_freq_factor is kept, and one between is blended linearly in
+      original_max_len / wavelength from the divided to the kept value.
+
+    Neither rescales cos and sin. Hashable: it reaches jitted code as a static value."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None) -> jax.Array:
+    """f32[head_dim / 2]: the rotary frequencies theta^(-2i / head_dim), scaled by `scaling`."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    slow = inv_freq / scaling.factor
+    if scaling.kind == "linear":
+        return slow
+    if scaling.kind != "llama3":
+        raise ValueError(f"rope scaling: unknown kind {scaling.kind!r} (linear, llama3)")
+    turns = scaling.original_max_len / (2 * math.pi / inv_freq)  # the training context over each wavelength
+    blend = (turns - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    mixed = (1 - blend) * slow + blend * inv_freq
+    return jnp.where(turns > scaling.high_freq_factor, inv_freq, jnp.where(turns < scaling.low_freq_factor, slow, mixed))
+
+
+def rope_tables(
+    positions: jax.Array, head_dim: int, theta: float, scaling: Optional[RopeScaling] = None
+) -> tuple[jax.Array, jax.Array]:
     """cos and sin f32[..., head_dim] of each position's rotary angles (each frequency twice:
     the rotate_half convention's halves share them), positions i32[...]."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # f32[half]
+    inv_freq = inv_frequencies(head_dim, theta, scaling)  # f32[half]
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # f32[..., half]
     angles = jnp.concatenate([freqs, freqs], axis=-1)  # f32[..., head_dim]
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: Optional[RopeScaling] = None) -> jax.Array:
     """Rotary embedding, Hugging Face rotate_half convention: x [..., n, head_dim], positions i32[...]."""
     half = x.shape[-1] // 2
-    cos, sin = rope_tables(positions, x.shape[-1], theta)
+    cos, sin = rope_tables(positions, x.shape[-1], theta, scaling)
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
 
 
-def rope_product(product: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_product(
+    product: jax.Array, positions: jax.Array, theta: float, scaling: Optional[RopeScaling] = None
+) -> jax.Array:
     """A fused q/k/v product [..., kv_heads, group + 2, head_dim] with `rope` applied to its q
     and k heads (each kv head's first group + 1 entries), its v heads as they are."""
     qk = product[..., :-1, :]  # [..., kv_heads, group + 1, head_dim]
     lead = qk.shape[:-3]
-    roped = rope(qk.reshape(*lead, -1, qk.shape[-1]), positions, theta).reshape(qk.shape)
+    roped = rope(qk.reshape(*lead, -1, qk.shape[-1]), positions, theta, scaling).reshape(qk.shape)
     return jnp.concatenate([roped, product[..., -1:, :]], axis=-2)
 
 
@@ -154,8 +194,8 @@ class XlaOps:
         gate_up_out = dense_apply(gate_up, norm(x))  # [..., 2, ffn_dim]
         return jax.nn.silu(gate_up_out[..., 0, :]) * gate_up_out[..., 1, :]
 
-    def qkv_rope(self, x, norm, qkv, positions, theta):
-        return rope_product(self.norm_matmul(x, norm, qkv), positions, theta)
+    def qkv_rope(self, x, norm, qkv, positions, theta, scaling=None):
+        return rope_product(self.norm_matmul(x, norm, qkv), positions, theta, scaling)
 
     def write_kv(self, product, write_idx, layer_idx, k_pages, v_pages):
         k_pages = write_layer(k_pages, layer_idx, write_idx, product[..., -2, :])

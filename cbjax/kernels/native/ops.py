@@ -75,14 +75,14 @@ class NativeOps:
         out = self.norm_matmul(x, norm, gate_up)
         return jax.nn.silu(out[..., 0, :]) * out[..., 1, :]
 
-    def qkv_rope(self, x, norm, qkv, positions, theta):
+    def qkv_rope(self, x, norm, qkv, positions, theta, scaling=None):
         w = qkv.kernel[...]  # [num_layers, d_model, num_kv_heads, group + 2, head_dim]
         head_dim = w.shape[-1]
         if qkv.bias is None and kernels.rope_applies(w.shape, head_dim):  # RoPE in the epilogue
-            cos, sin = rope_tables(positions, head_dim, theta)
+            cos, sin = rope_tables(positions, head_dim, theta, scaling)
             return kernels.layer_matmul_rope(x, w, self.layer_idx, cos, sin, live=self.num_tokens,
                                              norm=norm.parts(x))  # fmt: skip
-        return rope_product(self.norm_matmul(x, norm, qkv), positions, theta)
+        return rope_product(self.norm_matmul(x, norm, qkv), positions, theta, scaling)
 
     def write_kv(self, product, write_idx, layer_idx, k_pages, v_pages):
         if k_pages.dtype != jnp.float32:
