@@ -36,8 +36,10 @@ def test_incremental_decoding_emits_each_character_once_it_is_whole(tmp_path):
                 assert "" in pieces  # the first byte of a two-byte character waited
 
 
-def checkpoint(path, template: bool):
-    """A Llama config.json and the byte tokenizer's files: what the simulator and server read."""
+def checkpoint(path, template: bool, jinja: bool = False):
+    """A Llama config.json and the byte tokenizer's files: what the simulator and server read.
+    The template goes in tokenizer_config.json, or (`jinja`) in chat_template.jinja beside it,
+    where transformers saves it since 4.50."""
     write_hf_tokenizer(path)
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
@@ -45,8 +47,19 @@ def checkpoint(path, template: bool):
     (path / "config.json").write_text(json.dumps(config))
     if template:
         tok_config = json.loads((path / "tokenizer_config.json").read_text())
-        tok_config.update(chat_template=TEMPLATE, bos_token={"content": "<s>"})
+        tok_config.update(bos_token={"content": "<s>"})
+        if jinja:
+            (path / "chat_template.jinja").write_text(TEMPLATE)
+        else:
+            tok_config.update(chat_template=TEMPLATE)
         (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+
+
+def test_the_chat_template_is_read_from_chat_template_jinja(tmp_path):
+    checkpoint(tmp_path, template=True, jinja=True)
+    assert "chat_template" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    messages = [{"role": "user", "content": "hi"}]
+    assert HFTokenizer(tmp_path, eos_token_id=None).chat_prompt(messages) == "<s><user>hi</user><assistant>"
 
 
 def test_a_checkpoint_serves_with_its_tokenizer_and_chat_template(tmp_path):

@@ -68,8 +68,9 @@ class ByteDecoder:
 
 
 class HFTokenizer:
-    """A checkpoint's tokenizer.json (through `tokenizers`), with its chat template from
-    tokenizer_config.json when it has one (rendered with jinja2, as transformers does)."""
+    """A checkpoint's tokenizer.json (through `tokenizers`), with its chat template when it has
+    one (chat_template.jinja, else tokenizer_config.json's; rendered with jinja2, as
+    transformers does)."""
 
     def __init__(self, model_dir: str | Path, eos_token_id: Optional[int]):
         from tokenizers import Tokenizer as RustTokenizer
@@ -125,13 +126,14 @@ class WindowDecoder:
 
 
 def _chat_template(model_dir: Path) -> tuple[Any, dict[str, Any]]:
-    """tokenizer_config.json's chat template compiled in a jinja2 sandbox, and the special
-    tokens it may name; (None, {}) when the checkpoint has none."""
+    """The checkpoint's chat template compiled in a jinja2 sandbox, and the special tokens it
+    may name (tokenizer_config.json's); (None, {}) when the checkpoint has none. The template
+    is chat_template.jinja, where transformers saves it since 4.50 (and which wins there too),
+    else tokenizer_config.json's `chat_template`."""
     path = model_dir / "tokenizer_config.json"
-    if not path.is_file():
-        return None, {}
-    config = json.loads(path.read_text())
-    source = config.get("chat_template")
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    jinja = model_dir / "chat_template.jinja"
+    source = jinja.read_text() if jinja.is_file() else config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     if not source:
