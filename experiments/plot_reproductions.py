@@ -78,7 +78,10 @@ def _arms(ax, row: dict[str, Any]) -> None:
     vals = [row["arm_values"][a] or 0.0 for a in arms]
     colors = ["tab:blue"] * len(arms)
     if row["kind"] == "argmin_in":
-        colors = ["tab:green" if a in str(row["paper"]) else "tab:blue" for a in arms]
+        # the paper's best arms by name (`paper_set`); `paper` is free text for the table
+        # ("16-128") and names no arm
+        best = set(row.get("paper_set") or ())
+        colors = ["tab:green" if a in best else "tab:blue" for a in arms]
     ax.bar(arms, vals, color=colors)
     ax.set_title(_wrap(f"{short_label(row['setting'])}: {row['verdict']}", TITLE_CHARS), fontsize=9)
     ax.set_ylabel(row["metric"], fontsize=8)

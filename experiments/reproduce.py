@@ -124,6 +124,8 @@ def run_one(name: str, out_root: Path, overrides: list[str], progress: bool, see
         row = dict(seed_rows[0])
         row["kind"] = entry.get("kind") or "value"
         row["arm_values"] = {a: summary_value(per_seed[0][1][a], row["metric"]) for a in arms}
+        if entry.get("paper_set"):  # argmin_in: the plot marks these arms
+            row["paper_set"] = list(entry["paper_set"])
         row["fit"] = fit
         row["seeds"] = {str(s): {"ours": r["ours"], "verdict": r["verdict"]} for s, r in zip(seeds, seed_rows)}
         row["passes"] = sum(r["verdict"] == "pass" for r in seed_rows)

@@ -97,3 +97,37 @@ def test_every_reproduction_declares_its_fit_rows_and_they_name_rows(name):
     flags = fit_flags(cfg.experiment.reproduction, cfg.experiment.fit_rows)
     # a row whose setting names a modelling-difference knob was fitted on; the others not
     assert flags == [", with the modelling-difference knob" in e["setting"] for e in cfg.experiment.reproduction]
+
+
+def test_argmin_plot_marks_the_papers_set_by_name():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    import plot_reproductions
+
+    # vLLM Fig 18b's row: `paper` is the text "16-32", which names no arm; p1 is not p16
+    row = {"kind": "argmin_in", "setting": "best page size", "metric": "normalized_latency_s_per_token",
+           "verdict": "fail", "paper": "16-32", "paper_set": ["p16", "p32"],
+           "arm_values": {"p1": 1.0, "p16": 2.0, "p32": 3.0, "p64": 4.0}}  # fmt: skip
+    fig, ax = plt.subplots()
+    plot_reproductions._arms(ax, row)
+    colors = [to_hex(p.get_facecolor()) for p in ax.patches]
+    plt.close(fig)
+    green, blue = to_hex("tab:green"), to_hex("tab:blue")
+    assert colors == [blue, green, green, blue]
+
+
+def test_run_one_records_the_papers_set_for_the_plot(tmp_path, monkeypatch):
+    import cbjax.app.run
+
+    def fake_run(cfg, out_dir, verbose=False):  # no arm runs: only the record's fields matter
+        return {arm: {"ttft_s_p50": 1.0, "tbt_s_p99": 1.0} for arm in cfg.experiment.arms}
+
+    monkeypatch.setattr(cbjax.app.run, "run_experiment", fake_run)
+    record = reproduce.run_one("sarathi_ablation", tmp_path, [], progress=False)
+    argmin = [r for r in record["rows"] if r["kind"] == "argmin_in"]
+    assert [r["paper_set"] for r in argmin] == [["both"], ["both"]]
+    assert all("paper_set" not in r for r in record["rows"] if r["kind"] != "argmin_in")
