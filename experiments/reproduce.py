@@ -94,7 +94,11 @@ def _flat(overrides: dict[str, Any], prefix: str = "") -> str:
 
 def _workload(w) -> str:
     if w.name == "trace":
-        return f"trace {w.path}"
+        # time_scale divides the trace's arrival times: 3.0 replays it 3x faster
+        return f"trace {w.path}" + (f", replayed {w.time_scale:g}x faster" if w.time_scale != 1 else "")
+    if w.name == "sessions":  # num_requests does not apply: turns follow from the sessions
+        rate = "" if w.arrival == "all_at_once" else f" at {w.rate:g} sessions/s"
+        return f"{w.num_sessions} sessions, {w.arrival}{rate}"
     if w.clients:
         clients = ", ".join(f"{c.client_id} at {c.rate:g} req/s" for c in w.clients)
         span = f" for {w.duration_s:g} s" if w.duration_s else ""

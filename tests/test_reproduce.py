@@ -131,3 +131,13 @@ def test_run_one_records_the_papers_set_for_the_plot(tmp_path, monkeypatch):
     argmin = [r for r in record["rows"] if r["kind"] == "argmin_in"]
     assert [r["paper_set"] for r in argmin] == [["both"], ["both"]]
     assert all("paper_set" not in r for r in record["rows"] if r["kind"] != "argmin_in")
+
+
+def test_setup_text_names_sessions_and_the_trace_speed():
+    # multiturn_kv_tier: 300 conversations starting at 0.25 per second, not num_requests' default
+    multiturn = reproduce.compose("multiturn_kv_tier", [])
+    assert reproduce._workload(multiturn.workload) == "300 sessions, poisson at 0.25 sessions/s"
+    assert "workload: 300 sessions, poisson at 0.25 sessions/s." in reproduce.setup_text("multiturn_kv_tier", multiturn)
+    # splitwise_hetero: the Azure code trace replayed 3x faster (time_scale 3.0)
+    splitwise = reproduce.compose("splitwise_hetero", [])
+    assert reproduce._workload(splitwise.workload).endswith(", replayed 3x faster")
