@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -107,9 +108,25 @@ def _workload(w) -> str:
     return f"{w.num_requests} requests, {w.arrival}{rate}"
 
 
-def run_one(name: str, out_root: Path, overrides: list[str], progress: bool, seeds=SEEDS) -> dict[str, Any]:
+def git_commit(repo: Path = REPO) -> Optional[str]:
+    """The checkout's HEAD commit, with "-dirty" when tracked files differ from it; None
+    outside a git checkout. Taken before a run writes docs/, so its own output is not counted."""
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
+def run_one(
+    name: str, out_root: Path, overrides: list[str], progress: bool, seeds=SEEDS, commit: Optional[str] = None
+) -> dict[str, Any]:
     """Run experiment `name` at every seed; return its record for docs/reproductions/NAME.json.
 
+    The record's `command` is the experiment with the extra `overrides` it ran under (each seed
+    adds seed=S) and `commit` the code it ran (`git_commit`).
     A row's `ours`, `arm_values` and plot are the first seed's; `seeds` holds every seed's
     figure and verdict, `verdict` is pass only when every seed passes."""
     from cbjax.app.run import run_experiment
@@ -146,7 +163,8 @@ def run_one(name: str, out_root: Path, overrides: list[str], progress: bool, see
         rows.append(row)
     return {
         "name": name,
-        "command": f"cbjax experiment={name}",
+        "command": " ".join([f"cbjax experiment={name}", *overrides]),
+        "commit": commit,
         "seeds": list(seeds),
         "setup": setup_text(name, cfg),
         "notes": cfg.experiment.notes.strip(),
@@ -225,7 +243,8 @@ def render(records: list[dict[str, Any]], docs_dir: Path) -> str:
     head = ["experiment", "pass (held out)", "rows (held out)", "pass (fitted)", "rows (fitted)", "fragile rows"]
     lines += [markdown_table(head, overview), ""]
     for rec in records:
-        lines += [f"## {rec['name']}", "", f"`{rec['command']}`", "", "**Setup.** " + rec["setup"], ""]
+        ran = f"`{rec['command']}`" + (f" at commit {rec['commit']}" if rec.get("commit") else "")
+        lines += [f"## {rec['name']}", "", ran, "", "**Setup.** " + rec["setup"], ""]
         cells = [
             [r["figure"], r["setting"], r["metric"], format_number(r["paper"]), format_number(r["ours"]), _range(r),
              "-" if r["tolerance"] is None else f"±{r['tolerance']:.0%}",
@@ -279,11 +298,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     store = args.docs / "reproductions"
     store.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
+    commit = git_commit()  # before the first record is written
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name} ...", flush=True)
         t0 = time.perf_counter()
         record = run_one(name, args.out, args.overrides, progress=not args.no_progress and sys.stderr.isatty(),
-                         seeds=tuple(args.seeds))  # fmt: skip
+                         seeds=tuple(args.seeds), commit=commit)  # fmt: skip
         (store / f"{name}.json").write_text(_dumps(record))
         passed = sum(r["verdict"] == "pass" for r in record["rows"])
         fragile = sum(r["fragile"] for r in record["rows"])

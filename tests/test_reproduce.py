@@ -141,3 +141,23 @@ def test_setup_text_names_sessions_and_the_trace_speed():
     # splitwise_hetero: the Azure code trace replayed 3x faster (time_scale 3.0)
     splitwise = reproduce.compose("splitwise_hetero", [])
     assert reproduce._workload(splitwise.workload).endswith(", replayed 3x faster")
+
+
+def test_record_names_its_overrides_and_commit(tmp_path, monkeypatch):
+    import subprocess
+
+    import cbjax.app.run
+
+    def fake_run(cfg, out_dir, verbose=False):  # no arm runs: only the record's fields matter
+        return {arm: {"normalized_latency_s_per_token": 1.0} for arm in cfg.experiment.arms}
+
+    monkeypatch.setattr(cbjax.app.run, "run_experiment", fake_run)
+    record = reproduce.run_one("ltr_toy", tmp_path, ["workload.num_requests=3"], progress=False, commit="abc123")
+    assert record["command"] == "cbjax experiment=ltr_toy workload.num_requests=3"
+    assert record["commit"] == "abc123"
+    text = reproduce.render([record], tmp_path / "docs")
+    assert "`cbjax experiment=ltr_toy workload.num_requests=3` at commit abc123" in text
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout: its HEAD, marked dirty or not
+        assert reproduce.git_commit().split("-")[0] == head.stdout.strip()
+    assert reproduce.git_commit(tmp_path) is None  # not a checkout
