@@ -188,3 +188,16 @@ def test_the_docs_name_exactly_the_files_an_experiment_arm_writes(tmp_path):
         claim = re.search(r"each arm has its own subfolder holding (.*?)(?:\||\.\s|$)", text)
         assert claim, doc.name
         assert set(re.findall(r"`([^`]+)`", claim.group(1))) == written, doc.name
+
+
+def test_usage_lists_every_reproduction_experiment():
+    import yaml
+
+    text = (REPO / "docs" / "usage.md").read_text()
+    section = text.split("## Reproducing papers", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(\w+)` \|", section, flags=re.M))
+    reproductions = set()
+    for path in (REPO / "configs" / "experiment").glob("*.yaml"):
+        if (yaml.safe_load(path.read_text()).get("experiment") or {}).get("reproduction"):
+            reproductions.add(path.stem)
+    assert reproductions and listed == reproductions
