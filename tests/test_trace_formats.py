@@ -223,3 +223,14 @@ def test_lines_the_scheduler_refuses_are_named_by_file_and_line(tmp_path):
         "t.jsonl line 5: max_tokens must be >= 1, got 0",  # (output_len sets max_tokens)
         "t.jsonl line 6: request 5: prompt token id 999999999 is outside the vocabulary (model.vocab_size=128256)",
     ]
+
+
+@pytest.mark.parametrize("bad", ["nan", "-inf", "inf", "-30"])
+def test_a_bad_burstgpt_timestamp_rejects_its_line_alone(tmp_path, bad):
+    # arrivals are Timestamps minus the earliest: a bad one must not shift or poison the rest
+    head, *lines = BURSTGPT.splitlines()
+    text = "\n".join([head, f"{bad},ChatGPT,10,5,15,API log", *lines]) + "\n"
+    r = _trace(tmp_path, "burst.csv", text)
+    assert r[0].input_error == f"burst.csv line 2: Timestamp {float(bad)} must be a finite number >= 0"
+    assert [x.arrival_s for x in r[1:]] == [0.0, 40.0, 42.0, 42.5]
+    assert r[1].input_error is None and r[3].input_error is None

@@ -33,6 +33,7 @@ GeneratedTokens). A request arrives at its TIMESTAMP minus the earliest one.
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import date
 from typing import Any, Optional
@@ -114,6 +115,11 @@ def burstgpt_rows(body: list[tuple[int, str]], order: list[str]) -> list[_Row]:
         else:
             f = dict(zip(order, fields))
             stamp = _attempt(row, _text_float, "Timestamp", f["Timestamp"])
+            # Every arrival is this minus the earliest stamp: one NaN, infinite or negative
+            # stamp would shift (or poison) all of them, so it is rejected on its own line.
+            if stamp is not None and not (math.isfinite(stamp) and stamp >= 0):
+                row.errors.append(f"Timestamp {stamp} must be a finite number >= 0")
+                stamp = None
             row.prompt_len = _attempt(row, _text_int, "Request tokens", f["Request tokens"])
             row.output_len = _attempt(row, _text_int, "Response tokens", f["Response tokens"])
             total = _attempt(row, _text_int, "Total tokens", f["Total tokens"])
