@@ -234,3 +234,11 @@ def test_a_bad_burstgpt_timestamp_rejects_its_line_alone(tmp_path, bad):
     assert r[0].input_error == f"burst.csv line 2: Timestamp {float(bad)} must be a finite number >= 0"
     assert [x.arrival_s for x in r[1:]] == [0.0, 40.0, 42.0, 42.5]
     assert r[1].input_error is None and r[3].input_error is None
+
+
+def test_a_late_arrival_is_named_by_file_and_line(tmp_path):
+    text = "arrival_s,prompt_len,output_len\n0.0,4,2\n1e20,4,2\n1.0,4,2\n"
+    r = build_workload(WorkloadConfig(name="trace", path=str(_write(tmp_path, "t.csv", text)), max_arrival_s=10.0), 0)
+    late = next(x for x in r if x.request_id == "1")
+    assert late.input_error == "t.csv line 3: arrival_s 1e+20 is beyond workload.max_arrival_s=10"
+    assert [x.input_error for x in r if x.request_id != "1"] == [None, None]

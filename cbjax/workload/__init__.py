@@ -38,9 +38,13 @@ def build_workload(cfg: WorkloadConfig, seed: int, tokenizer: Optional[Any] = No
 def reject_late_arrivals(requests: list[Request], max_arrival_s: float) -> None:
     """Mark requests arriving after `max_arrival_s` for rejection, in place. Their arrival
     becomes 0 so that the run meets them at once instead of waiting (the reason keeps it). A
-    session's later turn is not checked: it arrives as the turn before it ends."""
+    session's later turn is not checked: it arrives as the turn before it ends. A trace's
+    request names its file and line first, as every other reason for its lines does."""
     for req in requests:
         if req.arrival_s > max_arrival_s and req.pause_s is None:
             late = f"arrival_s {req.arrival_s:g} is beyond workload.max_arrival_s={max_arrival_s:g}"
-            req.input_error = f"{req.input_error}; {late}" if req.input_error else late
+            if req.input_error:
+                req.input_error = f"{req.input_error}; {late}"
+            else:
+                req.input_error = f"{req.source}: {late}" if req.source else late
             req.arrival_s = 0.0
