@@ -79,6 +79,18 @@ def test_sharegpt_conversations_become_sessions_of_turns_by_hand(tmp_path):
     assert [r.finish_reason for r in result.requests[3:]] == [FinishReason.REJECTED] * 3
 
 
+def test_sharegpt_default_ids_never_take_an_explicit_one_and_session_ids_stay_unique(tmp_path):
+    chat = [msg("human", 2), msg("gpt", 3)]
+    # one line: no id (its index 0), then id "0", then id "a" three times
+    convs = [{"conversations": chat}, {"id": "0", "conversations": chat}] + [{"id": "a", "conversations": chat}] * 3
+    reqs = _load(tmp_path, "one_line.json", json.dumps(convs))
+    assert [r.input_error for r in reqs[:3]] == [None, None, None]  # the explicit "0" is served
+    assert reqs[1].session_id == "0"
+    assert reqs[0].session_id != "0"
+    assert [r.input_error for r in reqs[3:]] == ["one_line.json line 1: duplicate id 'a' (first on line 1)"] * 2
+    assert len({r.session_id for r in reqs}) == len({r.request_id for r in reqs}) == 5
+
+
 class Words:
     """A tokenizer counting words."""
 

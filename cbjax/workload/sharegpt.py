@@ -64,9 +64,10 @@ def sharegpt_rows(path: Path, lines: list[str], cfg: WorkloadConfig, seed: int, 
     pauses = sample_pauses(cfg.pause, num_turns, session_streams(seed)[1]).tolist()
     rows: list[_Row] = []
     seen: dict[str, int] = {}
+    explicit = {_given_id(obj) for _, obj, _ in parsed} - {None}
     j = 0
     for c, (line, obj, turns) in enumerate(parsed):
-        sid, problem = _session_id(obj, c, line, seen)
+        sid, problem = _session_id(obj, c, line, seen, explicit)
         if problem is None and isinstance(turns, str):
             problem = turns
         if problem is not None:
@@ -125,8 +126,22 @@ def _entries(path: Path, text: str) -> list[tuple[int, Any]]:
             raise ValueError(f"sharegpt file {path}: expected ',' or ']' after a conversation at {where}")
 
 
-def _session_id(obj: Any, index: int, line: int, seen: dict[str, int]) -> tuple[str, Optional[str]]:
-    """The conversation's session id, and why it is rejected (a bad or duplicate id), or None."""
+def _given_id(obj: Any) -> Optional[str]:
+    """The conversation's own valid `id` as a string, or None."""
+    given = obj.get("id") if isinstance(obj, dict) else None
+    try:
+        return None if given is None else _json_id("id", given)
+    except LineError:
+        return None
+
+
+def _session_id(
+    obj: Any, index: int, line: int, seen: dict[str, int], explicit: set[str]
+) -> tuple[str, Optional[str]]:
+    """The conversation's session id, and why it is rejected (a bad or duplicate id), or None.
+    A conversation without an id takes its index, or a fresh id where another conversation
+    gives that one: a default never collides with (or rejects) an explicit id. Session ids
+    stay unique, a renamed duplicate's too."""
     given = obj.get("id") if isinstance(obj, dict) else None
     sid, problem = str(index), None
     if given is not None:
@@ -134,11 +149,22 @@ def _session_id(obj: Any, index: int, line: int, seen: dict[str, int]) -> tuple[
             sid = _json_id("id", given)
         except LineError as e:
             problem = str(e)
-    if sid in seen:
+    if given is not None and problem is None and sid in seen:
         problem = f"duplicate id {sid!r} (first on line {seen[sid]})"
-        sid = f"{sid}@line{line}"
-    seen.setdefault(sid, line)
+        sid = _fresh_id(sid, line, seen, explicit)
+    elif (given is None or problem is not None) and (sid in seen or sid in explicit):
+        sid = _fresh_id(sid, line, seen, explicit)
+    seen[sid] = line
     return sid, problem
+
+
+def _fresh_id(sid: str, line: int, seen: dict[str, int], explicit: set[str]) -> str:
+    """`sid@lineN`, numbered further until no conversation has or gives it."""
+    candidate, n = f"{sid}@line{line}", 1
+    while candidate in seen or candidate in explicit:
+        n += 1
+        candidate = f"{sid}@line{line}#{n}"
+    return candidate
 
 
 def _turns(obj: Any, tokenizer: Optional[Any]) -> list[tuple[int, int, int]]:
