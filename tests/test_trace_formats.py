@@ -242,3 +242,13 @@ def test_a_late_arrival_is_named_by_file_and_line(tmp_path):
     late = next(x for x in r if x.request_id == "1")
     assert late.input_error == "t.csv line 3: arrival_s 1e+20 is beyond workload.max_arrival_s=10"
     assert [x.input_error for x in r if x.request_id != "1"] == [None, None]
+
+
+def test_a_corrupt_first_json_line_is_rejected_alone_not_the_format(tmp_path):
+    # the format comes from the first line that is a JSON object, here Mooncake's
+    lines = MOONCAKE[:3]
+    text = '{"timestamp": 0, "input_le\n' + "\n".join(json.dumps(x) for x in lines) + "\n"
+    r = load_trace(WorkloadConfig(name="trace", path=str(_write(tmp_path, "m.jsonl", text)), hash_block_size=8), 0)
+    assert r[0].input_error.startswith("m.jsonl line 1: invalid JSON")
+    assert [x.input_error for x in r[1:]] == [None] * len(lines)
+    assert [x.prompt_len for x in r[1:]] == [x["input_length"] for x in lines]

@@ -58,7 +58,7 @@ def load_trace(cfg: WorkloadConfig, seed: int, tokenizer: Optional[Any] = None) 
     numbered = [(n, text.strip()) for n, text in enumerate(lines, 1) if text.strip()]
     if not numbered:
         raise ValueError(f"trace file {path} is empty")
-    fmt = cfg.format if cfg.format != "auto" else detect_format(path, numbered[0][1])
+    fmt = cfg.format if cfg.format != "auto" else detect_format(path, _first_object_line(numbered))
     fmt = "azure" if fmt == "azure2024" else fmt  # the 2024 release keeps the 2023 schema
     if fmt == "sharegpt":
         rows = sharegpt_rows(path, lines, cfg, seed, tokenizer)
@@ -94,6 +94,22 @@ def resolve_path(path: str) -> Path:
     except (ImportError, TypeError) as e:
         raise ValueError(f"workload.path {path!r}: no package {package!r} ({e})") from None
     return Path(str(root.joinpath(name)))
+
+
+def _first_object_line(numbered: list[tuple[int, str]]) -> str:
+    """The line `detect_format` reads: the first, or in a file of JSON lines the first that is
+    a JSON object, so one corrupt first line rejects that line alone, not the whole file read
+    as the wrong format."""
+    first = numbered[0][1]
+    if not first.startswith("{"):
+        return first
+    for _, text in numbered:
+        try:
+            if isinstance(json.loads(text), dict):
+                return text
+        except json.JSONDecodeError:
+            continue
+    return first
 
 
 def detect_format(path: Path, first_line: str) -> str:
