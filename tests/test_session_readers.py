@@ -178,3 +178,8 @@ def test_a_late_first_turn_is_rejected_but_held_turns_are_not_judged_by_arrival(
     reqs = build_workload(WorkloadConfig(name="trace", path=str(path), max_arrival_s=4.0), 0)
     late = {r.request_id for r in reqs if r.input_error and "max_arrival_s" in r.input_error}
     assert late == {"1", "3"}  # b's first turn (5 s) and the lone request (16 s); a's turns are not
+
+
+def test_a_sharegpt_file_with_no_valid_json_line_stops_before_the_run(tmp_path):
+    with pytest.raises(ValueError, match=r"trace file .*t\.csv: no line is valid JSON \(line 1: invalid JSON"):
+        _load(tmp_path, "t.csv", "arrival_s,prompt_len,output_len\n0.0,5,5\n", format="sharegpt")

@@ -76,7 +76,7 @@ def load_trace(cfg: WorkloadConfig, seed: int, tokenizer: Optional[Any] = None) 
         rows = (azure_rows if fmt == "azure" else _csv_rows)(body, order)
     if not rows:
         raise ValueError(f"trace file {path} holds no requests")
-    if fmt in ("jsonl", "mooncake") and all(row.errors[:1] and row.errors[0].startswith("invalid JSON") for row in rows):
+    if fmt in ("jsonl", "mooncake", "sharegpt") and all(row.errors[:1] and row.errors[0].startswith("invalid JSON") for row in rows):
         first = rows[0]
         raise ValueError(f"trace file {path}: no line is valid JSON (line {first.line}: {first.errors[0]})")
     _warn_backwards(rows, path)
