@@ -95,6 +95,23 @@ def test_gamma_mean_and_cv(cv):
     assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.15)
 
 
+def test_a_fixed_length_outside_its_bounds_fails_instead_of_being_clipped():
+    # output_len's default max is 1024: a fixed 3000 would silently become 1024-token outputs
+    with pytest.raises(ValueError, match=r"workload\.output_len\.value must be in \[1, 1024\].*got 3000"):
+        WorkloadConfig(output_len=LengthConfig(dist="fixed", value=3000, max=1024))
+    with pytest.raises(ValueError, match=r"workload\.turns\.value must be in \[2, 64\]"):
+        WorkloadConfig(turns=LengthConfig(dist="fixed", value=1, min=2, max=64))
+    ok = WorkloadConfig(output_len=LengthConfig(dist="fixed", value=3000, max=3000))
+    assert build_workload(ok, 0)[0].target_output_len == 3000
+
+
+def test_spec_acceptance_draws_the_3000_token_outputs_it_describes():
+    from test_config_schema import composed
+
+    cfg = composed("experiment=spec_acceptance", "workload.num_requests=2")
+    assert [r.target_output_len for r in build_workload(cfg.workload, 0)] == [3000, 3000]
+
+
 def test_length_distributions():
     rng = np.random.default_rng(0)
     assert (sample_lengths(LengthConfig(dist="fixed", value=37), 100, rng) == 37).all()

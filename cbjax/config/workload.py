@@ -46,6 +46,12 @@ class LengthConfig:
         _require(self.max >= self.min, f"{key}.max", f"must be >= {key}.min ({self.min})", self.max)
         if self.dist == "fixed":
             _require(self.value >= 1, f"{key}.value", "must be >= 1", self.value)
+            # Every draw is brought into [min, max]: a fixed value outside would silently
+            # become another length (clip) or never be drawn (resample).
+            _require(
+                self.min <= self.value <= self.max, f"{key}.value",
+                f"must be in [{self.min}, {self.max}] ({key}.min, {key}.max), which bound every draw", self.value,
+            )  # fmt: skip
         if self.dist == "uniform":
             _require(1 <= self.low <= self.high, f"{key}.low", f"must be in [1, {key}.high]", self.low)
         if self.dist in ("exponential", "lognormal"):
