@@ -128,6 +128,14 @@ def test_a_mooncake_line_with_a_bad_length_names_that_field_alone(tmp_path):
     assert r[1].input_error == "mooncake.jsonl line 2: hash_ids must be a list of integers, got str"
 
 
+def test_a_bad_mooncake_timestamp_is_named_in_milliseconds(tmp_path):
+    lines = [{"timestamp": -5, "input_length": 8, "output_length": 1, "hash_ids": [0]},
+             {"timestamp": 7, "input_length": 8, "output_length": 1, "hash_ids": [0]}]  # fmt: skip
+    r = _mooncake(tmp_path, lines, format="mooncake")
+    assert r[0].input_error == "mooncake.jsonl line 1: timestamp -5 must be a finite number of milliseconds >= 0"
+    assert r[1].input_error is None and r[1].arrival_s == 0.007
+
+
 def test_mooncake_prefix_cache_hits_only_on_shared_hash_ids(tmp_path):
     def hit_rate(lines):
         path = _write(tmp_path, "m.jsonl", "\n".join(json.dumps(x) for x in lines))

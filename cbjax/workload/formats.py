@@ -227,6 +227,9 @@ def _mooncake_fields(row: _Row, obj: dict[str, Any]) -> None:
             row.errors.append(f"{key} is missing")
     if "timestamp" in obj:
         ms = _attempt(row, _json_float, "timestamp", obj["timestamp"])
+        if ms is not None and not (math.isfinite(ms) and ms >= 0):  # named as the file writes it
+            row.errors.append(f"timestamp {ms:g} must be a finite number of milliseconds >= 0")
+            ms = None
         row.arrival_s = None if ms is None else ms / 1000.0
     if "input_length" in obj:
         row.prompt_len = _attempt(row, _json_int, "input_length", obj["input_length"])
