@@ -363,3 +363,14 @@ def test_a_shared_prefix_with_no_room_in_the_context_fails_at_startup_naming_bot
     with pytest.raises(ValueError, match=r"prefix_len 1023 plus workload\.prompt_len\.min 1"):
         run_cfg(1023, 1024)
     assert run_cfg(1022, 1024).workload.shared_prefix.prefix_len == 1022
+
+
+def test_the_trace_knobs_fail_on_other_workloads_instead_of_doing_nothing():
+    for name in ("synthetic", "sessions", "shared_prefix"):
+        with pytest.raises(ValueError, match=r"^workload.time_scale applies only to workload=trace, got 2.0$"):
+            WorkloadConfig(name=name, time_scale=2.0)
+        with pytest.raises(ValueError, match=r"^workload.limit applies only to workload=trace, got 5$"):
+            WorkloadConfig(name=name, limit=5)
+    with pytest.raises(ValueError, match=r"^workload.time_scale must be > 0, got inf$"):
+        WorkloadConfig(name="trace", path="t.csv", time_scale=math.inf)
+    assert WorkloadConfig(name="trace", path="t.csv", time_scale=2.0, limit=5).limit == 5

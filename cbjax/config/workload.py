@@ -168,7 +168,8 @@ class WorkloadConfig:
         _require(self.num_requests >= 1, "workload.num_requests", "must be >= 1", self.num_requests)
         _require(self.rate > 0 and math.isfinite(self.rate), "workload.rate", "must be > 0", self.rate)
         _require(self.cv > 0 and math.isfinite(self.cv), "workload.cv", "must be > 0", self.cv)
-        _require(self.time_scale > 0, "workload.time_scale", "must be > 0", self.time_scale)
+        _require(self.time_scale > 0 and math.isfinite(self.time_scale), "workload.time_scale", "must be > 0",
+                 self.time_scale)  # fmt: skip
         _require(self.max_arrival_s > 0, "workload.max_arrival_s", "must be > 0", self.max_arrival_s)
         _require(self.vocab_size >= 2, "workload.vocab_size", "must be >= 2", self.vocab_size)
         if self.max_tokens is not None:
@@ -177,6 +178,9 @@ class WorkloadConfig:
             _require(self.limit >= 1, "workload.limit", "must be >= 1", self.limit)
         if self.name == "trace":
             _require(bool(self.path), "workload.path", "is required for workload=trace", self.path)
+        else:  # the trace's knobs: set on another workload they would be silently ignored
+            _require(self.time_scale == 1.0, "workload.time_scale", "applies only to workload=trace", self.time_scale)
+            _require(self.limit is None, "workload.limit", "applies only to workload=trace", self.limit)
         self.prompt_len.check("workload.prompt_len")
         self.output_len.check("workload.output_len")
         _require(self.num_sessions >= 1, "workload.num_sessions", "must be >= 1", self.num_sessions)
