@@ -55,7 +55,7 @@ def bench_workloads(args, base, out: Path) -> dict[str, WorkloadConfig]:
         "exponential": WorkloadConfig(
             num_requests=args.requests,
             vocab_size=vocab,
-            prompt_len=LengthConfig(dist="uniform", low=16, high=args.max_prompt),
+            prompt_len=LengthConfig(dist="uniform", low=16, high=args.max_prompt, max=args.max_prompt),
             output_len=LengthConfig(dist="exponential", mean=args.mean_output, max=args.max_output),
         ),  # fmt: skip
         "azure_code": WorkloadConfig(name="trace", format="csv", vocab_size=vocab, path=str(azure)),

@@ -68,7 +68,7 @@ def cells(base: RunConfig, sessions: int, rate: float, device_pages: int, host_p
     max_model_len / 16 tokens and generating up to 32, on `device_pages` device pages and
     `host_pages` host pages."""
     ctx = base.model.max_model_len
-    turn_in = LengthConfig(dist="uniform", low=16, high=max(16, ctx // 16))
+    turn_in = LengthConfig(dist="uniform", low=16, high=max(16, ctx // 16), max=max(16, ctx // 16))
     turn_out = LengthConfig(dist="uniform", low=4, high=min(32, max(4, ctx // 16)))
     cache = dataclasses.replace(base.cache, prefix_caching=True, num_pages=device_pages, host_pages=host_pages)
     out = {}

@@ -374,3 +374,13 @@ def test_the_trace_knobs_fail_on_other_workloads_instead_of_doing_nothing():
     with pytest.raises(ValueError, match=r"^workload.time_scale must be > 0, got inf$"):
         WorkloadConfig(name="trace", path="t.csv", time_scale=math.inf)
     assert WorkloadConfig(name="trace", path="t.csv", time_scale=2.0, limit=5).limit == 5
+
+
+def test_a_uniform_range_past_its_bounds_fails_instead_of_piling_on_them():
+    with pytest.raises(ValueError, match=r"^workload.prompt_len.high must be <= workload.prompt_len.max \(4096\), "):
+        WorkloadConfig(prompt_len=LengthConfig(dist="uniform", low=8, high=8192))
+    with pytest.raises(ValueError, match=r"^workload.prompt_len.low must be >= workload.prompt_len.min \(16\), "):
+        WorkloadConfig(prompt_len=LengthConfig(dist="uniform", low=8, high=64, min=16))
+    rng = np.random.default_rng(0)
+    draws = sample_lengths(LengthConfig(dist="uniform", low=4000, high=8192, max=8192), 2000, rng)
+    assert draws.min() >= 4000 and draws.max() <= 8192 and (draws > 6000).mean() > 0.4  # none piled on 4096

@@ -54,6 +54,11 @@ class LengthConfig:
             )  # fmt: skip
         if self.dist == "uniform":
             _require(1 <= self.low <= self.high, f"{key}.low", f"must be in [1, {key}.high]", self.low)
+            # likewise: a range past [min, max] would pile its outside draws on a bound
+            _require(self.min <= self.low, f"{key}.low", f"must be >= {key}.min ({self.min}), which bounds every draw",
+                     self.low)  # fmt: skip
+            _require(self.high <= self.max, f"{key}.high", f"must be <= {key}.max ({self.max}), which bounds every draw",
+                     self.high)  # fmt: skip
         if self.dist in ("exponential", "lognormal"):
             _require(self.mean > 0, f"{key}.mean", "must be > 0", self.mean)
         if self.dist == "lognormal":

@@ -36,7 +36,7 @@ def served_copies_config(cfg: RunConfig) -> RunConfig:
     workload = WorkloadConfig(
         name="sessions", num_sessions=SESSIONS, arrival="poisson", rate=6.0, vocab_size=cfg.model.vocab_size,
         turns=LengthConfig(dist="uniform", low=3, high=5, max=5),
-        prompt_len=LengthConfig(dist="uniform", low=8, high=max(8, ctx // 16)),
+        prompt_len=LengthConfig(dist="uniform", low=8, high=max(8, ctx // 16), max=max(8, ctx // 16)),
         output_len=LengthConfig(dist="uniform", low=4, high=min(32, max(4, ctx // 16))),
         pause=PauseConfig(dist="exponential", mean=0.4, max=3.0),
     )  # fmt: skip

@@ -159,8 +159,8 @@ def serving_runs(
     longest = length // 2 if (round_ // 2) % 2 == 0 else length // 8
     wl = WorkloadConfig(
         num_requests=3 * slots, vocab_size=cfg.model.vocab_size,
-        prompt_len=LengthConfig(dist="uniform", low=min(8, longest), high=max(8, longest)),
-        output_len=LengthConfig(dist="uniform", low=min(8, length // 2), high=max(8, length // 8)),
+        prompt_len=LengthConfig(dist="uniform", low=min(8, longest), high=max(8, longest), max=max(8, longest)),
+        output_len=LengthConfig(dist="uniform", low=min(8, length // 2), high=max(8, length // 8), max=max(8, length // 8)),
     )  # fmt: skip
     runs = []
     for i, chunked in enumerate((True, False)):
@@ -179,7 +179,7 @@ def serving_runs(
     # prompt's prefill reads as many pages as its tokens fill), and the loop's prefix-cache work
     half = max(8, longest // 2)
     prefixed = dataclasses.replace(
-        wl, name="shared_prefix", prompt_len=LengthConfig(dist="uniform", low=min(8, half), high=half),
+        wl, name="shared_prefix", prompt_len=LengthConfig(dist="uniform", low=min(8, half), high=half, max=half),
         shared_prefix=SharedPrefixConfig(num_groups=PREFIX_GROUPS, prefix_len=half, zipf_s=1.0),
     )  # fmt: skip
     sched = dataclasses.replace(cfg.scheduler, name="fcfs", chunked_prefill=True, static_padding=False)
