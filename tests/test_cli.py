@@ -208,3 +208,22 @@ def test_job_logging_sends_cbjax_to_stdout_and_other_libraries_warnings_to_stder
     assert proc.stdout.splitlines() == ["cbjax info", "cbjax warning", "cbjax.serve info", "cbjax.serve warning"]
     assert proc.stderr.splitlines() == ["jax._src.xla_bridge warning", "hydra warning", "mypolicy warning"]
     assert len((tmp_path / "cli.log").read_text().splitlines()) == 10  # every message, INFO up
+
+
+def test_the_comparison_plot_lays_out_dozens_of_arms(tmp_path):
+    """A reproduction runs up to 36 arms: the figure grows a row per arm, so matplotlib's
+    layout fits every name instead of warning and overlapping them."""
+    import warnings
+
+    from cbjax.report.plots import plot_comparison
+
+    summaries = {}
+    for i in range(36):
+        arm = f"sharegpt_p{i}_calibrated"
+        (tmp_path / arm).mkdir()
+        (tmp_path / arm / "requests.jsonl").write_text(json.dumps({"e2e_s": 1.0 + i}) + "\n")
+        summaries[arm] = {"throughput_tok_s": 100.0 + i}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Tight layout not applied" is a UserWarning
+        path = plot_comparison(tmp_path, summaries)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,11 +16,12 @@ def plot_comparison(out_dir: Path, summaries: dict[str, dict[str, Any]]) -> Path
     import numpy as np
 
     arms = list(summaries)
-    fig, (ax_tp, ax_cdf) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_tp.bar(arms, [summaries[a]["throughput_tok_s"] for a in arms], color="tab:blue")
-    ax_tp.set_ylabel("output tokens / s")
+    # horizontal bars, a row per arm, so that dozens of arms (a reproduction's) stay readable
+    fig, (ax_tp, ax_cdf) = plt.subplots(1, 2, figsize=(12, max(4.0, 0.3 * len(arms))))
+    ax_tp.barh(arms[::-1], [summaries[a]["throughput_tok_s"] for a in arms[::-1]], color="tab:blue")
+    ax_tp.set_xlabel("output tokens / s")
     ax_tp.set_title("throughput")
-    ax_tp.tick_params(axis="x", labelrotation=15)
+    ax_tp.tick_params(axis="y", labelsize=8 if len(arms) > 8 else 10)
     for arm in arms:
         rows = [json.loads(line) for line in (out_dir / arm / "requests.jsonl").read_text().splitlines()]
         e2e = np.sort([r["e2e_s"] for r in rows if r["e2e_s"] is not None])
@@ -29,7 +30,7 @@ def plot_comparison(out_dir: Path, summaries: dict[str, dict[str, Any]]) -> Path
     ax_cdf.set_xlabel("end-to-end latency (s)")
     ax_cdf.set_ylabel("fraction of requests")
     ax_cdf.set_title("latency CDF")
-    ax_cdf.legend()
+    ax_cdf.legend(fontsize=7 if len(arms) > 8 else None, ncol=1 + len(arms) // 20)
     fig.tight_layout()
     path = out_dir / "comparison.png"
     fig.savefig(path, dpi=110)
