@@ -64,10 +64,11 @@ ARCHS = {
 }  # fmt: skip
 
 
-def build_hf(arch: str, out_dir, seed: int = 0, dtype=None):
-    """A random transformers model saved to `out_dir`; every weight ~ N(0, 0.1), norms ~ 1."""
+def build_hf(arch: str, out_dir, seed: int = 0, dtype=None, **changes):
+    """A random transformers model saved to `out_dir`; every weight ~ N(0, 0.1), norms ~ 1.
+    `changes` replace the arch's config keys."""
     config_cls, model_cls, kw = ARCHS[arch]
-    config = getattr(transformers, config_cls)(**COMMON, **kw)
+    config = getattr(transformers, config_cls)(**COMMON, **{**kw, **changes})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
@@ -269,17 +270,8 @@ SCALED_ROPE = {
 
 @pytest.mark.parametrize("kind", list(SCALED_ROPE))
 def test_scaled_rope_matches_transformers(tmp_path, kind):
-    config = transformers.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
-                                      rope_parameters={"rope_theta": 500000.0, **SCALED_ROPE[kind]})  # fmt: skip
-    torch.manual_seed(5)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(str(tmp_path))
+    model = build_hf("llama", tmp_path, seed=5, head_dim=16, attention_bias=False,
+                     rope_parameters={"rope_theta": 500000.0, **SCALED_ROPE[kind]})  # fmt: skip
     cfg = load_config(ModelConfig(name="hf", path=str(tmp_path), dtype="auto", max_model_len=MAX_MODEL_LEN))
     assert (cfg.rope_type, cfg.rope_factor, cfg.rope_theta) == (kind, SCALED_ROPE[kind]["factor"], 500000.0)
     if kind == "llama3":
