@@ -6,6 +6,7 @@ Tiny random models are built from configs with transformers (no downloads), save
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 from pathlib import Path
@@ -204,7 +205,7 @@ def test_paged_prefill_and_every_decode_step_match_transformers(checkpoint, arch
 
 def hf_greedy(model, prompts, max_new_tokens, eos_token_id=None):
     """transformers' greedy `generate` over all prompts in one left-padded batch; each output is
-    cut to its own max_new_tokens and after its first EOS."""
+    cut to its own max_new_tokens and after its first EOS (`eos_token_id`: an id or a list)."""
     longest = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), longest), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -215,39 +216,67 @@ def hf_greedy(model, prompts, max_new_tokens, eos_token_id=None):
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max(max_new_tokens), do_sample=False, pad_token_id=0
         )[:, longest:].tolist()
+    eos = set(eos_token_id) if isinstance(eos_token_id, list) else {eos_token_id}
     outputs = []
     for row, n in zip(out, max_new_tokens):
         row = row[:n]
-        if eos_token_id in row:
-            row = row[: row.index(eos_token_id) + 1]
-        outputs.append(row)
+        ends = [i for i, t in enumerate(row) if t in eos]
+        outputs.append(row[: ends[0] + 1] if ends else row)
     return outputs
 
 
-def assert_cb_equals_generate(model, cfg, what):
-    """18 prompts of 1-60 tokens, 1-24 new tokens each, through 4 slots (slots are refilled):
-    the engine's greedy tokens equal transformers' `generate`; EOS (id 2) is honoured on both
-    sides."""
+def cb_requests(cfg) -> list[Request]:
+    """18 prompts of 1-60 tokens, 1-24 new tokens each."""
     rng = np.random.default_rng(3)
     reqs = []
     for i in range(18):
         prompt = rng.integers(3, cfg.vocab_size, int(rng.integers(1, 61))).tolist()
         sampling = SamplingParams(max_tokens=int(rng.integers(1, 25)))
         reqs.append(Request(str(i), 0.001 * i, len(prompt), prompt, sampling))
+    return reqs
+
+
+def assert_cb_equals_generate(model, cfg, what):
+    """`cb_requests` through 4 slots (slots are refilled): the engine's greedy tokens equal
+    transformers' `generate`; every EOS id of the checkpoint is honoured on both sides.
+    Returns the engine's run."""
+    reqs = cb_requests(cfg)
     sched_cfg = SchedulerConfig(max_num_seqs=NUM_SLOTS, max_num_batched_tokens=BUDGET)
     cache = CacheConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE)
     ex_cfg = ExecutorConfig(name="jax", token_buckets=BUCKETS)
     ex = JaxExecutor(cfg, cache, sched_cfg, ex_cfg, llama=load_model(cfg))
     sched = Scheduler(
-        sched_cfg, cache, cfg.max_model_len, validate=ex.validate, eos_token_id=cfg.eos_token_id, vocab_size=cfg.vocab_size
-    )
+        sched_cfg, cache, cfg.max_model_len, validate=ex.validate, eos_token_id=cfg.eos_token_id, vocab_size=cfg.vocab_size,
+        extra_eos_token_ids=cfg.extra_eos_token_ids,
+    )  # fmt: skip
     ex.warmup()
     result = serve(reqs, sched, ex)
     assert result.stats.batch_peak == NUM_SLOTS and ex.metrics()["compiles_after_warmup"] == 0
-    want = hf_greedy(model, [r.prompt_token_ids for r in reqs], [r.sampling.max_tokens for r in reqs], cfg.eos_token_id)
+    eos = [cfg.eos_token_id, *cfg.extra_eos_token_ids]
+    want = hf_greedy(model, [r.prompt_token_ids for r in reqs], [r.sampling.max_tokens for r in reqs], eos)
     for req, expected in zip(result.requests, want):
         assert req.output_token_ids == expected, f"{what} request {req.request_id}"
         assert req.finish_reason in (FinishReason.LENGTH, FinishReason.EOS)
+    return result
+
+
+def test_every_eos_id_of_generation_config_ends_a_request(tmp_path):
+    """A generation_config.json listing several eos ids (Llama 3 Instruct's three): a request
+    ends on any of them, as in `generate`. The two extra ids are tokens the greedy outputs
+    reach, so several requests end on them."""
+    model = build_hf("qwen2", tmp_path, seed=7)
+    reqs = cb_requests(load_config(ModelConfig(name="hf", path=str(tmp_path), dtype="auto", max_model_len=MAX_MODEL_LEN)))
+    model.generation_config.eos_token_id = None  # every output at its full length
+    outs = hf_greedy(model, [r.prompt_token_ids for r in reqs], [r.sampling.max_tokens for r in reqs])
+    counts = collections.Counter(t for out in outs for t in out[:-1] if t != 2)
+    extra = [t for t, _ in counts.most_common(2)]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, *extra, 2]}))
+    cfg = load_config(ModelConfig(name="hf", path=str(tmp_path), dtype="auto", max_model_len=MAX_MODEL_LEN))
+    assert (cfg.eos_token_id, cfg.extra_eos_token_ids) == (2, extra)  # the repeated 2 once
+    model.generation_config.eos_token_id = [2, *extra]
+    result = assert_cb_equals_generate(model, cfg, "several eos ids")
+    ended = [r for r in result.requests if r.finish_reason == FinishReason.EOS and r.output_token_ids[-1] in extra]
+    assert len(ended) >= 3
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

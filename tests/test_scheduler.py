@@ -503,7 +503,8 @@ def test_step_results_runs_on_the_parts_it_is_given():
     writer = PlanWriter(2, allocator)
     running_set = RunningSet(2, allocator, writer)
     policy = FCFSPolicy(SchedulerConfig())
-    results = StepResults(running_set, writer, policy, allocator, None, token_budget=64, max_model_len=64, eos_token_id=7)
+    results = StepResults(running_set, writer, policy, allocator, None, token_budget=64, max_model_len=64,
+                          eos_token_ids=frozenset({7}))  # fmt: skip
     req = Request("a", 0.0, 3, sampling=SamplingParams(max_tokens=4), prompt_token_ids=[1, 2, 3])
     req.max_output_len = 4
     allocator.allocate("a", 3, 6, [])

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from cbjax.config.checks import _one_of, _require
@@ -45,6 +45,9 @@ class ModelConfig:
     mlp_bias: bool = False  # Llama's mlp_bias: gate/up/down biases
     norm_eps: float = 1e-5
     eos_token_id: Optional[int] = None
+    # further tokens that end a request as eos_token_id does: the rest of generation_config.json's
+    # eos list (Llama 3 Instruct stops on <|eot_id|> as well as <|end_of_text|>)
+    extra_eos_token_ids: list[int] = field(default_factory=list)
     # A local Hugging Face model directory (config.json, *.safetensors, maybe tokenizer.json).
     # Its config.json sets the architecture fields; with it, dtype "auto" and max_model_len 0
     # mean "the checkpoint's" (see cbjax.model.hf).

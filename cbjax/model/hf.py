@@ -88,6 +88,7 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
             f"model.max_model_len {max_model_len} exceeds the checkpoint's {limit_key} {limit} ({where})"
         )
     qkv_bias, o_bias, mlp_bias = _biases(hf, model_type)
+    eos_ids = _eos_token_ids(hf, Path(cfg.path))
     dtype = cfg.dtype
     if dtype == "auto":
         hf_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
@@ -113,7 +114,8 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
         o_proj_bias=o_bias,
         mlp_bias=mlp_bias,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        eos_token_id=_eos_token_id(hf, Path(cfg.path)),
+        eos_token_id=eos_ids[0] if eos_ids else None,
+        extra_eos_token_ids=eos_ids[1:],
     )
     check_supported(resolved)
     return resolved
@@ -267,8 +269,8 @@ def _biases(hf: dict[str, Any], model_type: str) -> tuple[bool, bool, bool]:
     return False, False, False
 
 
-def _eos_token_id(hf: dict[str, Any], model_dir: Path):
-    """generation_config.json's eos (what `generate` stops on), else config.json's; a list gives its first."""
+def _eos_token_ids(hf: dict[str, Any], model_dir: Path) -> list[int]:
+    """generation_config.json's eos ids (what `generate` stops on), else config.json's."""
     eos = hf.get("eos_token_id")
     gen_file = model_dir / "generation_config.json"
     if gen_file.is_file():
@@ -276,9 +278,9 @@ def _eos_token_id(hf: dict[str, Any], model_dir: Path):
             eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
         except json.JSONDecodeError:
             pass
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
+    if eos is None:
+        return []
+    return list(dict.fromkeys(eos)) if isinstance(eos, list) else [eos]
 
 
 def _tensor_files(model_dir: Path, where: str) -> dict[str, Path]:

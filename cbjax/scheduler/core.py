@@ -55,9 +55,9 @@ class Scheduler:
     go to host memory, and an admission whose cached prefix continues there loads those pages
     back (`Schedule.host_copies`) and computes only the rest. Swap-outs share its host pool.
 
-    Its parts, each given what it reads: `RunningSet` (the slots and the running requests),
-    `WaitingQueue` (the policy's queue and the host pages beside it), `Planner` (one
-    iteration's plan), `PlanWriter` (plans as data) and `StepResults` (a step's tokens).
+    Its parts, each given what it reads: `RunningSet` (the slots and running requests), `WaitingQueue`
+    (the policy's queue and the host pages beside it), `Planner` (one iteration's plan),
+    `PlanWriter` (plans as data) and `StepResults` (a step's tokens).
 
     Speculative decoding (`spec`, `cbjax.scheduler.drafts`): a decode may verify drafts in its
     step and yield several tokens; `step_cost(plan)`, a step's seconds, prices the `goodput`
@@ -75,6 +75,7 @@ class Scheduler:
         vocab_size: Optional[int] = None,
         spec: Optional[SpecConfig] = None,
         step_cost: Optional[Callable[[Schedule], float]] = None,
+        extra_eos_token_ids: Sequence[int] = (),
     ):
         self.cfg = cfg
         self.max_num_seqs = cfg.max_num_seqs
@@ -87,14 +88,15 @@ class Scheduler:
         )
         self.prefix = PrefixCache(self.allocator) if cache.prefix_caching else None
         self.validate = validate
-        self.eos_token_id = eos_token_id
+        # each token that ends a request as EOS does: the model's, and generation_config.json's others
+        eos_ids = frozenset(([] if eos_token_id is None else [eos_token_id]) + list(extra_eos_token_ids))
         self.vocab_size = vocab_size  # model.vocab_size: prompt ids must be below it
         self.finished: list[Request] = []  # every request that ended, in the order they did
         self.writer = PlanWriter(cfg.max_num_seqs, self.allocator)
         self.running_set = RunningSet(cfg.max_num_seqs, self.allocator, self.writer, self.prefix)
         self.results = StepResults(
             self.running_set, self.writer, self.policy, self.allocator, self.prefix,
-            token_budget=self.token_budget, max_model_len=max_model_len, eos_token_id=eos_token_id,
+            token_budget=self.token_budget, max_model_len=max_model_len, eos_token_ids=eos_ids,
         )  # fmt: skip
         self.waiting = WaitingQueue(self.policy, self.allocator, self.reserve_tokens, cache.swap_capacity)
         self.tier = None
@@ -110,7 +112,7 @@ class Scheduler:
         self.drafts: Optional[Drafts] = None
         if spec is not None and spec.enabled:
             self.drafts = Drafts(spec, make_spec_policy(spec), self.allocator, self.writer, self.running_set,
-                                 self.policy, step_cost, eos_token_id)  # fmt: skip
+                                 self.policy, step_cost, eos_ids)  # fmt: skip
         self.planner = Planner(
             cfg, self.running_set, self.waiting, self.policy, self.view, self.allocator, self.prefix, self.writer,
             self.reserve_tokens, self.results, self.drafts,
@@ -127,9 +129,8 @@ class Scheduler:
     num_preemptions = _delegate("planner.num_preemptions", "Preemptions so far, by swap or by recompute.")
     swap_used = _delegate("waiting.swap_used", "Host pages that waiting requests' K/V occupies.")
     tbt_s = _delegate("results.tbt_s", "Every gap between a request's consecutive tokens.")
-    hold_finished_pages = _delegate(
-        "running_set.hold_finished_pages", "Whether a finished request keeps its pages (see `RunningSet`).", settable=True
-    )
+    hold_finished_pages = _delegate("running_set.hold_finished_pages", "Whether a finished request keeps its pages "
+                                    "(see `RunningSet`).", settable=True)  # fmt: skip
 
     @property
     def speculating(self) -> bool:
@@ -182,9 +183,7 @@ class Scheduler:
     def kv_breakdown(self) -> tuple[int, int, int, int, int]:
         """The pool's slots split five ways (see `PageAllocator.slot_breakdown`); external
         fragmentation is judged against the smallest reservation among waiting requests."""
-        return self.allocator.slot_breakdown(
-            self.running_set.final_tokens.items(), self.waiting.smallest_reservation()
-        )
+        return self.allocator.slot_breakdown(self.running_set.final_tokens.items(), self.waiting.smallest_reservation())
 
     def add(self, req: Request, now: float) -> None:
         """Accept a newly arrived request, or reject it with a reason."""

@@ -34,14 +34,14 @@ class Drafts:
     """Drafts for the decodes of `running_set` under `spec` and its `policy`, pages from
     `allocator`, rows written by `writer` (its `drafts`); `queue` is the waiting queue (its
     length) and `step_cost(plan)` a step's seconds for the policy's view (None: no cost model).
-    A stop on `eos_token_id` (unless ignored) or a request's stop ids ends it mid-step."""
+    A stop on one of `eos_token_ids` (unless ignored) or a request's stop ids ends it mid-step."""
 
     def __init__(self, spec: SpecConfig, policy: SpecPolicy, allocator, writer, running_set, queue,
-                 step_cost: Optional[Callable[[Schedule], float]], eos_token_id: Optional[int]):  # fmt: skip
+                 step_cost: Optional[Callable[[Schedule], float]], eos_token_ids: frozenset[int]):  # fmt: skip
         self.spec, self.policy, self.step_cost = spec, policy, step_cost
         self.allocator, self.writer = allocator, writer  # where drafts go: pages, plan rows
         self.running_set, self.queue = running_set, queue  # the load the policy's view reports
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.max_drafts = spec.num_tokens
         self.ngram = spec.method == "ngram"
         self.trace = read_trace(spec.acceptance_path) if spec.acceptance == "trace" else None
@@ -174,7 +174,7 @@ class Drafts:
 
     def _stops(self, req: Request, tok: int) -> bool:
         """Whether `tok` ends `req` (as `StepResults._take_token` judges it)."""
-        return tok in req.sampling.stop_token_ids or (tok == self.eos_token_id and not req.sampling.ignore_eos)
+        return tok in req.sampling.stop_token_ids or (tok in self.eos_token_ids and not req.sampling.ignore_eos)
 
 
 class _NoTrace:

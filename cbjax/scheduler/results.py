@@ -39,7 +39,7 @@ class StepResults:
         *,
         token_budget: int,
         max_model_len: int,
-        eos_token_id: Optional[int],
+        eos_token_ids: frozenset[int],
     ):
         self.running_set = running_set
         self.writer = writer
@@ -48,7 +48,7 @@ class StepResults:
         self.prefix = prefix  # a PrefixCache, or None
         self.token_budget = token_budget
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids  # the model's stop tokens (`Scheduler`)
         self.tbt_s: list[float] = []  # every gap between a request's consecutive tokens
         # the policy has an `on_step` of its own (the base one does nothing)
         self._step_hook = not (isinstance(policy, Policy) and type(policy).on_step is Policy.on_step)
@@ -260,7 +260,7 @@ class StepResults:
         req.output_token_ids.append(tok)
         if tok in req.sampling.stop_token_ids:
             return FinishReason.STOP
-        if tok == self.eos_token_id and not req.sampling.ignore_eos:
+        if tok in self.eos_token_ids and not req.sampling.ignore_eos:
             return FinishReason.EOS
         return None
 

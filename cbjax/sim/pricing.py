@@ -16,7 +16,7 @@ def build_scheduler(cfg: RunConfig, executor) -> Scheduler:
     return Scheduler(
         cfg.scheduler, cfg.cache, cfg.model.max_model_len, validate=executor.validate,
         eos_token_id=cfg.model.eos_token_id, vocab_size=cfg.model.vocab_size, spec=cfg.spec,
-        step_cost=step_pricer(cfg, executor),
+        step_cost=step_pricer(cfg, executor), extra_eos_token_ids=cfg.model.extra_eos_token_ids,
     )  # fmt: skip
 
 
