@@ -352,3 +352,23 @@ def test_the_residual_table_predicts_a_share_as_the_simulator_charges_it():
     light = out["residuals"]["by_regime"]["regimes"]["light"]
     assert light["num_steps"] == 60
     assert abs(light["mean_signed_error"]) < 1e-6 and abs(light["total_signed_error"]) < 1e-6
+
+
+def test_refit_keeps_the_cold_terms_off_for_a_profile_made_without_the_cpu_terms(tmp_path):
+    # a profile made with cpu_terms=false (an accelerator's default): its served steps are 1 ms
+    # slower on the step after a larger bucket's, but the profiler fitted no cold terms, and a
+    # refit with its default options must not add them (the simulator would then read step history)
+    served = [{**s, "round": 0, "held_out": False} for s in synthetic_log(200, seed=4)]
+    grid_step = {"kind": "decode", "bucket": 4, "features": [1.0, 4, 0, 0, 0, 0, 8, 0, 4], "measured_s": 2e-3}
+    profile = {"steps": [grid_step], "swaps": [], "served": served, "gaps": [], "coefficients": {
+        "bucket_s": {str(b): v for b, v in FIXED.items()}}, "wake": None, "cpu_terms": False,
+        "fit_cold": False}  # fmt: skip
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    refit_main([str(path), "--out", str(tmp_path / "refit.json")])
+    out = json.loads((tmp_path / "refit.json").read_text())
+    assert [out["coefficients"][k] for k in COLD_TERMS] == [0.0, 0.0, 0.0, 0.0]
+    assert out["fit_cold"] is False
+    # with the CPU term set on, the same steps' cold terms are fitted (the truth: COLD)
+    on = refit({**profile, "cpu_terms": True}, fit_cold=True, served_terms=True, served_weighting="mean_relative")
+    assert on["fit_cold"] is True and on["coefficients"]["cold_s"] == pytest.approx(COLD[0], rel=1e-3)

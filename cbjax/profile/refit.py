@@ -43,6 +43,9 @@ def refit(profile: dict[str, Any], fit_cold: bool, served_terms: bool, served_we
     missing = [k for k in RECORDED if k not in profile]
     if missing:
         raise ValueError(f"the profile lacks {', '.join(missing)}: profile again with `python -m cbjax.profile`")
+    # the cold terms belong to the CPU term set: a profile made without it (an accelerator's,
+    # or cpu_terms=false) fits them 0 whatever fit_cold says, as `run_profile` does
+    fit_cold = fit_cold and bool(profile.get("cpu_terms", True))
     bucket_s = {int(b): float(v) for b, v in profile["coefficients"]["bucket_s"].items()}
     gaps = [(int(n), float(g)) for n, g in profile["gaps"]]
     coefficients, residuals = fit_profile(
