@@ -372,3 +372,17 @@ def test_refit_keeps_the_cold_terms_off_for_a_profile_made_without_the_cpu_terms
     # with the CPU term set on, the same steps' cold terms are fitted (the truth: COLD)
     on = refit({**profile, "cpu_terms": True}, fit_cold=True, served_terms=True, served_weighting="mean_relative")
     assert on["fit_cold"] is True and on["coefficients"]["cold_s"] == pytest.approx(COLD[0], rel=1e-3)
+
+
+def test_refit_to_a_path_it_cannot_write_fails_in_one_line_naming_it(tmp_path):
+    served = [{**s, "round": 0, "held_out": False} for s in synthetic_log(50, seed=4)]
+    grid_step = {"kind": "decode", "bucket": 4, "features": [1.0, 4, 0, 0, 0, 0, 8, 0, 4], "measured_s": 2e-3}
+    profile = {"steps": [grid_step], "swaps": [], "served": served, "gaps": [], "coefficients": {
+        "bucket_s": {str(b): v for b, v in FIXED.items()}}, "wake": None}  # fmt: skip
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    (tmp_path / "file").write_text("x")
+    target = tmp_path / "file" / "refit.json"  # under a regular file: no one can create it, root included
+    with pytest.raises(SystemExit) as exit_:
+        refit_main([str(path), "--out", str(target)])
+    assert str(exit_.value.code) == f"cbjax.profile.refit: error: cannot write {target}: Not a directory"

@@ -20,6 +20,7 @@ from cbjax.layout.shapes import ShapePlan, plan_shapes
 from cbjax.profile.measure import fit_profile
 from cbjax.profile.residuals import format_table
 from cbjax.profile.served_fit import SERVED_WEIGHTINGS
+from cbjax.report.files import atomic_write_text
 
 # what a profile must hold to be refitted (profiles made before `gaps` was recorded lack it)
 RECORDED = ("steps", "swaps", "served", "gaps", "wake", "coefficients")
@@ -73,7 +74,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (OSError, json.JSONDecodeError, ValueError, KeyError, TypeError) as err:
         sys.exit(f"cbjax.profile.refit: error: {path}: {type(err).__name__}: {err}")
     target = Path(args.out) if args.out else path
-    target.write_text(json.dumps(out, indent=2) + "\n")
+    try:  # atomically: an interrupted refit in place leaves the profile as it was
+        atomic_write_text(target, json.dumps(out, indent=2) + "\n")
+    except OSError as err:  # OutputError: one line naming the file
+        sys.exit(f"cbjax.profile.refit: error: {err}")
     table = out["residuals"]["by_regime"]
     print(f"served step time by regime and bucket, on the {table['steps']} served steps (+: over-predicted):")
     print("\n".join(format_table(table)))
