@@ -48,6 +48,18 @@ def test_an_unwritable_run_folder_fails_in_one_line_before_the_run(tmp_path, env
     assert "throughput" not in proc.stdout  # nothing ran
 
 
+def test_the_profiler_with_an_unwritable_run_folder_fails_in_one_line_before_timing(tmp_path, env_cpu):
+    out = blocked(tmp_path)
+    cmd = [sys.executable, "-m", "cbjax.profile", "grid=small", "repeats=1", f"hydra.run.dir={out}"]
+    proc = subprocess.run(cmd, env=env_cpu, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"cbjax.profile: error: cannot write the output folder {out}: Not a directory; "
+        "choose another with hydra.run.dir (or hydra.sweep.dir)"
+    ]
+    assert "timing" not in proc.stdout  # nothing was timed
+
+
 def test_a_sweep_folder_that_cannot_be_written_fails_in_one_line(tmp_path, env_cpu):
     out = blocked(tmp_path)
     proc = subprocess.run(cbjax_cmd() + ["-m", *RUN, "seed=0,1", f"hydra.sweep.dir={out}"], env=env_cpu,
