@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -22,13 +23,20 @@ def _app(cfg: DictConfig) -> None:
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
     from cbjax.profile.runner import run_profile
 
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         run_cfg = typed_config(cfg, ProfileRunConfig)
-        out_dir = Path(HydraConfig.get().runtime.output_dir)
         profile = run_profile(run_cfg, out_dir)
     except ValueError as err:
         print(f"cbjax.profile: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except OSError as err:  # profile.json could not be written (OutputError names it)
+        print(f"cbjax.profile: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (`_terminate`): profile.json is written last, whole
+        by = err.args[0] if err.args else "SIGINT"
+        print(f"cbjax.profile: interrupted by {by}; no new profile written to {out_dir}", file=sys.stderr)
+        sys.exit(130)
     c, r = profile["coefficients"], profile["residuals"]
     print("bucket_s (grid, all padding): " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["bucket_s"].items()))
     print("served_bucket_s: " + ", ".join(f"{b}:{1e3 * v:.2f}ms" for b, v in c["served_bucket_s"].items()))
@@ -121,6 +129,20 @@ def use_command(model: str, overrides: list[str], profile: Path) -> str:
     return " ".join(["cbjax", *given, "executor=sim", "executor.cost_model=profiled", f"executor.profile={profile}"])
 
 
-if __name__ == "__main__":
+def _terminate(signum: int, frame) -> None:
+    """SIGTERM as Ctrl-C: the profile stops where it is and says so (no half-written files)."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main() -> None:
     preflight("cbjax.profile", "profile", ProfileRunConfig)
-    _app()
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        _app()
+    except KeyboardInterrupt:  # before the profile started (Hydra composing its config)
+        print("cbjax.profile: interrupted before the profile started", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

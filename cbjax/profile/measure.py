@@ -356,8 +356,12 @@ def plot_profile(path: Path, steps: list[dict], served: Sequence[dict] = ()) -> 
 
 
 def write_profile(out_dir: Path, profile: dict[str, Any]) -> Path:
+    """profile.png, then profile.json, atomically and last: a profile.json in `out_dir` is a
+    whole profile, never one cut short by an interrupt or a full disk."""
+    from cbjax.report.files import atomic_write_text
+
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "profile.json"
-    path.write_text(json.dumps(profile, indent=2) + "\n")
     plot_profile(out_dir / "profile.png", profile["steps"], profile.get("served", ()))
+    atomic_write_text(path, json.dumps(profile, indent=2) + "\n")
     return path
