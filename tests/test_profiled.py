@@ -406,6 +406,20 @@ def test_a_profile_for_another_model_page_size_or_slot_count_is_refused(tmp_path
         make_cost_model("profiled", MODEL, None, **configs(cases[0][0]))
 
 
+def test_a_profile_that_predates_a_matched_field_is_refused_naming_it(tmp_path):
+    # an earlier profile format recorded no model.mlp_bias: refused as such, not as "made for None"
+    path = write_profile(tmp_path / "old.json", page_size=4, num_slots=4)
+    old = json.loads(Path(path).read_text())
+    del old["made_for"]["model.mlp_bias"]
+    Path(path).write_text(json.dumps(old))
+    with pytest.raises(ValueError) as err:
+        make_cost_model("profiled", MODEL, None, **configs(path))
+    assert str(err.value) == (
+        f"executor.profile: {path} does not record model.mlp_bias (made by an earlier cbjax); "
+        "profile again with `python -m cbjax.profile`"
+    )
+
+
 def test_a_profile_made_with_another_page_pool_is_accepted(tmp_path):
     # the step reads only the pages it gathers: a profile made at 512 pages serves a run with 4096
     path = write_profile(tmp_path / "p.json", page_size=4, num_slots=4, num_pages=512)

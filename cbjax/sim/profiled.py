@@ -245,7 +245,12 @@ def load_profile(path: str, model: ModelConfig, page_size: int, num_slots: int) 
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"executor.profile: {p} is not a cbjax profile ({type(err).__name__}: {err})") from None
     for key, ours in profile_key(model, page_size, num_slots).items():
-        theirs = made_for.get(key)
+        if key not in made_for:  # a profile from before the key was matched: what it was made for is unknown
+            raise ValueError(
+                f"executor.profile: {p} does not record {key} (made by an earlier cbjax); "
+                "profile again with `python -m cbjax.profile`"
+            )
+        theirs = made_for[key]
         if theirs != ours:
             hint = f"; it profiled model {profile['model']!r}" if key.startswith("model.") and profile.get("model") else ""
             raise ValueError(f"executor.profile: made for {key}={theirs}, this run has {ours} ({p}){hint}")
