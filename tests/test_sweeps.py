@@ -173,6 +173,14 @@ def test_optimized_metric_is_the_jobs_return_value_and_fails_naming_the_key(tmp_
         composed("experiment=static_vs_continuous", "optimized_metric=goodput_req_s")
 
 
+def test_a_misspelled_optimized_metric_fails_before_the_run(tmp_path):
+    calls = []
+    cfg = composed(*TINY, "optimized_metric=goodput")
+    with pytest.raises(ValueError, match="optimized_metric: 'goodput' is not in summary.json; keys are .*goodput_req_s"):
+        run_job(cfg, tmp_path, lambda c, d: calls.append(1) or run_experiment(c, d, verbose=False), resume=True)
+    assert calls == [] and not (tmp_path / COMPLETE).exists() and not (tmp_path / "summary.json").exists()
+
+
 def test_optuna_search_of_8_trials_reports_the_best_config(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     sweep_dir = tmp_path / "search"

@@ -84,6 +84,20 @@ def objective(cfg: RunConfig, summary: dict[str, Any]) -> Optional[float]:
     return float(value)
 
 
+def check_objective(cfg: RunConfig) -> None:
+    """Fail before a simulated run, not after it, when `optimized_metric` names no key its
+    summary.json will have (the simulator's keys are known up front: `summary_keys`). The
+    engine adds counters of its own, so an engine run's key is checked once it has run."""
+    key = cfg.optimized_metric
+    if key is None or cfg.executor.name != "sim":
+        return
+    from cbjax.app.run import summary_keys
+
+    keys = summary_keys(cfg)
+    if key not in keys:
+        raise ValueError(f"optimized_metric: {key!r} is not in summary.json; keys are {', '.join(sorted(keys))}")
+
+
 def run_job(
     cfg: RunConfig,
     out_dir: Path,
@@ -97,6 +111,7 @@ def run_job(
     `run` serves the config and writes its outputs; `track` logs them after the run.
     Returns the objective for a sweeper (see `objective`)."""
     out_dir = Path(out_dir)
+    check_objective(cfg)
     if resume and not cfg.overwrite:
         done = completed(out_dir, cfg)
         if done is not None:
