@@ -141,6 +141,39 @@ def test_bad_entry_fails_before_any_arm_runs(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"title": "t", "arms": ["one", "tow"], "metrics": ["e2e_s_mean"]}, r"\[0\]: unknown arms \['tow'\]"),
+        ({"title": "t", "arms": ["one", "two"], "metrics": ["e2e_mean"]}, r"\[0\].metrics: \['e2e_mean'\] are in no"),
+        ({"title": "t", "arms": ["one", "two"]}, r"\[0\].metrics is required"),
+        ({"title": "t", "arms": ["one"], "metrics": ["e2e_s_mean"], "metric": ["x"]}, r"\[0\]: unknown keys \['metric'\]"),
+    ],
+)
+def test_bad_table_fails_before_any_arm_runs(tmp_path, table, message):
+    cfg = RunConfig(
+        workload=WorkloadConfig(num_requests=4),
+        progress=False,
+        experiment=ExperimentConfig(arms={"one": {"scheduler.name": "fcfs"}, "two": {"scheduler.name": "static"}}, tables=[table]),
+    )
+    with pytest.raises(ValueError, match=r"experiment.tables" + message):
+        run_experiment(cfg, tmp_path, verbose=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_table_metric_one_arm_lacks_and_a_dotted_one_are_accepted(tmp_path):
+    table = {"title": "t", "arms": ["one", "two"], "metrics": ["e2e_s_mean", "client_service.default", "kv_host_pages_peak"]}
+    cfg = RunConfig(
+        workload=WorkloadConfig(num_requests=4),
+        progress=False,
+        experiment=ExperimentConfig(
+            arms={"one": {"scheduler.name": "fcfs"}, "two": {"cache.host_pages": 64}}, tables=[table],
+        ),
+    )
+    run_experiment(cfg, tmp_path, verbose=False)
+    assert "kv_host_pages_peak" in (tmp_path / "comparison.md").read_text()
+
+
 def test_experiment_writes_reproduction_json(tmp_path):
     cfg = RunConfig(
         workload=WorkloadConfig(num_requests=4),

@@ -17,7 +17,7 @@ from cbjax.core.stop import StopFlag
 from cbjax.report.plots import plot_comparison
 from cbjax.report.reproduction import check_entries, evaluate, format_rows, write_reproduction
 from cbjax.report.reasons import format_reasons
-from cbjax.report.tables import comparison_table, format_summary, write_run
+from cbjax.report.tables import check_tables, comparison_table, format_summary, write_run
 from cbjax.scheduler.core import Scheduler
 from cbjax.report.service import ServiceLog, client_ids, service_series, service_summary, write_service_series
 from cbjax.sim.pricing import build_scheduler
@@ -337,9 +337,12 @@ def run_experiment(
             raise ValueError("experiment.reproduction: compares arms, and experiment.arms is empty")
         return run_single(cfg, out_dir, verbose=verbose, stop=stop)
     arm_cfgs = {name: with_overrides(cfg, o, where=f"experiment.arms.{name}") for name, o in arms.items()}
-    entries = cfg.experiment.reproduction
+    entries, table_cfgs = cfg.experiment.reproduction, cfg.experiment.tables
+    keys = {name: summary_keys(arm_cfg) for name, arm_cfg in arm_cfgs.items()} if entries or table_cfgs else {}
     if entries:
-        check_entries(entries, {name: summary_keys(arm_cfg) for name, arm_cfg in arm_cfgs.items()})
+        check_entries(entries, keys)
+    # before any arm runs: a misspelled arm or metric would otherwise fail (or show "-") at the end
+    check_tables(table_cfgs, arms, {n: keys.get(n) if c.executor.name == "sim" else None for n, c in arm_cfgs.items()})
     summaries: dict[str, dict[str, Any]] = {}
     for name, arm_cfg in arm_cfgs.items():
         if stop is not None and stop.is_set():
@@ -351,10 +354,7 @@ def run_experiment(
             summaries[name] = summary
     missing = [name for name in arms if name not in summaries]
     tables = []
-    for i, table in enumerate(cfg.experiment.tables):
-        unknown = [a for a in table["arms"] if a not in arms]
-        if unknown:
-            raise ValueError(f"experiment.tables[{i}]: unknown arms {unknown}; arms are {list(arms)}")
+    for table in table_cfgs:
         if all(a in summaries for a in table["arms"]):
             tables.append(comparison_table(table["title"], list(table["arms"]), list(table["metrics"]), summaries))
     if missing:

@@ -68,6 +68,41 @@ def markdown_table(header: list[str], rows: Iterable[Iterable[Any]]) -> str:
     return "\n".join([line([str(h) for h in header]), sep, *(line(r) for r in rows)])
 
 
+TABLE_KEYS = ("title", "arms", "metrics")
+
+
+def check_tables(tables: list[Any], arms: Iterable[str], arm_metrics: dict[str, Optional[set[str]]]) -> None:
+    """Raise ValueError naming the table for a missing or unknown key, an unknown arm or an
+    unknown metric, before any arm runs. `arm_metrics` maps an arm to the summary keys its run
+    will have, or None where they are not known ahead (an engine adds counters of its own). A
+    metric must be in some arm's summary (a baseline arm may lack it: its cell shows "-"); a
+    dotted metric is checked by its first part (`client_service.<client_id>`)."""
+    arms = list(arms)
+    for i, table in enumerate(tables):
+        where = f"experiment.tables[{i}]"
+        if not isinstance(table, dict):
+            raise ValueError(f"{where}: must be a mapping {{title, arms, metrics}}, got {table!r}")
+        unknown = sorted(set(table) - set(TABLE_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; allowed: {', '.join(TABLE_KEYS)}")
+        for key in TABLE_KEYS:
+            if table.get(key) in (None, "", []):
+                raise ValueError(f"{where}.{key} is required")
+        for key in ("arms", "metrics"):
+            if not isinstance(table[key], (list, tuple)):
+                raise ValueError(f"{where}.{key}: must be a list, got {table[key]!r}")
+        missing = [a for a in table["arms"] if a not in arms]
+        if missing:
+            raise ValueError(f"{where}: unknown arms {missing}; arms are {arms}")
+        known = [arm_metrics.get(a) for a in table["arms"]]
+        if any(keys is None for keys in known):
+            continue
+        keys = set().union(*known)
+        bad = [m for m in table["metrics"] if m not in keys and str(m).split(".")[0] not in keys]
+        if bad:
+            raise ValueError(f"{where}.metrics: {bad} are in no summary.json of arms {list(table['arms'])}")
+
+
 def comparison_table(title: str, arms: list[str], metrics: list[str], summaries: dict[str, dict[str, Any]]) -> str:
     """Metrics side by side, with each arm's ratio to the first arm."""
     base = arms[0]
