@@ -214,6 +214,12 @@ def collect(
 ) -> str:
     """Write <out>.csv, <out>.md and <out>.png for the sweep; return the markdown."""
     jobs, columns = find_jobs(sweep_dir)
+    # A run stopped by a signal (Ctrl-C, a Slurm timeout) saved figures of part of its workload:
+    # they are not comparable with finished jobs, so they stay out of the table and the plot.
+    partial = [j for j in jobs if j.summary.get("interrupted")]
+    jobs = [j for j in jobs if not j.summary.get("interrupted")]
+    if not jobs:
+        raise ValueError(f"{sweep_dir}: every run was interrupted ({len(partial)}); rerun the sweep to finish them")
     metrics = check_metrics(jobs, metrics)
     check_metrics(jobs, [y])
     if x is not None and x not in columns:
@@ -222,6 +228,9 @@ def collect(
     out = out or sweep_dir / "sweep"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = format_markdown(jobs, columns, metrics)
+    if partial:
+        names = ", ".join(j.path.relative_to(sweep_dir.resolve()).as_posix() for j in partial)
+        text = f"left out {len(partial)} interrupted (partial) runs, which a rerun of the sweep finishes: {names}\n\n{text}"
     best = optuna_best(sweep_dir)
     if best:
         text = f"{best}\n\n{text}"

@@ -112,6 +112,22 @@ def test_single_run_dir(sweep, tmp_path, capsys):
     assert len(rows) == 1 and rows[0]["scheduler"] == "static" and rows[0]["workload.rate"] == "2"
 
 
+def test_interrupted_jobs_are_left_out_and_named(sweep, tmp_path, capsys):
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep, copy, ignore=shutil.ignore_patterns("sweep.*"))
+    stopped = copy / "0" / "summary.json"  # static at rate 2, stopped by a signal part way
+    stopped.write_text(json.dumps({**json.loads(stopped.read_text()), "interrupted": True}))
+    assert collect_sweep.main([str(copy)]) == 0
+    assert "left out 1 interrupted (partial) runs, which a rerun of the sweep finishes: 0" in capsys.readouterr().out
+    rows = _read_csv(copy / "sweep.csv")
+    assert [(r["scheduler"], r["workload.rate"]) for r in rows] == [e for e in EXPECTED if e != ("static", "2")]
+    for job in "123":
+        summary = copy / job / "summary.json"
+        summary.write_text(json.dumps({**json.loads(summary.read_text()), "interrupted": True}))
+    assert collect_sweep.main([str(copy)]) == 2
+    assert "every run was interrupted (4)" in capsys.readouterr().err
+
+
 def test_dir_without_summaries_names_it(tmp_path, capsys):
     assert collect_sweep.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
