@@ -80,6 +80,22 @@ def test_mlflow_logs_an_experiments_arms_and_shares_one_store(tmp_path, mlflow_s
     assert "static/summary.json" in artifacts
 
 
+def test_mlflow_takes_a_plain_path_as_a_file_store(tmp_path, monkeypatch, mlflow_store):
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # as in a fresh process
+    cfg = composed(*TINY)
+    summary = run_experiment(cfg, tmp_path / "run", verbose=False)
+    store = tmp_path / "store"
+    log_run(
+        LoggerConfig(name="mlflow", tracking_uri=str(store)), out_dir=tmp_path / "run", root=tmp_path,
+        run_name="plain", config=comparable_config(cfg), summaries=summary, arms=False,
+    )  # fmt: skip
+    mlflow_store(store)
+    (run,) = mlflow.search_runs(experiment_names=["cbjax"], output_format="list")
+    assert run.info.run_name == "plain" and run.data.metrics == _numbers(summary)
+
+
 def _events(path):
     """Records of a TensorBoard event file: u64 length, u32 crc, payload, u32 crc."""
     from tensorboardX.proto import event_pb2

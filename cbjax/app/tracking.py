@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from cbjax.config import LoggerConfig
 
@@ -97,7 +98,7 @@ def _mlflow(cfg, root, out_dir, name, params, metrics, files) -> None:
     from mlflow.tracking import MlflowClient
 
     uri = cfg.tracking_uri or (root / "mlruns").resolve().as_uri()
-    if uri.startswith("file:"):
+    if _is_file_store(uri):
         # MLflow 3 refuses a file store unless opted in; it is the no-server default we want.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri=uri)
@@ -122,6 +123,13 @@ def _mlflow(cfg, root, out_dir, name, params, metrics, files) -> None:
         parent = rel.parent.as_posix()
         client.log_artifact(run_id, str(out_dir / rel), None if parent == "." else parent)
     client.set_terminated(run_id)
+
+
+def _is_file_store(uri: str) -> bool:
+    """Whether MLflow reads `uri` as a file store: a file: URI, or a plain path (no scheme, or a
+    Windows drive letter), which MLflow takes as a local directory."""
+    scheme = urlparse(uri).scheme
+    return scheme in ("", "file") or len(scheme) == 1
 
 
 def _safe_dir_name(name: str) -> str:
