@@ -15,7 +15,7 @@ from test_sweeps import collect_sweep
 from cbjax.config import LoggerConfig
 from cbjax.app.run import run_experiment
 from cbjax.app.sweep import comparable_config
-from cbjax.app.tracking import check_available, flatten, log_run
+from cbjax.app.tracking import TrackingError, check_available, flatten, log_run
 
 TINY = ["progress=false", "workload.num_requests=20", "executor.cost_model=unit"]
 
@@ -139,6 +139,34 @@ def test_a_missing_tracking_package_fails_before_the_run_naming_the_logger(monke
     check_available(LoggerConfig(name="none"))
     with pytest.raises(ValueError, match="logger.name: unknown value 'mlfow'"):
         composed("logger.name=mlfow")
+
+
+def test_an_unusable_mlflow_store_fails_before_the_run_naming_the_key(tmp_path):
+    from types import SimpleNamespace
+
+    from hydra.types import RunMode
+
+    from cbjax.app.hydra_job import run_hydra_job
+
+    cfg = composed(*TINY, "logger=mlflow", "logger.tracking_uri=nosuch://x")
+    hydra_cfg = SimpleNamespace(mode=RunMode.RUN, sweep=SimpleNamespace(dir=str(tmp_path)), job=SimpleNamespace(override_dirname=""))
+    calls = []
+    with pytest.raises(ValueError, match=r"logger.tracking_uri: cannot use the MLflow store nosuch://x: "):
+        run_hydra_job(cfg, tmp_path, hydra_cfg, run=lambda c, d: calls.append(1) or run_experiment(c, d, verbose=False))
+    assert calls == [] and not (tmp_path / "summary.json").exists()
+
+
+def test_a_tracker_failing_after_the_run_says_so_in_one_line(tmp_path):
+    pytest.importorskip("tensorboardX")
+    cfg = composed(*TINY)
+    summary = run_experiment(cfg, tmp_path / "run", verbose=False)
+    (tmp_path / "file").write_text("")
+    logger = LoggerConfig(name="tensorboard", save_dir=str(tmp_path / "file" / "tb"))  # under a file: unwritable
+    with pytest.raises(TrackingError, match=r"^logger=tensorboard: could not log the run in .*run: .*file"):
+        log_run(
+            logger, out_dir=tmp_path / "run", root=tmp_path, run_name="a",
+            config=comparable_config(cfg), summaries=summary, arms=False,
+        )  # fmt: skip
 
 
 def test_flatten_joins_nested_keys_with_dots():

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from cbjax.config import RunConfig
 from cbjax.app.config_merge import group_type, scalar_for_group, to_run_config
 from cbjax.app.hydra_job import register_resolvers, run_hydra_job
+from cbjax.app.tracking import TrackingError
 from cbjax.core.stop import StopFlag
 
 # configs/ sits at the repository's top level and ships in the package as `cbjax.configs`.
@@ -64,6 +65,9 @@ def _app(cfg: DictConfig) -> Optional[float]:
         _to_stderr(f"cbjax: error: {err}")
         sys.exit(1)
     except ReplicaFailed as err:  # an engine cluster's replica failed; a run it ended wrote every request's row
+        _to_stderr(f"cbjax: error: {err}")
+        sys.exit(1)
+    except TrackingError as err:  # the run's outputs are written; the tracker refused them
         _to_stderr(f"cbjax: error: {err}")
         sys.exit(1)
     if STOP.is_set():

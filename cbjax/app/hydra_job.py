@@ -69,6 +69,7 @@ def run_hydra_job(
 
         tracking.check_available(cfg.logger)
         root = Path(hydra_cfg.sweep.dir) if multirun else out_dir
+        tracking.check_store(cfg.logger, root)
         name = (hydra_cfg.job.override_dirname if multirun else "") or out_dir.name
         track = lambda summaries: tracking.log_run(  # noqa: E731
             cfg.logger,

@@ -89,27 +89,59 @@ def log_run(
     metrics = numeric_metrics(summaries, arms)
     files = run_files(out_dir)
     backend = {"mlflow": _mlflow, "tensorboard": _tensorboard, "wandb": _wandb}[cfg.name]
-    backend(cfg, Path(root), Path(out_dir), name, params, metrics, files)
+    try:
+        backend(cfg, Path(root), Path(out_dir), name, params, metrics, files)
+    except Exception as err:  # after the run: one line naming the logger, not a library's traceback
+        raise TrackingError(f"logger={cfg.name}: could not log the run in {out_dir}: {_first_line(err)}") from err
 
 
-def _mlflow(cfg, root, out_dir, name, params, metrics, files) -> None:
-    from mlflow.entities import Metric, Param
+class TrackingError(RuntimeError):
+    """The tracker refused a finished run; its outputs are on disk all the same."""
+
+
+def check_store(cfg: LoggerConfig, root: Path) -> None:
+    """Fail before a run, not after it, when the chosen tracker's store cannot be used (an
+    MLflow tracking_uri of no known scheme, a server that does not answer): open it and get
+    or create the experiment, as logging the finished run will."""
+    if cfg.name != "mlflow":
+        return
+    try:
+        _mlflow_experiment(cfg, Path(root))
+    except Exception as err:  # MLflow raises its own, requests' and OS errors alike
+        raise ValueError(f"logger.tracking_uri: cannot use the MLflow store {_mlflow_uri(cfg, Path(root))}: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _mlflow_uri(cfg: LoggerConfig, root: Path) -> str:
+    return cfg.tracking_uri or (root / "mlruns").resolve().as_uri()
+
+
+def _mlflow_experiment(cfg: LoggerConfig, root: Path):
+    """(client, experiment id) of `cfg.experiment_name` in the store, created if missing."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    uri = cfg.tracking_uri or (root / "mlruns").resolve().as_uri()
+    uri = _mlflow_uri(cfg, root)
     if _is_file_store(uri):
         # MLflow 3 refuses a file store unless opted in; it is the no-server default we want.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(cfg.experiment_name)
-    if experiment is None:
-        try:
-            experiment_id = client.create_experiment(cfg.experiment_name)
-        except MlflowException:  # a parallel job created it first
-            experiment_id = client.get_experiment_by_name(cfg.experiment_name).experiment_id
-    else:
-        experiment_id = experiment.experiment_id
+    if experiment is not None:
+        return client, experiment.experiment_id
+    try:
+        return client, client.create_experiment(cfg.experiment_name)
+    except MlflowException:  # a parallel job created it first
+        return client, client.get_experiment_by_name(cfg.experiment_name).experiment_id
+
+
+def _mlflow(cfg, root, out_dir, name, params, metrics, files) -> None:
+    from mlflow.entities import Metric, Param
+
+    client, experiment_id = _mlflow_experiment(cfg, root)
     run = client.create_run(experiment_id, run_name=name, tags={"cbjax.out_dir": str(out_dir.resolve())})
     run_id = run.info.run_id
     stamp = int(time.time() * 1000)
