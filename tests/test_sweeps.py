@@ -209,6 +209,19 @@ def test_optuna_search_of_8_trials_reports_the_best_config(tmp_path):
     assert header.index("goodput_req_s") < header.index("throughput_tok_s")  # the objective comes first
 
 
+def test_a_search_keeps_other_libraries_info_off_stdout(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [
+        *cbjax_cmd(), "hparams_search=mlfq_goodput", "hydra.sweeper.n_trials=1", "workload.num_requests=5",
+        f"hydra.sweep.dir={tmp_path / 'search'}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Best value" in proc.stdout and "sweep: skipped 0 jobs" in proc.stdout  # Hydra's, its plugins', cbjax's
+    # the Optuna sweeper imports alembic, whose plugin setup logs at INFO: not cbjax's output
+    assert "alembic" not in proc.stdout and "setup plugin" not in proc.stdout
+
+
 def _compose_with_hydra(*overrides):
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
