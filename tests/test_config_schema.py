@@ -186,3 +186,14 @@ def test_a_kernel_plugin_registers_the_names_it_declares():
     for package, names in registry.PLUGINS.items():
         assert package not in registry._missing, package
         assert names["attention"] in registry._ATTENTION and names["matmul"] in registry._OPS
+
+
+def test_a_negative_seed_and_a_pathless_checkpoint_length_name_their_keys():
+    with pytest.raises(ValueError, match=r"^seed must be >= 0, got -1$"):
+        C.RunConfig(seed=-1)
+    with pytest.raises(ValueError, match=r"^model.max_model_len 0 \(the checkpoint's\) needs model.path; else must be >= 2"):
+        C.ModelConfig(max_model_len=0)
+    with pytest.raises(ValueError, match=r"^model.dtype auto \(the checkpoint's\) needs model.path, got 'auto'$"):
+        C.ModelConfig(dtype="auto")
+    with pytest.raises(ValueError, match=r"^model.path is required by model=hf \(dtype auto, max_model_len 0\), got None$"):
+        C.ModelConfig(dtype="auto", max_model_len=0)

@@ -310,6 +310,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(self.window_iterations >= 1, "window_iterations", "must be >= 1", self.window_iterations)
+        _require(self.seed >= 0, "seed", "must be >= 0", self.seed)  # numpy's generators take no negative seed
         check_fits_model(self.workload, self.model.max_model_len)
         if self.scheduler.static_padding:
             # The engine computes only the rows a plan schedules; padding is a cost-model charge.

@@ -54,10 +54,13 @@ class ModelConfig:
     path: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if self.dtype == "auto" or self.max_model_len == 0:
-            _require(
-                bool(self.path), "model.path", "is required by model=hf (dtype auto, max_model_len 0)", self.path
-            )
+        if self.dtype == "auto" and self.max_model_len == 0:  # model=hf's defaults
+            _require(bool(self.path), "model.path", "is required by model=hf (dtype auto, max_model_len 0)", self.path)
+        elif self.dtype == "auto":
+            _require(bool(self.path), "model.dtype", "auto (the checkpoint's) needs model.path", self.dtype)
+        elif self.max_model_len == 0:
+            _require(bool(self.path), "model.max_model_len", "0 (the checkpoint's) needs model.path; else must be >= 2",
+                     self.max_model_len)  # fmt: skip
         _one_of("model.dtype", self.dtype, DTYPES + (("auto",) if self.path else ()))
         _one_of("model.mlp", self.mlp, MLP_KINDS)
         _one_of("model.rope_type", self.rope_type, ROPE_TYPES)
