@@ -323,6 +323,22 @@ def test_cached_pages_are_evicted_lru_only_once_no_page_is_free():
     alloc.check_invariants()
 
 
+def test_pages_freed_by_counts_only_pages_no_other_table_holds():
+    alloc = PageAllocator(num_pages=9, page_size=2, prefix_caching=True)
+    x = chain_hashes(ROOT_HASH, [1, 2, 3, 4], 2)
+    alloc.allocate("x", 5, 5)  # 3 pages, its 2 full ones registered
+    alloc.register("x", x, 2)
+    alloc.allocate("y", 5, 5, cached=alloc.match(x))  # shares x's 2, one of its own
+    alloc.allocate("z", 4, 4, cached=alloc.match(x))  # shares the same 2, nothing of its own
+    # y alone frees its own page; y and z free that one only (x still holds the 2 shared);
+    # all three free the 4 distinct pages
+    assert [alloc.pages_freed_by(ids) for ids in (["y"], ["y", "z"], ["x", "y", "z"], [])] == [1, 1, 4, 0]
+    plain = PageAllocator(num_pages=9, page_size=2)
+    plain.allocate("a", 5, 5)
+    plain.allocate("b", 2, 2)
+    assert plain.pages_freed_by(["a", "b"]) == 4
+
+
 def test_register_needs_prefix_caching():
     alloc = PageAllocator(num_pages=4, page_size=2)
     alloc.allocate("a", 2, 2)

@@ -211,6 +211,44 @@ def test_priority_orders_the_queue_fcfs_among_equals():
     assert [r.request_id for r in sorted(reqs, key=lambda r: r.finish_s)] == ["1", "3", "0", "2"]
 
 
+class PlanRecorder(PolicyCheckingExecutor):
+    """Records each plan's requests by its start: {start: [request ids]}."""
+
+    def __init__(self, scheduler):
+        super().__init__(scheduler)
+        self.plans_at = {}
+
+    def execute(self, plan):
+        self.plans_at[plan.start_s] = [r.request_id for r in self.scheduler.requests_of(plan)]
+        return super().execute(plan)
+
+
+def test_priority_preempt_evicts_nobody_whose_pages_others_still_hold():
+    # Prefix caching, pages of 2 tokens, 6 usable pages, 4 slots, unit cost. m (priority 1) and
+    # lo (priority 5) share a 5-token prompt; hi (priority 1) has 6 tokens of its own: 3 pages.
+    #   t=0: m prefills [1,2][3,4][5]: 3 pages.
+    #   t=1: m decodes; lo shares m's two full pages and computes its 5th token in a third
+    #        page of its own: 4 pages used.
+    #   t=2: m takes a 4th page: 5 used, 1 free. hi arrives needing 3 and outranks lo alone;
+    #        lo holds 3 pages, but m holds 2 of them too, so evicting lo frees 1: hi would
+    #        still not fit, and lo is not evicted. lo decodes at 2 and 3 (a 4th page at 3:
+    #        6 used, and evicting lo would free 2 of the 3 hi needs).
+    #   t=4: m ended its 4th token at 4, freeing its 2 own pages; lo's 4 are now its alone:
+    #        hi evicts lo (2 + 4 >= 3) and runs 4->5. lo recomputes at 5 and ends its 4th
+    #        token at 6.
+    m, lo, hi = make_requests([4, 4, 1], prompt_lens=[5, 5, 6], arrivals=[0.0, 1.0, 2.0])
+    m.prompt_token_ids = [1, 2, 3, 4, 5]
+    lo.prompt_token_ids = [1, 2, 3, 4, 5]
+    hi.prompt_token_ids = [9, 9, 8, 8, 7, 7]
+    m.priority, lo.priority, hi.priority = 1, 5, 1
+    cache = CacheConfig(num_pages=7, page_size=2, prefix_caching=True)
+    _, sched, rec = run(dict(name="priority", priority_preempt=True), [m, lo, hi], 4, cache, executor=PlanRecorder)
+    assert rec.plans_at[2] == rec.plans_at[3] == ["0", "1"]
+    assert rec.plans_at[4] == ["2"]
+    assert (m.finish_s, hi.scheduled_s, hi.finish_s, lo.finish_s) == (4, 4, 5, 6)
+    assert (lo.num_preemptions, sched.num_preemptions) == (1, 1)
+
+
 # ---- mlfq ----
 
 

@@ -247,6 +247,19 @@ class PageAllocator:
         self.num_stored_tokens += num_tokens - self._stored[request_id]
         self._stored[request_id] = num_tokens
 
+    def pages_freed_by(self, request_ids: Iterable[str]) -> int:
+        """Pages that releasing all of these requests' tables would make free or evictable:
+        those no other table holds (a prefix page shared with another request stays owned)."""
+        tables = self.page_tables
+        if not self.prefix_caching:
+            return sum(len(tables.get(rid, ())) for rid in request_ids)
+        holders: dict[int, int] = {}
+        for rid in request_ids:
+            for page in tables.get(rid, ()):
+                holders[page] = holders.get(page, 0) + 1
+        refs = self._refs  # the tables holding a page beside the first
+        return sum(1 for page, n in holders.items() if n > refs[page])
+
     # ---- release ----
     def free(self, request_id: str) -> None:
         """Release the request's pages: one nobody else holds goes free, or cached if registered."""

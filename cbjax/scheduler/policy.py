@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Sequence
 
 from cbjax.core.plugins import build_plugin, load_class
 from cbjax.core.request import Request
@@ -31,6 +31,10 @@ class SchedulerView(Protocol):
 
     def pages_held(self, request_id: str) -> int:
         """Pages the running request holds."""
+
+    def pages_freed_by(self, request_ids: Iterable[str]) -> int:
+        """Pages that preempting these running requests would free: those no other running
+        request shares (prefix caching)."""
 
     def admission_pages(self, req: Request) -> int:
         """Pages `req` needs to be admitted with its current tokens."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from cbjax.core.request import Request
 from cbjax.scheduler.policy import PolicyContract
@@ -44,6 +44,9 @@ class PolicyView:
 
     def pages_held(self, request_id: str) -> int:
         return len(self._allocator.page_tables.get(request_id, ()))
+
+    def pages_freed_by(self, request_ids: Iterable[str]) -> int:
+        return self._allocator.pages_freed_by(request_ids)
 
     def admission_pages(self, req: Request) -> int:
         """Pages `req` needs to be admitted with its current tokens."""

@@ -129,9 +129,14 @@ class _Victims:
         if end <= self.next:
             return None
         # Evict nothing unless evicting every outranked request would make room for the head.
+        # Their summed pages bound what evicting them frees; a prefix page another running
+        # request shares stays held, so where the bound is met the exact count decides.
         view = self.scheduler
         need = view.admission_pages(waiting)
-        if need > view.num_free_pages + self.held[end] - self.held[self.next]:
+        free = view.num_free_pages
+        if need > free + self.held[end] - self.held[self.next]:
+            return None
+        if need > free and need > free + view.pages_freed_by(r.request_id for r in self.order[self.next : end]):
             return None
         victim = self.order[self.next]
         self.next += 1
