@@ -324,6 +324,11 @@ def test_cached_pages_are_evicted_lru_only_once_no_page_is_free():
 
 
 def test_pages_freed_by_counts_only_pages_no_other_table_holds():
+    from cbjax.scheduler.view import PolicyView
+
+    def freed(pool, ids):  # the policies' view of the pool: only the allocator is read
+        return PolicyView(None, None, pool, None).pages_freed_by(ids)
+
     alloc = PageAllocator(num_pages=9, page_size=2, prefix_caching=True)
     x = chain_hashes(ROOT_HASH, [1, 2, 3, 4], 2)
     alloc.allocate("x", 5, 5)  # 3 pages, its 2 full ones registered
@@ -332,11 +337,12 @@ def test_pages_freed_by_counts_only_pages_no_other_table_holds():
     alloc.allocate("z", 4, 4, cached=alloc.match(x))  # shares the same 2, nothing of its own
     # y alone frees its own page; y and z free that one only (x still holds the 2 shared);
     # all three free the 4 distinct pages
-    assert [alloc.pages_freed_by(ids) for ids in (["y"], ["y", "z"], ["x", "y", "z"], [])] == [1, 1, 4, 0]
+    assert [freed(alloc, ids) for ids in (["y"], ["y", "z"], ["x", "y", "z"], [])] == [1, 1, 4, 0]
+    assert [alloc.num_holders(p) for p in alloc.page_tables["y"]] == [3, 3, 1]
     plain = PageAllocator(num_pages=9, page_size=2)
     plain.allocate("a", 5, 5)
     plain.allocate("b", 2, 2)
-    assert plain.pages_freed_by(["a", "b"]) == 4
+    assert freed(plain, ["a", "b"]) == 4
 
 
 def test_register_needs_prefix_caching():

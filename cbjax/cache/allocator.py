@@ -247,18 +247,9 @@ class PageAllocator:
         self.num_stored_tokens += num_tokens - self._stored[request_id]
         self._stored[request_id] = num_tokens
 
-    def pages_freed_by(self, request_ids: Iterable[str]) -> int:
-        """Pages that releasing all of these requests' tables would make free or evictable:
-        those no other table holds (a prefix page shared with another request stays owned)."""
-        tables = self.page_tables
-        if not self.prefix_caching:
-            return sum(len(tables.get(rid, ())) for rid in request_ids)
-        holders: dict[int, int] = {}
-        for rid in request_ids:
-            for page in tables.get(rid, ()):
-                holders[page] = holders.get(page, 0) + 1
-        refs = self._refs  # the tables holding a page beside the first
-        return sum(1 for page, n in holders.items() if n > refs[page])
+    def num_holders(self, page: int) -> int:
+        """How many page tables hold the owned `page` (a shared prefix page: several)."""
+        return self._refs[page] + 1 if self.prefix_caching else 1
 
     # ---- release ----
     def free(self, request_id: str) -> None:
@@ -375,21 +366,15 @@ class PageAllocator:
 
     # ---- the pool's five shares ----
     def slot_breakdown(self, final_tokens: Iterable[tuple[str, int]], min_waiting_pages: int) -> tuple[int, int, int, int, int]:
-        """The pool's slots (`num_usable_pages * page_size`; a slot holds one token's K/V) split
-        into (token states, reserved, internal fragmentation, external fragmentation, free),
-        which sum to the pool. `final_tokens` pairs each request holding pages with f, the
-        tokens it will store at its final length. With s its stored tokens and c the slots of
-        its pages:
-
-        - token states: s, the slots holding a real token's K/V (a prefix page shared by
-          several requests counts once);
-        - reserved: min(c, max(f, s)) - s, held slots its future tokens will fill;
-        - internal fragmentation: c - min(c, max(f, s)), held slots it will never fill (a
-          reservation beyond its final length, the unused tail of its final page);
-        - external fragmentation: free slots no waiting request can use because they are not
-          contiguous enough; always 0 here, where any free page serves any request;
-        - free: the rest (free pages, and unreferenced prefix-cache pages, which are evictable).
-        """
+        """The pool's slots (`num_usable_pages * page_size`, one token's K/V each) split into
+        (token states, reserved, internal fragmentation, external fragmentation, free), which sum
+        to the pool. `final_tokens` pairs each request holding pages with f, the tokens it stores
+        at its final length; s is its stored tokens and c its pages' slots. Token states: s (a
+        prefix page shared by several requests counts once). Reserved: min(c, max(f, s)) - s,
+        held slots its future tokens fill. Internal: c - min(c, max(f, s)), held slots never
+        filled (a reservation past its final length, its last page's tail). External: free slots
+        no waiting request can use for want of contiguity, 0 here where any page serves any
+        request. Free: the rest (free pages, and unreferenced prefix-cache pages: evictable)."""
         ps = self.page_size
         tables, stored = self.page_tables, self._stored
         filled = 0  # sum of min(c, max(f, s)): slots that hold or will hold a token

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Iterable, Sequence
 
 from cbjax.core.request import Request
@@ -46,7 +47,10 @@ class PolicyView:
         return len(self._allocator.page_tables.get(request_id, ()))
 
     def pages_freed_by(self, request_ids: Iterable[str]) -> int:
-        return self._allocator.pages_freed_by(request_ids)
+        """Pages no table outside `request_ids` holds: those releasing them all frees."""
+        tables, alloc = self._allocator.page_tables, self._allocator
+        held = Counter(page for rid in request_ids for page in tables.get(rid, ()))
+        return sum(1 for page, n in held.items() if n >= alloc.num_holders(page))
 
     def admission_pages(self, req: Request) -> int:
         """Pages `req` needs to be admitted with its current tokens."""
