@@ -391,3 +391,20 @@ def test_vtc_keeps_two_backlogged_clients_within_the_papers_bound_and_fcfs_does_
     assert gaps["vtc"] <= bound
     assert gaps["fcfs"] > bound
     assert gaps["vtc"] <= 2 * max(8, 2 * 4 * 10)  # in fact within one batch's worth of service
+
+
+@pytest.mark.parametrize("name", ["mlfq", "sjf", "vtc"])
+def test_an_aborted_request_leaves_nothing_behind_in_its_policy(name):
+    """A request that ends outside a step (a client gone, a stop string), running or waiting,
+    is forgotten by the policy: a server's policy state does not grow with every abort."""
+    sched = Scheduler(SchedulerConfig(name=name, max_num_seqs=1), CacheConfig(num_pages=64, page_size=4), 256)
+    reqs = make_requests([20, 20, 20])
+    for req in reqs:
+        sched.add(req, 0.0)
+    plan = sched.schedule(0.0)
+    sched.postprocess(plan, None, 1.0)  # request 0 runs, 1 and 2 wait
+    assert sched.abort(reqs[0].request_id, 1.0) and sched.abort(reqs[1].request_id, 1.0)
+    policy = sched.policy
+    held = {"mlfq": lambda: policy._state, "sjf": lambda: policy._predicted,
+            "vtc": lambda: {**policy._charged, **policy._arrival_seq}}[name]()  # fmt: skip
+    assert reqs[0] not in held and reqs[1] not in held

@@ -250,15 +250,14 @@ class Scheduler:
         req = next((r for r in self.running_set.running if r.request_id == request_id), None)
         if req is not None:
             self.running_set.evict(req)
-            if self.prefix is not None:
-                self.prefix.forget(req)
         else:
             req = next((r for r in self.policy if r.request_id == request_id), None)
             if req is None:
                 return False
             self.waiting.remove(req)
-            if self.prefix is not None:
-                self.prefix.forget(req)
+        if self.prefix is not None:
+            self.prefix.forget(req)
+        self.policy.forget(req)
         req.num_new_tokens = 0
         req.status = Status.FINISHED
         req.finish_reason = finish_reason

@@ -78,6 +78,8 @@ class PolicyContract(Protocol):
 
     def on_step(self, scheduled: list[Request], now: float) -> None: ...
 
+    def forget(self, request: Request) -> None: ...
+
 
 class Policy:
     """Base policy. Subclasses override the queue order, gating, victim choice or hooks.
@@ -85,7 +87,8 @@ class Policy:
     The scheduler calls, per iteration: `admission_open`, then `peek`/`pop` while slots, the
     token budget and pages allow; `choose_victim` when a running request cannot grow;
     `preempt_for` when the head lacks a slot or pages; and `on_step` after tokens are
-    produced. Preempted requests come back through `requeue`.
+    produced. Preempted requests come back through `requeue`; a request that ends outside a
+    step (aborted, or cut at a stop string) is passed to `forget`.
     """
 
     name = "base"
@@ -141,6 +144,11 @@ class Policy:
 
     def on_step(self, scheduled: list[Request], now: float) -> None:
         """Called after each iteration with the requests that ran in it."""
+
+    def forget(self, request: Request) -> None:
+        """The request ended outside a step (aborted, or cut at a stop string), running or
+        waiting (then after `remove`): drop what the policy keeps about it. A request ending in
+        a step is seen FINISHED by `on_step` instead."""
 
 
 class QueuedPolicy(Policy):

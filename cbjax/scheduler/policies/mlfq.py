@@ -54,6 +54,9 @@ class MLFQPolicy(RankedPolicy):
         self._state[request] = [self.entry_queue(request.prompt_len), request.num_generated]
         super().push(request)
 
+    def forget(self, request: Request) -> None:
+        self._state.pop(request, None)
+
     def on_step(self, scheduled: list[Request], now: float) -> None:
         super().on_step(scheduled, now)
         states, quanta, last = self._state, self.quanta, len(self.quanta) - 1

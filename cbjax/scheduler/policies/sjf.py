@@ -41,6 +41,9 @@ class SJFPolicy(RankedPolicy):
     def victim_key(self, request: Request) -> tuple:
         return (self.predicted_remaining(request), request.admit_seq)
 
+    def forget(self, request: Request) -> None:
+        self._predicted.pop(request, None)
+
     def on_step(self, scheduled: list[Request], now: float) -> None:
         super().on_step(scheduled, now)
         for req in scheduled:

@@ -136,6 +136,10 @@ class VTCPolicy(Policy):
     def choose_victim(self, running: list[Request]) -> Request:
         return max(running, key=lambda r: (self.counters[r.client_id], r.admit_seq))
 
+    def forget(self, request: Request) -> None:
+        self._charged.pop(request, None)
+        self._arrival_seq.pop(request, None)
+
     def on_step(self, scheduled: list[Request], now: float) -> None:
         counters, charged, weight = self.counters, self._charged, self.output_weight
         for req in scheduled:
