@@ -13,7 +13,7 @@ from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine.offline import serve
 from cbjax.core.executor import SyncExecutor
 from cbjax.report.metrics import summarize
-from cbjax.core.request import FinishReason, Request, SamplingParams
+from cbjax.core.request import FinishReason, Request, SamplingParams, Status
 from cbjax.scheduler import POLICIES, Scheduler
 from cbjax.scheduler.policy import FCFSPolicy
 from cbjax.sim import SimExecutor, UnitCost
@@ -284,6 +284,11 @@ def test_slo_goodput_and_attainment_by_hand():
     assert s["slo_attainment"] == pytest.approx(1 / 3)
     assert summarize(result, slo_tpot_s=0.5)["slo_attainment"] == 0.0
     assert summarize(result)["slo_attainment"] == pytest.approx(2 / 3)
+    # a run cut short: a request that never arrived was not submitted, and counts neither way
+    late = make_requests([1])[0]
+    late.status, late.finish_reason = Status.FINISHED, FinishReason.NOT_ARRIVED
+    result.requests.append(late)
+    assert summarize(result, slo_ttft_s=2.0, slo_tpot_s=1.0)["slo_attainment"] == pytest.approx(1 / 3)
 
 
 def test_prefix_cache_hit_rate_by_hand():

@@ -98,7 +98,8 @@ def summarize(
     """Flat run-level metrics for summary.json.
 
     Goodput counts requests meeting both SLOs per second of makespan; attainment is their
-    share of all submitted requests (a rejected request misses)."""
+    share of all submitted requests (a rejected request misses; one that had not arrived when
+    an interrupted run stopped was never submitted)."""
     reqs = result.requests
     stats = result.stats
     served = [r for r in reqs if r.finish_reason in SERVED]
@@ -128,6 +129,7 @@ def summarize(
     _percentiles("tbt_s", result.tbt_s, summary)
     summary.update(ttft_by_turn(reqs, served))
     good = sum(_within_slo(x, slo_ttft_s, slo_tpot_s) for x in lat)  # meets_slo: only served requests meet it
+    submitted = len(reqs) - fates[FinishReason.NOT_ARRIVED]
     summary.update(
         {
             "num_slots": result.num_slots,
@@ -142,7 +144,7 @@ def summarize(
             "window_iterations": window_iterations,
             "finished_in_window": sum(1 for it in stats.finish_iteration.values() if it <= window_iterations),
             "goodput_req_s": good / makespan if makespan > 0 else 0.0,
-            "slo_attainment": good / len(reqs) if reqs else 0.0,
+            "slo_attainment": good / submitted if submitted else 0.0,
             "wall_s": result.wall_s,
             "scheduler_host_s": stats.schedule_s + stats.postprocess_s,
         }
