@@ -4,10 +4,12 @@ compiles after warmup, each layer all-reduces twice, and bad meshes fail naming 
 Forced CPU devices need XLA_FLAGS before jax starts, so the engine runs in subprocesses.
 """
 
+import dataclasses
 import json
 import socket
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ from conftest import cbjax_cmd
 from cbjax.config import DistributedConfig, ExecutorConfig, ExperimentConfig, MeshConfig, ModelConfig, RunConfig, SchedulerConfig
 from cbjax.runtime.batch import BatchPacker
 from cbjax.app.multihost import start
-from cbjax.runtime.distributed import PlanLink
+from cbjax.runtime.distributed import PlanLink, check_same_config, shared_fields
 from cbjax.runtime.hlo import all_reduce_traffic
 from cbjax.runtime.mesh import check_tensor_parallel
 from cbjax.layout.shapes import plan_shapes
@@ -171,6 +173,61 @@ def test_multi_host_config_without_process_id_fails_naming_the_key(tmp_path, env
         RunConfig(distributed=dist, executor=ExecutorConfig(name="jax"), experiment=arms)
     with pytest.raises(ValueError, match="^distributed.num_processes: a multi-host run serves one config, not a multirun"):
         start(RunConfig(distributed=dist, executor=ExecutorConfig(name="jax")), multirun=True)
+
+
+def test_processes_with_different_engine_settings_fail_naming_the_first_key():
+    """Each process all-gathers a CRC32 per setting; here the gather is faked with rows of
+    hand-made configs, so a mismatch is found without starting jax.distributed."""
+    def cfg(pid, **kw):
+        dist = DistributedConfig(coordinator_address="h:1", num_processes=3, process_id=pid)
+        return RunConfig(**{"distributed": dist, "executor": ExecutorConfig(name="jax"), **kw})
+
+    def digests(c):
+        return np.array([zlib.crc32(v.encode()) for v in shared_fields(c).values()], np.uint32).view(np.int32)
+
+    same = [cfg(0), cfg(1), cfg(2, progress=False)]  # progress, the workload: not shared
+    same[2].workload.num_requests = 7
+    check_same_config(same[1], gather=lambda mine: np.stack([digests(c) for c in same]))
+    local = cfg(1, executor=ExecutorConfig(name="jax", compilation_cache_dir="/elsewhere"))
+    check_same_config(local, gather=lambda mine: np.stack([digests(same[0]), mine, digests(same[2])]))
+    # process 2 has another seed: its weights would differ, and the tokens with them
+    rows = [cfg(0), cfg(1), cfg(2, seed=5)]
+    gathered = np.stack([digests(c) for c in rows])
+    with pytest.raises(ValueError) as err:
+        check_same_config(rows[1], gather=lambda mine: gathered)
+    assert str(err.value) == "distributed: seed=0 on process 1 differs on process(es) 2; give every process the same overrides"
+    with pytest.raises(ValueError) as err:
+        check_same_config(rows[2], gather=lambda mine: gathered)
+    assert str(err.value) == "distributed: seed=5 on process 2 differs on process(es) 0, 1; give every process the same overrides"
+    layers = [cfg(0, model=ModelConfig(num_layers=3)), cfg(1)]
+    layers = [dataclasses.replace(c, distributed=DistributedConfig("h:1", 2, i)) for i, c in enumerate(layers)]
+    with pytest.raises(ValueError, match=r"^distributed: model.num_layers=3 on process 0 differs on process\(es\) 1;"):
+        check_same_config(layers[0], gather=lambda mine: np.stack([digests(c) for c in layers]))
+
+
+def test_two_processes_with_different_seeds_both_fail_at_startup(tmp_path, env_cpu):
+    cmd = cbjax_cmd() + [
+        "executor=jax", "model.num_heads=8", "model.num_kv_heads=4", "executor.mesh.tensor=2", "workload.num_requests=1",
+        f"distributed.coordinator_address=127.0.0.1:{_free_port()}", "distributed.num_processes=2",
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cmd + [f"distributed.process_id={i}", f"seed={i}", f"hydra.run.dir={tmp_path / f'p{i}'}"],
+            env=_env(env_cpu, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for i in (1, 0)
+    ]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    for i, err in zip((1, 0), errs):
+        want = f"cbjax: error: distributed: seed={i} on process {i} differs on process(es) {1 - i}; give every process the same overrides"
+        assert want in err.splitlines(), err
+    assert not (tmp_path / "p0" / "requests.jsonl").exists()
 
 
 def test_plan_link_carries_every_array_of_a_batch_bit_for_bit():

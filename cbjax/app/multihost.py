@@ -8,7 +8,7 @@ import logging
 
 from cbjax.config import RunConfig
 from cbjax.app.run import build_executor
-from cbjax.runtime.distributed import initialize
+from cbjax.runtime.distributed import check_same_config, initialize
 
 log = logging.getLogger("cbjax")
 
@@ -19,6 +19,7 @@ def start(cfg: RunConfig, *, multirun: bool = False) -> bool:
     if multirun:  # a job process 0 skips as complete would leave the others waiting
         raise ValueError("distributed.num_processes: a multi-host run serves one config, not a multirun (-m)")
     initialize(cfg.distributed)
+    check_same_config(cfg)  # before any process builds its executor on settings the others lack
     if cfg.distributed.process_id == 0:
         return False
     follow(cfg)

@@ -12,8 +12,10 @@ warmup exchanges an empty batch per bucket and nothing compiles afterwards.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-from typing import Optional
+import zlib
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -46,6 +48,59 @@ def initialize(cfg: DistributedConfig) -> None:
         f"distributed: process {jax.process_index()} of {jax.process_count()}, "
         f"{jax.local_device_count()} local of {jax.device_count()} devices"
     )
+
+
+# What every process must agree on: all that builds the executor and its sharded step (a
+# different seed gives each process different weights, a different model different programs).
+# The workload, outputs and tracking are process 0's alone; a compilation cache is local.
+SHARED = ("seed", "model", "cache", "scheduler", "executor", "spec", "distributed.coordinator_address", "distributed.num_processes")
+LOCAL = ("executor.compilation_cache_dir",)
+
+
+def shared_fields(cfg) -> dict[str, str]:
+    """`cfg`'s SHARED settings as dotted key -> JSON text, in a fixed order."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value) -> None:
+        if dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                walk(f"{prefix}.{f.name}", getattr(value, f.name))
+        elif prefix not in LOCAL:
+            out[prefix] = json.dumps(value, sort_keys=True, default=str)
+
+    for name in SHARED:
+        value = cfg
+        for part in name.split("."):
+            value = getattr(value, part)
+        walk(name, value)
+    return out
+
+
+def config_mismatch(fields: dict[str, str], digests: np.ndarray, process_id: int) -> Optional[str]:
+    """The error for the first setting whose digest differs between processes (`digests`:
+    one row per process, one column per key of `fields`), or None when all agree."""
+    for col, key in enumerate(fields):
+        others = [p for p in range(digests.shape[0]) if digests[p, col] != digests[process_id, col]]
+        if others:
+            return (
+                f"distributed: {key}={fields[key]} on process {process_id} differs on process(es) "
+                f"{', '.join(map(str, others))}; give every process the same overrides"
+            )
+    return None
+
+
+def check_same_config(cfg, gather: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> None:
+    """A one-line ValueError on every process when the processes' SHARED settings differ;
+    each process sends a CRC32 per setting to all others (one small all-gather)."""
+    fields = shared_fields(cfg)
+    mine = np.array([zlib.crc32(v.encode()) for v in fields.values()], np.uint32).view(np.int32)
+    if gather is None:
+        from jax.experimental.multihost_utils import process_allgather
+
+        gather = lambda x: np.asarray(process_allgather(x))  # noqa: E731
+    error = config_mismatch(fields, np.asarray(gather(mine)).reshape(-1, len(fields)), cfg.distributed.process_id)
+    if error:
+        raise ValueError(error)
 
 
 def _arrays(batch) -> list[np.ndarray]:
