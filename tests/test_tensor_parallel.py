@@ -6,9 +6,12 @@ Forced CPU devices need XLA_FLAGS before jax starts, so the engine runs in subpr
 
 import dataclasses
 import json
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -228,6 +231,33 @@ def test_two_processes_with_different_seeds_both_fail_at_startup(tmp_path, env_c
         want = f"cbjax: error: distributed: seed={i} on process {i} differs on process(es) {1 - i}; give every process the same overrides"
         assert want in err.splitlines(), err
     assert not (tmp_path / "p0" / "requests.jsonl").exists()
+
+
+def test_joining_says_what_it_waits_for_and_ctrl_c_ends_the_wait(tmp_path, env_cpu):
+    """A process whose peers never come: the join is one C++ wait that the run's stop flag
+    cannot interrupt, so it says what it waits for and SIGINT ends it at once."""
+    address = f"127.0.0.1:{_free_port()}"
+    cmd = cbjax_cmd() + [
+        "executor=jax", "executor.mesh.tensor=2", "workload.num_requests=1", f"hydra.run.dir={tmp_path}",
+        f"distributed.coordinator_address={address}", "distributed.num_processes=2",
+        "distributed.process_id=1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=_env(env_cpu), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    guard = threading.Timer(120, proc.kill)  # never hang the suite
+    guard.start()
+    try:
+        line = proc.stdout.readline()
+        want = f"distributed: process 1 joining distributed.num_processes=2 at distributed.coordinator_address={address} (up to 300 s)"
+        assert line.strip() == want, line
+        time.sleep(0.5)  # inside the wait
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+        assert proc.returncode == -signal.SIGINT and time.monotonic() - t0 < 10
+    finally:
+        guard.cancel()
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_plan_link_carries_every_array_of_a_batch_bit_for_bit():
