@@ -159,3 +159,32 @@ def test_alternating_phases_interleave_decodes_with_waiting_prefills(alternate, 
     a, b, c = make_requests([3, 1, 1], prompt_lens=[4, 4, 4], arrivals=[0.0, 0.5, 0.5])
     serve([a, b, c], sched, CheckingExecutor(sched))
     assert (a.finish_s, c.finish_s) == (a_finish, c_finish)
+
+
+def test_h100_and_h200_tensor_parallelism_runs_over_nvlink4_by_hand():
+    from cbjax.cluster.pools import load_hardware
+    from cbjax.config import ModelConfig
+
+    # Llama-3-8B's shape: 32 layers of d_model 4096, bf16
+    llama3_8b = ModelConfig(
+        name="llama3_8b", vocab_size=128256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, ffn_dim=14336, max_model_len=8192, dtype="bfloat16",
+    )  # fmt: skip
+    plan = make_plan(num_slots=1, prefills=[req(0, 512)])
+    for name in ("h100_sxm", "h200"):
+        hw = load_hardware(name, "hardware")
+        # NVLink 4: 900 GB/s per GPU both ways (datasheet), 450e9 each way; the A100's NVLink 3
+        # (300e9 each way) is not this part's
+        assert hw.interconnect_bw == 450e9
+        one, two = RooflineCost(llama3_8b, hw), RooflineCost(llama3_8b, dataclasses.replace(hw, num_devices=2))
+        # TP2 halves the 512-token prefill (compute-bound on both) and adds the all-reduces:
+        # 512 tokens x 32 layers x 2 x 4096 x 2 B = 268,435,456 B, ring 2(2-1)/2 = 1, over 450e9 B/s
+        allreduce = 512 * 32 * 2 * 4096 * 2 * 1.0 / 450e9
+        assert allreduce == pytest.approx(0.000596523)
+        assert two(plan).total_s == pytest.approx(one(plan).total_s / 2 + allreduce)
+    # the H100's whole TP2 step: matmuls 512 x 2 x 6,979,588,096 body + 2 x 525,336,576 head
+    # FLOPs (6.0230 ms) and attention 131,328 pairs x 524,288 FLOPs (0.0580 ms) at 2 x 989e12 x
+    # 0.6, plus the all-reduces (0.5965 ms)
+    assert RooflineCost(llama3_8b, dataclasses.replace(load_hardware("h100_sxm", "hardware"), num_devices=2))(
+        plan
+    ).total_s == pytest.approx(0.0066776, rel=1e-4)
