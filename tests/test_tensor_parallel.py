@@ -74,6 +74,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_processes(cmds: list[list[str]], env: dict, timeout: float, stdout: bool = True) -> tuple[list[int], list[str]]:
+    """Run the commands side by side (the processes of one run); their exit codes and their
+    output (stdout and stderr together), or stderr alone without `stdout`. Any still running
+    at the end is killed."""
+    out = subprocess.STDOUT if stdout else subprocess.PIPE
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=out, text=True) for cmd in cmds]
+    try:
+        texts = [p.communicate(timeout=timeout)[0 if stdout else 1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], texts
+
+
 def test_two_processes_of_4_devices_give_the_one_process_tokens(tmp_path, env_cpu):
     trace = tmp_path / "w.jsonl"
     rows = [
@@ -94,20 +109,9 @@ def test_two_processes_of_4_devices_give_the_one_process_tokens(tmp_path, env_cp
     dist = [
         f"distributed.coordinator_address=127.0.0.1:{_free_port()}", "distributed.num_processes=2", "executor.mesh.tensor=8"
     ]
-    procs = [
-        subprocess.Popen(
-            common + dist + [f"distributed.process_id={i}", f"hydra.run.dir={tmp_path / f'p{i}'}"],
-            env=_env(env_cpu, 4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for i in (1, 0)
-    ]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(log[-3000:] for log in logs)
+    codes, logs = _run_processes([common + dist + [f"distributed.process_id={i}", f"hydra.run.dir={tmp_path / f'p{i}'}"]
+                                  for i in (1, 0)], _env(env_cpu, 4), timeout=300)  # fmt: skip
+    assert codes == [0, 0], "\n----\n".join(log[-3000:] for log in logs)
 
     def tokens(run_dir):
         return {r["request_id"]: r["output_token_ids"] for r in map(json.loads, (run_dir / "requests.jsonl").read_text().splitlines())}
@@ -213,20 +217,9 @@ def test_two_processes_with_different_seeds_both_fail_at_startup(tmp_path, env_c
         "executor=jax", "model.num_heads=8", "model.num_kv_heads=4", "executor.mesh.tensor=2", "workload.num_requests=1",
         f"distributed.coordinator_address=127.0.0.1:{_free_port()}", "distributed.num_processes=2",
     ]  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            cmd + [f"distributed.process_id={i}", f"seed={i}", f"hydra.run.dir={tmp_path / f'p{i}'}"],
-            env=_env(env_cpu, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        for i in (1, 0)
-    ]
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [2, 2], errs
+    codes, errs = _run_processes([cmd + [f"distributed.process_id={i}", f"seed={i}", f"hydra.run.dir={tmp_path / f'p{i}'}"]
+                                  for i in (1, 0)], _env(env_cpu, 1), timeout=120, stdout=False)  # fmt: skip
+    assert codes == [2, 2], errs
     for i, err in zip((1, 0), errs):
         want = f"cbjax: error: distributed: seed={i} on process {i} differs on process(es) {1 - i}; give every process the same overrides"
         assert want in err.splitlines(), err

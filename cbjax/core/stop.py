@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 
 class StopFlag:
@@ -32,12 +32,21 @@ class StopFlag:
     def catching(self) -> Iterator["StopFlag"]:
         """Route SIGINT and SIGTERM to this flag. Further signals are only counted, so nothing
         (the save included) is cut off midway; the previous handlers come back afterwards."""
-        if threading.current_thread() is not threading.main_thread():
+        with signals_to(lambda signum, frame: self.set(signum)):
             yield self
-            return
-        previous = {sig: signal.signal(sig, lambda signum, frame: self.set(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+
+
+@contextmanager
+def signals_to(handler: Any) -> Iterator[None]:
+    """SIGINT and SIGTERM go to `handler` (a signal handler, or `signal.SIG_DFL`) while the
+    block runs, and the previous handlers come back after. Off the main thread, where Python
+    cannot set handlers, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -11,38 +11,22 @@ warmup exchanges an empty batch per bucket and nothing compiles afterwards.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import signal
-import threading
 import zlib
 from typing import Callable, Optional
 
 import numpy as np
 
 from cbjax.config import DistributedConfig
+from cbjax.core.stop import signals_to
 
 log = logging.getLogger("cbjax")
 
 _initialized: Optional[tuple] = None
 JOIN_TIMEOUT_S = 300  # how long jax.distributed waits for every process before it aborts this one
-
-
-@contextlib.contextmanager
-def _default_signals():
-    """SIGINT and SIGTERM end the process while it waits to join: the wait is one C++ call that
-    Python handlers (the run's stop flag) never interrupt, and nothing has run that needs saving."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -64,7 +48,9 @@ def initialize(cfg: DistributedConfig) -> None:
         f"distributed: process {cfg.process_id} joining distributed.num_processes={cfg.num_processes} at "
         f"distributed.coordinator_address={cfg.coordinator_address} (up to {JOIN_TIMEOUT_S} s)"
     )
-    with _default_signals():
+    # SIGINT and SIGTERM end the process while it waits to join: the wait is one C++ call that
+    # Python handlers (the run's stop flag) never interrupt, and nothing has run that needs saving
+    with signals_to(signal.SIG_DFL):
         jax.distributed.initialize(
             coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id,
             initialization_timeout=JOIN_TIMEOUT_S,

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional
 import uvicorn
 
 from cbjax.app.run import resolve
+from cbjax.core.stop import signals_to
 from cbjax.serve.app import create_app
 from cbjax.serve.generate import ServeState
 from cbjax.serve.bridge import EngineBridge
@@ -186,15 +187,8 @@ class _Uvicorn(uvicorn.Server):
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
+        with signals_to(self.handle_exit):
             yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.on_signal(sig)
