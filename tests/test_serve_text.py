@@ -110,3 +110,27 @@ def test_the_real_engine_streams_its_own_tokens(tmp_path):
 def _decode(tok: ByteTokenizer, ids: list[int]) -> str:
     dec = tok.decoder()
     return "".join(dec.push(t) for t in ids)
+
+
+def _ended_output(tok, token_ids: list[int], stop_token_ids=(), stops=()) -> str:
+    """The text a client is sent for `token_ids`, the last of which ended the request: the
+    chunks as they come, then the end's (what the stream and the whole response both send)."""
+    from cbjax.core.request import Request, SamplingParams
+    from cbjax.serve.output import Output
+
+    req = Request("r", 0.0, 1, [1], SamplingParams(max_tokens=len(token_ids), stop_token_ids=tuple(stop_token_ids)))
+    out = Output(tok, req, list(stops))
+    sent = "".join(out.add(t) for t in token_ids) + out.close()
+    assert sent == out.text
+    return sent
+
+
+def test_a_character_left_incomplete_at_the_end_is_sent_as_a_whole_decode_reads_it(tmp_path):
+    """Token id b is byte b: 0xC3 opens a two-byte character (é is C3 A9) that the output ends
+    before completing. A decode of all the tokens reads it as U+FFFD; it is not dropped."""
+    write_hf_tokenizer(tmp_path)
+    for tok in (ByteTokenizer(512), HFTokenizer(tmp_path, eos_token_id=None)):
+        assert _ended_output(tok, [ord("a"), 0xC3]) == "a\ufffd"  # ended by max_tokens
+        assert _ended_output(tok, [ord("a"), 0xC3, ord("!")], stop_token_ids=[ord("!")]) == "a\ufffd"  # by a stop token
+        assert _ended_output(tok, [ord("a"), 0xC3, 0xA9]) == "aé"  # whole: nothing held at the end
+        assert _ended_output(tok, [ord("a"), ord("b"), 0xC3], stops=["b"]) == "a"  # what follows a stop string is cut

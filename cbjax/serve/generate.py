@@ -240,6 +240,7 @@ async def complete(state: ServeState, req: Request, out: Output, queue: asyncio.
     err = end_error(state, event.req, chat)
     if err is not None:
         raise err
+    out.close()
     text = out.text
     reason = out.finish_reason(req)
     if chat:
@@ -308,7 +309,7 @@ class SSEChunks:
         if err is not None:
             chunks = [_sse(err.body())]
         else:
-            tail = out.flush()
+            tail = out.close()
             chunks = [self.chunk(tail)] if tail else []
             chunks.append(self.chunk(None, out.finish_reason(self.req)))
         if self.include_usage:

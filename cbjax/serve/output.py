@@ -43,16 +43,32 @@ class Output:
             self.text += self.decoder.push(self.filler)
         elif token_id not in self.silent:  # a stop or EOS token's own text is not output
             self.text += self.decoder.push(token_id)
-        if self.stops:
-            at = min((i for i in (self.text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0), default=-1)
-            if at >= 0:
-                self.stopped = True
-                self.text = self.text[:at]
-                return self.flush()
+        if self._cut():
+            return self.flush()
         end = max(self.emitted, len(self.text) - self.hold)
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta
+
+    def _cut(self) -> bool:
+        """Cut the text at the first stop string in it, if any (the request then has stopped)."""
+        if not self.stops:
+            return False
+        at = min((i for i in (self.text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0), default=-1)
+        if at < 0:
+            return False
+        self.stopped = True
+        self.text = self.text[:at]
+        return True
+
+    def close(self) -> str:
+        """The rest of the text once the request has ended. The decoder's held text is part of
+        it: a character the last tokens left incomplete reads U+FFFD, as a decode of the whole
+        output does, so the text is the decode of the tokens whatever step they ended on."""
+        if not self.stopped:
+            self.text += self.decoder.flush()
+            self._cut()
+        return self.flush()
 
     def flush(self) -> str:
         delta = self.text[self.emitted :]

@@ -31,6 +31,9 @@ class Decoder(Protocol):
     def push(self, token_id: int) -> str:
         """The text this token adds (possibly empty: a multi-byte character not yet whole)."""
 
+    def flush(self) -> str:
+        """The text still held back once no token follows (U+FFFD for an incomplete character)."""
+
 
 class ByteTokenizer:
     """Token id b < 256 is byte b of the UTF-8 text; no special tokens, no merges. A random
@@ -65,6 +68,9 @@ class ByteDecoder:
         if not 0 <= token_id < 256:
             return ""
         return self._utf8.decode(bytes((token_id,)))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
 
 
 class HFTokenizer:
@@ -122,6 +128,12 @@ class WindowDecoder:
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
         return after[len(before) :]
 
 
