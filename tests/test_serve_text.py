@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import openai
+import pytest
 from tokenizers import Tokenizer
 
 from test_serve import rows, running
@@ -134,3 +135,25 @@ def test_a_character_left_incomplete_at_the_end_is_sent_as_a_whole_decode_reads_
         assert _ended_output(tok, [ord("a"), 0xC3, ord("!")], stop_token_ids=[ord("!")]) == "a\ufffd"  # by a stop token
         assert _ended_output(tok, [ord("a"), 0xC3, 0xA9]) == "aé"  # whole: nothing held at the end
         assert _ended_output(tok, [ord("a"), ord("b"), 0xC3], stops=["b"]) == "a"  # what follows a stop string is cut
+
+
+def test_the_chat_template_renders_what_transformers_renders(tmp_path):
+    """What transformers gives a template beyond plain jinja2: loop controls, the `generation`
+    block, a `tojson` that neither HTML-escapes nor ASCII-escapes, and `strftime_now` (Llama 3's
+    templates date the system prompt with it, falling back to a fixed date without it)."""
+    transformers = pytest.importorskip("transformers")
+    template = ("{{ bos_token }}{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+                "{% else %}<{{ m['role'] }}>{{ m['content'] | tojson }}{% endif %}{% endfor %}"
+                "{% if strftime_now is defined %}{{ strftime_now('%Y-%m-%d') }}{% else %}26 Jul 2024{% endif %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+    write_hf_tokenizer(tmp_path)
+    tok_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok_config, "bos_token": "<s>"}))
+    (tmp_path / "chat_template.jinja").write_text(template)
+    messages = [{"role": "user", "content": "<é> & 'x'"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "dropped"}]
+    want = transformers.AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert '"<é> & \'x\'"' in want and "26 Jul 2024" not in want and "dropped" not in want
+    assert HFTokenizer(tmp_path, eos_token_id=None).chat_prompt(messages) == want

@@ -150,21 +150,55 @@ def _chat_template(model_dir: Path) -> tuple[Any, dict[str, Any]]:
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     if not source:
         return None, {}
+    return _template_environment().from_string(source), _special_tokens(config)
+
+
+def _template_environment() -> Any:
+    """A jinja2 sandbox with what transformers' `apply_chat_template` gives a template, so that
+    a checkpoint's template renders the prompt transformers renders: loop controls (`break`,
+    `continue`), the `generation` block (its body, rendered as is), `tojson` as json.dumps
+    (no HTML escaping, non-ASCII kept), `strftime_now` (today's date, which Llama 3's templates
+    put in the system prompt) and `raise_exception`."""
+    from datetime import datetime
+
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
 
     def raise_exception(message: str) -> None:
         raise ValueError(f"chat template: {message}")
 
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """The special tokens a template may name, from tokenizer_config.json."""
     special = {}
     for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
         value = config.get(key)
         if isinstance(value, dict):
             value = value.get("content")
         special[key] = value or ""
-    return env.from_string(source), special
+    return special
 
 
 def load_tokenizer(model_path: Optional[str], vocab_size: int, eos_token_id: Optional[int]) -> Tokenizer:
