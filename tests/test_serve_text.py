@@ -157,3 +157,16 @@ def test_the_chat_template_renders_what_transformers_renders(tmp_path):
     )
     assert '"<é> & \'x\'"' in want and "26 Jul 2024" not in want and "dropped" not in want
     assert HFTokenizer(tmp_path, eos_token_id=None).chat_prompt(messages) == want
+
+
+def test_no_eos_of_the_checkpoint_is_output_text(tmp_path):
+    """generation_config.json lists several EOS ids; the engine ends a request on any of them,
+    and none is text, as the first is not. Byte b is token b here: 33 is "!", 35 is "#"."""
+    model = tmp_path / "model"
+    model.mkdir()
+    checkpoint(model, template=False)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [35, 33]}))
+    with running(None, "model=hf", f"model.path={model}") as (_, srv):
+        tok = srv.state.tokenizer
+    assert _ended_output(tok, [ord("a"), 35]) == "a"
+    assert _ended_output(tok, [ord("a"), 33]) == "a"

@@ -25,8 +25,8 @@ class Output:
         self.tok = tokenizer
         self.decoder = self.tok.decoder()
         self.filler = self.tok.filler_token_id
-        eos = None if req.sampling.ignore_eos else self.tok.eos_token_id
-        self.silent = set(req.sampling.stop_token_ids) | ({eos} if eos is not None else set())
+        eos = () if req.sampling.ignore_eos else self.tok.eos_token_ids
+        self.silent = set(req.sampling.stop_token_ids) | set(eos)
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""

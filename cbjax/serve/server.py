@@ -57,7 +57,7 @@ class Server:
         self.state = ServeState(
             engine=self.engine,
             bridge=self.bridge,
-            tokenizer=load_tokenizer(cfg.model.path, cfg.model.vocab_size, cfg.model.eos_token_id),
+            tokenizer=load_tokenizer(cfg.model.path, cfg.model.vocab_size, cfg.model.eos_token_id, cfg.model.extra_eos_token_ids),
             metrics=self.metrics,
             model_name=name,
             max_model_len=cfg.model.max_model_len,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 # The simulator materialises no tokens (token_id None). The server then stands in this byte
 # for each one: printable, a single byte, and one token again when re-tokenized by the byte
@@ -16,6 +16,9 @@ FILLER_TEXT = "x"
 
 class Tokenizer(Protocol):
     eos_token_id: Optional[int]
+    # every id the engine ends a request on as EOS (the model's eos_token_id and
+    # extra_eos_token_ids: generation_config.json's list): none of them is output text
+    eos_token_ids: tuple[int, ...]
 
     def encode(self, text: str, *, special: bool = True) -> list[int]: ...
 
@@ -41,10 +44,10 @@ class ByteTokenizer:
 
     Chat prompts are plain: one line `role: content` per message, then `assistant: `."""
 
-    eos_token_id: Optional[int] = None
-
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, eos_token_id: Optional[int] = None, extra_eos_token_ids: Sequence[int] = ()):
         self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_token_ids = _eos_ids(eos_token_id, extra_eos_token_ids)
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -78,7 +81,7 @@ class HFTokenizer:
     one (chat_template.jinja, else tokenizer_config.json's; rendered with jinja2, as
     transformers does)."""
 
-    def __init__(self, model_dir: str | Path, eos_token_id: Optional[int]):
+    def __init__(self, model_dir: str | Path, eos_token_id: Optional[int], extra_eos_token_ids: Sequence[int] = ()):
         from tokenizers import Tokenizer as RustTokenizer
 
         path = Path(model_dir) / "tokenizer.json"
@@ -87,6 +90,7 @@ class HFTokenizer:
         except Exception as e:  # the Rust side raises its own exception type
             raise ValueError(f"tokenizer {str(path)!r}: cannot read it: {e}") from e
         self.eos_token_id = eos_token_id
+        self.eos_token_ids = _eos_ids(eos_token_id, extra_eos_token_ids)
         self._template, self._special = _chat_template(Path(model_dir))
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
@@ -201,11 +205,17 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
     return special
 
 
-def load_tokenizer(model_path: Optional[str], vocab_size: int, eos_token_id: Optional[int]) -> Tokenizer:
-    """The checkpoint's tokenizer with model.path and a tokenizer.json, else the byte tokenizer."""
+def _eos_ids(eos_token_id: Optional[int], extra: Sequence[int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(([] if eos_token_id is None else [eos_token_id]) + list(extra)))
+
+
+def load_tokenizer(model_path: Optional[str], vocab_size: int, eos_token_id: Optional[int],
+                   extra_eos_token_ids: Sequence[int] = ()) -> Tokenizer:  # fmt: skip
+    """The checkpoint's tokenizer with model.path and a tokenizer.json, else the byte tokenizer;
+    either knows the model's EOS ids (the engine's), whose text is not output."""
     if model_path and (Path(model_path) / "tokenizer.json").is_file():
-        return HFTokenizer(model_path, eos_token_id)
-    return ByteTokenizer(vocab_size)
+        return HFTokenizer(model_path, eos_token_id, extra_eos_token_ids)
+    return ByteTokenizer(vocab_size, eos_token_id, extra_eos_token_ids)
 
 
 def byte_tokenizer_json() -> str:
