@@ -170,3 +170,15 @@ def test_no_eos_of_the_checkpoint_is_output_text(tmp_path):
         tok = srv.state.tokenizer
     assert _ended_output(tok, [ord("a"), 35]) == "a"
     assert _ended_output(tok, [ord("a"), 33]) == "a"
+
+
+def test_the_serve_extra_brings_the_chat_template_renderer():
+    """A checkpoint's chat template is rendered with jinja2, which none of the serve extra's
+    other packages (nor the core dependencies) pulls in."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[\[<>=;! ]", req, maxsplit=1)[0].lower() for req in project["optional-dependencies"]["serve"]}
+    assert "jinja2" in names
