@@ -157,6 +157,22 @@ def test_null_means_the_default_as_absence_does():
             assert_openai_error(http.post("/chat/completions", json={"messages": None}), 400, "messages", "null messages")
 
 
+def test_a_completions_default_length_stops_at_the_context_left():
+    """The default max_tokens (16) is the server's, not the client's: near the model's length it
+    is cut to what the context leaves, where a max_tokens the client sent is refused by name."""
+    with running(None, NOW) as (base, srv):
+        limit = srv.cfg.model.max_model_len
+        with httpx.Client(base_url=base, timeout=60) as http:
+            prompt = [3] * (limit - 5)
+            for body in ({"prompt": prompt}, {"prompt": prompt, "max_tokens": None}):
+                r = http.post("/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"] == {"prompt_tokens": limit - 5, "completion_tokens": 5, "total_tokens": limit}
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert_openai_error(http.post("/completions", json={"prompt": prompt, "max_tokens": 16}), 400, "max_tokens",
+                                "an explicit max_tokens past the context")  # fmt: skip
+
+
 def test_stream_options_without_a_stream_is_a_400():
     bodies = [
         ("completions", {"prompt": "a", "max_tokens": 1, "stream_options": {"include_usage": True}}),

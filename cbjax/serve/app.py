@@ -71,7 +71,10 @@ def create_app(state: ServeState) -> FastAPI:
             bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
             if bad is not None:
                 raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "prompt")
-        return await generate(state, body, ids, "prompt", body.max_tokens, chat=False, raw=raw)
+        max_tokens = body.max_tokens
+        if "max_tokens" not in body.model_fields_set:  # the default 16, cut to the context left (the prompt is checked apart)
+            max_tokens = max(1, min(max_tokens, state.max_model_len - len(ids)))
+        return await generate(state, body, ids, "prompt", max_tokens, chat=False, raw=raw)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, raw: HTTPRequest) -> Response:
