@@ -5,9 +5,15 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
+
+
+def eos_token_ids(eos_token_id: Optional[int], extra: Sequence[int] = ()) -> tuple[int, ...]:
+    """Every token that ends a request as EOS does: the model's `eos_token_id`, then the
+    further ones (`model.extra_eos_token_ids`: generation_config.json's list), each once."""
+    return tuple(dict.fromkeys(([] if eos_token_id is None else [eos_token_id]) + list(extra)))
 
 
 class Status(enum.Enum):

@@ -10,7 +10,7 @@ from cbjax.cache.host_tier import HostTier
 from cbjax.cache.prefix import PrefixCache
 from cbjax.config import CacheConfig, SchedulerConfig, SpecConfig
 from cbjax.core.plan import Schedule
-from cbjax.core.request import FinishReason, Request, Status
+from cbjax.core.request import FinishReason, Request, Status, eos_token_ids
 from cbjax.core.results import LoadCounts
 from cbjax.scheduler.drafts import Drafts
 from cbjax.scheduler.intake import output_bound, rejection_reason
@@ -88,8 +88,7 @@ class Scheduler:
         )
         self.prefix = PrefixCache(self.allocator) if cache.prefix_caching else None
         self.validate = validate
-        # each token that ends a request as EOS does: the model's, and generation_config.json's others
-        eos_ids = frozenset(([] if eos_token_id is None else [eos_token_id]) + list(extra_eos_token_ids))
+        eos_ids = frozenset(eos_token_ids(eos_token_id, extra_eos_token_ids))
         self.vocab_size = vocab_size  # model.vocab_size: prompt ids must be below it
         self.finished: list[Request] = []  # every request that ended, in the order they did
         self.writer = PlanWriter(cfg.max_num_seqs, self.allocator)

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
+from cbjax.core.request import eos_token_ids
+
 # The simulator materialises no tokens (token_id None). The server then stands in this byte
 # for each one: printable, a single byte, and one token again when re-tokenized by the byte
 # tokenizer, so a client counting tokens from the text counts what the server generated.
@@ -15,7 +17,6 @@ FILLER_TEXT = "x"
 
 
 class Tokenizer(Protocol):
-    eos_token_id: Optional[int]
     # every id the engine ends a request on as EOS (the model's eos_token_id and
     # extra_eos_token_ids: generation_config.json's list): none of them is output text
     eos_token_ids: tuple[int, ...]
@@ -46,8 +47,7 @@ class ByteTokenizer:
 
     def __init__(self, vocab_size: int, eos_token_id: Optional[int] = None, extra_eos_token_ids: Sequence[int] = ()):
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
-        self.eos_token_ids = _eos_ids(eos_token_id, extra_eos_token_ids)
+        self.eos_token_ids = eos_token_ids(eos_token_id, extra_eos_token_ids)
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -89,8 +89,7 @@ class HFTokenizer:
             self._tok = RustTokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises its own exception type
             raise ValueError(f"tokenizer {str(path)!r}: cannot read it: {e}") from e
-        self.eos_token_id = eos_token_id
-        self.eos_token_ids = _eos_ids(eos_token_id, extra_eos_token_ids)
+        self.eos_token_ids = eos_token_ids(eos_token_id, extra_eos_token_ids)
         self._template, self._special = _chat_template(Path(model_dir))
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
@@ -203,10 +202,6 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
             value = value.get("content")
         special[key] = value or ""
     return special
-
-
-def _eos_ids(eos_token_id: Optional[int], extra: Sequence[int]) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(([] if eos_token_id is None else [eos_token_id]) + list(extra)))
 
 
 def load_tokenizer(model_path: Optional[str], vocab_size: int, eos_token_id: Optional[int],
