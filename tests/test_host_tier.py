@@ -226,6 +226,29 @@ def test_session_eviction_keeps_the_pages_of_sessions_whose_next_turn_is_expecte
     assert lru.match([101], 0) == []
 
 
+def test_a_rejected_turn_ends_the_wait_for_its_session_under_session_eviction():
+    # 6 device pages and 3 host pages of 4 tokens, one request at a time. A0 ends expecting a
+    # next turn, which is rejected (40 tokens, max_model_len 32): A is expected no more. C0
+    # evicts A's pages (host: A2 A1), D0 evicts B0's (B2, then B1, which drops the least
+    # recent page of a session not expected: A2). B0's continuation finds both B pages.
+    def req(name, t, ids, session=None, more=False):
+        sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+        return Request(name, t, len(ids), prompt_token_ids=list(ids), sampling=sampling, session_id=session,
+                       turn=int(name[1]) if session else 0, more_turns=more)  # fmt: skip
+
+    a, b = list(range(100, 108)), list(range(200, 208))
+    reqs = [
+        req("A0", 0.0, a, "A", True), req("A1", 10.0, a + list(range(108, 140)), "A"), req("B0", 20.0, b),
+        req("C0", 30.0, range(300, 316)), req("D0", 40.0, range(400, 408)), req("B1", 50.0, b + [208, 209, 210, 211]),
+    ]  # fmt: skip
+    cache = CacheConfig(num_pages=7, page_size=4, host_pages=3, host_eviction="session")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), cache, 32)
+    serve(reqs, sched, SimExecutor(UnitCost()))
+    assert reqs[1].finish_reason.value == "rejected"
+    assert not sched.tier.eviction.view.expected("A")
+    assert (reqs[5].prefix_hit_tokens_device, reqs[5].prefix_hit_tokens_host) == (0, 8)
+
+
 def test_a_host_eviction_class_from_the_users_code():
     view = object()
     assert isinstance(make_host_eviction(f"{__name__}:Recorder", view), Recorder)

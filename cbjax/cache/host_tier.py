@@ -34,7 +34,7 @@ class HostTierView:
 
     def expected(self, session_id: str) -> bool:
         """Whether the session's next turn is expected: its latest turn ended with
-        `more_turns` and no later turn has been admitted since."""
+        `more_turns` and no later turn has been admitted or rejected since."""
         return session_id in self._tier._expected
 
     def droppable(self, page: int) -> bool:
@@ -198,6 +198,14 @@ class HostTier:
         self._prefetched.pop(req.request_id, None)
         if req.session_id is not None and req.more_turns and req.session_id not in self._expected:
             self._expected.add(req.session_id)
+            self.eviction.expected_changed(req.session_id)
+
+    def turn_not_admitted(self, req: Request) -> None:
+        """`req`, its session's expected turn, came and will not be admitted here (it was
+        rejected; a later turn follows a rejected one and is rejected too): the session is
+        expected no more."""
+        if req.session_id is not None and req.session_id in self._expected:
+            self._expected.discard(req.session_id)
             self.eviction.expected_changed(req.session_id)
 
     # ---- the pool ----

@@ -220,6 +220,8 @@ class Scheduler:
         req.finish_reason = FinishReason.REJECTED
         req.reject_reason = reason
         req.finish_s = now
+        if self.tier is not None:
+            self.tier.turn_not_admitted(req)
         self.finished.append(req)
 
     def not_arrived(self, req: Request) -> None:
