@@ -249,6 +249,22 @@ def test_a_rejected_turn_ends_the_wait_for_its_session_under_session_eviction():
     assert (reqs[5].prefix_hit_tokens_device, reqs[5].prefix_hit_tokens_host) == (0, 8)
 
 
+def test_a_turn_served_by_another_replica_ends_the_wait_for_its_session_here():
+    from cbjax.cluster import ClusterSim
+    from cbjax.config import ClusterConfig, RunConfig
+
+    # round robin sends each session's turns to alternate replicas (A0 to 0, A1 to 1, ...);
+    # every session's last turn ends the run, so no replica expects a turn of any session
+    cache = dataclasses.replace(HAND_CACHE, host_eviction="session")
+    cfg = RunConfig(cluster=ClusterConfig(replicas=2), scheduler=HAND_SCHED, cache=cache, progress=False)
+    cluster = ClusterSim(cfg, lambda c: SimExecutor(UnitCost()))
+    reqs = hand_sessions()
+    cluster.serve(reqs)
+    assert [cluster.row_extras(r)["replica"] for r in reqs] == [0, 1, 0, 1, 0, 1, 0, 1, 0]
+    views = [replica.scheduler.tier.eviction.view for replica in cluster.replicas]
+    assert [[s for s in "ABC" if view.expected(s)] for view in views] == [[], []]
+
+
 def test_a_host_eviction_class_from_the_users_code():
     view = object()
     assert isinstance(make_host_eviction(f"{__name__}:Recorder", view), Recorder)

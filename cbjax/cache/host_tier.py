@@ -202,8 +202,8 @@ class HostTier:
 
     def turn_not_admitted(self, req: Request) -> None:
         """`req`, its session's expected turn, came and will not be admitted here (it was
-        rejected; a later turn follows a rejected one and is rejected too): the session is
-        expected no more."""
+        rejected, and a later turn follows a rejected one and is rejected too; or a cluster
+        sent it to another replica): the session is expected no more."""
         if req.session_id is not None and req.session_id in self._expected:
             self._expected.discard(req.session_id)
             self.eviction.expected_changed(req.session_id)

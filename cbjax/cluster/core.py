@@ -123,6 +123,10 @@ class ClusterBase:
         route = RouteRequest(req.request_id, req.prompt_len, hashes, req.client_id, req.priority)
         replica = self.front[self._check(router.route(route, self.front), len(self.front), "route")]
         replica.num_routed += 1
+        if req.session_id is not None:  # the other replicas' host tiers wait for this turn no more
+            for other in self.replicas:
+                if other is not replica and other.scheduler.tier is not None:
+                    other.scheduler.tier.turn_not_admitted(req)
         if hashes:
             replica.prefix.insert(hashes)
         if replica.role == "prefill":
