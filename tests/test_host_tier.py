@@ -265,6 +265,28 @@ def test_a_turn_served_by_another_replica_ends_the_wait_for_its_session_here():
     assert [[s for s in "ABC" if view.expected(s)] for view in views] == [[], []]
 
 
+def test_under_prefill_decode_disaggregation_rows_carry_their_prefills_hits():
+    from cbjax.cluster import ClusterSim
+    from cbjax.config import ClusterConfig, RunConfig
+
+    # The prefill replica serves each turn's one-token copy alone, in the hand-computed case's
+    # order, with no decode page. Host (LRU, pins touch before the allocation evicts):
+    #   A0, A1 (A1 A2 on the device, +A3), B0, B1 likewise; C0 evicts A3 A2; C1 A1
+    #   A2: loads A1 A2 A3 (12 tokens); evicts B3 B2 B1 C3. Host: A1 A2 A3 B3 B2 B1 C3
+    #   B2: loads B1 B2 B3 (12); evicts C2, C1 (dropping A1), A4 (dropping A2), A3 (kept)
+    #   C2: loads C1 C2 C3 (12)
+    cfg = RunConfig(cluster=ClusterConfig(prefill_replicas=1, decode_replicas=1), scheduler=HAND_SCHED,
+                    cache=HAND_CACHE, progress=False)  # fmt: skip
+    reqs = hand_sessions()
+    result = ClusterSim(cfg, lambda c: SimExecutor(UnitCost())).serve(reqs)
+    rows = {r.request_id: request_row(r) for r in reqs}
+    assert {k: row.get("prefix_hit_tokens_device") for k, row in rows.items()} == HAND_DEVICE_HITS
+    assert {k: row.get("prefix_hit_tokens_host") for k, row in rows.items()} == {**HAND_HOST_HITS, "C2": 12}
+    assert all(row.get("kv_load_s") == 0.0 for row in rows.values())  # a unit step copies in no time
+    summary = summarize(result)
+    assert (summary["prefix_hit_tokens_device"], summary["prefix_hit_tokens_host"]) == (24, 36)
+
+
 def test_a_host_eviction_class_from_the_users_code():
     view = object()
     assert isinstance(make_host_eviction(f"{__name__}:Recorder", view), Recorder)

@@ -31,6 +31,12 @@ from cbjax.sim.pricing import build_scheduler
 from cbjax.report.service import ServiceLog
 
 
+# What a request's row takes from its prefill copy: its admission and first token, and with a
+# host KV tier the prompt tokens its admission found in each tier and its loads' seconds.
+_FROM_PREFILL = ("scheduled_s", "first_token_s", "last_token_s", "num_preemptions",
+                 "prefix_hit_tokens_device", "prefix_hit_tokens_host", "kv_load_s")  # fmt: skip
+
+
 class ClusterServiceLog(ServiceLog):
     """The cluster's one `ServiceLog`; a transferred request's prompt and first token were
     served by its prefill replica, so its decode replica counts only what it adds."""
@@ -182,7 +188,7 @@ class ClusterBase:
         """The prefill copy ended at `t`: the transfer to a decode replica, or None when the
         request ends here (ended by this call)."""
         req, route, src = self._proxies.pop(proxy)
-        for key in ("scheduled_s", "first_token_s", "last_token_s", "num_preemptions"):
+        for key in _FROM_PREFILL:
             setattr(req, key, getattr(proxy, key))
         if proxy.finish_reason not in SERVED:  # rejected, aborted, failed: the request's fate
             self._end(req, proxy.finish_reason, t, proxy.reject_reason, proxy.error)
