@@ -102,6 +102,17 @@ def test_loose_types_are_400_naming_the_field_and_exact_types_are_served(tmp_pat
     assert [r["output_len"] for r in rows(tmp_path)] == [2, 3]  # no loose request reached the engine
 
 
+def test_completions_logprobs_0_is_refused_as_it_asks_for_the_sampled_tokens_logprobs(tmp_path):
+    """OpenAI's completions `logprobs: 0` returns the chosen tokens' log probabilities (with no
+    alternatives): it is a request, not the neutral value, which is null."""
+    with running(tmp_path, NOW) as (base, srv):
+        with httpx.Client(base_url=base, timeout=30) as http:
+            assert_openai_error(http.post("/completions", json={"prompt": "a", "max_tokens": 1, "logprobs": 0}), 400, "logprobs", 0)
+            ok = http.post("/completions", json={"prompt": "a", "max_tokens": 1, "logprobs": None})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"] is None
+    assert [r["output_len"] for r in rows(tmp_path)] == [1]
+
+
 def test_a_body_not_utf8_or_not_sent_as_json_is_a_400_saying_so(tmp_path):
     with running(tmp_path, NOW) as (base, srv):
         with httpx.Client(base_url=base, timeout=30) as http:

@@ -147,7 +147,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int = Field(default=16, ge=1)
     echo: Annotated[bool, _only(False)] = False
     best_of: Optional[Annotated[int, _only(1)]] = None
-    logprobs: Optional[Annotated[int, _only(0)]] = None
+    logprobs: Optional[Annotated[int, _only(None)]] = None  # 0 asks for the chosen tokens' logprobs: not neutral
     suffix: Optional[Literal[""]] = None
 
     @field_validator("prompt", mode="wrap")
