@@ -137,6 +137,29 @@ def test_a_character_left_incomplete_at_the_end_is_sent_as_a_whole_decode_reads_
         assert _ended_output(tok, [ord("a"), ord("b"), 0xC3], stops=["b"]) == "a"  # what follows a stop string is cut
 
 
+def _deltas(tok, token_ids: list[int], stops: list[str]) -> list[str]:
+    """The text sent for each token as it comes, then the end's."""
+    from cbjax.core.request import Request, SamplingParams
+    from cbjax.serve.output import Output
+
+    out = Output(tok, Request("r", 0.0, 1, [1], SamplingParams(max_tokens=len(token_ids))), stops)
+    return [out.add(t) for t in token_ids] + [out.close()]
+
+
+def test_only_text_that_may_begin_a_stop_string_is_held_back():
+    """A stream holds back text while it could still be the start of a stop string, and sends
+    it as soon as it cannot: text that begins no stop string is sent with its own token."""
+    tok = ByteTokenizer(512)
+    # "ab" begins no stop: sent at once; "<" and "</" may begin "</answer>"; "</b" cannot
+    assert _deltas(tok, list(b"ab</b"), ["</answer>"]) == ["a", "b", "", "", "</b", ""]
+    # the stop completes: its text is never sent, nor what follows it
+    assert _deltas(tok, list(b"a</answer>z"), ["</answer>"]) == ["a"] + [""] * 11
+    # "xx" may begin "xxy" until the "z" comes; the end sends what is held
+    assert _deltas(tok, list(b"xxzxx"), ["xxy", "q"]) == ["", "", "xxz", "", "", "xx"]
+    # "aa" may begin "aac"; the "b" completes "ab" instead: the text before it is sent
+    assert _deltas(tok, list(b"aab"), ["ab", "aac"]) == ["", "", "a", ""]
+
+
 def test_the_chat_template_renders_what_transformers_renders(tmp_path):
     """What transformers gives a template beyond plain jinja2: loop controls, the `generation`
     block, a `tojson` that neither HTML-escapes nor ASCII-escapes, and `strftime_now` (Llama 3's

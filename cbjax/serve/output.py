@@ -18,8 +18,9 @@ STOP_SEQUENCE = "stop sequence"  # the cancel reason when a stop string ends a r
 
 
 class Output:
-    """A request's text as its tokens come: decoded incrementally, cut at a stop string (the
-    text from the longest stop's length back is held until it can no longer start one)."""
+    """A request's text as its tokens come: decoded incrementally, cut at a stop string. Text
+    that may still begin a stop string (the longest end of the text that starts one) is held
+    until it can no longer; any other text is sent with the token that brought it."""
 
     def __init__(self, tokenizer: Tokenizer, req: Request, stops: list[str]):
         self.tok = tokenizer
@@ -28,7 +29,7 @@ class Output:
         eos = () if req.sampling.ignore_eos else self.tok.eos_token_ids
         self.silent = set(req.sampling.stop_token_ids) | set(eos)
         self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.longest = max((len(s) for s in stops), default=1) - 1  # the most text that may be held
         self.text = ""
         self.emitted = 0
         self.num_tokens = 0
@@ -45,16 +46,26 @@ class Output:
             self.text += self.decoder.push(token_id)
         if self._cut():
             return self.flush()
-        end = max(self.emitted, len(self.text) - self.hold)
+        end = max(self.emitted, len(self.text) - self._held())
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta
+
+    def _held(self) -> int:
+        """How many characters at the end of the text, not yet sent, may still begin a stop string."""
+        text = self.text
+        for n in range(min(self.longest, len(text) - self.emitted), 0, -1):
+            end = text[-n:]
+            if any(s.startswith(end) for s in self.stops):
+                return n
+        return 0
 
     def _cut(self) -> bool:
         """Cut the text at the first stop string in it, if any (the request then has stopped)."""
         if not self.stops:
             return False
-        at = min((i for i in (self.text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0), default=-1)
+        # a stop starting before `emitted` would have been found complete when that text was sent
+        at = min((i for i in (self.text.find(s, self.emitted) for s in self.stops) if i >= 0), default=-1)
         if at < 0:
             return False
         self.stopped = True
