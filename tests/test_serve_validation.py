@@ -271,3 +271,19 @@ def test_a_reused_x_request_id_gets_a_unique_id_and_keeps_the_clients(tmp_path):
     table = rows(tmp_path)
     assert [r["request_id"] for r in table] == ids
     assert [r["original_request_id"] for r in table] == [None, "cmpl-dup", None, "cmpl-dup@2", "cmpl-dup"]
+
+
+def test_an_x_request_id_in_flight_is_refused_after_a_rename_too(tmp_path):
+    """The X-Request-ID a live request was sent with is in flight, whether that request kept
+    it or was renamed (`@2`) because an ended request had it first."""
+    with running(tmp_path) as (base, srv):  # paced: 2 ms a token, so the stream below is live
+        with httpx.Client(base_url=base, timeout=30) as http:
+            head = {"X-Request-ID": "dup"}
+            assert http.post("/completions", json={"prompt": "a", "max_tokens": 1}, headers=head).json()["id"] == "cmpl-dup"
+            body = {"prompt": "a", "max_tokens": 1000, "stream": True}
+            with http.stream("POST", "/completions", json=body, headers=head) as live:
+                lines = live.iter_lines()
+                assert json.loads(next(lines)[6:])["id"] == "cmpl-dup@2"  # renamed, and running
+                again = http.post("/completions", json={"prompt": "a", "max_tokens": 1}, headers=head)
+                assert_openai_error(again, 400, "x-request-id", "in flight under a new name")
+    assert [r["request_id"] for r in rows(tmp_path)] == ["cmpl-dup", "cmpl-dup@2"]

@@ -52,6 +52,7 @@ class EngineBridge:
         self._pending: list = []  # (queue entry, event) since the last tick; engine thread only
         self._first: list = []  # the same for requests' first tokens, handed off ahead of _pending
         self._fresh: set[str] = set()  # requests submitted that have had no token yet
+        self._renamed: dict[str, int] = {}  # live requests renamed from each id asked for, by that id
 
     # ---- the handler's side (event loop thread) ----
     def submit(self, req: Request, arrival_s: Optional[float] = None) -> Mailbox:
@@ -62,6 +63,8 @@ class EngineBridge:
             self._queues[req.request_id] = (asyncio.get_running_loop(), queue)
             self.num_in_flight += 1
             self._fresh.add(req.request_id)
+            if req.original_request_id is not None:
+                self._renamed[req.original_request_id] = self._renamed.get(req.original_request_id, 0) + 1
         self.engine.submit(req, arrival_s)
         return queue
 
@@ -78,8 +81,9 @@ class EngineBridge:
             self.engine.cancel(request_id, reason)
 
     def is_live(self, request_id: str) -> bool:
+        """Whether a live request has this id, or was asked for under it and renamed."""
         with self._lock:
-            return request_id in self._queues
+            return request_id in self._queues or request_id in self._renamed
 
     def num_waiting(self) -> int:
         """Requests accepted and not yet holding a slot (a racy read; good for a bound)."""
@@ -103,6 +107,11 @@ class EngineBridge:
             entry = self._queues.pop(req.request_id, None)
             if entry is not None:
                 self.num_in_flight -= 1
+                asked = req.original_request_id
+                if asked is not None:
+                    left = self._renamed.pop(asked) - 1
+                    if left:
+                        self._renamed[asked] = left
             self._fresh.discard(req.request_id)
         if entry is not None:
             self._pending.append((entry, Finished(req)))
