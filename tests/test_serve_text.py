@@ -205,3 +205,28 @@ def test_the_serve_extra_brings_the_chat_template_renderer():
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     names = {re.split(r"[\[<>=;! ]", req, maxsplit=1)[0].lower() for req in project["optional-dependencies"]["serve"]}
     assert "jinja2" in names
+
+
+def test_a_message_name_reaches_the_chat_template(tmp_path):
+    """OpenAI's `name` on a message (who speaks, among several users or tools) is the
+    template's to render, as transformers and vLLM hand it over."""
+    transformers = pytest.importorskip("transformers")
+    model = tmp_path / "model"
+    model.mkdir()
+    checkpoint(model, template=True, jinja=True)
+    tok_config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tok_config, "bos_token": "<s>"}))
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}{% if m['name'] is defined %} {{ m['name'] }}{% endif %}>"
+        "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    messages = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]
+    want = transformers.AutoTokenizer.from_pretrained(str(model)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert want == "<user ann>hi<user>yo<assistant>"
+    with running(tmp_path / "run", "model=hf", f"model.path={model}") as (base, _):
+        r = openai.OpenAI(base_url=base, api_key="unused").chat.completions.create(
+            model="hf", messages=messages, max_tokens=1
+        )
+        assert r.usage.prompt_tokens == len(want.encode("utf-8"))

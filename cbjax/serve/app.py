@@ -79,7 +79,7 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, raw: HTTPRequest) -> Response:
         check_model(state, body)
-        messages = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(body.messages)]
+        messages = [m.template_dict(f"messages[{i}]") for i, m in enumerate(body.messages)]
         try:
             text = state.tokenizer.chat_prompt(messages)
         except Exception as e:  # the checkpoint's template refused the conversation

@@ -172,6 +172,13 @@ class ChatMessage(BaseModel):
     content: Union[str, list[dict[str, Any]]]
     name: Optional[str] = None
 
+    def template_dict(self, where: str) -> dict[str, str]:
+        """The message as a chat template reads it: role, text and, when given, the name."""
+        out = {"role": self.role, "content": self.text(where)}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
     def text(self, where: str) -> str:
         """The message's text; a list of parts may hold text parts only."""
         if isinstance(self.content, str):
