@@ -1,0 +1,30 @@
+"""summary.json's request fields on hand-built runs, each expected value computed by hand."""
+
+import pytest
+
+from cbjax.core.request import FinishReason, Request, Status
+from cbjax.core.results import IterationStats, RunResult
+from cbjax.report.metrics import summarize
+
+
+def _req(i, arrival, first, finish, generated, reason=FinishReason.LENGTH):
+    req = Request(request_id=str(i), arrival_s=arrival, prompt_len=4)
+    req.first_token_s, req.finish_s, req.num_generated = first, finish, generated
+    req.finish_reason, req.status = reason, Status.FINISHED
+    return req
+
+
+def _result(reqs, makespan):
+    return RunResult(reqs, IterationStats(), num_slots=1, makespan_s=makespan, preemptions=0, wall_s=0.0)
+
+
+def test_a_served_request_without_a_token_is_judged_by_when_its_empty_answer_ended():
+    # A server may end a stream "stop" with no token text and no usage (an EOS first): served,
+    # no first token. Its empty answer ended at 0.5 s (a 1 s TTFT target met) or at 3 s (missed).
+    quick = _req(0, 0.0, None, 0.5, 0, FinishReason.STOP)
+    slow = _req(1, 1.0, None, 4.0, 0, FinishReason.STOP)
+    normal = _req(2, 0.0, 0.25, 1.0, 4)  # TTFT 0.25 s, TPOT 0.25 s
+    s = summarize(_result([quick, slow, normal], 4.0), slo_ttft_s=1.0, slo_tpot_s=0.5)
+    assert s["ttft_s_p50"] == 0.25 and s["ttft_s_mean"] == 0.25  # only the request with a token
+    assert s["goodput_req_s"] == pytest.approx(2 / 4)  # quick and normal, over 4 s
+    assert s["slo_attainment"] == pytest.approx(2 / 3)
