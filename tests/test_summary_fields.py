@@ -2,9 +2,11 @@
 
 import pytest
 
+from cbjax.config import MetricsConfig, SLOConfig
 from cbjax.core.request import FinishReason, Request, Status
 from cbjax.core.results import IterationStats, RunResult
 from cbjax.report.metrics import summarize
+from cbjax.report.service import ServiceLog, service_summary
 
 
 def _req(i, arrival, first, finish, generated, reason=FinishReason.LENGTH):
@@ -28,3 +30,16 @@ def test_a_served_request_without_a_token_is_judged_by_when_its_empty_answer_end
     assert s["ttft_s_p50"] == 0.25 and s["ttft_s_mean"] == 0.25  # only the request with a token
     assert s["goodput_req_s"] == pytest.approx(2 / 4)  # quick and normal, over 4 s
     assert s["slo_attainment"] == pytest.approx(2 / 3)
+
+
+def test_a_window_leaves_requests_that_never_arrived_out_of_slo_attainment():
+    # The run stopped at 3 s, before b's arrival at 5 s: b was never submitted (not_arrived).
+    # a arrived at 0, first token at 1, done at 2 with 2 tokens: TTFT 1 s, TPOT 1 s.
+    a = _req(0, 0.0, 1.0, 2.0, 2)
+    b = Request(request_id="1", arrival_s=5.0, prompt_len=4)
+    b.finish_reason, b.status = FinishReason.NOT_ARRIVED, Status.FINISHED
+    result = _result([a, b], 3.0)
+    whole = summarize(result, slo_ttft_s=1.5)
+    assert whole["slo_attainment"] == 1.0  # a met it; b was never submitted
+    window = service_summary(result, ServiceLog(), MetricsConfig(window_s=[0.0, 10.0]), SLOConfig(ttft_s=1.5))
+    assert window["slo_attainment"] == 1.0

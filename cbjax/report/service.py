@@ -11,7 +11,8 @@ produced it.
 window, arrivals when they fall inside it:
 - Request fields (num_requests, num_finished, num_rejected, num_aborted, TTFT, TPOT, E2E and
   queueing percentiles, slo_attainment) describe the requests that arrive in [start, end),
-  with their whole latency even when they finish after `end`.
+  with their whole latency even when they finish after `end`; as over the whole run,
+  slo_attainment leaves out those an interrupted run never reached (not_arrived).
 - Token and rate fields (output_tokens, throughput_tok_s, client_service) count tokens from
   iterations that end in (start, end], per second of `end - start`; throughput_req_s and
   goodput_req_s count served requests that finish in (start, end].
@@ -217,6 +218,7 @@ def window_fields(
     lat = [request_latencies(r) for r in served]
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
         _percentiles(key, [x[key] for x in lat if x[key] is not None], out)
+    submitted = [r for r in arrived if r.finish_reason is not FinishReason.NOT_ARRIVED]
     times, _, _, generated = log.event_arrays()
     out_tokens = int(generated[(times > start) & (times <= end)].sum())
     finishing = [r for r in result.requests if r.finish_reason in SERVED and start < r.finish_s <= end]
@@ -231,7 +233,7 @@ def window_fields(
             "throughput_req_s": len(finishing) / span,
             "goodput_req_s": sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in finishing) / span,
             "slo_attainment": (
-                sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in arrived) / len(arrived) if arrived else 0.0
+                sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in submitted) / len(submitted) if submitted else 0.0
             ),
             "iterations": iters,
             "mean_batch_size": float(batch.mean()) if iters else 0.0,
