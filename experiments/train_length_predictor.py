@@ -60,9 +60,12 @@ def main() -> None:
     if len(train) < 2:
         ap.error(f"{len(requests)} requests leave {len(train)} to train on; need at least 2")
     t1 = time.perf_counter()
-    predictor = train_predictor(
-        features[train], lengths[train], vocab_size, loss=args.loss, steps=args.steps, seed=args.seed
-    )
+    try:
+        predictor = train_predictor(
+            features[train], lengths[train], vocab_size, loss=args.loss, steps=args.steps, seed=args.seed
+        )
+    except ValueError as e:  # a setting that cannot train, named (--steps)
+        ap.error(str(e))
     t2 = time.perf_counter()
     predictor.save(args.out)
 

@@ -138,3 +138,19 @@ def test_sjf_learned_path_never_imports_jax(tmp_path, env_cpu):
         "assert 'jax' not in sys.modules, 'the sjf inference path imported jax'\n"
     )
     subprocess.run([sys.executable, "-c", code], env=env_cpu, check=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("steps", -1), ("steps", 0), ("hidden", 0), ("num_lists", 0), ("list_size", 1), ("learning_rate", -0.01),
+     ("learning_rate", float("nan"))],
+)  # fmt: skip
+def test_training_settings_that_cannot_train_fail_naming_the_setting(field, value):
+    """A negative or zero step count, an empty hidden layer, no lists, a list too short to hold
+    an order, or a learning rate that is not positive would save an untrained (or inverted)
+    predictor without a word."""
+    from cbjax.predictor.train import train_predictor
+
+    history = correlated_requests(20, seed=0)
+    with pytest.raises(ValueError, match=field):
+        train_predictor(feature_matrix(history, 512), output_lengths(history), 512, **{field: value})

@@ -67,6 +67,13 @@ def train_predictor(
     """features: f64[n, NUM_FEATURES] (NaN: unknown); output_lens: i64[n], each >= 1."""
     if loss not in LOSSES:
         raise ValueError(f"loss: unknown value {loss!r}; choose one of {', '.join(LOSSES)}")
+    # each would train nothing (or the reverse order) and save the result without a word
+    for name, value, least in (("hidden", hidden, 1), ("steps", steps, 1), ("num_lists", num_lists, 1),
+                               ("list_size", list_size, 2)):  # fmt: skip
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    if not learning_rate > 0 or not np.isfinite(learning_rate):
+        raise ValueError(f"learning_rate must be a finite number > 0, got {learning_rate}")
     features = np.asarray(features, dtype=np.float64)
     if features.ndim != 2 or features.shape[1] != NUM_FEATURES or len(features) != len(output_lens):
         raise ValueError(
