@@ -10,7 +10,9 @@ import pytest
 from conftest import make_requests
 from cbjax.config import CacheConfig, SchedulerConfig
 from cbjax.engine.offline import serve
-from cbjax.predictor import LearnedPredictor, MeanPredictor, OraclePredictor, feature_matrix, kendall_tau
+from cbjax.predictor import (
+    LearnedPredictor, MeanPredictor, OraclePredictor, feature_matrix, kendall_tau, prompt_features,
+)
 from cbjax.predictor.data import correlated_requests, output_lengths
 from cbjax.predictor.features import NUM_FEATURES
 from cbjax.scheduler import Scheduler
@@ -103,6 +105,19 @@ def test_request_without_token_ids_gets_an_imputed_prediction(trained):
     (req,) = make_requests([10], prompt_lens=[64])  # length-only, no ids or synthetic seed
     assert np.isnan(feature_matrix([req], 512)[0, 1:]).all()
     assert 1.0 < predictor.predict(req) < 1000.0
+
+
+def test_predicting_a_seeded_prompt_reads_its_ids_without_keeping_them(trained):
+    """A length-only request with a synthetic seed has its ids drawn for the features, as the
+    prefix cache does, without holding them on the request: kept, a long trace's prompts
+    would all stay in memory for one read each."""
+    predictor, _ = trained
+    (req,) = make_requests([10], prompt_lens=[64])
+    req.synthetic_prompt = (7, 512)
+    ids = np.random.default_rng(7).integers(0, 512, size=64).tolist()  # the seeded draw
+    expected = float(predictor.lengths(prompt_features(ids, 64, 512)[None, :])[0])
+    assert predictor.predict(req) == expected
+    assert req.prompt_token_ids is None
 
 
 def test_sjf_with_the_learned_predictor_beats_fcfs(trained):

@@ -28,10 +28,12 @@ def prompt_features(token_ids: Optional[Sequence[int]], prompt_len: int, vocab_s
 
 
 def request_token_ids(request: Request) -> Optional[list[int]]:
-    """The prompt's ids, drawing a length-only request's synthetic ids; None if it has neither."""
+    """The prompt's ids, drawing a length-only request's synthetic ids without keeping them on
+    it (features read them once; kept, a long trace's prompts would all stay in memory); None
+    if it has neither."""
     if request.prompt_token_ids is None and request.synthetic_prompt is None:
         return None
-    return request.prompt_ids()
+    return request.prompt_ids(keep=False)
 
 
 def feature_matrix(requests: Sequence[Request], vocab_size: int) -> np.ndarray:
