@@ -227,3 +227,30 @@ def test_the_comparison_plot_lays_out_dozens_of_arms(tmp_path):
         warnings.simplefilter("error")  # "Tight layout not applied" is a UserWarning
         path = plot_comparison(tmp_path, summaries)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_latency_cdf_counts_every_submitted_request(tmp_path, monkeypatch):
+    """An arm that rejected half its requests has served only half of them by any latency: its
+    curve tops out at 0.5, not at 1 as if every request had been served."""
+    import matplotlib.axes
+
+    from cbjax.report.plots import plot_comparison
+
+    rows = [
+        {"e2e_s": 2.0, "finish_reason": "length"},
+        {"e2e_s": None, "finish_reason": "rejected"},
+        {"e2e_s": 1.0, "finish_reason": "eos"},
+        {"e2e_s": None, "finish_reason": "error"},
+    ]
+    (tmp_path / "arm").mkdir()
+    (tmp_path / "arm" / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curves = []
+    plot = matplotlib.axes.Axes.plot
+
+    def record(ax, x, y, **kw):
+        curves.append(([float(v) for v in x], [float(v) for v in y]))
+        return plot(ax, x, y, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
+    plot_comparison(tmp_path, {"arm": {"throughput_tok_s": 1.0}})
+    assert curves == [([1.0, 2.0], [0.25, 0.5])]

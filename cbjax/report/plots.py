@@ -25,8 +25,10 @@ def plot_comparison(out_dir: Path, summaries: dict[str, dict[str, Any]]) -> Path
     for arm in arms:
         rows = [json.loads(line) for line in (out_dir / arm / "requests.jsonl").read_text().splitlines()]
         e2e = np.sort([r["e2e_s"] for r in rows if r["e2e_s"] is not None])
+        # over every submitted request: an arm that rejected or lost some tops out below 1
+        submitted = sum(1 for r in rows if r.get("finish_reason") != "not_arrived")
         if e2e.size:
-            ax_cdf.plot(e2e, np.arange(1, e2e.size + 1) / e2e.size, label=arm)
+            ax_cdf.plot(e2e, np.arange(1, e2e.size + 1) / submitted, label=arm)
     ax_cdf.set_xlabel("end-to-end latency (s)")
     ax_cdf.set_ylabel("fraction of requests")
     ax_cdf.set_title("latency CDF")
