@@ -43,3 +43,20 @@ def test_a_window_leaves_requests_that_never_arrived_out_of_slo_attainment():
     assert whole["slo_attainment"] == 1.0  # a met it; b was never submitted
     window = service_summary(result, ServiceLog(), MetricsConfig(window_s=[0.0, 10.0]), SLOConfig(ttft_s=1.5))
     assert window["slo_attainment"] == 1.0
+
+
+def test_a_window_restricts_every_request_field_to_its_arrivals():
+    # a and m arrive in the window [0, 2); b and e after it. Latency per output token:
+    # a (0 -> 2, 2 tokens) 1 s, m (0.5 -> 4.5, 2 tokens, cut at the model's length) 2 s,
+    # b (3 -> 5, 1 token) 2 s; e failed.
+    a = _req(0, 0.0, 1.0, 2.0, 2)
+    m = _req(1, 0.5, 1.5, 4.5, 2, FinishReason.MAX_MODEL_LEN)
+    b = _req(2, 3.0, 4.0, 5.0, 1)
+    e = _req(3, 3.5, None, 4.0, 0, FinishReason.ERROR)
+    result = _result([a, m, b, e], 5.0)
+    whole = summarize(result)
+    assert (whole["num_errors"], whole["num_max_model_len"]) == (1, 1)
+    assert whole["normalized_latency_s_per_token"] == pytest.approx(5 / 3)
+    s = {**whole, **service_summary(result, ServiceLog(), MetricsConfig(window_s=[0.0, 2.0]), SLOConfig())}
+    assert (s["num_requests"], s["num_finished"], s["num_errors"], s["num_max_model_len"]) == (2, 2, 0, 1)
+    assert s["normalized_latency_s_per_token"] == pytest.approx(1.5)

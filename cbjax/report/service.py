@@ -9,17 +9,18 @@ produced it.
 
 `metrics.window_s = [start, end]` restricts the summary. Work counts when it ends inside the
 window, arrivals when they fall inside it:
-- Request fields (num_requests, num_finished, num_rejected, num_aborted, TTFT, TPOT, E2E and
-  queueing percentiles, slo_attainment) describe the requests that arrive in [start, end),
-  with their whole latency even when they finish after `end`; as over the whole run,
-  slo_attainment leaves out those an interrupted run never reached (not_arrived).
+- Request fields (num_requests and each fate's count, TTFT, TPOT, E2E and queueing
+  percentiles, normalized_latency_s_per_token, slo_attainment) describe the requests that
+  arrive in [start, end), with their whole latency even when they finish after `end`; as over
+  the whole run, slo_attainment leaves out those an interrupted run never reached
+  (not_arrived).
 - Token and rate fields (output_tokens, throughput_tok_s, client_service) count tokens from
   iterations that end in (start, end], per second of `end - start`; throughput_req_s and
   goodput_req_s count served requests that finish in (start, end].
 - Iteration fields (iterations, mean_batch_size, peak_batch_size, slot_utilization,
   mean_batched_tokens) average the iterations that end in (start, end].
-- Every other field (makespan, KV occupancy, preemptions, the executor's counters) stays
-  whole-run.
+- Every other field (makespan, KV occupancy, preemptions, the executor's counters, the
+  time-between-tokens percentiles, TTFT by turn) stays whole-run.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 
 from cbjax.config import MetricsConfig
 from cbjax.core.results import RunResult
-from cbjax.report.metrics import SERVED, _percentiles, meets_slo, request_latencies
+from cbjax.report.metrics import SERVED, _percentiles, meets_slo, normalized_latency, request_latencies
 from cbjax.core.request import FinishReason, Request, Status
 from cbjax.core.plan import Schedule
 
@@ -214,10 +215,14 @@ def window_fields(
         "num_finished": len(served),
         "num_rejected": sum(r.finish_reason is FinishReason.REJECTED for r in arrived),
         "num_aborted": sum(r.finish_reason is FinishReason.ABORTED for r in arrived),
+        "num_not_arrived": sum(r.finish_reason is FinishReason.NOT_ARRIVED for r in arrived),
+        "num_errors": sum(r.finish_reason is FinishReason.ERROR for r in arrived),
+        "num_max_model_len": sum(r.finish_reason is FinishReason.MAX_MODEL_LEN for r in arrived),
     }
     lat = [request_latencies(r) for r in served]
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
         _percentiles(key, [x[key] for x in lat if x[key] is not None], out)
+    out["normalized_latency_s_per_token"] = normalized_latency(served, lat)
     submitted = [r for r in arrived if r.finish_reason is not FinishReason.NOT_ARRIVED]
     times, _, _, generated = log.event_arrays()
     out_tokens = int(generated[(times > start) & (times <= end)].sum())
