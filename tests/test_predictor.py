@@ -30,6 +30,12 @@ def test_kendall_tau_by_hand():
         kendall_tau([1, 2], [1, 2, 3])
 
 
+def test_no_requests_have_an_empty_feature_matrix():
+    """A history with no usable request (a trace read in the wrong format: every line an input
+    error) reaches the trainer's own "need at least 2" message, not a numpy error."""
+    assert feature_matrix([], 512).shape == (0, NUM_FEATURES)
+
+
 def test_kendall_tau_matches_the_pairwise_definition_with_ties():
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 8, 60), rng.integers(0, 8, 60)  # many ties

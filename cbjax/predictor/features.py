@@ -37,5 +37,6 @@ def request_token_ids(request: Request) -> Optional[list[int]]:
 
 
 def feature_matrix(requests: Sequence[Request], vocab_size: int) -> np.ndarray:
-    """f64[num_requests, NUM_FEATURES]"""
-    return np.stack([prompt_features(request_token_ids(r), r.prompt_len, vocab_size) for r in requests])
+    """f64[num_requests, NUM_FEATURES] (no rows for no requests)"""
+    rows = [prompt_features(request_token_ids(r), r.prompt_len, vocab_size) for r in requests]
+    return np.stack(rows) if rows else np.zeros((0, NUM_FEATURES))
