@@ -46,7 +46,8 @@ class MetricsConfig:
     service_weights: ServiceWeights = field(default_factory=ServiceWeights)
     # [start, end] in seconds: restrict the summary to this window (rules in cbjax.report.service).
     window_s: Optional[list[float]] = None
-    # Bin width of client_service.csv. None: a hundredth of the run (or window).
+    # Bin width of client_service.csv, which spans the whole run (a window too). None: a
+    # hundredth of the run.
     series_bin_s: Optional[float] = None
 
     def __post_init__(self) -> None:
