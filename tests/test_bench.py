@@ -188,3 +188,31 @@ def test_a_chunk_is_a_token_even_with_empty_text_but_not_a_role_or_finish_only_c
     assert is_token({"index": 0, "delta": {"content": ""}, "finish_reason": None})
     assert is_token({"index": 0, "delta": {"content": "hi"}, "finish_reason": None})
     assert not is_token({"index": 0, "delta": {}, "finish_reason": "stop"})
+
+
+def test_an_interrupt_after_the_last_send_of_an_open_loop_aborts_the_requests_in_flight(tmp_path, env_cpu):
+    """Open loop, both requests sent at once: once both have been sent, the load only waits for
+    them. They stall after one token and SIGINT comes: both are cut short as `aborted` at once,
+    not left running until bench.timeout_s ends them as errors."""
+    proc = None
+    stalled = 0
+
+    async def stall(writer):
+        nonlocal stalled
+        writer.write(chunked(sse(text("a")))[: -len(b"0\r\n\r\n")])  # one token, and the stream stays open
+        await writer.drain()
+        stalled += 1
+        if stalled == 2:
+            proc.send_signal(signal.SIGINT)
+        await asyncio.sleep(60)
+
+    out = tmp_path / "bench"
+    answer = lambda n, head: MODELS if head.startswith(b"GET") else stall  # noqa: E731
+    with server_thread(lambda: scripted_server(answer)) as url:
+        proc = bench_cmd(tmp_path, env_cpu, f"bench.url={url}", "workload.num_requests=2", "bench.timeout_s=15")
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert [(r["finish_reason"], r["output_len"], r["error"]) for r in rows(out)] == [
+        ("aborted", 1, "cbjax-bench was interrupted (SIGINT)")] * 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["num_aborted"] == 2 and summary["num_http_errors"] == 0

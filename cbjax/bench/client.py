@@ -163,8 +163,16 @@ async def run_load(cfg: BenchClientConfig, requests: list[Request], progress=Non
                 stopping.set()
             driver = asyncio.create_task(drive())
             halt = asyncio.create_task(stopping.wait())
-            await asyncio.wait({driver, halt}, return_when=asyncio.FIRST_COMPLETED)
-            halt.cancel()
+            try:
+                await asyncio.wait({driver, halt}, return_when=asyncio.FIRST_COMPLETED)
+                if not stopping.is_set() and driver.exception() is None and tasks:
+                    # all sent (an open loop's driver ends at its last send): a signal still
+                    # cuts short the requests in flight rather than waiting for their end
+                    in_flight = asyncio.create_task(asyncio.wait(tasks.values()))
+                    await asyncio.wait({in_flight, halt}, return_when=asyncio.FIRST_COMPLETED)
+                    in_flight.cancel()
+            finally:
+                halt.cancel()
             if stopping.is_set():
                 for task in tasks.values():
                     task.cancel()
