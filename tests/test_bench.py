@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import REPO
-from test_bench_client import MODELS, chunked, scripted_server, server_thread, sse, text
+from test_bench_client import MODELS, USAGE, chunked, scripted_server, server_thread, sse, text
 from test_serve import rows, running
 import cbjax.bench.cli  # noqa: F401  registers BenchConfig
 from cbjax.bench.config import BenchConfig
@@ -216,3 +216,20 @@ def test_an_interrupt_after_the_last_send_of_an_open_loop_aborts_the_requests_in
         ("aborted", 1, "cbjax-bench was interrupted (SIGINT)")] * 2
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["num_aborted"] == 2 and summary["num_http_errors"] == 0
+
+
+def test_a_bad_trace_line_late_in_a_closed_loop_does_not_stretch_the_makespan(tmp_path):
+    """A closed loop ignores arrival times: its two requests are answered at once, long before
+    the trace's malformed third line's time (1000 s). That line is a rejected row, and the
+    makespan is the load's own (throughput over it), not the line's timestamp."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_len,output_len\n0.0,4,3\n0.0,4,3\n1000.0,4,-1\n")
+    three = chunked(sse(text("a"), text("b"), text("c", "length"), USAGE, b"[DONE]"))
+    answer = lambda n, head: MODELS if head.startswith(b"GET") else three  # noqa: E731
+    with server_thread(lambda: scripted_server(answer)) as url:
+        cfg = bench_config(f"bench.url={url}", "bench.concurrency=1", "workload=trace", f"workload.path={trace}")
+        summary = run_bench(cfg, tmp_path / "bench", verbose=False)
+    assert [r["finish_reason"] for r in rows(tmp_path / "bench")] == ["length", "length", "rejected"]
+    assert summary["num_finished"] == 2 and summary["output_tokens"] == 6 and summary["num_rejected"] == 1
+    assert 0 < summary["makespan_s"] < 60
+    assert summary["throughput_req_s"] == 2 / summary["makespan_s"]

@@ -36,9 +36,10 @@ SERVER_SIDE = (
 def bench_summary(cfg: BenchConfig, requests: list[Request], timings: dict[Request, Timing], wall_s: float,
                   interrupted: bool = False) -> dict[str, Any]:  # fmt: skip
     """summarize() over what the client saw; ITL is the time between tokens (tbt_s, also
-    written as itl_s); the makespan runs from the start to the last request's end."""
+    written as itl_s); the makespan runs from the start to the end of the last request sent
+    (a workload line rejected unsent ends at its own timestamp, which the load may never reach)."""
     gaps = [gap for t in timings.values() for gap in itls(t)]
-    makespan = max((r.finish_s for r in requests if r.finish_s is not None), default=0.0)
+    makespan = max((r.finish_s for r in requests if r in timings and r.finish_s is not None), default=0.0)
     result = RunResult(requests=requests, stats=IterationStats(), num_slots=0, makespan_s=makespan,
                        preemptions=0, wall_s=wall_s, tbt_s=gaps)  # fmt: skip
     summary = summarize(result, 1, cfg.slo.ttft_s, cfg.slo.tpot_s)
