@@ -41,6 +41,8 @@ def test_bench_config_checks_its_keys():
         bench_config("bench.concurrency=0")
     with pytest.raises(ValueError, match="bench.prompt must be text with bench.endpoint=chat"):
         bench_config("bench.endpoint=chat")
+    with pytest.raises(ValueError, match=r"^seed must be >= 0, got -1$"):  # the key, as cbjax names it
+        bench_config("seed=-1")
     with pytest.raises(ValueError, match="bench.url must be an http"):
         bench_config("bench.url=localhost:8000")
     for url in ("http://127.0.0.1:99999/v1", "http:///v1", "http://127.0.0.1:0/v1", "http://h:x/v1"):

@@ -66,3 +66,6 @@ class BenchConfig:
     bench: BenchClientConfig = field(default_factory=BenchClientConfig)
     seed: int = 0
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.seed >= 0, "seed", "must be >= 0", self.seed)  # numpy's generators take no negative seed
