@@ -235,3 +235,22 @@ def test_a_bad_trace_line_late_in_a_closed_loop_does_not_stretch_the_makespan(tm
     assert summary["num_finished"] == 2 and summary["output_tokens"] == 6 and summary["num_rejected"] == 1
     assert 0 < summary["makespan_s"] < 60
     assert summary["throughput_req_s"] == 2 / summary["makespan_s"]
+
+
+def test_the_summary_names_the_model_the_requests_asked_for(tmp_path):
+    """bench.model unset: the requests ask for the first model GET /models lists, and
+    summary.json names that model, not the unset key."""
+    log: list = []
+
+    async def start():
+        server, url, got = await scripted_server(answer)
+        log.append(got)
+        return server, url
+
+    one = chunked(sse(text("a", "length"), b"[DONE]"))
+    answer = lambda n, head: MODELS if head.startswith(b"GET") else one  # noqa: E731
+    with server_thread(start) as url:
+        summary = run_bench(bench_config(f"bench.url={url}", "workload.num_requests=2"), tmp_path / "bench", verbose=False)
+    posted = [json.loads(body)["model"] for _, head, body in log[0] if head.startswith(b"POST")]
+    assert posted == ["tiny", "tiny"] and summary["num_finished"] == 2
+    assert summary["model"] == "tiny"

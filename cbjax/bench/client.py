@@ -116,13 +116,15 @@ def _signals_to(stop: StopFlag, stopping: asyncio.Event) -> Iterator[None]:
 
 
 async def run_load(cfg: BenchClientConfig, requests: list[Request], progress=None,
-                   stop: Optional[StopFlag] = None) -> tuple[dict[Request, Timing], float]:  # fmt: skip
+                   stop: Optional[StopFlag] = None) -> tuple[dict[Request, Timing], float, Optional[str]]:  # fmt: skip
     """Send `requests` open loop (at their arrival times) or closed loop (cfg.concurrency in
-    flight). Returns the Timing of each request sent and the wall time of the load. A signal
-    (or `stop` already set) ends the load early: see the module's docstring."""
+    flight). Returns the Timing of each request sent, the wall time of the load, and the model
+    the requests asked for (None if the load stopped before choosing it). A signal (or `stop`
+    already set) ends the load early: see the module's docstring."""
     stop = stop if stop is not None else StopFlag()
     stopping = asyncio.Event()
     tasks: dict[Request, asyncio.Task[Timing]] = {}
+    chosen: Optional[str] = None
     t0 = time.perf_counter()
     async with open_session(cfg) as session:
         run_id = uuid.uuid4().hex[:8]  # a prefix that keeps ids unique across runs
@@ -134,8 +136,8 @@ async def run_load(cfg: BenchClientConfig, requests: list[Request], progress=Non
             return timing
 
         async def drive() -> None:
-            nonlocal t0
-            model = await check_server(session, cfg)
+            nonlocal t0, chosen
+            model = chosen = await check_server(session, cfg)
             t0 = time.perf_counter()
             deadline = cfg.duration_s
             if cfg.concurrency is None:
@@ -186,4 +188,4 @@ async def run_load(cfg: BenchClientConfig, requests: list[Request], progress=Non
     for timing in timings.values():
         if timing.aborted:
             timing.error = f"cbjax-bench was interrupted ({stop.name or 'cancelled'})"
-    return timings, wall
+    return timings, wall, chosen

@@ -34,10 +34,11 @@ SERVER_SIDE = (
 
 
 def bench_summary(cfg: BenchConfig, requests: list[Request], timings: dict[Request, Timing], wall_s: float,
-                  interrupted: bool = False) -> dict[str, Any]:  # fmt: skip
-    """summarize() over what the client saw; ITL is the time between tokens (tbt_s, also
-    written as itl_s); the makespan runs from the start to the end of the last request sent
-    (a workload line rejected unsent ends at its own timestamp, which the load may never reach)."""
+                  interrupted: bool = False, model: Optional[str] = None) -> dict[str, Any]:  # fmt: skip
+    """summarize() over what the client saw, naming `model`, the one the requests asked for. ITL
+    is the time between tokens (tbt_s, also written as itl_s); the makespan runs from the start
+    to the end of the last request sent (a workload line rejected unsent ends at its own
+    timestamp, which the load may never reach)."""
     gaps = [gap for t in timings.values() for gap in itls(t)]
     makespan = max((r.finish_s for r in requests if r in timings and r.finish_s is not None), default=0.0)
     result = RunResult(requests=requests, stats=IterationStats(), num_slots=0, makespan_s=makespan,
@@ -49,7 +50,7 @@ def bench_summary(cfg: BenchConfig, requests: list[Request], timings: dict[Reque
         summary[f"itl_s_{key}"] = summary[f"tbt_s_{key}"]
     summary["num_http_errors"] = sum(1 for t in timings.values() if t.error is not None and not t.aborted)
     b = cfg.bench
-    summary.update({"client": "cbjax-bench", "url": b.url, "model": b.model, "endpoint": b.endpoint,
+    summary.update({"client": "cbjax-bench", "url": b.url, "model": model if model is not None else b.model, "endpoint": b.endpoint,
                     "mode": "open" if b.concurrency is None else "closed", "concurrency": b.concurrency,
                     "seed": cfg.seed, "interrupted": interrupted})  # fmt: skip
     return summary
@@ -80,14 +81,14 @@ def run_bench(cfg: BenchConfig, out_dir: Optional[Path] = None, *, verbose: bool
     good = [r for r in requests if r.input_error is None]
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            timings, wall = runner.run(run_load(cfg.bench, good, progress=bar.update if bar else None, stop=stop))
+            timings, wall, model = runner.run(run_load(cfg.bench, good, progress=bar.update if bar else None, stop=stop))
     finally:  # an error's line then starts on a line of its own
         if bar is not None:
             bar.close()
     for req, timing in timings.items():
         apply(req, timing)
     rows = [r for r in requests if r in timings or r.input_error is not None]  # not sent (bench.duration_s): no row
-    summary = bench_summary(cfg, rows, timings, wall, interrupted=stop.is_set())
+    summary = bench_summary(cfg, rows, timings, wall, interrupted=stop.is_set(), model=model)
     if out_dir is not None:
         extra = lambda r: {"itl_s": itls(timings[r]) if r in timings else [], "http_status": timings[r].status if r in timings else None}  # noqa: E731
         write_run(out_dir, cfg, summary, rows, extra_rows=extra)
