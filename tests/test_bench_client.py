@@ -342,3 +342,21 @@ def test_loads_is_json_loads_for_a_stripped_line(data):
     except ValueError as e:
         got = ("error", type(e), str(e))
     assert got == want
+
+
+def test_a_closing_chunk_is_the_last_token_when_the_usage_counts_it():
+    """vLLM sends an EOS token (no text) in the chunk that closes the stream: usage counts one
+    more token than the chunks that had text. That chunk is then the last token, timed when it
+    came; a closing chunk that usage does not count (COMPLETION's) is still none."""
+    usage = lambda n: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}}  # noqa: E731
+    head = HEAD + b"content-length: %d\r\n\r\n"
+    events = [sse(text("a")), sse(text("b")), sse(text("", "stop"), usage(3), b"[DONE]")]
+    timing, _ = send([head % len(b"".join(events)), *events])
+    assert timing.error is None and timing.finish_reason == "stop" and len(timing.token_s) == 3
+    assert timing.token_s[1] <= timing.token_s[2] <= timing.end_s
+    eos_only = sse(text("", "stop"), usage(1), b"[DONE]")
+    timing, _ = send(head % len(eos_only) + eos_only)
+    assert timing.error is None and len(timing.token_s) == 1 and timing.completion_tokens == 1
+    chat = sse(delta({"role": "assistant", "content": ""}), delta({"content": "x"}), delta({"content": ""}, "stop"), usage(2), b"[DONE]")
+    timing, _ = send(chunked(chat), endpoint="chat")
+    assert timing.error is None and len(timing.token_s) == 2

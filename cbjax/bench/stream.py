@@ -5,7 +5,9 @@ Times are seconds since the benchmark's start on the client's monotonic clock
 (time.perf_counter). A request's `send_s` is taken once its body is built, just before it
 goes to aiohttp. Its first token is the first chunk that carries a token (`is_token`: its text
 may be empty), timed when the bytes that completed the chunk's `data:` line reach the client's
-task, before they are parsed: events that came together share one time. Its inter-token
+task, before they are parsed: events that came together share one time. A closing chunk (a
+finish reason, no text) is a token only when the server's usage counts one more token than
+the other chunks carried: vLLM sends an EOS token so. Its inter-token
 latencies are the gaps between such chunks (a server that sends several tokens in one chunk
 shows one gap for them, as vLLM's and SGLang's clients count)."""
 
@@ -41,6 +43,7 @@ class Timing:
     status: Optional[int] = None
     error: Optional[str] = None
     aborted: bool = False  # cut short by the client (cbjax-bench interrupted), not by the server
+    closing_s: Optional[float] = None  # when a chunk with a finish reason and no text came
 
 
 class DataLines:
@@ -124,6 +127,7 @@ async def send_one(session: aiohttp.ClientSession, cfg: BenchClientConfig, model
                         done = _read_values(lines.feed(piece), timing, stamp)
                 if not done and not _read_values(lines.end(), timing, time.perf_counter() - t0):
                     timing.error = "the stream ended without data: [DONE]"
+                _count_closing_token(timing)
     except TimeoutError:  # before OSError, its base class
         if not done:  # a server that keeps the body open after [DONE] has still answered
             timing.error = f"no answer within bench.timeout_s={cfg.timeout_s}"
@@ -163,6 +167,15 @@ def _read_chunk(chunk: Any, timing: Timing, now: float) -> None:
             timing.finish_reason = choice["finish_reason"]
         if is_token(choice):
             timing.token_s.append(now)
+        elif choice.get("finish_reason"):
+            timing.closing_s = now
+
+
+def _count_closing_token(timing: Timing) -> None:
+    """The closing chunk carried the last token (one with no text, such as vLLM's EOS) when the
+    server's usage counts exactly one token more than the chunks `is_token` counted."""
+    if timing.closing_s is not None and timing.completion_tokens == len(timing.token_s) + 1:
+        timing.token_s.append(timing.closing_s)
 
 
 _raw_decode = json.JSONDecoder().raw_decode
@@ -183,7 +196,8 @@ def is_token(choice: dict[str, Any]) -> bool:
     """Whether a streamed choice carries a token. Its text may be empty (a token with no text
     of its own, such as half of a multi-byte character, or a random model's id beyond the byte
     range): it still counts, as the time a token came. A chat stream's opening role chunk and
-    a closing chunk with only the finish reason carry none."""
+    a closing chunk with only the finish reason carry none (unless the usage says the closing
+    one did: `_count_closing_token`)."""
     delta = choice.get("delta")
     if delta is not None and "role" in delta:
         return False
