@@ -326,6 +326,9 @@ def test_the_server_check_picks_the_model_or_names_why_not():
         check([sized(200, b'{"data": []}')])
     with pytest.raises(ValueError, match=r"answered no model list: 'nope'"):
         check([sized(200, b"nope")])
+    for odd in (b'{"data": [{"object": "model"}]}', b'{"data": ["tiny"]}', b'{"data": [{"id": 7}]}'):  # a list without ids
+        with pytest.raises(ValueError, match=r"^bench.model: unset, and GET http://127.0.0.1:\d+/v1/models answered no model list"):
+            check([sized(200, odd)])
     with pytest.raises(ValueError, match=r"^bench.url=http://127.0.0.1:\d+/v1: the server closed the connection before answering$"):
         check([b""], model="m")
 

@@ -86,13 +86,17 @@ async def check_server(session: aiohttp.ClientSession, cfg: BenchClientConfig) -
     if status != 200:
         hint = "; an OpenAI base URL usually ends in /v1" if status == 404 and not cfg.url.rstrip("/").endswith("/v1") else ""
         raise ValueError(f"bench.model: unset, and {where} answered {status}: {error_message(text)}{hint}")
+    no_list = f"bench.model: unset, and {where} answered no model list: {text[:200]!r}"
     try:
         data = json.loads(text).get("data") or []
-    except (ValueError, AttributeError):
-        raise ValueError(f"bench.model: unset, and {where} answered no model list: {text[:200]!r}") from None
+        model = data[0]["id"] if data else None
+    except (ValueError, AttributeError, LookupError, TypeError):  # not JSON, or not a list of models
+        raise ValueError(no_list) from None
     if not data:
         raise ValueError(f"bench.model: unset, and {where} lists no model")
-    return data[0]["id"]
+    if not isinstance(model, str):
+        raise ValueError(no_list)
+    return model
 
 
 @contextmanager
