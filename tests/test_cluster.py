@@ -180,6 +180,15 @@ def test_each_pool_takes_its_own_hardware_and_tensor_size():
     assert pre.executor.cost_model.flops_per_s > dec.executor.cost_model.flops_per_s / 2
 
 
+def test_a_pool_naming_its_hardware_keeps_the_runs_tensor_size_unless_it_sets_its_own():
+    cfg = config(prefill_replicas=1, decode_replicas=1, decode_hardware="h100_sxm")
+    cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, num_devices=2))
+    pre, dec = ClusterSim(cfg, build_executor).replicas
+    assert (pre.cfg.hardware.num_devices, dec.cfg.hardware.name, dec.cfg.hardware.num_devices) == (2, "h100_sxm", 2)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, decode_tensor=4))
+    assert ClusterSim(cfg, build_executor).replicas[1].cfg.hardware.num_devices == 4
+
+
 def test_cluster_run_writes_rows_and_the_replicas_list(tmp_path):
     summary = run_single(config(replicas=2, router="least_loaded"), tmp_path, verbose=False)
     rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]

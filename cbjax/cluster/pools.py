@@ -44,8 +44,12 @@ def load_hardware(name: str, key: str) -> HardwareConfig:
 
 def pool_config(cfg: RunConfig, hardware: Optional[str], tensor: Optional[int], pool: str) -> RunConfig:
     """`cfg` with a pool's hardware (`cluster.{pool}_hardware`) and tensor-parallel size
-    (`cluster.{pool}_tensor`: the roofline's hardware.num_devices and the engine's mesh)."""
-    hw = cfg.hardware if hardware is None else load_hardware(hardware, f"cluster.{pool}_hardware")
+    (`cluster.{pool}_tensor`: the roofline's hardware.num_devices and the engine's mesh). A
+    pool that names its hardware but not its size keeps the run's hardware.num_devices, as a
+    pool that names neither does: naming a device does not change how many of them it runs on."""
+    hw = cfg.hardware
+    if hardware is not None:
+        hw = dataclasses.replace(load_hardware(hardware, f"cluster.{pool}_hardware"), num_devices=hw.num_devices)
     executor = cfg.executor
     if tensor is not None:
         hw = dataclasses.replace(hw, num_devices=tensor)
