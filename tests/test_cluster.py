@@ -151,6 +151,20 @@ def test_a_request_no_decode_replica_can_hold_is_rejected_on_arrival(tmp_path):
     assert cluster.summary_fields(result)["kv_transfers"] == 1
 
 
+def test_disaggregation_rejects_the_lengths_a_lone_replica_rejects():
+    # the prefill copy's one-token cap must not make a request with no tokens to give valid
+    cluster = ClusterSim(config(prefill_replicas=1, decode_replicas=1), lambda c: SimExecutor(UnitCost()))
+    no_tokens, no_output, ok = length_only([3, 0, 3], prompt_lens=[4, 4, 4])
+    no_tokens.sampling = dataclasses.replace(no_tokens.sampling, max_tokens=0)
+    no_output.sampling = dataclasses.replace(no_output.sampling, max_tokens=16)
+    cluster.serve([no_tokens, no_output, ok])
+    assert (no_tokens.finish_reason, no_tokens.reject_reason) == (FinishReason.REJECTED, "max_tokens must be >= 1, got 0")
+    assert (no_output.finish_reason, no_output.reject_reason) == (FinishReason.REJECTED, "output_len must be >= 1, got 0")
+    assert no_tokens.num_generated == no_output.num_generated == 0 and no_output.finish_s == no_output.arrival_s
+    assert cluster.row_extras(no_output) == {"prefill_replica": 0, "decode_replica": None, "kv_transfer_s": None}
+    assert (ok.finish_reason, ok.num_generated) == (FinishReason.LENGTH, 3)
+
+
 def test_add_transferred_queues_a_swapped_request_holding_its_pages():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2), CacheConfig(num_pages=16, page_size=4), 128)
     (req,) = length_only([5], prompt_lens=[9])

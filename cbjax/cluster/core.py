@@ -157,8 +157,10 @@ class ClusterBase:
     def _undecodable(self, req: Request) -> Optional[str]:
         """Why no decode replica could ever hold `req`, judged as its `Scheduler.add` would
         judge it (the first replica's reason), or None. A request that ends at its first token
-        never reaches one."""
-        if req.stop_length() <= 1:
+        never reaches one; one that may generate no token at all (`max_tokens` or
+        `target_output_len` below 1) is judged too, as its prefill copy's one-token cap hides
+        what a lone replica rejects it for."""
+        if req.stop_length() == 1:
             return None
         bound, first = req.max_output_len, None
         try:
