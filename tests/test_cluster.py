@@ -214,6 +214,17 @@ def test_cluster_run_writes_rows_and_the_replicas_list(tmp_path):
     assert summary["num_finished"] == 60 and 0 < summary["replicas"][0]["utilization"] <= 1
 
 
+def test_a_cluster_summary_gives_the_pool_size_auto_resolved_to_as_a_lone_run_does():
+    cfg = dataclasses.replace(
+        config(replicas=2), cache=CacheConfig(num_pages="auto"), workload=WorkloadConfig(num_requests=4),
+        model=from_dict(ModelConfig, yaml.safe_load((REPO / "configs" / "model" / "llama3_8b.yaml").read_text())),
+    )  # fmt: skip
+    lone = run_single(dataclasses.replace(cfg, cluster=ClusterConfig()), verbose=False)
+    cluster = run_single(cfg, verbose=False)
+    assert isinstance(lone["num_pages"], int) and lone["num_pages"] > 1000
+    assert cluster["num_pages"] == lone["num_pages"] == cluster["replicas"][0]["num_pages"]
+
+
 def test_a_stopped_cluster_gives_every_request_a_fate():
     stop = StopFlag()
     cfg = config(prefill_replicas=1, decode_replicas=1)

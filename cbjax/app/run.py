@@ -166,6 +166,8 @@ def run_cluster(
 
 
 def _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop) -> dict[str, Any]:
+    from cbjax.cluster.pools import sized
+
     extra = None if cfg.executor.name == "sim" else (lambda r: _output_row(r, tokenizer))
 
     def rows(r):
@@ -175,7 +177,9 @@ def _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop) ->
     if out_dir is not None:
         live = RequestLog(out_dir / "requests.jsonl", lambda r: {**request_row(r), **rows(r)})
     result = cluster.serve(requests, stop=stop, on_finish=live.write if live else None)
-    summary = build_summary(cfg, result, cluster.service_log, cluster.replicas[0].executor)
+    # `hardware` and `num_pages` are the run's, `num_pages=auto` resolved as a lone run resolves
+    # it; each pool's own are in the `replicas` list
+    summary = build_summary(sized(cfg), result, cluster.service_log, cluster.replicas[0].executor)
     summary.update(cluster.summary_fields(result))
     if verbose:  # before the files, as run_single
         title = f"{summary['scheduler']} ({cfg.executor.name}, {len(cluster.replicas)} replicas)"
