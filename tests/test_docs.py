@@ -1,6 +1,6 @@
 """The README stays short and its quickstart exact; every relative link in the docs resolves;
 every code path and `cbjax.` module a doc names exists; the trace guide's examples read as their
-formats; the docs list what an experiment arm writes."""
+formats; the docs list what an experiment arm writes; the cluster guide's commands compose."""
 
 import ast
 import dataclasses
@@ -201,3 +201,21 @@ def test_usage_lists_every_reproduction_experiment():
         if (yaml.safe_load(path.read_text()).get("experiment") or {}).get("reproduction"):
             reproductions.add(path.stem)
     assert reproductions and listed == reproductions
+
+
+def doc_commands(path, prog="cbjax"):
+    """The `prog` command lines of a doc's shell blocks: continuations joined, comments dropped."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = line.split("#")[0].split()
+            if words[:1] == [prog]:
+                out.append(words[1:])
+    return out
+
+
+def test_the_cluster_guides_commands_compose():
+    commands = doc_commands(REPO / "docs" / "cluster.md")
+    assert len(commands) >= 6
+    for overrides in commands:
+        composed(*overrides)  # a key the schema lacks, or one added without its `+`, fails here
