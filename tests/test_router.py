@@ -158,3 +158,33 @@ def test_a_router_returning_no_replica_fails_naming_it(tmp_path, monkeypatch):
     cluster = ClusterSim(cfg, build_executor)
     with pytest.raises(ValueError, match=r"cluster\.router: Off\.route returned 2, not a replica in \[0, 2\)"):
         cluster.serve(build_workload(cfg.workload, cfg.seed)[:3])
+
+
+def test_a_seeded_router_takes_the_runs_seed_unless_its_args_give_one():
+    """Seeds 0, 1, 2 of a reproduction draw different replicas, as every other random draw of
+    the run does; `router_args.seed` still wins."""
+    import random
+
+    from cbjax.cluster import ClusterSim
+
+    replicas = snaps((4, 0), (1, 0), (7, 0), (2, 0))
+
+    def draws(seed):
+        rng = random.Random(seed)
+        out = []
+        for _ in range(20):
+            a, b = rng.sample(range(4), 2)
+            out.append(b if replicas[b].num_waiting < replicas[a].num_waiting else a)
+        return out
+
+    assert draws(5) != draws(0)
+    router = make_router("power_of_two", seed=5)
+    assert [router.route(REQ, replicas) for _ in range(20)] == draws(5)
+    router = make_router("power_of_two", {"seed": 3}, seed=5)
+    assert [router.route(REQ, replicas) for _ in range(20)] == draws(3)
+    cfg = RunConfig(seed=5, cluster=ClusterConfig(replicas=4, router="power_of_two"))
+    from cbjax.sim import SimExecutor
+    from cbjax.sim.cost import UnitCost
+
+    router = ClusterSim(cfg, lambda c: SimExecutor(UnitCost())).router
+    assert [router.route(REQ, replicas) for _ in range(20)] == draws(5)

@@ -75,7 +75,7 @@ class ClusterBase:
         """`make_executor(replica_cfg)` builds each replica's executor, in replica order
         (`cbjax.app.run.build_executor`); `make_loop` its `EngineLoop`."""
         self.cfg = cfg
-        self.router = make_router(cfg.cluster.router, cfg.cluster.router_args)
+        self.router = make_router(cfg.cluster.router, cfg.cluster.router_args, seed=cfg.seed)
         self.service_log = ClusterServiceLog()
         self.replicas: list[Replica] = []
         for i, (role, rcfg) in enumerate(replica_configs(cfg)):

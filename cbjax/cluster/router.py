@@ -10,6 +10,7 @@ replica. Built-in routers register by name (`cluster.router`); a user's router i
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
@@ -211,12 +212,16 @@ def load_router_class(path: str) -> type[Router]:
     return load_class(path, Router, "cluster.router")
 
 
-def make_router(name: str, args: Optional[dict] = None) -> Router:
-    """The router `name` (built-in, or "package.module:ClassName") built with `args`."""
+def make_router(name: str, args: Optional[dict] = None, seed: Optional[int] = None) -> Router:
+    """The router `name` (built-in, or "package.module:ClassName") built with `args`; a router
+    whose constructor takes a `seed` that `args` leaves out gets `seed` (the run's), so the
+    seeds of a sweep draw differently as the run's other random draws do."""
     if ":" in name:
         cls = load_router_class(name)
     elif name in ROUTER_CLASSES:
         cls = ROUTER_CLASSES[name]
     else:
         raise ValueError(f"cluster.router: unknown value {name!r}; choose one of {', '.join(ROUTER_CLASSES)}")
+    if seed is not None and "seed" not in (args or {}) and "seed" in inspect.signature(cls).parameters:
+        args = {**(args or {}), "seed": seed}
     return build_plugin(cls, args, "cluster.router_args")
