@@ -85,6 +85,25 @@ def test_static_padding_errors_name_the_keys():
         SchedulerConfig(name="static", static_padding=True, chunked_prefill=True)
 
 
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ({"scheduler": {"preemption": "swap"}}, "scheduler.preemption"),
+        ({"cache": {"host_pages": 64}}, "cache.host_pages"),
+        ({"cluster": {"prefill_replicas": 1, "decode_replicas": 1}}, "cluster.prefill_replicas"),
+    ],
+)
+def test_static_padding_rejects_kv_copied_in_naming_the_key(override, key):
+    # A padded batch charges every row a prefill from its first token; a row whose K/V was
+    # copied in (swap, host tier, a P/D transfer) would pay the copy and that prefill both.
+    base = RunConfig(scheduler=SchedulerConfig(name="static", static_padding=True))
+    groups = {name: dataclasses.replace(getattr(base, name), **kw) for name, kw in override.items()}
+    with pytest.raises(ValueError, match=rf"scheduler.static_padding .*{key}"):
+        dataclasses.replace(base, **groups)
+    unpadded = dataclasses.replace(base, scheduler=dataclasses.replace(groups.get("scheduler", base.scheduler), static_padding=False))
+    dataclasses.replace(unpadded, **{k: v for k, v in groups.items() if k != "scheduler"})  # static alone takes it
+
+
 @pytest.mark.parametrize("hybrid, finish", [(True, 3.0), (False, 4.0)])
 def test_without_hybrid_batching_a_prefill_iteration_stalls_decodes(hybrid, finish):
     # A (output 3) prefills at t=0 and decodes at t=1; B arrives at 1.5 and prefills at t=2:

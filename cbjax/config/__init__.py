@@ -62,6 +62,7 @@ class SchedulerConfig:
     alternate_phases: bool = False
     # static only: charge compute as a padded `generate` batch does: prompts padded to the
     # batch's longest, finished rows computed until the whole batch ends (Schedule.cost_rows).
+    # Every row is recomputed from its first token: no swap, host tier or P/D (K/V copied in).
     static_padding: bool = False
     # Policy knobs; each policy reads only its own (see cbjax/scheduler/policies/).
     priority_preempt: bool = False  # priority: a waiting request may evict a lower-priority one
@@ -325,6 +326,16 @@ class RunConfig:
                 "is a simulator charge (executor=sim); the engine runs the unpadded batch, so it cannot be used with executor=jax",
                 self.scheduler.static_padding,
             )
+            # A padded batch charges every row a prefill from its first token, as `generate`
+            # computes it; a row whose K/V was copied in would pay the copy and that prefill.
+            for key, copies in (
+                ("scheduler.preemption=swap", self.scheduler.preemption == "swap"),
+                ("cache.host_pages", self.cache.host_pages > 0),
+                ("cluster.prefill_replicas/decode_replicas (P/D)", self.cluster.disaggregated),
+            ):  # fmt: skip
+                _require(not copies, "scheduler.static_padding", f"cannot combine with {key}: a padded batch "
+                         "recomputes every row from its first token, so K/V copied in would be charged twice",
+                         self.scheduler.static_padding)  # fmt: skip
         if self.spec.enabled:
             check_spec_model(self.spec, self.model)
             _require(
