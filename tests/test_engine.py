@@ -68,12 +68,14 @@ def fresh(req):
 
 
 def run_engine(
-    reqs, num_slots, num_pages=512, page_size=4, chunked=False, preemption="recompute", cache_kw=None, **exec_kw
+    reqs, num_slots, num_pages=512, page_size=4, chunked=False, preemption="recompute", cache_kw=None, policy="fcfs",
+    **exec_kw,
 ):
     ex = make_executor(num_slots, num_pages, page_size, chunked, preemption, cache_kw, **exec_kw)
     sched = Scheduler(
         SchedulerConfig(
-            max_num_seqs=num_slots, max_num_batched_tokens=BUDGET, chunked_prefill=chunked, preemption=preemption
+            name=policy, max_num_seqs=num_slots, max_num_batched_tokens=BUDGET, chunked_prefill=chunked,
+            preemption=preemption,
         ),
         CacheConfig(num_pages=num_pages, page_size=page_size, **(cache_kw or {})),
         MODEL.max_model_len,
@@ -130,6 +132,26 @@ def test_continuous_batching_equals_alone_and_dense_oracle():
         assert got.output_token_ids == alone[req.request_id].output_token_ids, req.request_id
         assert got.output_token_ids == dense_attention[req.request_id].output_token_ids, req.request_id
         assert got.output_token_ids == oracle(req.prompt_token_ids, req.sampling.max_tokens), req.request_id
+
+
+def test_static_batching_generates_what_decoding_alone_does():
+    """The baseline of every comparison runs the same model: a batch forms only when the last
+    one has ended, and each request's greedy tokens are the dense oracle's."""
+    reqs = workload(9, wseed=3, max_out=12, stagger_s=0.0)
+    # steps one at a time: a pipelined step is stamped when its tokens are read, after the next
+    # step (a new batch's prefill) is launched
+    static, _, _ = run_engine(reqs, num_slots=4, policy="static", async_scheduling=False)
+    oracle = dense_oracle()
+    for req in reqs:
+        assert static[req.request_id].output_token_ids == oracle(req.prompt_token_ids, req.sampling.max_tokens)
+    # a batch is what one prefill step admits (its prompts within the step's token budget, at
+    # most the slots), in arrival order; none starts before the one before it has ended
+    done = sorted(static.values(), key=lambda r: int(r.request_id))
+    batches = [[r for r in done if r.scheduled_s == t] for t in sorted({r.scheduled_s for r in done})]
+    assert [r for b in batches for r in b] == done and len(batches) >= 3
+    for before, after in zip(batches, batches[1:]):
+        assert sum(r.prompt_len for r in before) + after[0].prompt_len > BUDGET or len(before) == 4
+        assert min(r.scheduled_s for r in after) >= max(r.finish_s for r in before)
 
 
 def test_preemption_by_recompute_keeps_outputs_identical():
