@@ -198,10 +198,3 @@ def test_a_negative_seed_and_a_pathless_checkpoint_length_name_their_keys():
     with pytest.raises(ValueError, match=r"^model.path is required by model=hf \(dtype auto, max_model_len 0\), got None$"):
         C.ModelConfig(dtype="auto", max_model_len=0)
 
-
-def test_a_profile_the_simulator_would_ignore_is_refused():
-    """A profile path with the roofline cost model would run the roofline silently."""
-    with pytest.raises(ValueError, match=r"^executor.profile is read only by executor.cost_model=profiled; .*roofline"):
-        C.ExecutorConfig(name="sim", cost_model="roofline", profile="/some/profile.json")
-    C.ExecutorConfig(name="sim", cost_model="profiled", profile="/some/profile.json")
-    C.ExecutorConfig(name="jax", profile="/some/profile.json")  # the engine's speculation pricer reads it

@@ -81,3 +81,17 @@ def test_cbjax_bench_says_why_its_requests_failed_under_its_table(tmp_path, capl
     lines = console(caplog).splitlines()
     assert "3 requests failed; the most common reasons (each request's is in requests.jsonl):" in lines
     assert any(line.startswith("  3 x HTTP 404") and "'nope' does not exist" in line for line in lines)
+
+
+def test_a_profile_the_simulators_cost_model_will_not_read_is_named_on_the_console(caplog):
+    """executor.profile with the roofline: the run predicts the datasheet, not the profiled
+    machine; it still runs (a sweep over cost models may share one profile)."""
+    cfg = composed("executor.profile=/some/profile.json", "workload.num_requests=3")
+    with caplog.at_level(logging.WARNING, logger="cbjax"):
+        summary = run_single(cfg, None, verbose=False)
+    assert summary["num_finished"] == 3
+    assert "executor.profile=/some/profile.json is not read: executor.cost_model is roofline, not profiled" in console(caplog)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cbjax"):
+        run_single(composed("workload.num_requests=3"), None, verbose=False)
+    assert "is not read" not in console(caplog)

@@ -100,6 +100,7 @@ def run_single(
     Rows stream to requests.jsonl.partial as requests finish. Once `stop` is set the run
     aborts what is unfinished and still writes all three files, with `interrupted: true`.
     With `cluster.replicas` > 1 or P/D pools the run is a cluster's (`run_cluster`)."""
+    _warn_unread(cfg)
     if cfg.cluster.enabled:
         return run_cluster(cfg, out_dir, verbose=verbose, stop=stop)
     cfg = resolve(cfg)
@@ -193,6 +194,14 @@ def _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop) ->
     if cluster.failure is not None:
         raise cluster.failure
     return summary
+
+
+def _warn_unread(cfg: RunConfig) -> None:
+    """Warn of a setting this run will not read, which a researcher may think it does. Not an
+    error: a sweep over cost models may share one profile among its arms."""
+    ex = cfg.executor
+    if ex.name == "sim" and ex.profile and ex.cost_model != "profiled":
+        log.warning("executor.profile=%s is not read: executor.cost_model is %s, not profiled", ex.profile, ex.cost_model)
 
 
 def _with_reasons(table: str, result) -> str:

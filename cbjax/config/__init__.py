@@ -236,11 +236,6 @@ class ExecutorConfig:
         _one_of("executor.name", self.name, EXECUTORS)
         if self.name == "sim" and self.cost_model == "profiled":
             _require(bool(self.profile), "executor.profile", "is required by cost_model=profiled (a profile.json)", self.profile)
-        if self.name == "sim" and self.profile and self.cost_model != "profiled":  # else the run ignores it silently
-            raise ValueError(
-                f"executor.profile is read only by executor.cost_model=profiled; this run's is {self.cost_model} "
-                "(set executor.cost_model=profiled, or drop executor.profile)"
-            )
         if self.pace != "none":
             _require(self.name == "sim", "executor.pace", "paces the simulator's clock; it needs executor=sim", self.pace)
         if self.token_buckets is not None:
