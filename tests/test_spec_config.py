@@ -73,8 +73,15 @@ def test_the_group_composes_and_a_command_line_key_fails_naming_it():
         composed("spec.num_tokens=0")
 
 
+def decoding(rid, room=100):
+    """A request admitted and decoding, with room for `room` more drafts."""
+    req = Request(rid, 0.0, 4)
+    req.max_output_len = room + 1
+    return req
+
+
 def view(num_decodes, step_s=None, max_drafts=5):
-    reqs = [Request(str(i), 0.0, 4) for i in range(num_decodes)]
+    reqs = [decoding(str(i)) for i in range(num_decodes)]
     return SpecView(reqs, num_decodes, 0, max_drafts, None, step_s)
 
 
@@ -107,9 +114,25 @@ def test_goodput_picks_the_k_of_most_expected_tokens_per_second():
         policy.num_drafts(view(3, None))
 
 
+def test_goodput_counts_only_the_drafts_each_decodes_length_leaves_it():
+    # acceptance 0.5 (the prior); decode "room" may take every draft, decode "last" is at its
+    # last token and verifies none whatever k is (its step yields 1 token). A step costs
+    # 1 + 0.3 k seconds. Tokens per second, (E(k) + 1) / (1 + 0.3 k) with E(k) = 2 - 0.5^k:
+    # k=0 2 / 1 = 2.000, 1 2.5 / 1.3 = 1.923, 2 2.75 / 1.6 = 1.719: k = 0. (Counting E(k) for
+    # "last" too would give k=1 3 / 1.3 = 2.308 over k=0's 2.)
+    room, last = decoding("room"), decoding("last", room=0)
+    policy = GoodputPolicy(SpecConfig(method="ngram", num_tokens=3), prior=0.5)
+    assert policy.num_drafts(SpecView([room, last], 2, 0, 3, None, lambda k: 1 + 0.3 * k)) == 0
+    # "near" has room for one draft, yielding E(min(k, 1)); a step costs 1 + 0.1 k seconds:
+    # k=0 2 / 1 = 2.000, 1 (1.5 + 1.5) / 1.1 = 2.727, 2 (1.75 + 1.5) / 1.2 = 2.708,
+    # 3 (1.875 + 1.5) / 1.3 = 2.596: k = 1 (E(k) for both would pick k=2, 3.5 / 1.2 = 2.917)
+    near = decoding("near", room=1)
+    assert policy.num_drafts(SpecView([room, near], 2, 0, 3, None, lambda k: 1 + 0.1 * k)) == 1
+
+
 def test_goodput_per_request_weighs_each_requests_own_acceptance():
     policy = GoodputPolicy(SpecConfig(method="ngram", num_tokens=5), prior=0.8, prior_weight=1.0, per_request=True)
-    good, bad = Request("good", 0.0, 4), Request("bad", 0.0, 4)
+    good, bad = decoding("good"), decoding("bad")
     for _ in range(50):
         policy.on_verified(good, 4, 4)
         policy.on_verified(bad, 4, 0)

@@ -26,7 +26,7 @@ from cbjax.config.spec import SpecConfig
 from cbjax.core.plan import Schedule, ScheduledRequest
 from cbjax.core.request import Request, Status
 from cbjax.spec.ngram import propose_ngram
-from cbjax.spec.policy import SpecPolicy, SpecView
+from cbjax.spec.policy import SpecPolicy, SpecView, draft_room
 from cbjax.spec.trace import read_trace
 
 
@@ -75,7 +75,7 @@ class Drafts:
         for req in decodes:
             if budget <= 0:
                 break
-            d = min(k, budget, req.max_output_len - req.num_generated - 1)
+            d = min(k, budget, draft_room(req))
             if d <= 0:
                 continue
             ids: tuple[int, ...] = ()
@@ -109,7 +109,7 @@ class Drafts:
         def step_s(k: int) -> float:
             rows = []
             for r in decodes:
-                d = max(0, min(k, r.max_output_len - r.num_generated - 1))
+                d = min(k, draft_room(r))
                 rows.append(ScheduledRequest(r.request_id, r.slot, r.num_computed, 1 + d, True, None, False, None,
                                              None, True, d))  # fmt: skip
             return cost(Schedule(num_slots, rows, [], 0.0, [], [], page_size))

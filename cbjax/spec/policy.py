@@ -96,6 +96,12 @@ class BatchSizePolicy(SpecPolicy):
         return 0
 
 
+def draft_room(req: Request) -> int:
+    """The most drafts `req` may verify in its next decode: its remaining length less its own
+    token (the scheduler's length cap, and the one `SpecView.step_s` prices)."""
+    return max(0, req.max_output_len - req.num_generated - 1)
+
+
 def expected_tokens(rate: float, k: int) -> float:
     """Tokens a verification of k drafts yields on average when each is accepted independently
     with probability `rate`: the accepted drafts plus the target's own token, (1 - r^(k+1)) / (1 - r)."""
@@ -106,7 +112,8 @@ def expected_tokens(rate: float, k: int) -> float:
 
 class GoodputPolicy(SpecPolicy):
     """SmartSpec's choice: each step, the k (0 .. spec.num_tokens) that maximises the expected
-    tokens per second, sum over decodes of `expected_tokens(rate, k)` over `view.step_s(k)`; the
+    tokens per second, sum over decodes of `expected_tokens(rate, min(k, draft_room(decode)))`
+    over `view.step_s(k)` (both count the drafts each decode's length lets it verify); the
     smallest such k on a tie. The acceptance rate is estimated from what was seen so far (see
     `SpecView.acceptance_rate`), starting from `prior` as `prior_weight` tries would; with
     `per_request`, each request's own verifications weigh in its estimate, the run's rate as
@@ -151,12 +158,14 @@ class GoodputPolicy(SpecPolicy):
                 rates.append((a + w * rate) / (t + w) if t + w else rate)
         else:
             rates = [rate] * len(view.decodes)
+        rooms = [draft_room(req) for req in view.decodes]
         best_k, best = 0, -1.0
         for k in range(view.max_drafts + 1):
             seconds = view.step_s(k)
             if seconds is None:
                 raise ValueError("spec.policy=goodput needs a cost model to price each k (executor.cost_model)")
-            goodput = sum(expected_tokens(r, k) for r in rates) / seconds if seconds > 0 else float("inf")
+            tokens = sum(expected_tokens(r, min(k, room)) for r, room in zip(rates, rooms))
+            goodput = tokens / seconds if seconds > 0 else float("inf")
             if goodput > best:
                 best_k, best = k, goodput
         return best_k
