@@ -232,6 +232,38 @@ def test_a_draft_models_proposals_are_charged_as_its_own_decode_steps():
     assert cost(no_drafts).device_s == plain(no_drafts).device_s
 
 
+def test_a_separate_draft_model_runs_every_steps_batch_then_one_pass_per_draft():
+    # the engine's separate draft model (cbjax.runtime.draft) first runs the step's whole batch,
+    # drafts aside, so that its own K/V holds every token the target's does (prompts too), then
+    # pass j = 1 .. d over draft j at num_computed + j, the last only writing draft d's K/V
+    from cbjax.config.spec import load_draft_model
+
+    target, draft = load_draft_model("llama3_8b"), load_draft_model("llama32_1b")
+    hw = HardwareConfig()
+    spec = SpecConfig(method="draft", draft_model="llama32_1b", num_tokens=3)
+    cost = make_cost_model("roofline", target, hw, spec=spec)
+    plain, draft_cost = RooflineCost(target, hw, verify=True), RooflineCost(draft, hw)
+
+    def draft_s(*steps):
+        return sum(draft_cost(Schedule(num_slots=4, scheduled=list(step), page_size=16)).device_s for step in steps)
+
+    prefill = ScheduledRequest("p", 3, 0, 10, False)
+    rows = [ScheduledRequest("a", 0, 100, 4, True, num_drafts=3), ScheduledRequest("b", 1, 50, 2, True, num_drafts=1),
+            ScheduledRequest("c", 2, 70, 1, True), prefill]  # fmt: skip
+    plan = Schedule(num_slots=4, scheduled=rows, page_size=16)
+    passes = draft_s(
+        [ScheduledRequest("a", 0, 100, 1, True), ScheduledRequest("b", 1, 50, 1, True),
+         ScheduledRequest("c", 2, 70, 1, True), prefill],
+        [ScheduledRequest("a", 0, 101, 1, True), ScheduledRequest("b", 1, 51, 1, True)],
+        [ScheduledRequest("a", 0, 102, 1, True)],
+        [ScheduledRequest("a", 0, 103, 1, True)],
+    )  # fmt: skip
+    assert cost(plan).device_s == pytest.approx(plain(plan).device_s + passes, rel=1e-12)
+    # a step without drafts still runs its batch through the draft model
+    no_drafts = Schedule(num_slots=4, scheduled=[rows[2], prefill], page_size=16)
+    assert cost(no_drafts).device_s == pytest.approx(plain(no_drafts).device_s + draft_s([rows[2], prefill]), rel=1e-12)
+
+
 def test_a_separate_draft_models_weights_and_kv_come_out_of_the_pool():
     from cbjax.app.run import resolve
     from cbjax.cache.sizing import auto_num_pages

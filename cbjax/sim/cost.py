@@ -312,8 +312,9 @@ def _with_draft_model(cost, name: str, model: ModelConfig, hw: HardwareConfig, s
     from cbjax.sim.drafting import WithDraftModel
 
     draft = draft_model_config(spec, model)
+    separate = spec.draft_model is not None
     if name == "roofline":
         roofline = RooflineCost(draft, hw)
-        return WithDraftModel(cost, lambda plan: roofline(plan).device_s)
+        return WithDraftModel(cost, lambda plan: roofline(plan).device_s, separate)
     share = draft.num_params / model.num_params
-    return WithDraftModel(cost, lambda plan: share * cost(plan).device_s)
+    return WithDraftModel(cost, lambda plan: share * cost(plan).device_s, separate)
