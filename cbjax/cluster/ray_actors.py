@@ -15,6 +15,7 @@ forced XLA:CPU devices.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from typing import Any, Callable, Optional
@@ -36,14 +37,16 @@ class RayTransport(Transport):
         super().__init__(replica)
         self.actor = actor
 
-    def _send(self, name: str, args: tuple) -> Any:
-        args = tuple(a.ticket if isinstance(a, Pending) else a for a in args)  # Ray hands the object over
-        return self.actor.call.remote(name, *args)
+    def _send(self, name: str, args: tuple) -> _Call:
+        upstream = tuple(a for a in args if isinstance(a, Pending))
+        args = tuple(a.ticket.ref if isinstance(a, Pending) else a for a in args)  # Ray hands the object over
+        return _Call(self.actor.call.remote(name, *args), upstream)
 
     def _wait(self, pending: Pending) -> Any:
+        call: _Call = pending.ticket
         timeout = ACTOR_START_TIMEOUT_S if pending.name == "ready" else None
         try:
-            return ray.get(pending.ticket, timeout=timeout)
+            return ray.get(call.ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise self.fail(
                 pending.name,
@@ -51,14 +54,31 @@ class RayTransport(Transport):
                 f"{ray.available_resources()} free (each replica needs 1 CPU, and executor.mesh.tensor GPUs on a "
                 "cluster with GPUs)",
             ) from None
-        except ray.exceptions.RayTaskError as err:
-            cause = err.cause if isinstance(err.cause, ReplicaError) else f"{type(err.cause).__name__}: {err.cause}"
-            raise self.fail(pending.name, str(cause).splitlines()[0]) from None
-        except ray.exceptions.RayActorError as err:
-            raise self.fail(pending.name, f"its actor died ({str(err).strip().splitlines()[0]})") from None
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+            # Ray fails a call whose argument (another replica's call) failed with that call's
+            # error: the failure is then that replica's, which its own wait raises
+            for source in call.upstream:
+                source.result()
+            raise self.fail(pending.name, _cause(err)) from None
 
     def close(self) -> None:
         """The actor ends with `RayReplicas.shutdown`."""
+
+
+@dataclasses.dataclass
+class _Call:
+    """An actor task under way (`Pending.ticket`)."""
+
+    ref: Any  # its object reference
+    upstream: tuple[Pending, ...]  # other replicas' calls whose results are its arguments
+
+
+def _cause(err: Exception) -> str:
+    """One line for an actor call that failed: the replica's own (`ReplicaError`), or Ray's."""
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = err.cause if isinstance(err.cause, ReplicaError) else f"{type(err.cause).__name__}: {err.cause}"
+        return str(cause).splitlines()[0]
+    return f"its actor died ({str(err).strip().splitlines()[0]})"
 
 
 class RayReplicas:
