@@ -168,3 +168,18 @@ def test_each_replica_process_gets_its_own_devices():
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) is None
     with pytest.raises(ValueError, match=r"cluster.backend=processes: TPU chips are not split"):
         visible_gpus({"JAX_PLATFORMS": "tpu"})
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_a_pool_tensor_size_that_cannot_split_the_model_fails_before_any_replica_starts(monkeypatch, pool):
+    """The pool's own key is named (its replicas' executor.mesh.tensor is set from it), and
+    no replica process is started for a run that cannot run."""
+    cfg = fake_replica.config("processes", prefill_replicas=1, decode_replicas=1, **{f"{pool}_tensor": 3})
+    assert cfg.model.num_kv_heads % 3  # the engine splits kv heads over the mesh
+
+    def start(*args, **kwargs):
+        raise AssertionError("a replica process was started")
+
+    monkeypatch.setattr(ProcessReplicas, "__init__", start)
+    with pytest.raises(ValueError, match=rf"^cluster.{pool}_tensor=3: model.num_kv_heads=\d+ is not divisible by it"):
+        app_run.build_cluster(cfg)
