@@ -183,3 +183,14 @@ def test_a_pool_tensor_size_that_cannot_split_the_model_fails_before_any_replica
     monkeypatch.setattr(ProcessReplicas, "__init__", start)
     with pytest.raises(ValueError, match=rf"^cluster.{pool}_tensor=3: model.num_kv_heads=\d+ is not divisible by it"):
         app_run.build_cluster(cfg)
+
+
+def test_bad_router_args_fail_before_any_replica_starts(monkeypatch):
+    cfg = fake_replica.config("processes", replicas=2, router="power_of_two", router_args={"seed": "abc"})
+
+    def start(*args, **kwargs):
+        raise AssertionError("a replica process was started")
+
+    monkeypatch.setattr(ProcessReplicas, "__init__", start)
+    with pytest.raises(ValueError, match=r"^cluster.router_args.seed: PowerOfTwo expects int, got 'abc'"):
+        app_run.build_cluster(cfg)

@@ -219,8 +219,10 @@ def build_cluster(cfg: RunConfig):
 
         return ClusterSim(cfg, build_executor), lambda: None
     from cbjax.cluster.engine import ClusterEngine, check_engine_supported
+    from cbjax.cluster.router import make_router
 
     check_engine_supported(cfg)  # before any replica starts
+    make_router(cfg.cluster.router, cfg.cluster.router_args)  # its arguments too (the cluster builds its own)
     backend = cfg.cluster.backend
     if backend == "inline":
         return ClusterEngine(cfg, cluster_executors(cfg)), lambda: None
