@@ -258,6 +258,10 @@ def test_cluster_config_errors_name_the_key():
         ClusterConfig(kv_link_gbps=0)
     with pytest.raises(ValueError, match=r"cluster\.backend: unknown value 'mpi'; choose one of processes, inline, ray"):
         ClusterConfig(backend="mpi")
+    for backend in ("inline", "ray"):  # no replica process of its own to pin
+        with pytest.raises(ValueError, match=rf"cluster\.pin_replicas applies only with cluster\.backend=processes.*{backend}"):
+            ClusterConfig(replicas=2, backend=backend, pin_replicas=True)
+    assert ClusterConfig(replicas=2, pin_replicas=True).pin_replicas
     with pytest.raises(ValueError, match=r"cluster\.backend=ray: Ray actors hold engine replicas \(executor=jax\)"):
         ClusterSim(config(replicas=2, backend="ray"), build_executor)
     assert ClusterConfig().backend == "processes"  # the simulator takes the default, and inline

@@ -53,6 +53,12 @@ class ClusterConfig:
         if ":" in self.router:  # a built-in router's name is checked against the registry
             _class_path("cluster.router", self.router, 'must be a built-in router or look like "package.module:ClassName"')
         _one_of("cluster.backend", self.backend, BACKENDS)
+        _require(
+            not self.pin_replicas or self.backend == "processes",
+            "cluster.pin_replicas",
+            f"applies only with cluster.backend=processes (a process per replica to pin), not {self.backend}",
+            self.pin_replicas,
+        )
         for key in ("prefill_replicas", "decode_replicas"):
             _require(getattr(self, key) >= 0, f"cluster.{key}", "must be >= 0", getattr(self, key))
         if (self.prefill_replicas > 0) != (self.decode_replicas > 0):
