@@ -239,11 +239,14 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
     if partial != 1.0:
         raise ValueError(f"{where}: unsupported partial_rotary_factor {partial}; cbjax rotates the whole head")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    # every rope_* field, so none set beside model.path (a preset's, the command line's) survives
+    fields = ModelConfig.__dataclass_fields__
+    knobs = {name: fields[name].default for name in fields if name.startswith("rope_") and name != "rope_theta"}
     if rope_type == "default":
-        return theta, {}
+        return theta, knobs
     if "factor" not in rope:
         raise ValueError(f"{where}: rope scaling {rope_type!r} has no 'factor'")
-    knobs = {"rope_type": rope_type, "rope_factor": float(rope["factor"])}
+    knobs.update(rope_type=rope_type, rope_factor=float(rope["factor"]))
     if rope_type == "llama3":
         knobs.update(
             rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
