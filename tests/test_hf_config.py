@@ -4,6 +4,8 @@ downloads); transformers is the oracle."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from cbjax.config import ModelConfig  # noqa: E402
-from cbjax.model.hf import load_model  # noqa: E402
+from cbjax.model.hf import load_config, load_model  # noqa: E402
 from test_hf import assert_logits_close, build_hf, dense, hf_logits  # noqa: E402
 
 TOKENS = np.random.default_rng(4).integers(0, 512, 60).tolist()
@@ -23,3 +25,37 @@ def test_rope_fields_set_beside_model_path_give_way_to_config_json(tmp_path):
     model = build_hf("llama", tmp_path, seed=11)
     stale = ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=0, rope_type="linear", rope_factor=4.0)
     assert_logits_close(dense(load_model(stale), TOKENS), hf_logits(model, TOKENS), "plain RoPE checkpoint")
+
+
+def _drop_config_keys(model_dir, *keys):
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    for key in keys:
+        del config[key]
+    path.write_text(json.dumps(config))
+
+
+# (transformers config class, causal-LM class, config keys): sliding-window attention on every layer
+SLIDING = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 0}),
+}
+
+
+@pytest.mark.parametrize("arch", list(SLIDING))
+def test_a_config_json_without_sliding_window_gets_transformers_default_window(tmp_path, arch):
+    """config.json omits sliding_window: transformers attends through its class default window,
+    so the context cbjax serves exactly stops at that window."""
+    config_cls, model_cls, kw = SLIDING[arch]
+    config = getattr(transformers, config_cls)(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=8192, **kw,
+    )  # fmt: skip
+    getattr(transformers, model_cls)(config).save_pretrained(str(tmp_path))
+    _drop_config_keys(tmp_path, "sliding_window")
+    window = transformers.AutoConfig.from_pretrained(str(tmp_path)).sliding_window
+    assert window is not None and window < 8192
+    cfg = load_config(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=0))
+    assert cfg.max_model_len <= window
+    with pytest.raises(ValueError, match=f"exceeds the checkpoint's sliding_window {window}"):
+        load_config(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=window + 1))

@@ -32,6 +32,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 INDEX_FILE = "model.safetensors.index.json"
+# transformers' sliding_window for a Mistral (or a Qwen2 with use_sliding_window) config.json without one
+DEFAULT_SLIDING_WINDOW = 4096
 # Buffers some older checkpoints carry; recomputed here, never read.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # config.json keys with no default: the model's shape
@@ -257,8 +259,12 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str):
+    """The attention window config.json sets (None: none); where the key is absent, the class
+    default transformers' MistralConfig and Qwen2Config apply."""
     if model_type == "qwen2" and not hf.get("use_sliding_window", False):
         return None
+    if model_type in ("mistral", "qwen2"):
+        return hf.get("sliding_window", DEFAULT_SLIDING_WINDOW)
     return hf.get("sliding_window")
 
 
