@@ -59,3 +59,24 @@ def test_a_config_json_without_sliding_window_gets_transformers_default_window(t
     assert cfg.max_model_len <= window
     with pytest.raises(ValueError, match=f"exceeds the checkpoint's sliding_window {window}"):
         load_config(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=window + 1))
+
+
+def test_a_tied_checkpoint_that_stores_its_own_lm_head(tmp_path):
+    """tie_word_embeddings true, and the checkpoint also holds lm_head.weight: a copy of the
+    embeddings loads tied; a head of its own (which transformers keeps untied) is refused
+    naming the key, never silently replaced by the embeddings."""
+    from safetensors.numpy import load_file, save_file
+
+    build_hf("qwen2", tmp_path, seed=13)  # tied
+    file = str(tmp_path / "model.safetensors")
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, file, metadata={"format": "pt"})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    cfg = ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=0)
+    assert_logits_close(dense(load_model(cfg), TOKENS), hf_logits(theirs, TOKENS), "tied, head stored as a copy")
+
+    tensors["lm_head.weight"] = np.random.default_rng(0).normal(0.0, 0.1, tensors["lm_head.weight"].shape).astype(np.float32)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'.*tie_word_embeddings"):
+        load_model(cfg)

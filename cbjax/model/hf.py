@@ -194,6 +194,8 @@ def load_model(cfg: ModelConfig) -> Llama:
             f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all): an architecture "
             f"variant cbjax does not support"
         )
+    if cfg.tie_embeddings and "lm_head.weight" in files:
+        _check_tied_head(files, where)
     dtype = jnp.dtype(cfg.dtype)
     model = nnx.eval_shape(lambda: Llama(cfg, seed=None))  # shapes only; every Param is filled below
     by_file: dict[Path, list[str]] = {}
@@ -221,6 +223,20 @@ def load_model(cfg: ModelConfig) -> Llama:
     if unfilled:  # name_map and Llama disagree: a bug here, not in the checkpoint
         raise RuntimeError(f"load_model: name_map left {unfilled[0]} unfilled")
     return model
+
+
+def _check_tied_head(files: dict[str, Path], where: str) -> None:
+    """A tied checkpoint may store its LM head as a copy of the embeddings. A head of its own is
+    refused: tying would put the embeddings in its place, where transformers keeps the stored head."""
+    with _open_safetensors(files["lm_head.weight"], where) as f:
+        head = f.get_tensor("lm_head.weight")
+    with _open_safetensors(files["model.embed_tokens.weight"], where) as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    if not np.array_equal(head, embed):
+        raise ValueError(
+            f"{where}: the checkpoint's 'lm_head.weight' differs from 'model.embed_tokens.weight', which "
+            f"config.json's tie_word_embeddings true would use in its place; set tie_word_embeddings to false"
+        )
 
 
 def _module_variable(model: Llama, path: tuple[Union[str, int], ...]) -> nnx.Param:
