@@ -80,3 +80,16 @@ def test_a_tied_checkpoint_that_stores_its_own_lm_head(tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'.*tie_word_embeddings"):
         load_model(cfg)
+
+
+def test_a_directory_with_one_file_and_shards_loads_what_transformers_loads(tmp_path):
+    """save_pretrained with shards into a directory holding an earlier single-file save leaves
+    both model.safetensors and the shard index; the weights served are the ones transformers
+    loads from that directory."""
+    build_hf("llama", tmp_path, seed=0)
+    resaved = build_hf("llama", tmp_path / "other", seed=1)
+    resaved.save_pretrained(str(tmp_path), max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "model.safetensors.index.json").is_file()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ours = load_model(ModelConfig(path=str(tmp_path), dtype="auto", max_model_len=0))
+    assert_logits_close(dense(ours, TOKENS), hf_logits(theirs, TOKENS), "single file beside shards")

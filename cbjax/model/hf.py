@@ -1,7 +1,7 @@
 """Load a local Hugging Face Llama, Mistral or Qwen2 checkpoint (config.json + safetensors) into cbjax.
 
 `load_config` fills a ModelConfig's architecture fields from `config.json`; `load_model`
-reads the `*.safetensors` files (one file, or shards listed in `model.safetensors.index.json`)
+reads the `*.safetensors` files (`model.safetensors`, else shards listed in `model.safetensors.index.json`)
 into an abstract `cbjax.model.llama.Llama` through `name_map` (Hugging Face tensor name ->
 module path), transposing each nn.Linear weight from Hugging Face's [out, in] to [in, out]
 and reshaping it to the module's head-split layout. Nothing is ever downloaded: `model.path` is a directory on disk.
@@ -31,6 +31,7 @@ from cbjax.model.llama import Llama, check_supported
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
+SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # transformers' sliding_window for a Mistral (or a Qwen2 with use_sliding_window) config.json without one
 DEFAULT_SLIDING_WINDOW = 4096
@@ -309,7 +310,14 @@ def _eos_token_ids(hf: dict[str, Any], model_dir: Path) -> list[int]:
 
 
 def _tensor_files(model_dir: Path, where: str) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, from the shard index or the files' headers."""
+    """Tensor name -> the safetensors file holding it: model.safetensors alone where it exists
+    (transformers reads it before any shard index, so a sharded re-save into the directory of
+    a single-file save does not change what it loads), else the shard index, else every
+    *.safetensors file's header."""
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        with _open_safetensors(single, where) as f:
+            return {name: single for name in f.keys()}
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
