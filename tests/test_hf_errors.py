@@ -81,3 +81,12 @@ def test_a_truncated_safetensors_file_names_the_file(tmp_path, keep):
         load(model_dir)
     line = one_line(err)
     assert str(file) in line and "truncated" in line
+
+
+def test_a_quantized_checkpoint_is_refused_naming_quantization_config(tmp_path):
+    """Quantized weights (their scales beside them) are not float weights to cast: refused at
+    load_config, which the simulator's memory sizing also reads, naming the key."""
+    model_dir = tiny_checkpoint(tmp_path, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError) as err:
+        load_config(ModelConfig(path=str(model_dir), dtype="auto", max_model_len=0))
+    assert "quantization_config" in one_line(err) and "'fp8'" in str(err.value)

@@ -75,6 +75,11 @@ def load_config(cfg: ModelConfig) -> ModelConfig:
     archs = hf.get("architectures") or [expected_arch]
     if expected_arch not in archs:
         raise ValueError(f"{where}: unsupported architecture {archs}; for {model_type!r} cbjax reads {expected_arch}")
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{where}: config.json's quantization_config (quant_method {method!r}) is not supported; "
+                         "cbjax loads unquantized float32, bfloat16 or float16 weights")  # fmt: skip
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: unsupported hidden_act {hf['hidden_act']!r}; cbjax's MLP is SwiGLU (silu)")
     rope_theta, rope_knobs = _rope(hf, where)
