@@ -90,3 +90,19 @@ def test_a_quantized_checkpoint_is_refused_naming_quantization_config(tmp_path):
     with pytest.raises(ValueError) as err:
         load_config(ModelConfig(path=str(model_dir), dtype="auto", max_model_len=0))
     assert "quantization_config" in one_line(err) and "'fp8'" in str(err.value)
+
+
+def test_a_shard_index_naming_the_wrong_shard_names_the_index_and_the_tensor(tmp_path):
+    from safetensors.numpy import load_file
+
+    model_dir = tiny_checkpoint(tmp_path)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    save_file({"model.norm.weight": tensors.pop("model.norm.weight")}, str(model_dir / "b.safetensors"))
+    save_file(tensors, str(model_dir / "a.safetensors"))
+    weight_map = {name: "a.safetensors" for name in tensors} | {"model.norm.weight": "a.safetensors"}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError) as err:
+        load(model_dir)
+    line = one_line(err)
+    assert "model.safetensors.index.json" in line and "'model.norm.weight'" in line and "a.safetensors" in line

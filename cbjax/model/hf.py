@@ -209,7 +209,10 @@ def load_model(cfg: ModelConfig) -> Llama:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
         with _open_safetensors(file, where) as f:
+            held = set(f.keys())
             for name in names:
+                if name not in held:  # only a shard index can name a file that lacks the tensor
+                    raise ValueError(f"{where}: {INDEX_FILE} lists tensor {name!r} in {file.name}, which does not hold it")
                 tensor = expected[name]
                 got = tuple(f.get_slice(name).get_shape())
                 if got != tensor.shape:
