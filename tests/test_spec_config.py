@@ -215,3 +215,17 @@ def test_metrics_count_drafts_of_ended_requests():
     text = metrics.render().decode()
     assert 'cbjax:spec_draft_tokens_total{model_name="m"} 12.0' in text
     assert 'cbjax:spec_accepted_tokens_total{model_name="m"} 7.0' in text
+
+
+def test_a_draft_model_yaml_naming_a_checkpoint_is_refused(tmp_path):
+    """A draft's weights are its seeded random ones: a YAML naming a checkpoint would run with
+    random drafts (an acceptance rate near zero), silently."""
+    from cbjax.config.spec import load_draft_model
+
+    path = tmp_path / "draft.yaml"
+    path.write_text("name: my_draft\nvocab_size: 256\nd_model: 32\nnum_layers: 1\nnum_heads: 2\nnum_kv_heads: 1\n"
+                    "ffn_dim: 64\npath: /some/checkpoint\n")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^spec.draft_model: .*draft.yaml sets path"):
+        load_draft_model(str(path))
+    path.write_text(path.read_text().replace("path: /some/checkpoint\n", ""))
+    assert load_draft_model(str(path)).name == "my_draft"

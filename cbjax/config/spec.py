@@ -188,4 +188,7 @@ def _load_model(path: Path, mtime_ns: int) -> ModelConfig:
         model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), data))
     except (ValueError, OmegaConfBaseException) as err:
         raise ValueError(f"spec.draft_model: {path}: {str(err).splitlines()[0]}") from None
+    if model.path:  # the engine's draft runs on seeded random weights, whatever path says
+        raise ValueError(f"spec.draft_model: {path} sets path {model.path}; a draft model's weights are not "
+                         "loaded from a checkpoint (its drafts would come from random weights); drop path")  # fmt: skip
     return model
