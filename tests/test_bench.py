@@ -142,11 +142,9 @@ def test_https_to_a_plain_http_server_is_one_line_naming_bench_url(tmp_path, env
         f"cbjax-bench: error: bench.url={url}: TLS handshake failed (WRONG_VERSION_NUMBER): the server seems to speak plain HTTP; try http://"]
 
 
-def test_an_interrupted_bench_keeps_a_row_with_its_fate_for_every_request_sent(tmp_path, env_cpu):
-    """Closed loop, 3 in flight: the first request finishes, the next three stall after one
-    token, and SIGINT comes while they do. The four sent get rows (one `length`, three
-    `aborted`); the four never sent get none."""
-    proc = None
+def stall_then_interrupt(count: int, procs: list):
+    """A streamed answer that sends one token and keeps the stream open; the `count`-th such
+    answer sends SIGINT to the benchmark, `procs[0]` (appended once started)."""
     stalled = 0
 
     async def stall(writer):
@@ -154,9 +152,19 @@ def test_an_interrupted_bench_keeps_a_row_with_its_fate_for_every_request_sent(t
         writer.write(chunked(sse(text("a")))[: -len(b"0\r\n\r\n")])  # one token, and the stream stays open
         await writer.drain()
         stalled += 1
-        if stalled == 3:
-            proc.send_signal(signal.SIGINT)
+        if stalled == count:
+            procs[0].send_signal(signal.SIGINT)
         await asyncio.sleep(60)
+
+    return stall
+
+
+def test_an_interrupted_bench_keeps_a_row_with_its_fate_for_every_request_sent(tmp_path, env_cpu):
+    """Closed loop, 3 in flight: the first request finishes, the next three stall after one
+    token, and SIGINT comes while they do. The four sent get rows (one `length`, three
+    `aborted`); the four never sent get none."""
+    procs: list = []
+    stall = stall_then_interrupt(3, procs)
 
     def answer(n: int, head: bytes):
         if head.startswith(b"GET"):
@@ -166,6 +174,7 @@ def test_an_interrupted_bench_keeps_a_row_with_its_fate_for_every_request_sent(t
     out = tmp_path / "bench"
     with server_thread(lambda: scripted_server(answer)) as url:
         proc = bench_cmd(tmp_path, env_cpu, f"bench.url={url}", "bench.concurrency=3")
+        procs.append(proc)
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.splitlines()[-1] == f"cbjax-bench: interrupted by SIGINT; the requests sent are saved in {out}"
@@ -196,22 +205,13 @@ def test_an_interrupt_after_the_last_send_of_an_open_loop_aborts_the_requests_in
     """Open loop, both requests sent at once: once both have been sent, the load only waits for
     them. They stall after one token and SIGINT comes: both are cut short as `aborted` at once,
     not left running until bench.timeout_s ends them as errors."""
-    proc = None
-    stalled = 0
-
-    async def stall(writer):
-        nonlocal stalled
-        writer.write(chunked(sse(text("a")))[: -len(b"0\r\n\r\n")])  # one token, and the stream stays open
-        await writer.drain()
-        stalled += 1
-        if stalled == 2:
-            proc.send_signal(signal.SIGINT)
-        await asyncio.sleep(60)
-
+    procs: list = []
+    stall = stall_then_interrupt(2, procs)
     out = tmp_path / "bench"
     answer = lambda n, head: MODELS if head.startswith(b"GET") else stall  # noqa: E731
     with server_thread(lambda: scripted_server(answer)) as url:
         proc = bench_cmd(tmp_path, env_cpu, f"bench.url={url}", "workload.num_requests=2", "bench.timeout_s=15")
+        procs.append(proc)
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert [(r["finish_reason"], r["output_len"], r["error"]) for r in rows(out)] == [
