@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,9 +11,12 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from conftest import REPO
 from cbjax.serve import process as serve_process
+from cbjax.serve.server import Server
+from test_serve import rows, serve_config
 
 SHORT, LONG = 20, 3000  # tokens: at 2 ms an iteration, done well within the 3 s drain / running after it
 
@@ -119,3 +123,34 @@ def test_a_second_ctrl_c_aborts_what_is_left_and_every_stream_ends_cleanly(tmp_p
     rows = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
     assert len(rows) == 4
     assert all(r["finish_reason"] == "aborted" and r["error"] == "server shutting down (a second Ctrl-C)" for r in rows)
+
+
+def test_a_ctrl_c_while_the_outputs_are_written_loses_no_row(tmp_path):
+    # the server on this (the main) thread, as cbjax-serve runs it: its signal handlers are live
+    srv = Server(serve_config(), tmp_path)
+    srv.warmup()
+    sock = srv.bind()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finish = srv.engine.finish
+
+    def interrupted_finish():
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again, as the files are being written
+        return finish()
+
+    srv.engine.finish = interrupted_finish
+
+    def client() -> None:
+        httpx.post(f"{base}/completions", json={"prompt": "a", "max_tokens": 3}, timeout=60)
+        srv.shutdown()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        summary = srv.run(sock)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C cut the writing of the outputs short")
+    finally:
+        thread.join(timeout=60)
+    assert summary is not None and summary["num_requests"] == 1
+    assert [r["finish_reason"] for r in rows(tmp_path)] == ["length"]
+    assert (tmp_path / "summary.json").is_file() and (tmp_path / "config.yaml").is_file()

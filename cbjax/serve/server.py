@@ -116,7 +116,10 @@ class Server:
         try:
             self.uvicorn.run(sockets=[sock])
         finally:
-            self.finish()
+            # uvicorn has put the default handlers back; a signal now (Ctrl-C again, another
+            # SIGTERM) would cut the outputs short, so it is only noted
+            with signals_to(_noted):
+                self.finish()
         return self.summary
 
     def begin_drain(self, signum: int = signal.SIGTERM) -> None:
@@ -152,6 +155,10 @@ class Server:
             log.error("cbjax-serve: %s; requests.jsonl written without the engine's summary", self.engine.health().reason)
         if self._drain_timer is not None:
             self._drain_timer.cancel()
+
+
+def _noted(signum: int, frame: Any) -> None:
+    log.warning("cbjax-serve: %s ignored: writing the outputs", signal.Signals(signum).name)
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
