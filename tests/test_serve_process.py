@@ -9,12 +9,17 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
-from test_serve import metric, rows, running, wait_for
+from test_serve import metric, rows, running, serve_config, wait_for
+from cbjax.serve import remote
+from cbjax.serve.bridge import EngineBridge
 
 SMALL = ["executor=jax", "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=32", "model.max_model_len=512",
          "cache.num_pages=64", "executor.token_buckets=[4,32]"]  # fmt: skip
@@ -93,3 +98,37 @@ def test_a_sigterm_to_the_engine_process_is_left_to_the_server(tmp_path):
         assert httpx.get(base.removesuffix("/v1") + "/health").status_code == 200
     assert srv.summary is not None and srv.summary["num_requests"] == 1
     assert json.loads((tmp_path / "summary.json").read_text())["num_finished"] == 1
+
+
+def starting_forever(cfg, out_dir, conn) -> None:
+    """An engine process whose warmup never ends, ignoring SIGINT and SIGTERM as the real one
+    does (`cbjax.serve.remote._engine_main`)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    time.sleep(3600)
+
+
+def ignores_sigint(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+def test_a_ctrl_c_while_the_engine_process_starts_stops_it(monkeypatch):
+    monkeypatch.setattr(remote, "_engine_main", starting_forever)
+    engine = remote.EngineProcess(serve_config(), None, EngineBridge())
+    child = engine._proc
+    try:
+        wait_for(lambda: ignores_sigint(child.pid), "the engine process to start")
+        with pytest.raises(KeyboardInterrupt):
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C as it warms up
+            engine.warmup()
+        # else it outlives the server, and the server's exit waits on it for good
+        wait_for(lambda: not child.is_alive(), "the engine process to stop", timeout_s=30)
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()

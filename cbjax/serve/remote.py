@@ -73,8 +73,15 @@ class EngineProcess:
     # ---- start and end ----
     def warmup(self) -> None:
         """Block until the engine process has built and warmed up its executor. A config error
-        there is raised here as a ValueError, anything else as a RuntimeError."""
-        msg = self._recv()
+        there is raised here as a ValueError, anything else as a RuntimeError. Interrupted
+        (Ctrl-C), it stops the engine process first: that ignores SIGINT and SIGTERM, and would
+        wait for a start that never comes, and the server's exit would wait for it."""
+        try:
+            msg = self._recv()
+        except BaseException:
+            self._proc.kill()
+            self._proc.join()
+            raise
         if msg is None or msg[0] != "ready":
             if msg is None:
                 raise RuntimeError(f"{self._exit_reason()} while starting")
