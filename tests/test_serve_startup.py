@@ -11,6 +11,7 @@ import pytest
 
 from conftest import REPO
 from test_serve import serve_config
+from cbjax.serve import process as serve_process
 from cbjax.serve.server import Server
 
 
@@ -66,3 +67,10 @@ def test_the_command_names_the_keys_in_one_line_when_the_port_is_taken(env_cpu, 
     assert proc.stderr.strip().splitlines() == [
         f"cbjax-serve: error: server.host=127.0.0.1 server.port={port}: cannot listen there: Address already in use"
     ]
+
+
+def test_a_server_started_for_a_script_that_fails_to_start_says_why(env_cpu, tmp_path):
+    with pytest.raises(RuntimeError) as err:
+        serve_process.start(["server.drain_s=-1", f"hydra.run.dir={tmp_path}"], REPO, env_cpu)
+    assert str(err.value).startswith("cbjax-serve exited 2 before listening: ")
+    assert "cbjax-serve: error: server.drain_s must be >= 0" in str(err.value)

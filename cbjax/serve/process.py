@@ -12,24 +12,29 @@ import re
 import subprocess
 import sys
 import threading
+from collections import deque
 from pathlib import Path
 from typing import Optional, Sequence
 
 LISTENING = "cbjax-serve: listening on {url}/v1"
+STDERR_LINES = 20  # of a server that exits before listening, kept for the error
 _LISTENING = re.compile(re.escape(LISTENING).replace(re.escape("{url}"), r"(http://\S+)"))
 
 
 def start(overrides: Sequence[str], cwd: Path, env: Optional[dict] = None) -> tuple[subprocess.Popen, str]:
     """`python -m cbjax.serve server.port=0 OVERRIDES` in `cwd`; returns the process and its
-    /v1 base URL once it listens. Its stderr is drained on a thread from then on."""
+    /v1 base URL once it listens. Its stderr is drained on a thread from then on. Should it exit
+    first, the RuntimeError ends with the last lines it wrote there (its error names the key)."""
     cmd = [sys.executable, "-m", "cbjax.serve", "server.port=0", *overrides]
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said: deque[str] = deque(maxlen=STDERR_LINES)
     for line in proc.stderr:
         match = _LISTENING.match(line)
         if match:
             threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
             return proc, match.group(1) + "/v1"
-    raise RuntimeError(f"cbjax-serve exited {proc.wait()} before listening: {' '.join(cmd)}")
+        said.append(line)
+    raise RuntimeError(f"cbjax-serve exited {proc.wait()} before listening: {' '.join(cmd)}\n{''.join(said).rstrip()}")
 
 
 def cpu_s(pid: int) -> Optional[float]:
