@@ -95,3 +95,13 @@ def test_a_profile_the_simulators_cost_model_will_not_read_is_named_on_the_conso
     with caplog.at_level(logging.WARNING, logger="cbjax"):
         run_single(composed("workload.num_requests=3"), None, verbose=False)
     assert "is not read" not in console(caplog)
+
+
+def test_an_overhead_the_unit_cost_model_will_not_read_is_named_on_the_console(caplog):
+    with caplog.at_level(logging.WARNING, logger="cbjax"):
+        run_single(composed("executor.cost_model=unit", "overhead=step_2ms", "workload.num_requests=3"), None, verbose=False)
+    assert "overhead=step_2ms is not read: executor.cost_model=unit prices every step alike" in console(caplog)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cbjax"):
+        run_single(composed("executor.cost_model=unit", "workload.num_requests=3"), None, verbose=False)
+    assert "is not read" not in console(caplog)

@@ -199,9 +199,11 @@ def _serve_cluster(cfg, cluster, requests, tokenizer, out_dir, verbose, stop) ->
 def _warn_unread(cfg: RunConfig) -> None:
     """Warn of a setting this run will not read, which a researcher may think it does. Not an
     error: a sweep over cost models may share one profile among its arms."""
-    ex = cfg.executor
+    ex, oh = cfg.executor, cfg.overhead
     if ex.name == "sim" and ex.profile and ex.cost_model != "profiled":
         log.warning("executor.profile=%s is not read: executor.cost_model is %s, not profiled", ex.profile, ex.cost_model)
+    if ex.name == "sim" and ex.cost_model == "unit" and (oh.step_s or oh.seq_s or oh.page_s or oh.copy_latency_s):
+        log.warning("overhead=%s is not read: executor.cost_model=unit prices every step alike", oh.name)
 
 
 def _with_reasons(table: str, result) -> str:
