@@ -322,6 +322,26 @@ def test_vtc_counter_lift():
     assert policy.counters["c"] == 26 and len(policy) == 1
 
 
+def test_vtc_a_client_whose_last_request_is_withdrawn_is_the_last_to_leave():
+    """An abort that empties a client's queue is its leaving: a client arriving to an empty
+    queue is lifted to that client's counter, not to an earlier leaver's lower one."""
+    from cbjax.scheduler.policies import VTCPolicy
+
+    policy = VTCPolicy(SchedulerConfig(name="vtc"))  # 1 per input token
+    a1, b1, b2, c1 = make_requests([5, 5, 5, 5])
+    for req, client in zip((a1, b1, b2, c1), "abbc"):
+        req.client_id = client
+    policy.push(a1)
+    assert policy.pop() is a1 and policy.counters["a"] == 8  # a leaves the queue
+    policy.push(b1)  # lifted to a's 8
+    policy.push(b2)
+    assert policy.pop() is b1 and policy.counters["b"] == 16
+    policy.remove(b2)  # b2 aborted while waiting: b leaves the queue
+    assert len(policy) == 0
+    policy.push(c1)  # nobody backlogged: b left last
+    assert policy.counters["c"] == 16
+
+
 class ServiceRecorder(PolicyCheckingExecutor):
     """Per iteration: each client's service W (w_p per prompt token, w_q per output token)
     and whether it was backlogged (had a request waiting) during the iteration."""
