@@ -69,3 +69,17 @@ def test_unknown_and_unresolved_names_are_refused_by_key():
         registry.layer_ops("auto")
     assert registry.resolve_attention("reference", "cpu") == "reference"
     assert "ragged" in registry.GROUPED and "pallas" not in registry.GROUPED
+
+
+@pytest.mark.parametrize("page_size, head_dim, field", [(16, 24, "model.head_dim 24"), (8, 64, "cache.page_size 8")])
+def test_on_a_gpu_pallas_refuses_at_startup_shapes_triton_cannot_lower(page_size, head_dim, field):
+    """The GPU Pallas kernel lowers through Triton, which needs page_size and head_dim powers of
+    two >= 16: an explicit pallas or triton names the field when the executor resolves it, and
+    auto runs ragged instead (a model with head_dim 24 serves on a GPU)."""
+    shapes = dict(page_size=page_size, head_dim=head_dim)
+    for impl in ("pallas", "triton"):
+        with pytest.raises(ValueError, match=f"executor.attention={impl}: .*{field}"):
+            registry.resolve_attention(impl, "gpu", **shapes)
+    assert registry.resolve_attention("auto", "gpu", **shapes) == "ragged"
+    assert registry.resolve_attention("auto", "gpu", page_size=16, head_dim=64) == "pallas"
+    assert registry.resolve_attention("pallas", "cpu", **shapes) == "pallas"  # interpret mode lowers any shape

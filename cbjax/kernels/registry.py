@@ -110,15 +110,22 @@ def _not_registered(key: str, impl: str) -> str:
     return f"executor.{key}={impl}: not available ({why})"
 
 
-def resolve_attention(impl: str = "auto", backend: str | None = None) -> str:
+def resolve_attention(impl: str = "auto", backend: str | None = None, *, page_size: int | None = None,
+                      head_dim: int | None = None) -> str:
     """The registered backend `impl` runs as on `backend` (default: jax's): auto -> pallas on
-    GPU/TPU, the CPU default (native) or ragged on CPU."""
+    GPU/TPU, the CPU default (native) or ragged on CPU. Given the cache's `page_size` and the
+    model's `head_dim`, a GPU shape Triton cannot lower turns auto into ragged and refuses an
+    explicit pallas or triton, naming the field (else the step fails when it first compiles)."""
     backend = backend or _default_backend()
     if impl not in attention_names():
         raise ValueError(f"executor.attention: unknown value {impl!r}; choose one of {', '.join(attention_names())}")
     load_plugins()
     if impl == "auto":
         if backend != "cpu":
+            why = _triton_misfit(backend, page_size, head_dim)
+            if why is not None:
+                _notice(f"cbjax: executor.attention=auto runs `ragged` on this GPU: {why}")
+                return "ragged"
             return "pallas"
         for entry in _ATTENTION.values():
             if entry.cpu_default:
@@ -133,9 +140,23 @@ def resolve_attention(impl: str = "auto", backend: str | None = None) -> str:
     if entry is None:
         raise ValueError(_not_registered("attention", impl))
     why = entry.unavailable(backend)
+    if why is None and impl in ("pallas", "triton"):
+        why = _triton_misfit(backend, page_size, head_dim)
     if why is not None:
         raise ValueError(f"executor.attention={impl}: {why}")
     return impl
+
+
+def _triton_misfit(backend: str, page_size: int | None, head_dim: int | None) -> Optional[str]:
+    """Why the Pallas kernel cannot lower through Triton on `backend` for these shapes, or None
+    (`cbjax.kernels.pallas_ragged`: on a GPU, page_size and head_dim powers of two >= 16)."""
+    if backend not in ("gpu", "cuda", "rocm"):
+        return None
+    bad = [f"{field} {n}" for field, n in (("cache.page_size", page_size), ("model.head_dim", head_dim))
+           if n is not None and not (n >= 16 and n & (n - 1) == 0)]  # fmt: skip
+    if not bad:
+        return None
+    return f"Triton needs page_size and head_dim powers of two >= 16, got {', '.join(bad)}; use ragged or reference"
 
 
 def resolve_matmul(impl: str = "auto", dtype: str = "float32", sharded: bool = False, backend: str | None = None) -> str:

@@ -94,7 +94,7 @@ class JaxExecutor:
         self.cache_dir = enable_compilation_cache(cfg.compilation_cache_dir)
         # XLA:CPU's step buffers are host memory: reuse them instead of faulting them in per call
         self.host_memory_retained = jax.default_backend() == "cpu" and retain_freed_memory()
-        self.attention = resolve_attention(cfg.attention)
+        self.attention = resolve_attention(cfg.attention, page_size=cache.page_size, head_dim=model.head_dim)
         sharded = cfg.mesh.tensor > 1 or jax.process_count() > 1
         self.matmul = resolve_matmul(cfg.matmul, model.dtype, sharded)
         self.matmul_setting = cfg.matmul
