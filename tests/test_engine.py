@@ -14,6 +14,7 @@ from flax import nnx
 
 from conftest import cbjax_cmd, native_unavailable
 from cbjax.config import CacheConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from cbjax.engine.loop import EngineLoop
 from cbjax.engine.offline import serve
 from cbjax.model import Llama, forward_dense
 from cbjax.core.request import FinishReason, Request, SamplingParams
@@ -255,6 +256,43 @@ def test_pipelined_serving_equals_one_step_at_a_time_and_stops_on_tokens():
         stopped += reason is FinishReason.STOP and len(want) < req.sampling.max_tokens
     assert stopped >= 2
     assert len(result.tbt_s) == sum(len(r.output_token_ids) - 1 for r in result.requests)
+
+
+def test_cancelling_a_swapped_out_request_drops_its_host_copy():
+    """A request cancelled while swapped out gives back its host pages in the scheduler's count
+    and in the executor's memory; the others generate what they do alone."""
+    reqs = workload(4, wseed=1, max_prompt=30, max_out=30, stagger_s=0.0)
+    for req in reqs:  # 56-token prompts, 30 to generate: two slots of 22 pages outgrow 39
+        req.prompt_token_ids = (req.prompt_token_ids * 60)[:56]
+        req.prompt_len = 56
+        req.sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    alone, _, _ = run_engine(reqs, num_slots=1, chunked=True)
+    ex = make_executor(2, num_pages=40, chunked=True, preemption="swap")
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=BUDGET, chunked_prefill=True, preemption="swap"),
+        CacheConfig(num_pages=40, page_size=4), MODEL.max_model_len, vocab_size=MODEL.vocab_size,
+    )  # fmt: skip
+    ex.warmup()
+    loop = EngineLoop(sched, ex)
+    for req in reqs:
+        loop.intake.submit(fresh(req))
+    loop.boundary()
+    cancelled = None
+    while loop.step():
+        swapped = [r.request_id for r in sched.policy if sched.waiting.host_pages(r)]
+        if swapped and cancelled is None:
+            cancelled = swapped[0]
+            loop.intake.cancel(cancelled, "cancelled", FinishReason.ABORTED)
+        loop.boundary()
+    loop.settle()
+    out = {r.request_id: r for r in loop.requests}
+    assert cancelled is not None and out[cancelled].finish_reason is FinishReason.ABORTED
+    assert sched.swap_used == 0 and list(ex._swap._host) == []
+    sched.allocator.check_invariants()
+    assert sched.allocator.num_used_pages == 0 and sched.slots == [None, None]
+    for rid, req in alone.items():
+        if rid != cancelled:
+            assert out[rid].output_token_ids == req.output_token_ids, rid
 
 
 def test_swap_round_trip_restores_pages_exactly():

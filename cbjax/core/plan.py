@@ -81,6 +81,8 @@ class Schedule:
     Swaps run before the step, swap-outs first: `swap_out` holds (request id, its pages whose
     contents go to host memory), `swap_in` (request id, the new pages its host copy returns
     to), pages in sequence order. A page freed by a swap-out may be a swap-in's destination.
+    `swap_drop` names requests that ended while their K/V was in host memory (aborted while
+    waiting): their host copies are dropped, never swapped in.
 
     A decode stretch (`num_steps` > 1, simulated tokens only) is that many steps in a row of
     the same decodes, each a token further: step j processes every row's token at
@@ -105,6 +107,7 @@ class Schedule:
     padded_rows: Optional[list[tuple[int, int, bool]]] = None
     num_steps: int = 1
     host_copies: Optional[HostCopies] = None
+    swap_drop: list[str] = field(default_factory=list)
 
     def cost_rows(self) -> list[tuple[int, int, bool]]:
         """(num_new_tokens, num_context_tokens, is_decode) per row the step computes, for cost

@@ -322,12 +322,11 @@ class JaxExecutor:
     def launch(self, plan: Schedule) -> Launched:
         """Swap, pack and dispatch the step; its tokens stay on the device until `collect`."""
         t0 = time.perf_counter()
-        if self._host_tier is not None or plan.swap_out or plan.swap_in:  # copies before the step
+        if self._host_tier is not None or plan.swap_out or plan.swap_in or plan.swap_drop:  # copies before the step
             if self._host_tier is not None:  # its copies and the swaps, in the order `HostCopies` gives
                 self.cache = self._host_tier.run(self.cache, plan)
             else:  # swap-outs first: they may free swap-in pages
-                self._swap.swap_out(self.cache, plan.swap_out)
-                self.cache = self._swap.swap_in(self.cache, plan.swap_in)
+                self.cache = self._swap.run(self.cache, plan)
             if self.spec is not None:  # the draft model's own pool moves with the target's
                 self.spec.swap_pages(plan)
             self.swap_s += time.perf_counter() - t0

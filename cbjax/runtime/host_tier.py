@@ -68,6 +68,7 @@ class HostPages:
     def run(self, cache: KVCache, plan: Schedule) -> KVCache:
         """`plan`'s swaps and host-tier copies, in the contract's order; returns the cache."""
         swap, copies = self.swap, plan.host_copies
+        swap.drop(plan.swap_drop)
         if plan.swap_out:
             swap.swap_out(cache, plan.swap_out)
         if copies is None:

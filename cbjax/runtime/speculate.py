@@ -204,8 +204,7 @@ class Speculator:
     def swap_pages(self, plan) -> None:
         """The plan's swaps on the draft model's pool (the target's run beside)."""
         if self.swap is not None:
-            self.swap.swap_out(self.cache, plan.swap_out)
-            self.cache = self.swap.swap_in(self.cache, plan.swap_in)
+            self.cache = self.swap.run(self.cache, plan)
 
     def export_kv(self, pages) -> tuple:
         """The draft model's K and V of `pages` (host copies), where it has its own pool."""

@@ -80,6 +80,18 @@ class HostSwap:
             raise ValueError(f"request {request_id}: already has a host copy")
         self._host[request_id] = (k, v)
 
+    def run(self, cache: KVCache, plan) -> KVCache:
+        """A plan's swaps (`Schedule`): drop the host copies it lets go, swap out, then swap in
+        (a page a swap-out frees may be a swap-in's destination); returns the updated cache."""
+        self.drop(plan.swap_drop)
+        self.swap_out(cache, plan.swap_out)
+        return self.swap_in(cache, plan.swap_in)
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        """Forget the host copies of requests that ended before swapping in."""
+        for request_id in request_ids:
+            self._host.pop(request_id, None)
+
     def swap_out(self, cache: KVCache, entries: list[tuple[str, Sequence[int]]]) -> None:
         """Copy each request's pages to host memory."""
         pages = [p for _, src in entries for p in src]

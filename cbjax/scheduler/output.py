@@ -34,7 +34,7 @@ class Draft:
 # Schedule's fields, in order: the writer passes them by position (keywords cost twice as
 # much to pass), so a reordering must fail here, at import, not as a wrong plan.
 _SCHEDULE_FIELDS = ("num_slots", "scheduled", "preempted", "start_s", "swap_out", "swap_in", "page_size",
-                    "step_id", "padded_rows", "num_steps", "host_copies")  # fmt: skip
+                    "step_id", "padded_rows", "num_steps", "host_copies", "swap_drop")  # fmt: skip
 if tuple(f.name for f in fields(Schedule)) != _SCHEDULE_FIELDS:
     raise AssertionError("cbjax.scheduler.output: _SCHEDULE_FIELDS differs from Schedule's fields")
 # ScheduledRequest's fields, in order: hot paths build a row as a tuple of all of them

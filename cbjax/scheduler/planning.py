@@ -84,12 +84,14 @@ class Planner:
         self._prefilled_last = bool(plan.prefills)
         if self.cfg.static_padding:
             self._pad(plan, new_batch)
-        if self.tier is None:
-            return self.writer.write(plan, now)
-        if self.tier.prefetch and (plan.decodes or plan.prefills):  # an empty plan is never run
+        tier = self.tier
+        if tier is not None and tier.prefetch and (plan.decodes or plan.prefills):  # an empty plan is never run
             self._prefetch(plan)
         schedule = self.writer.write(plan, now)
-        self.tier.flush(schedule)
+        if self.waiting.dropped and schedule.scheduled:  # only a plan with rows reaches the executor
+            schedule.swap_drop, self.waiting.dropped = self.waiting.dropped, []
+        if tier is not None:
+            tier.flush(schedule)
         return schedule
 
     def continued(self) -> None:

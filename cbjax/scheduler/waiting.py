@@ -23,6 +23,8 @@ class WaitingQueue:
         self.reserve_tokens = reserve_tokens
         self.swap_capacity = swap_capacity
         self.swap_used = 0
+        # ids of requests removed while holding host pages: the next plan drops their copies
+        self.dropped: list[str] = []
         self._host_pages: dict[Request, int] = {}
         self._reservations: Counter[int] = Counter()  # pages a waiting request would reserve -> how many
 
@@ -57,7 +59,8 @@ class WaitingQueue:
     def remove(self, req: Request) -> None:
         """Take `req` out of the queue (aborted), dropping its host pages."""
         self.policy.remove(req)
-        self._let_go(req)
+        if self._let_go(req):
+            self.dropped.append(req.request_id)
 
     def clear(self) -> list[Request]:
         """Empty the queue; returns the requests it held, in queue order."""
