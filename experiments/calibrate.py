@@ -48,6 +48,7 @@ from cbjax.config import (  # noqa: E402
 )  # fmt: skip
 from cbjax.profile.anchor import SPEED_TOLERANCE, anchor_config, anchor_speed, on_speed, time_anchor  # noqa: E402
 from cbjax.app.run import run_single  # noqa: E402
+from cbjax.report.files import read_json  # noqa: E402
 from cbjax.profile.acceptance import REGIME_BIAS_PCT, judge_runs, signed_error_pct, summarize_regimes  # noqa: E402
 from cbjax.sim.profiled import COLD_TERMS  # noqa: E402
 
@@ -552,12 +553,19 @@ def main(argv: Optional[list[str]] = None) -> None:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.requests is None:
         args.requests = 32 if args.quick else 256
+    read = {}  # every file read before the engine runs: a bad one fails now, not after them
+    for flag, paths in (("--profile", args.profile), ("--reports", args.reports or []),
+                        ("--residual-profiles", args.residual_profiles)):  # fmt: skip
+        try:
+            read[flag] = [read_json(p) for p in paths]
+        except ValueError as err:
+            ap.error(f"{flag}: {err}")
     if args.reports is None:  # the engine runs as its profile ran: pinned alike (before jax starts)
         from cbjax.profile.pinning import pin
 
         cores = args.cores
         if cores is None:
-            cores = (json.loads(Path(args.profile[0]).read_text()).get("pinning") or {}).get("cores")
+            cores = (read["--profile"][0].get("pinning") or {}).get("cores")
         try:
             pinning = pin(cores, key="--cores")
         except ValueError as err:
@@ -567,7 +575,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     start = time.perf_counter()
     if args.reports is not None:  # each slot count calibrated just after its profile: merge them
-        reports = [json.loads(Path(r).read_text()) for r in args.reports]
+        reports = read["--reports"]
     else:
         reports = [run_all(args, p) for p in args.profile]
     report = reports[0] if len(reports) == 1 else merge_reports(reports)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 from collections import defaultdict
@@ -23,6 +22,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
 import calibrate  # noqa: E402
+from cbjax.report.files import read_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 from cbjax.profile.acceptance import signed_error_pct  # noqa: E402
 
@@ -38,12 +38,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--trace", default=str(calibrate.AZURE_CODE))
     args = ap.parse_args()
+    try:
+        profile = read_json(args.profile)
+    except ValueError as err:
+        ap.error(f"--profile: {err}")
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
     from cbjax.profile.serving import serve_timed, served_points
     from cbjax.app.run import build_executor
     from cbjax.sim.profiled import cold_cost, load_profile, predict
 
-    profile = json.loads(Path(args.profile).read_text())
     base = calibrate.base_config(profile, args.requests)
     with tempfile.TemporaryDirectory() as tmp:
         wl = calibrate.workloads(base, Path(tmp), args.profile, Path(args.trace))[args.workload]

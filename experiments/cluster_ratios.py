@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -45,7 +44,7 @@ from cbjax.app.run import run_single  # noqa: E402
 from cbjax.cluster.router import Router  # noqa: E402
 from cbjax.config import CacheConfig, ClusterConfig, LengthConfig, RunConfig  # noqa: E402
 from cbjax.config.workload import SharedPrefixConfig  # noqa: E402
-from cbjax.report.files import write_json  # noqa: E402
+from cbjax.report.files import read_json, write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 
 FIGURES = (("ttft_s_p50", "TTFT p50"), ("throughput_tok_s", "throughput"))
@@ -105,7 +104,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.pairs < 1:
         ap.error(f"--pairs must be >= 1, got {args.pairs}")
-    profile = json.loads(Path(args.profile).read_text())
+    try:
+        profile = read_json(args.profile)
+    except ValueError as err:
+        ap.error(f"--profile: {err}")
     base = base_config(profile, args.requests)
     base = dataclasses.replace(base, cache=CacheConfig(page_size=base.cache.page_size, num_pages=base.cache.num_pages))
     report = {"profile": args.profile, "pairs": args.pairs, "comparisons": {}}

@@ -28,6 +28,15 @@ def unwritable(directory: Path) -> Optional[str]:
     return None
 
 
+def read_json(path: str | Path) -> Any:
+    """The JSON document at `path`. Raises ValueError, one line naming `path` and why, when it
+    cannot be read or parsed: a script turns it into a usage error naming its flag."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path} ({getattr(e, 'strerror', None) or e})") from e
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Write `obj` as indented JSON to `path` (its folder made if missing), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
