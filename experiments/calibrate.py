@@ -48,7 +48,7 @@ from cbjax.config import (  # noqa: E402
 )  # fmt: skip
 from cbjax.profile.anchor import SPEED_TOLERANCE, anchor_config, anchor_speed, on_speed, time_anchor  # noqa: E402
 from cbjax.app.run import run_single  # noqa: E402
-from cbjax.report.files import read_json  # noqa: E402
+from cbjax.report.files import read_json, unwritable  # noqa: E402
 from cbjax.profile.acceptance import REGIME_BIAS_PCT, judge_runs, signed_error_pct, summarize_regimes  # noqa: E402
 from cbjax.sim.profiled import COLD_TERMS  # noqa: E402
 
@@ -553,6 +553,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.requests is None:
         args.requests = 32 if args.quick else 256
+    for flag, folder in (("--out-dir", Path(args.out_dir)), ("--doc", Path(args.doc).parent)):
+        if problem := unwritable(folder):  # found now, not after the engine runs
+            ap.error(f"{flag}: {problem}")
     read = {}  # every file read before the engine runs: a bad one fails now, not after them
     for flag, paths in (("--profile", args.profile), ("--reports", args.reports or []),
                         ("--residual-profiles", args.residual_profiles)):  # fmt: skip

@@ -44,7 +44,7 @@ from cbjax.app.run import run_single  # noqa: E402
 from cbjax.cluster.router import Router  # noqa: E402
 from cbjax.config import CacheConfig, ClusterConfig, LengthConfig, RunConfig  # noqa: E402
 from cbjax.config.workload import SharedPrefixConfig  # noqa: E402
-from cbjax.report.files import read_json, write_json  # noqa: E402
+from cbjax.report.files import read_json, unwritable, write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 
 FIGURES = (("ttft_s_p50", "TTFT p50"), ("throughput_tok_s", "throughput"))
@@ -104,6 +104,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.pairs < 1:
         ap.error(f"--pairs must be >= 1, got {args.pairs}")
+    if problem := unwritable(Path(args.out).parent):  # found now, not after the runs
+        ap.error(f"--out: {problem}")
     try:
         profile = read_json(args.profile)
     except ValueError as err:

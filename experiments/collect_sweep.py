@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
+from cbjax.report.files import unwritable
 from cbjax.report.tables import format_number, markdown_table
 
 DEFAULT_METRICS = (
@@ -249,6 +250,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, help="output prefix for .csv/.md/.png (default: SWEEP_DIR/sweep)")
     args = parser.parse_args(argv)
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+    if args.out is not None and (problem := unwritable(args.out.resolve().parent)):
+        parser.error(f"--out: {problem}")
     try:
         text = collect(args.sweep_dir, metrics, args.x, args.y, args.out)
     except ValueError as err:

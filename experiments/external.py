@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cbjax.report.files import unwritable  # noqa: E402
 from cbjax.report.tables import format_number, markdown_table  # noqa: E402
 
 ANYSCALE = (
@@ -446,6 +447,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=Path, default=REPO / "docs", help="where EXTERNAL.md goes")
     args = parser.parse_args(argv)
+    if problem := unwritable(args.docs):
+        parser.error(f"--docs: {problem}")
     rows = [evaluate_row(row) for row in ROWS]
     open_rows = [evaluate_row(row) for row in OPEN_ROWS]
     at_measured = [(r, evaluate_row(m)) for r in rows if not r["fitted"] and (m := measured(r)) is not None]
@@ -455,7 +458,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"at measured rates: {r['name']}: simulator {m['ours']:.4g} ({m['error']:+.1%})")
     for r in open_rows:
         print(f"open setup: {r['name']}: published {r['published']:g}, simulator {r['ours']:.4g} ({r['error']:+.1%})")
-    args.docs.mkdir(parents=True, exist_ok=True)
     (args.docs / "EXTERNAL.md").write_text(render(rows, open_rows, at_measured))
     print(f"wrote {args.docs / 'EXTERNAL.md'}")
     return 0

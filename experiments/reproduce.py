@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cbjax.report.files import unwritable  # noqa: E402
 from cbjax.report.reproduction import evaluate, fit_flags, seed_spread  # noqa: E402
 from cbjax.report.tables import format_number, markdown_table, summary_value  # noqa: E402
 from plot_reproductions import plot_figure  # noqa: E402
@@ -296,7 +297,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"--only: {unknown} have no reproduction section; choose from {names}")
         names = [n for n in names if n in args.only]
     store = args.docs / "reproductions"
-    store.mkdir(parents=True, exist_ok=True)
+    for flag, folder in (("--out", args.out), ("--docs", store)):
+        if problem := unwritable(folder):  # found now, not after the runs
+            parser.error(f"{flag}: {problem}")
     t_all = time.perf_counter()
     commit = git_commit()  # before the first record is written
     for i, name in enumerate(names, 1):

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrate import base_config, engine_rounds, profile_anchor, sim_config  # noqa: E402
 from cbjax.config import LengthConfig, RunConfig, SpecConfig  # noqa: E402
 from cbjax.profile.acceptance import signed_error_pct  # noqa: E402
-from cbjax.report.files import write_json  # noqa: E402
+from cbjax.report.files import unwritable, write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 from cbjax.spec.trace import TRACE_FILE  # noqa: E402
 
@@ -171,6 +171,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         ap.error(f"--requests must be >= 1, got {args.requests}")
     if args.max_rounds is not None and args.max_rounds < args.runs:
         ap.error(f"--max-rounds must be >= --runs ({args.runs}), got {args.max_rounds}")
+    if problem := unwritable(Path(args.out)):  # found now, not after the runs
+        ap.error(f"--out: {problem}")
     try:
         profile = json.loads(Path(args.profile).read_text())
     except (OSError, json.JSONDecodeError) as err:

@@ -34,7 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cbjax.report.files import write_json  # noqa: E402
+from cbjax.report.files import unwritable, write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 
 CONFIG_DIR = REPO / "configs"
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.runs < 2:
         ap.error(f"--runs: at least 2 to compare, got {args.runs}")
+    if problem := unwritable(Path(args.out).parent):  # found now, not after the runs
+        ap.error(f"--out: {problem}")
     if args.side_by_side:
         side_by_side(args)
         return

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrate import base_config, engine_rounds, profile_anchor, sim_config  # noqa: E402
 from cbjax.app.run import run_single  # noqa: E402
 from cbjax.config import LengthConfig, PauseConfig, RunConfig  # noqa: E402
-from cbjax.report.files import read_json, write_json  # noqa: E402
+from cbjax.report.files import read_json, unwritable, write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 from cbjax.profile.copies import fit_served_copies  # noqa: E402
 from cbjax.profile.latency import LONE_REPEATS, lone_reference, lone_timer  # noqa: E402
@@ -166,6 +166,8 @@ def main(argv=None) -> None:
         ap.error(f"--runs must be >= 1, got {args.runs}")
     if args.max_rounds is not None and args.max_rounds < args.runs:
         ap.error(f"--max-rounds must be >= --runs ({args.runs}), got {args.max_rounds}")
+    if problem := unwritable(Path(args.out).parent):  # found now, not after the runs
+        ap.error(f"--out: {problem}")
     try:
         profile = read_json(args.profile)
     except ValueError as err:

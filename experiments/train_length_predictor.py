@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
 from cbjax.predictor import feature_matrix, kendall_tau
 from cbjax.predictor.data import correlated_requests, output_lengths
 from cbjax.predictor.train import LOSSES, train_predictor
+from cbjax.report.files import unwritable
 
 
 def load_history(overrides: list[str], correlated: int, seed: int):
@@ -48,6 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     if not 0 < args.holdout < 1:
         ap.error(f"--holdout must be in (0, 1), got {args.holdout}")
+    if problem := unwritable(Path(args.out).resolve().parent):  # found now, not after training
+        ap.error(f"--out: {problem}")
 
     requests, vocab_size = load_history(args.overrides, args.correlated, args.seed)
     requests = [r for r in requests if r.input_error is None and r.prompt_len >= 1]

@@ -50,3 +50,44 @@ def test_calibrate_reads_every_file_it_names_before_any_run(flag, tmp_path, caps
     profile.write_text("{}")
     line = usage_error(capsys, calibrate.main, ["--profile", str(profile), flag, str(missing), "--cores", "0"])
     assert line.split(": error: ", 1)[1] == f"{flag}: cannot read {missing} (No such file or directory)", line
+
+
+def blocked(tmp_path):
+    """A folder no one can create, root included: it lies under a regular file."""
+    (tmp_path / "file").write_text("x")
+    return tmp_path / "file" / "out"
+
+
+# case -> (flag, the file it names under `blocked` or "" for the folder itself, the folder the
+# error names under `blocked`, the rest of the command)
+OUTPUTS = {
+    "calibrate --out-dir": ("--out-dir", "", "", ["--profile", "p.json"]),
+    "calibrate --doc": ("--doc", "C.md", "", ["--profile", "p.json"]),
+    "steadiness": ("--out", "s.json", "", []),
+    "steadiness --side-by-side": ("--out", "s.json", "", ["--side-by-side"]),
+    "cluster_ratios": ("--out", "c.json", "", ["--profile", "p.json"]),
+    "tier_fidelity": ("--out", "t.json", "", ["--profile", "p.json"]),
+    "spec_fidelity": ("--out", "", "", ["--profile", "p.json"]),
+    "train_length_predictor": ("--out", "p.npz", "", ["--correlated", "50", "--steps", "2"]),
+    "reproduce --out": ("--out", "", "", ["--only", "ltr_toy"]),
+    "reproduce --docs": ("--docs", "", "reproductions", ["--only", "ltr_toy"]),
+    "external": ("--docs", "", "", []),
+    "collect_sweep": ("--out", "sweep", "", ["SWEEP"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUTS))
+def test_an_output_path_that_cannot_be_written_fails_naming_the_flag_before_any_work(case, tmp_path, capsys,
+                                                                                     monkeypatch):  # fmt: skip
+    import importlib
+
+    script = case.split()[0]
+    flag, name, folder, rest = OUTPUTS[case]
+    out = blocked(tmp_path)
+    (tmp_path / "SWEEP").mkdir()
+    rest = [str(tmp_path / a) if a in ("p.json", "SWEEP") else a for a in rest]  # p.json: absent
+    argv = [*rest, flag, str(out / name) if name else str(out)]
+    module = importlib.import_module(script)
+    line = usage_error(capsys, module.main, argv, monkeypatch if script == "train_length_predictor" else None)
+    named = out / folder if folder else out
+    assert line.split(": error: ", 1)[1].startswith(f"{flag}: cannot write the output folder {named}: "), line
