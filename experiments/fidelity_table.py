@@ -81,7 +81,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("out", type=Path, help="the fidelity run's output folder")
     args = ap.parse_args(argv)
+    if not args.out.is_dir():
+        ap.error(f"out: {args.out}: no such folder")
     rows = rows_of(args.out)
+    if not rows:  # an empty table would read as a run with nothing failing
+        ap.error(f"out: {args.out}: holds none of a fidelity run's files (experiments/fidelity_acceptance.sh writes them)")
     print(markdown_table(["check", "what", "figure", "error", "verdict"], rows))
     fails = sum(r[-1] == "FAIL" for r in rows)
     print(f"\n{len(rows)} rows, {fails} FAIL")

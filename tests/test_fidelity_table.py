@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "experiments"))
@@ -43,3 +45,17 @@ def test_every_check_becomes_a_row_with_its_verdict(tmp_path):
 def test_replicas_that_finish_split_in_about_half_the_time_read_apart(tmp_path):
     (tmp_path / "cluster_ratios.json").write_text(json.dumps({"comparisons": {}, "separation": {"median": 0.52}}))
     assert fidelity_table.rows_of(tmp_path)[-1][-1] == "apart"
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_a_folder_with_no_fidelity_run_is_an_error_not_an_empty_table(made, tmp_path, capsys):
+    out = tmp_path / "fidelty"  # a typo of the run's folder, or a run that wrote nothing yet
+    if made:
+        out.mkdir()
+    with pytest.raises(SystemExit) as stop:
+        fidelity_table.main([str(out)])
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    assert "rows" not in captured.out
+    why = "no such folder" if not made else "holds none of a fidelity run's files"
+    assert f"error: out: {out}: {why}" in captured.err.strip().splitlines()[-1]
