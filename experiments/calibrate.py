@@ -48,7 +48,7 @@ from cbjax.config import (  # noqa: E402
 )  # fmt: skip
 from cbjax.profile.anchor import SPEED_TOLERANCE, anchor_config, anchor_speed, on_speed, time_anchor  # noqa: E402
 from cbjax.app.run import run_single  # noqa: E402
-from cbjax.report.files import read_json, unwritable  # noqa: E402
+from cbjax.report.files import atomic_write_text, read_json, unwritable, write_json  # noqa: E402
 from cbjax.profile.acceptance import REGIME_BIAS_PCT, judge_runs, signed_error_pct, summarize_regimes  # noqa: E402
 from cbjax.sim.profiled import COLD_TERMS  # noqa: E402
 
@@ -324,7 +324,7 @@ def run_all(args, profile_path: str) -> dict:
         "regimes": summarize_regimes(judged, [k for k, _ in METRICS]),
         "ratios": ratio_rows(judged, {k: sim[k]["throughput_tok_s"] for k in cells}, tp),
     }
-    (out / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out / "calibration.json", report)
     print(f"calibration at {slots} slots took {(time.perf_counter() - start) / 60:.1f} min", flush=True)
     return report
 
@@ -485,7 +485,7 @@ def write_markdown(report: dict, profile_paths, path: Path, residual_profiles: S
               f"±{REGIME_BIAS_PCT:g}%: {', '.join(biased) or 'none'}.", "", "![parity](calibration_parity.png)", ""]  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     head = hand_kept(path) or lines[:2]  # a new document: the generated title
-    path.write_text("\n".join(head + lines[2:]))
+    atomic_write_text(path, "\n".join(head + lines[2:]))  # a write cut short keeps the hand-kept guide
 
 
 def hand_kept(path: Path) -> list[str]:
@@ -582,8 +582,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     else:
         reports = [run_all(args, p) for p in args.profile]
     report = reports[0] if len(reports) == 1 else merge_reports(reports)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.out_dir) / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(Path(args.out_dir) / "calibration.json", report)
     print(f"calibration took {(time.perf_counter() - start) / 60:.1f} min", flush=True)
     doc = Path(args.doc)
     write_markdown(report, args.profile, doc, args.residual_profiles)

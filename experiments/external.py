@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cbjax.report.files import unwritable  # noqa: E402
+from cbjax.report.files import atomic_write_text, unwritable  # noqa: E402
 from cbjax.report.tables import format_number, markdown_table  # noqa: E402
 
 ANYSCALE = (
@@ -458,7 +458,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"at measured rates: {r['name']}: simulator {m['ours']:.4g} ({m['error']:+.1%})")
     for r in open_rows:
         print(f"open setup: {r['name']}: published {r['published']:g}, simulator {r['ours']:.4g} ({r['error']:+.1%})")
-    (args.docs / "EXTERNAL.md").write_text(render(rows, open_rows, at_measured))
+    atomic_write_text(args.docs / "EXTERNAL.md", render(rows, open_rows, at_measured))
     print(f"wrote {args.docs / 'EXTERNAL.md'}")
     return 0
 

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cbjax.report.files import unwritable  # noqa: E402
+from cbjax.report.files import atomic_write_text, unwritable  # noqa: E402
 from cbjax.report.reproduction import evaluate, fit_flags, seed_spread  # noqa: E402
 from cbjax.report.tables import format_number, markdown_table, summary_value  # noqa: E402
 from plot_reproductions import plot_figure  # noqa: E402
@@ -307,13 +307,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         t0 = time.perf_counter()
         record = run_one(name, args.out, args.overrides, progress=not args.no_progress and sys.stderr.isatty(),
                          seeds=tuple(args.seeds), commit=commit)  # fmt: skip
-        (store / f"{name}.json").write_text(_dumps(record))
+        atomic_write_text(store / f"{name}.json", _dumps(record))  # whole or absent: the next run reads them all
         passed = sum(r["verdict"] == "pass" for r in record["rows"])
         fragile = sum(r["fragile"] for r in record["rows"])
         print(f"[{i}/{len(names)}] {name}: {passed}/{len(record['rows'])} pass at every seed, {fragile} fragile, "
               f"in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
     records = [json.loads(p.read_text()) for p in sorted(store.glob("*.json")) if p.stem in discover()]
-    (args.docs / "REPRODUCTIONS.md").write_text(render(records, args.docs))
+    atomic_write_text(args.docs / "REPRODUCTIONS.md", render(records, args.docs))
     rows = [x for r in records for x in r["rows"]]
     held = [x for x in rows if not x.get("fit")]
     print(f"held out: {sum(x['verdict'] == 'pass' for x in held)}/{len(held)} pass; fitted: "

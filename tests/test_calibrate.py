@@ -267,3 +267,50 @@ def test_reports_calibrated_apart_merge_into_one_document(tmp_path):
     assert "**Overall:** 1 of 2 judged figures within target" in text
     with pytest.raises(SystemExit):
         calibrate.main([*args, "--reports", reports[0]])
+
+
+class _CutShort:
+    """A text file whose first write stops halfway with a Ctrl-C."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, text):
+        self.f.write(text[: len(text) // 2])
+        self.f.flush()
+        raise KeyboardInterrupt
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_regeneration_cut_short_keeps_the_whole_old_document(tmp_path, monkeypatch):
+    import builtins
+    import io
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"machine": {"cpu": "c", "cores": 2, "jax": "0"},
+                                   "residuals": {"median_rel_error": 0.05, "max_rel_error": 0.2}}))
+    doc = tmp_path / "CALIBRATION.md"
+    old = "# Calibration\n\nguide by hand\n\n" + "Profile: `old` (old)\n\n## Cells\n\nold table\n" * 50
+    doc.write_text(old)
+    report = {"repeats": 5, "quick": False, "cells": [], "regimes": [], "ratios": []}
+    real_open = builtins.open
+
+    def cut_short_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return _CutShort(f) if "w" in mode and "CALIBRATION.md" in str(file) else f
+
+    monkeypatch.setattr(builtins, "open", cut_short_open)
+    monkeypatch.setattr(io, "open", cut_short_open)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.write_markdown(report, str(profile), doc)
+    monkeypatch.undo()
+    assert doc.read_text() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["CALIBRATION.md", "profile.json"]  # no temporary left
