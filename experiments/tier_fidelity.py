@@ -176,7 +176,10 @@ def main(argv=None) -> None:
     if cores:  # before jax starts: the engine runs as its profile ran
         from cbjax.profile.pinning import pin
 
-        pinning = pin(cores, key="--cores")
+        try:
+            pinning = pin(cores, key="--cores")
+        except ValueError as err:
+            ap.error(str(err))
         print(f"engine runs pinned to CPUs {pinning['cpus']}" if pinning else "engine runs unpinned", flush=True)
     note = copy_terms_note(profile)
     print(note, flush=True)

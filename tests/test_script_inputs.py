@@ -91,3 +91,11 @@ def test_an_output_path_that_cannot_be_written_fails_naming_the_flag_before_any_
     line = usage_error(capsys, module.main, argv, monkeypatch if script == "train_length_predictor" else None)
     named = out / folder if folder else out
     assert line.split(": error: ", 1)[1].startswith(f"{flag}: cannot write the output folder {named}: "), line
+
+
+def test_tier_fidelity_names_cores_out_of_range(tmp_path, capsys):
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    line = usage_error(capsys, tier_fidelity.main, ["--profile", str(profile), "--cores", "100000", "--out",
+                                                    str(tmp_path / "t.json")])  # fmt: skip
+    assert line.split(": error: ", 1)[1].startswith("--cores: must be in [1, "), line
