@@ -85,6 +85,14 @@ WORKLOADS = {
 }
 
 
+def read_profile_arg(ap: argparse.ArgumentParser, path: str) -> dict:
+    """The profile a script's `--profile` names; a usage error naming the flag if unreadable."""
+    try:
+        return read_json(path)
+    except ValueError as err:
+        ap.error(f"--profile: {err}")
+
+
 def base_config(profile: dict, requests: int) -> RunConfig:
     """A run with the profile's shapes and a synthetic workload sized for the tiny model."""
     made = profile["made_for"]

@@ -39,12 +39,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate import base_config, sim_config  # noqa: E402
+from calibrate import base_config, read_profile_arg, sim_config  # noqa: E402
 from cbjax.app.run import run_single  # noqa: E402
 from cbjax.cluster.router import Router  # noqa: E402
 from cbjax.config import CacheConfig, ClusterConfig, LengthConfig, RunConfig  # noqa: E402
 from cbjax.config.workload import SharedPrefixConfig  # noqa: E402
-from cbjax.report.files import read_json, unwritable, write_json  # noqa: E402
+from cbjax.report.files import unwritable, write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 
 FIGURES = (("ttft_s_p50", "TTFT p50"), ("throughput_tok_s", "throughput"))
@@ -106,10 +106,7 @@ def main(argv=None) -> None:
         ap.error(f"--pairs must be >= 1, got {args.pairs}")
     if problem := unwritable(Path(args.out).parent):  # found now, not after the runs
         ap.error(f"--out: {problem}")
-    try:
-        profile = read_json(args.profile)
-    except ValueError as err:
-        ap.error(f"--profile: {err}")
+    profile = read_profile_arg(ap, args.profile)
     base = base_config(profile, args.requests)
     base = dataclasses.replace(base, cache=CacheConfig(page_size=base.cache.page_size, num_pages=base.cache.num_pages))
     report = {"profile": args.profile, "pairs": args.pairs, "comparisons": {}}

@@ -42,10 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate import base_config, engine_rounds, profile_anchor, sim_config  # noqa: E402
+from calibrate import base_config, engine_rounds, profile_anchor, read_profile_arg, sim_config  # noqa: E402
 from cbjax.app.run import run_single  # noqa: E402
 from cbjax.config import LengthConfig, PauseConfig, RunConfig  # noqa: E402
-from cbjax.report.files import read_json, unwritable, write_json  # noqa: E402
+from cbjax.report.files import unwritable, write_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 from cbjax.profile.copies import fit_served_copies  # noqa: E402
 from cbjax.profile.latency import LONE_REPEATS, lone_reference, lone_timer  # noqa: E402
@@ -168,10 +168,7 @@ def main(argv=None) -> None:
         ap.error(f"--max-rounds must be >= --runs ({args.runs}), got {args.max_rounds}")
     if problem := unwritable(Path(args.out).parent):  # found now, not after the runs
         ap.error(f"--out: {problem}")
-    try:
-        profile = read_json(args.profile)
-    except ValueError as err:
-        ap.error(f"--profile: {err}")
+    profile = read_profile_arg(ap, args.profile)
     cores = args.cores if args.cores is not None else (profile.get("pinning") or {}).get("cores")
     if cores:  # before jax starts: the engine runs as its profile ran
         from cbjax.profile.pinning import pin
