@@ -22,7 +22,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
 import calibrate  # noqa: E402
-from cbjax.report.files import read_json  # noqa: E402
 from cbjax.report.tables import markdown_table  # noqa: E402
 from cbjax.profile.acceptance import signed_error_pct  # noqa: E402
 
@@ -38,10 +37,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--trace", default=str(calibrate.AZURE_CODE))
     args = ap.parse_args()
-    try:
-        profile = read_json(args.profile)
-    except ValueError as err:
-        ap.error(f"--profile: {err}")
+    profile = calibrate.read_profile_arg(ap, args.profile)
     import cbjax.runtime  # noqa: F401  XLA flag defaults before jax starts
     from cbjax.profile.serving import serve_timed, served_points
     from cbjax.app.run import build_executor

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -54,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate import base_config, engine_rounds, profile_anchor, sim_config  # noqa: E402
+from calibrate import base_config, engine_rounds, profile_anchor, read_profile_arg, sim_config  # noqa: E402
 from cbjax.config import LengthConfig, RunConfig, SpecConfig  # noqa: E402
 from cbjax.profile.acceptance import signed_error_pct  # noqa: E402
 from cbjax.report.files import unwritable, write_json  # noqa: E402
@@ -173,10 +172,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         ap.error(f"--max-rounds must be >= --runs ({args.runs}), got {args.max_rounds}")
     if problem := unwritable(Path(args.out)):  # found now, not after the runs
         ap.error(f"--out: {problem}")
-    try:
-        profile = json.loads(Path(args.profile).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        ap.error(f"--profile: cannot read {args.profile} ({err})")
+    profile = read_profile_arg(ap, args.profile)
     problems = check_profile(profile, K)
     if problems:
         ap.error(f"--profile {args.profile}: {'; '.join(problems)} (profile with "

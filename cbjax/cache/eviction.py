@@ -65,8 +65,9 @@ class LruEviction(HostEviction):
 
 class SessionEviction(HostEviction):
     """Pages of sessions whose next turn is expected (`Request.more_turns`, and the next turn
-    neither admitted nor rejected yet) stay while any other page can go: the least recently used of the others
-    goes first, then the least recently used of all (AttentionStore's scheduler-aware eviction).
+    neither admitted nor rejected yet) stay while any other page can go: the least recently
+    used of the others goes first, then the least recently used of all (AttentionStore's
+    scheduler-aware eviction).
     A page belongs to the session of the request that last registered, shared or loaded it
     before it entered the tier.
 

@@ -205,10 +205,6 @@ class _Halt:
         return self.cluster.failure is not None or (self.stop is not None and self.stop.is_set())
 
 
-# The model's axes a tensor-parallel mesh splits (`cbjax.runtime.mesh.check_tensor_parallel`).
-TENSOR_SPLIT = ("num_kv_heads", "num_heads", "ffn_dim")
-
-
 def check_engine_supported(cfg: RunConfig) -> None:
     """What this driver runs: engine replicas on one host's devices, on the wall clock, each
     replica's mesh splitting the model (checked here, before any replica starts, naming the
@@ -223,7 +219,6 @@ def check_engine_supported(cfg: RunConfig) -> None:
         pools = (("prefill", c.prefill_tensor), ("decode", c.decode_tensor))
         sizes = [(f"cluster.{pool}_tensor", t) if t is not None else sizes[0] for pool, t in pools]
     for key, tensor in sizes:
-        for field in TENSOR_SPLIT:
-            value = getattr(cfg.model, field)
-            if value % tensor:
-                raise ValueError(f"{key}={tensor}: model.{field}={value} is not divisible by it")
+        field = cfg.model.unsplit_by(tensor)
+        if field is not None:
+            raise ValueError(f"{key}={tensor}: model.{field}={getattr(cfg.model, field)} is not divisible by it")

@@ -104,6 +104,11 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
+    def unsplit_by(self, tensor: int) -> Optional[str]:
+        """The first axis a tensor-parallel mesh of `tensor` devices splits (KV heads, query
+        heads, the MLP's hidden width) that `tensor` does not divide, or None."""
+        return next((key for key in ("num_kv_heads", "num_heads", "ffn_dim") if getattr(self, key) % tensor), None)
+
 
 @dataclass
 class HardwareConfig:

@@ -16,8 +16,8 @@ window, arrivals when they fall inside it:
   (not_arrived).
 - Token and rate fields (output_tokens, throughput_tok_s, client_service) count tokens from
   iterations that end in (start, end], per second of `end - start`, whatever the fate of the
-  request that made them (the whole run's output_tokens counts served requests' only); throughput_req_s and
-  goodput_req_s count served requests that finish in (start, end].
+  request that made them (the whole run's output_tokens counts served requests' only);
+  throughput_req_s and goodput_req_s count served requests that finish in (start, end].
 - Iteration fields (iterations, mean_batch_size, peak_batch_size, slot_utilization,
   mean_batched_tokens) average the iterations that end in (start, end].
 - Every other field (makespan, KV occupancy, preemptions, the executor's counters, the

@@ -33,10 +33,9 @@ def check_tensor_parallel(model: ModelConfig, tensor: int, num_devices: int) -> 
     """One-line ValueErrors naming the fields when `tensor` can't split this model on these devices."""
     if tensor > num_devices:
         raise ValueError(f"executor.mesh.tensor={tensor} needs {tensor} devices, but only {num_devices} are visible")
-    for key in ("num_kv_heads", "num_heads", "ffn_dim"):
-        value = getattr(model, key)
-        if value % tensor:
-            raise ValueError(f"model.{key}={value} is not divisible by executor.mesh.tensor={tensor}")
+    key = model.unsplit_by(tensor)
+    if key is not None:
+        raise ValueError(f"model.{key}={getattr(model, key)} is not divisible by executor.mesh.tensor={tensor}")
 
 
 def make_mesh(tensor: int, devices=None) -> Mesh:

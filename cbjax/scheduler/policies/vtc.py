@@ -21,9 +21,9 @@ class VTCPolicy(Policy):
     produced. A client is backlogged while it has a waiting request. Counter lift (the
     paper's Algorithm 2): a client that becomes backlogged by a new arrival has its counter
     raised to the smallest backlogged counter, or, with nobody backlogged, to the counter of
-    the client that left the queue last (admitted or withdrawn), so idle time banks no credit. Preempted requests
-    return to the front of their client's queue without a lift, and their recompute is not
-    charged again. Victim when pages run out: a request of the client with the largest
+    the client that left the queue last (admitted or withdrawn), so idle time banks no credit.
+    Preempted requests return to the front of their client's queue without a lift, and their
+    recompute is not charged again. Victim when pages run out: a request of the client with the largest
     counter, latest admitted first. Ties between clients go to the earliest queued head.
     """
 
